@@ -1,0 +1,24 @@
+# make test: create .venv if missing, install the project with its test extras, run every test.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+# An exact pin: on a CPU-only machine pip takes the local CPU wheel, never a CUDA build.
+TORCH  ?= torch==2.13.0
+STAMP  := $(VENV)/.installed
+
+.PHONY: test install serve bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q -e '.[test,bench]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+clean:
+	rm -rf $(VENV) build *.egg-info

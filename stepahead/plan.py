@@ -1,0 +1,102 @@
+"""The step plan: the one domain object the scheduler emits and the worker executes.
+
+Pure Python (no torch, no grpc). The scheduler builds a `StepPlan` per step; the worker's
+`ModelRunner.execute(plan)` runs it and answers with a `StepResult`. Plans are *diffs*:
+a request is sent in full once (`NewRequest`), then only as `RunningRequest` deltas until
+it is finished or preempted. Plans are executed strictly in `step_id` order.
+
+Worker-side semantics (the contract both sides rely on):
+- Order inside one plan: forget `finished_ids` and `preempted_ids`; run `swap_out`
+  (device → host) then `swap_in` (host → device) copies; register `new_requests`;
+  apply `running` deltas; run one forward over all scheduled tokens; sample.
+- A request's known tokens are `NewRequest.token_ids` plus every token the worker sampled
+  for it since. A step computes tokens `[num_computed, num_computed + num_scheduled)` of
+  that sequence; a decode whose input is the token sampled by the previous, still
+  unreported step has `input_is_placeholder=True` and the worker reads it from the
+  sampled-token tensor it kept on the device.
+- A request samples one token in a step iff, after the step, `num_computed` reaches the
+  number of tokens the worker knows for it (i.e. the step covers its last known token).
+  Partial prefill chunks sample nothing.
+- Seeded sampling: the random draw for a request depends only on (seed, number of tokens
+  the request holds when sampling), never on batch composition, preemption or timing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling settings, validated by the gateway before they get here."""
+
+    temperature: float = 1.0  # 0.0 means greedy (argmax)
+    top_k: int = -1  # -1 (or 0) disables top-k
+    top_p: float = 1.0  # 1.0 disables nucleus sampling
+    min_p: float = 0.0  # 0.0 disables min-p
+    seed: int | None = None  # per-request seed; None draws from the worker's generator
+    max_tokens: int = 16  # output tokens at most (checked by the scheduler)
+    min_tokens: int = 0  # EOS / stop tokens are ignored before this many outputs
+    stop_token_ids: tuple[int, ...] = ()  # extra token ids that finish the request
+    ignore_eos: bool = False  # keep generating past the model's EOS ids
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """A request the worker does not know yet (first schedule, or resumed after preemption)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]  # prompt, plus committed output for a resumed request
+    sampling: SamplingParams
+    block_ids: tuple[int, ...]  # device KV blocks, in sequence order
+    num_computed_tokens: int  # tokens whose KV is already in block_ids (prefix hit / swap-in)
+    num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A delta for a request the worker already holds."""
+
+    request_id: str
+    new_block_ids: tuple[int, ...]  # appended to the request's block table
+    num_scheduled_tokens: int  # tokens to compute this step (1 for a decode)
+    input_is_placeholder: bool = False  # decode input is a token not yet reported back
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step for the worker. `step_id` increases by one per plan."""
+
+    step_id: int
+    new_requests: tuple[NewRequest, ...] = ()
+    running: tuple[RunningRequest, ...] = ()
+    finished_ids: tuple[str, ...] = ()  # finished or aborted since the last plan: forget
+    preempted_ids: tuple[str, ...] = ()  # preempted (recompute or swap): forget
+    swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies
+    swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies
+
+    @property
+    def num_scheduled_tokens(self) -> int:
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
+            r.num_scheduled_tokens for r in self.running
+        )
+
+    @property
+    def num_requests(self) -> int:
+        return len(self.new_requests) + len(self.running)
+
+    @property
+    def is_empty(self) -> bool:
+        return self.num_requests == 0 and not (self.swap_out or self.swap_in)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What the worker answers for one plan."""
+
+    step_id: int
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> token
