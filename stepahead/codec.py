@@ -1,0 +1,108 @@
+"""Domain objects (stepahead.plan) ⇄ protobuf messages (stepahead.v1).
+
+Servicers stay thin: they call these converters and hand domain objects to domain code.
+"""
+
+from __future__ import annotations
+
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult
+from stepahead.v1 import common_pb2, scheduler_pb2
+
+
+def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        min_p=p.min_p,
+        max_tokens=p.max_tokens,
+        min_tokens=p.min_tokens,
+        stop_token_ids=p.stop_token_ids,
+        ignore_eos=p.ignore_eos,
+    )
+    if p.seed is not None:
+        msg.seed = p.seed
+    return msg
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
+    """Proto → domain. Unset top_p (0) means 1; unset max_tokens means the default."""
+    return SamplingParams(
+        temperature=msg.temperature,
+        top_k=msg.top_k,
+        top_p=msg.top_p or 1.0,
+        min_p=msg.min_p,
+        seed=msg.seed if msg.HasField("seed") else None,
+        max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
+        min_tokens=msg.min_tokens,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+    )
+
+
+def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
+    return scheduler_pb2.StepPlan(
+        step_id=plan.step_id,
+        new_requests=[
+            scheduler_pb2.NewRequest(
+                request_id=r.request_id,
+                token_ids=r.token_ids,
+                sampling=sampling_to_proto(r.sampling),
+                block_ids=r.block_ids,
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in plan.new_requests
+        ],
+        running=[
+            scheduler_pb2.RunningRequest(
+                request_id=r.request_id,
+                new_block_ids=r.new_block_ids,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                input_is_placeholder=r.input_is_placeholder,
+            )
+            for r in plan.running
+        ],
+        finished_ids=plan.finished_ids,
+        preempted_ids=plan.preempted_ids,
+        swap_out=[scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_out],
+        swap_in=[scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_in],
+    )
+
+
+def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
+    return StepPlan(
+        step_id=msg.step_id,
+        new_requests=tuple(
+            NewRequest(
+                request_id=r.request_id,
+                token_ids=tuple(r.token_ids),
+                sampling=sampling_from_proto(r.sampling, default_max_tokens=r.sampling.max_tokens),
+                block_ids=tuple(r.block_ids),
+                num_computed_tokens=r.num_computed_tokens,
+                num_scheduled_tokens=r.num_scheduled_tokens,
+            )
+            for r in msg.new_requests
+        ),
+        running=tuple(
+            RunningRequest(
+                request_id=r.request_id,
+                new_block_ids=tuple(r.new_block_ids),
+                num_scheduled_tokens=r.num_scheduled_tokens,
+                input_is_placeholder=r.input_is_placeholder,
+            )
+            for r in msg.running
+        ),
+        finished_ids=tuple(msg.finished_ids),
+        preempted_ids=tuple(msg.preempted_ids),
+        swap_out=tuple((p.src, p.dst) for p in msg.swap_out),
+        swap_in=tuple((p.src, p.dst) for p in msg.swap_in),
+    )
+
+
+def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
+    return scheduler_pb2.StepResult(step_id=result.step_id, sampled_token_ids=result.sampled_token_ids)
+
+
+def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
+    return StepResult(step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids))

@@ -1,0 +1,65 @@
+"""Plans and results survive the trip through protobuf unchanged."""
+
+from __future__ import annotations
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from stepahead import codec
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult
+
+ids = st.lists(st.integers(0, 2**31 - 1), max_size=8).map(tuple)
+sampling = st.builds(
+    SamplingParams,
+    temperature=st.sampled_from([0.0, 0.5, 1.0, 1.5]),
+    top_k=st.integers(-1, 100),
+    top_p=st.sampled_from([0.25, 0.5, 1.0]),
+    min_p=st.sampled_from([0.0, 0.125, 1.0]),
+    seed=st.none() | st.integers(-(2**62), 2**62),
+    max_tokens=st.integers(1, 4096),
+    min_tokens=st.integers(0, 16),
+    stop_token_ids=ids,
+    ignore_eos=st.booleans(),
+)
+new_req = st.builds(
+    NewRequest,
+    request_id=st.text(min_size=1, max_size=8),
+    token_ids=ids,
+    sampling=sampling,
+    block_ids=ids,
+    num_computed_tokens=st.integers(0, 1000),
+    num_scheduled_tokens=st.integers(0, 1000),
+)
+running = st.builds(
+    RunningRequest,
+    request_id=st.text(min_size=1, max_size=8),
+    new_block_ids=ids,
+    num_scheduled_tokens=st.integers(0, 1000),
+    input_is_placeholder=st.booleans(),
+)
+pairs = st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000)), max_size=4).map(tuple)
+plans = st.builds(
+    StepPlan,
+    step_id=st.integers(0, 2**40),
+    new_requests=st.lists(new_req, max_size=3).map(tuple),
+    running=st.lists(running, max_size=3).map(tuple),
+    finished_ids=st.lists(st.text(max_size=4), max_size=3).map(tuple),
+    preempted_ids=st.lists(st.text(max_size=4), max_size=3).map(tuple),
+    swap_out=pairs,
+    swap_in=pairs,
+)
+
+
+@given(plans)
+def test_plan_round_trip(plan: StepPlan) -> None:
+    wire = codec.plan_to_proto(plan).SerializeToString()
+    from stepahead.v1 import scheduler_pb2
+
+    back = codec.plan_from_proto(scheduler_pb2.StepPlan.FromString(wire))
+    assert back == plan
+
+
+@given(st.integers(0, 2**40), st.dictionaries(st.text(max_size=6), st.integers(0, 2**31)))
+def test_result_round_trip(step_id: int, sampled: dict[str, int]) -> None:
+    result = StepResult(step_id=step_id, sampled_token_ids=sampled)
+    assert codec.result_from_proto(codec.result_to_proto(result)) == result
