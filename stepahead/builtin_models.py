@@ -1,0 +1,224 @@
+"""Built-in models, made offline: `stepahead make-model --size tiny|100m --out DIR`.
+
+A built-in model is a real Hugging Face checkpoint directory (config.json, safetensors
+float32 weights, generation_config.json, tokenizer files with a chat template) that
+`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(DIR)` load. The tokenizer is a
+byte-level BPE trained on stdlib sources (`stepahead.tokenizer_train`); the weights are a
+Llama with random init from a fixed seed. Builds are deterministic: two builds on the same
+machine are byte-identical.
+
+Module-level imports stay light (the CLI imports this module for every command).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from stepahead.tokenizer_train import (
+    BOS_TOKEN,
+    EOS_TOKEN,
+    IM_END_TOKEN,
+    PAD_TOKEN,
+    CorpusSpec,
+)
+
+CACHE_ENV = "STEPAHEAD_CACHE_DIR"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Geometry of a built-in Llama plus the tokenizer corpus that goes with it."""
+
+    name: str
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int
+    intermediate_size: int
+    tie_word_embeddings: bool
+    corpus: CorpusSpec
+    max_position_embeddings: int = 2048
+    initializer_range: float = 0.1  # large enough that greedy outputs are not degenerate
+    seed: int = 0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def num_parameters(self) -> int:
+        """Closed-form parameter count of the Llama this spec describes."""
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attention = 2 * h * h + 2 * h * kv  # q_proj, o_proj, k_proj, v_proj (no biases)
+        mlp = 3 * h * self.intermediate_size  # gate_proj, up_proj, down_proj
+        layer = attention + mlp + 2 * h  # + input / post-attention RMSNorm
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embeddings + h  # + final norm
+
+
+BUILTIN_MODELS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(
+        name="tiny",
+        hidden_size=256,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=4096,
+        intermediate_size=512,
+        tie_word_embeddings=False,
+        corpus=CorpusSpec(max_bytes=2_000_000),
+    ),
+    "100m": ModelSpec(
+        name="100m",
+        hidden_size=768,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        vocab_size=32000,
+        intermediate_size=2048,
+        tie_word_embeddings=True,
+        corpus=CorpusSpec(max_bytes=8_000_000),
+    ),
+}
+
+
+def get_spec(name: str) -> ModelSpec:
+    try:
+        return BUILTIN_MODELS[name]
+    except KeyError:
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise ValueError(f"unknown built-in model {name!r}; known: {known}") from None
+
+
+def cache_dir() -> Path:
+    """`$STEPAHEAD_CACHE_DIR`, else `$XDG_CACHE_HOME/stepahead`, else `~/.cache/stepahead`."""
+    explicit = os.environ.get(CACHE_ENV)
+    if explicit:
+        return Path(explicit)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg) if xdg else Path.home() / ".cache"
+    return base / "stepahead"
+
+
+def _llama_config(spec: ModelSpec, tokenizer):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        initializer_range=spec.initializer_range,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        eos_token_id=tokenizer.convert_tokens_to_ids(EOS_TOKEN),
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+        dtype="float32",
+    )
+
+
+def _generation_config(tokenizer):
+    from transformers import GenerationConfig
+
+    eos_ids = [tokenizer.convert_tokens_to_ids(t) for t in (EOS_TOKEN, IM_END_TOKEN)]
+    return GenerationConfig(
+        bos_token_id=tokenizer.convert_tokens_to_ids(BOS_TOKEN),
+        eos_token_id=eos_ids,
+        pad_token_id=tokenizer.convert_tokens_to_ids(PAD_TOKEN),
+    )
+
+
+def _random_model(spec: ModelSpec, config):
+    import torch
+    from transformers import LlamaForCausalLM
+
+    generator_state = torch.random.get_rng_state()
+    torch.manual_seed(spec.seed)
+    try:
+        model = LlamaForCausalLM(config).to(torch.float32)
+    finally:
+        torch.random.set_rng_state(generator_state)  # leave the caller's RNG untouched
+    model.eval()
+    return model
+
+
+def build_model(name: str, out_dir: Path | str) -> Path:
+    """Write built-in model `name` into `out_dir` (created; must be empty if it exists)."""
+    spec = get_spec(name)
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise FileExistsError(f"output directory {out} exists and is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    from stepahead.tokenizer_train import build_hf_tokenizer
+
+    tokenizer = build_hf_tokenizer(spec.vocab_size, spec.corpus, spec.max_position_embeddings)
+    if len(tokenizer) != spec.vocab_size:
+        raise RuntimeError(
+            f"tokenizer for {name!r} has {len(tokenizer)} tokens, expected {spec.vocab_size}: "
+            "the stdlib corpus is too small for this vocabulary"
+        )
+    config = _llama_config(spec, tokenizer)
+    model = _random_model(spec, config)
+    model.generation_config = _generation_config(tokenizer)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def ensure_model(name: str) -> Path:
+    """The cached built-in model `name`, building it first if absent; returns its directory.
+
+    Builds into a temporary sibling directory and renames it into place, so a reader never
+    sees a half-written model and two racing processes both end up with one complete copy.
+    """
+    get_spec(name)  # validate before touching the filesystem
+    models_dir = cache_dir() / "models"
+    target = models_dir / name
+    if target.is_dir():
+        return target
+    models_dir.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}.building-", dir=models_dir))
+    try:
+        build_model(name, staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; a model cache is not secret
+        try:
+            os.rename(staging, target)
+        except OSError:
+            if not target.is_dir():  # not a lost race: a real failure
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # no-op after a successful rename
+    return target
+
+
+def resolve_model(spec: str) -> Path:
+    """`tiny` / `100m` (built into the cache on first use) or a checkpoint directory."""
+    if spec in BUILTIN_MODELS:
+        return ensure_model(spec)
+    path = Path(spec).expanduser()
+    if not path.is_dir():
+        known = ", ".join(sorted(BUILTIN_MODELS))
+        raise ValueError(f"model {spec!r} is neither a built-in model ({known}) nor a directory")
+    if not (path / "config.json").is_file():
+        raise ValueError(f"model directory {path} has no config.json")
+    return path
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--size", choices=sorted(BUILTIN_MODELS), default="tiny", help="which built-in model")
+    parser.add_argument("--out", type=Path, required=True, help="output directory (created; must be empty)")
+
+
+def run(args: argparse.Namespace) -> int:
+    out = build_model(args.size, args.out)
+    print(f"built {args.size} model ({get_spec(args.size).num_parameters():,} parameters) in {out}")
+    return 0
