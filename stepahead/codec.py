@@ -5,7 +5,7 @@ Servicers stay thin: they call these converters and hand domain objects to domai
 
 from __future__ import annotations
 
-from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult, WorkerInfo
 from stepahead.v1 import common_pb2, scheduler_pb2
 
 
@@ -26,11 +26,11 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
-    """Proto → domain. Unset top_p (0) means 1; unset max_tokens means the default."""
+    """Proto → domain. Unset temperature/top_p mean 1; unset max_tokens means the default."""
     return SamplingParams(
-        temperature=msg.temperature,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
         top_k=msg.top_k,
-        top_p=msg.top_p or 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
         min_p=msg.min_p,
         seed=msg.seed if msg.HasField("seed") else None,
         max_tokens=msg.max_tokens if msg.HasField("max_tokens") else default_max_tokens,
@@ -106,3 +106,35 @@ def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
     return StepResult(step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids))
+
+
+def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
+    return scheduler_pb2.WorkerHello(
+        worker_id=info.worker_id,
+        model_name=info.model_name,
+        model_type=info.model_type,
+        dtype=info.dtype,
+        device=info.device,
+        block_size=info.block_size,
+        num_device_blocks=info.num_device_blocks,
+        num_host_blocks=info.num_host_blocks,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        eos_token_ids=info.eos_token_ids,
+    )
+
+
+def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
+    return WorkerInfo(
+        worker_id=msg.worker_id,
+        model_name=msg.model_name,
+        model_type=msg.model_type,
+        dtype=msg.dtype,
+        device=msg.device,
+        block_size=msg.block_size,
+        num_device_blocks=msg.num_device_blocks,
+        num_host_blocks=msg.num_host_blocks,
+        max_model_len=msg.max_model_len,
+        vocab_size=msg.vocab_size,
+        eos_token_ids=tuple(msg.eos_token_ids),
+    )

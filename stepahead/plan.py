@@ -100,3 +100,20 @@ class StepResult:
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> token
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """What an attached worker serves: its hello on the attach stream."""
+
+    worker_id: str
+    model_name: str
+    model_type: str
+    dtype: str
+    device: str
+    block_size: int
+    num_device_blocks: int
+    num_host_blocks: int
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]

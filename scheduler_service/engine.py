@@ -1,0 +1,267 @@
+"""The scheduler daemon's engine loop: drives the scheduler core against one worker.
+
+Pure domain code (no grpc): the servicer hands it submissions, aborts, the worker's hello
+and step results; it hands plans to a `send` callable and request events to per-request
+streams. One engine thread owns the scheduler core; every other thread talks to it
+through the inbox queue, so the core needs no locks.
+
+The loop keeps up to `max_concurrent_batches` plans in flight (1 in synchronous mode):
+it schedules and sends step t+1 before the result of step t is back, then commits
+results in plan order.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.request import Request
+from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
+from stepahead.plan import SamplingParams, StepPlan, StepResult, WorkerInfo
+
+
+class NoWorker(RuntimeError):
+    """No worker is attached, so the model's limits are not known yet."""
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+
+
+class WorkerHandle:
+    """One attached worker's link: plans go out through `send`; `send(None)` closes it."""
+
+    def __init__(self, engine: Engine, info: WorkerInfo, send: Callable[[StepPlan | None], None]) -> None:
+        self.engine, self.info, self.send = engine, info, send
+
+    def on_result(self, result: StepResult) -> None:
+        self.engine._inbox.put(_Result(self, result))
+
+    def on_lost(self, reason: str) -> None:
+        self.engine._inbox.put(_WorkerLost(self, reason))
+
+
+@dataclass(frozen=True)
+class _Attach:
+    handle: WorkerHandle
+
+
+@dataclass(frozen=True)
+class _Result:
+    handle: WorkerHandle
+    result: StepResult
+
+
+@dataclass(frozen=True)
+class _WorkerLost:
+    handle: WorkerHandle
+    reason: str
+
+
+@dataclass(frozen=True)
+class _Call:
+    fn: Callable[[], object]
+    reply: queue.Queue
+
+
+class _Stop:
+    pass
+
+
+class RequestStream:
+    """Events of one request, read by the servicer thread that serves its call."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self._events: queue.Queue[RequestEvent] = queue.Queue()
+
+    def put(self, event: RequestEvent) -> None:
+        self._events.put(event)
+
+    def __iter__(self):
+        while True:
+            event = self._events.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+
+class Engine:
+    """Owns the scheduler core and its in-flight plans; runs on its own thread."""
+
+    def __init__(
+        self,
+        make_config: Callable[[WorkerInfo], SchedulerConfig],
+        log,
+        on_ready_change: Callable[[bool], None] = lambda ready: None,
+    ) -> None:
+        self._make_config = make_config
+        self._log = log
+        self._on_ready_change = on_ready_change
+        self._inbox: queue.Queue = queue.Queue()
+        self._scheduler: Scheduler | None = None
+        self._handle: WorkerHandle | None = None
+        self._in_flight: collections.deque[StepPlan] = collections.deque()
+        self._streams: dict[str, RequestStream] = {}
+        self._ids = itertools.count()
+        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.worker_ready = threading.Event()
+
+    # ---- thread-safe entry points -------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._inbox.put(_Stop())
+        self._thread.join(timeout=5)
+
+    @property
+    def worker(self) -> WorkerInfo | None:
+        handle = self._handle
+        return handle.info if handle else None
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request; raises RequestRejected (bad input) or NoWorker."""
+        stream = RequestStream(request.request_id)
+        self._call(lambda: self._add(request, stream))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(_Abort(request_id))
+
+    def attach_worker(self, info: WorkerInfo, send: Callable[[StepPlan | None], None]) -> WorkerHandle:
+        handle = WorkerHandle(self, info, send)
+        self._inbox.put(_Attach(handle))
+        return handle
+
+    def stats(self):
+        """The core's stats, read on the engine thread (None until a worker attached)."""
+        return self._call(lambda: self._scheduler.stats() if self._scheduler else None)
+
+    def check_integrity(self) -> None:
+        self._call(lambda: self._scheduler and self._scheduler.check_integrity())
+
+    def new_request_id(self) -> str:
+        return f"req-{next(self._ids)}"
+
+    def _call(self, fn: Callable[[], object]) -> object:
+        """Run fn on the engine thread and return its result (or raise its exception)."""
+        reply: queue.Queue = queue.Queue(maxsize=1)
+        self._inbox.put(_Call(fn, reply))
+        ok, value = reply.get()
+        if not ok:
+            raise value
+        return value
+
+    # ---- engine thread -------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            item = self._inbox.get()
+            if isinstance(item, _Stop):
+                return
+            self._handle(item)
+            while True:  # drain what else arrived before planning
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Stop):
+                    return
+                self._handle(item)
+            self._pump()
+
+    def _handle(self, item) -> None:
+        match item:
+            case _Abort(request_id):
+                self._abort(request_id)
+            case _Result(handle, result):
+                if handle is self._handle:  # late results of a replaced worker mean nothing
+                    self._commit(result)
+            case _Attach(handle):
+                self._attach(handle)
+            case _WorkerLost(handle, reason):
+                if handle is self._handle:
+                    self._lose_worker(reason)
+            case _Call(fn, reply):
+                try:
+                    reply.put((True, fn()))
+                except Exception as exc:  # handed to the caller, never swallowed
+                    reply.put((False, exc))
+            case _:
+                raise AssertionError(f"unknown inbox item {item!r}")
+
+    def _add(self, request: Request, stream: RequestStream) -> None:
+        """Runs on the engine thread; RequestRejected reaches the submitting caller."""
+        if self._scheduler is None:
+            raise NoWorker("no worker attached yet")
+        if request.request_id in self._streams:
+            raise RequestRejected(f"request_id {request.request_id!r} is already in flight")
+        self._scheduler.add_request(request)
+        self._streams[request.request_id] = stream
+
+    def _abort(self, request_id: str) -> None:
+        if self._scheduler is None:
+            return
+        event = self._scheduler.abort(request_id)
+        if event is not None:
+            self._dispatch([event])
+
+    def _attach(self, handle: WorkerHandle) -> None:
+        if self._handle is not None:
+            self._log.warning("worker_replaced", old=self._handle.info.worker_id, new=handle.info.worker_id)
+            self._lose_worker("replaced by a new worker")
+        self._scheduler = Scheduler(self._make_config(handle.info))
+        self._handle = handle
+        self._log.info("worker_attached", **dataclasses.asdict(handle.info))
+        self.worker_ready.set()
+        self._on_ready_change(True)
+
+    def _lose_worker(self, reason: str) -> None:
+        """Fail every request: their KV lived on the lost worker."""
+        assert self._handle is not None
+        self._log.error("worker_lost", reason=reason, requests=len(self._streams))
+        for stream in self._streams.values():
+            stream.put(RequestEvent(stream.request_id, (), FinishReason.ERROR, 0, 0))
+        self._streams.clear()
+        self._in_flight.clear()
+        self._handle.send(None)
+        self._scheduler = self._handle = None
+        self.worker_ready.clear()
+        self._on_ready_change(False)
+
+    def _pump(self) -> None:
+        """Plan and send steps while the in-flight window has room."""
+        sched = self._scheduler
+        while sched is not None and sched.can_schedule():
+            plan = sched.schedule()
+            if plan is None:
+                return
+            self._in_flight.append(plan)
+            self._handle.send(plan)
+
+    def _commit(self, result: StepResult) -> None:
+        if self._scheduler is None:
+            return  # the worker was lost; its late results are meaningless
+        plan = self._in_flight.popleft()
+        assert plan.step_id == result.step_id, f"result {result.step_id} for plan {plan.step_id}"
+        self._dispatch(self._scheduler.update_from_output(plan, result))
+
+    def _dispatch(self, events: list[RequestEvent]) -> None:
+        for event in events:
+            stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue
+            stream.put(event)
+            if event.finish_reason is not None:
+                del self._streams[event.request_id]
+
+
+def default_sampling(max_model_len: int, prompt_len: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_model_len - prompt_len)

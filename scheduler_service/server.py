@@ -1,0 +1,180 @@
+"""The scheduler daemon: a thin gRPC servicer around the engine.
+
+    stepahead scheduler --port 50051 [--max-num-seqs ...]
+
+Gateways call Submit/GetStats/GetModel; workers open AttachWorker. Protos become domain
+objects here and nowhere else in scheduler_service.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import queue
+import threading
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+
+from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from scheduler_service.engine import Engine, NoWorker, WorkerHandle
+from scheduler_service.request import Request
+from scheduler_service.scheduler import RequestEvent, RequestRejected
+from stepahead import codec, daemon, logs
+from stepahead import config as cfg
+from stepahead.plan import StepPlan, WorkerInfo
+from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+
+SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
+
+
+@dataclass(frozen=True)
+class SchedulerDaemonConfig:
+    host: str = cfg.field("127.0.0.1", "address to listen on")
+    port: int = cfg.field(50051, "port to listen on (0 picks a free one)")
+    max_num_seqs: int = cfg.field(256, "maximum requests per step")
+    max_num_batched_tokens: int = cfg.field(2048, "token budget per step")
+    enable_chunked_prefill: bool = cfg.field(True, "split long prompts across steps")
+    long_prefill_token_threshold: int = cfg.field(0, "cap per-request prefill tokens per step (0 = off)")
+    enable_prefix_caching: bool = cfg.field(True, "reuse KV blocks of identical prompt prefixes")
+    scheduling_policy: SchedulingPolicy = cfg.field(SchedulingPolicy.FCFS, "queue policy")
+    preemption_mode: PreemptionMode = cfg.field(PreemptionMode.RECOMPUTE, "what preemption does to KV")
+    async_scheduling: bool = cfg.field(True, "plan step t+1 while step t runs")
+    max_concurrent_batches: int = cfg.field(2, "plans in flight at most in async mode")
+    max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
+    log_level: str = cfg.field("info", "log level")
+
+    def core_config(self, info: WorkerInfo) -> SchedulerConfig:
+        return SchedulerConfig(
+            block_size=info.block_size,
+            num_gpu_blocks=info.num_device_blocks,
+            num_cpu_blocks=info.num_host_blocks,
+            max_model_len=info.max_model_len,
+            max_num_seqs=self.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            enable_chunked_prefill=self.enable_chunked_prefill,
+            long_prefill_token_threshold=self.long_prefill_token_threshold,
+            enable_prefix_caching=self.enable_prefix_caching,
+            scheduling_policy=self.scheduling_policy,
+            preemption_mode=self.preemption_mode,
+            async_scheduling=self.async_scheduling,
+            max_concurrent_batches=self.max_concurrent_batches,
+            eos_token_ids=info.eos_token_ids,
+        )
+
+
+def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo) -> Request:
+    if not msg.prompt_token_ids:
+        raise RequestRejected("prompt_token_ids is empty")
+    sampling = codec.sampling_from_proto(
+        msg.sampling, default_max_tokens=max(info.max_model_len - len(msg.prompt_token_ids), 1)
+    )
+    return Request(
+        msg.request_id,
+        list(msg.prompt_token_ids),
+        sampling,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt or None,
+    )
+
+
+def event_to_proto(event: RequestEvent) -> scheduler_pb2.TokenEvent:
+    return scheduler_pb2.TokenEvent(
+        request_id=event.request_id,
+        token_ids=event.new_token_ids,
+        finish_reason=(
+            common_pb2.FinishReason.Value("FINISH_REASON_" + event.finish_reason.name)
+            if event.finish_reason is not None
+            else common_pb2.FINISH_REASON_UNSPECIFIED
+        ),
+        num_prompt_tokens=event.num_prompt_tokens,
+        num_cached_tokens=event.num_cached_tokens,
+    )
+
+
+def stats_to_proto(stats) -> scheduler_pb2.SchedulerStats:
+    fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
+    return scheduler_pb2.SchedulerStats(**{k: v for k, v in vars(stats).items() if k in fields})
+
+
+class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
+    def __init__(self, engine: Engine, log) -> None:
+        self.engine = engine
+        self.log = log
+
+    def Submit(self, request, context):
+        info = self.engine.worker
+        if info is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker attached yet")
+        try:
+            req = request_from_proto(request, info)
+            stream = self.engine.submit(req)
+        except RequestRejected as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except NoWorker as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        # Runs when the call ends for any reason; aborting a finished request is a no-op.
+        context.add_callback(lambda: self.engine.abort(req.request_id))
+        for event in stream:
+            yield event_to_proto(event)
+
+    def GetStats(self, request, context):
+        stats = self.engine.stats()
+        if stats is None:
+            return scheduler_pb2.SchedulerStats()
+        return stats_to_proto(stats)
+
+    def GetModel(self, request, context):
+        info = self.engine.worker
+        if info is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker attached yet")
+        return codec.worker_info_to_proto(info)
+
+    def AttachWorker(self, request_iterator, context):
+        first = next(request_iterator, None)
+        if first is None or not first.HasField("hello"):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
+        outbox: queue.Queue[StepPlan | None] = queue.Queue()
+        handle = self.engine.attach_worker(codec.worker_info_from_proto(first.hello), outbox.put)
+        threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
+        while (plan := outbox.get()) is not None:
+            yield scheduler_pb2.SchedulerMessage(plan=codec.plan_to_proto(plan))
+
+    def _read_results(self, request_iterator, handle: WorkerHandle) -> None:
+        reason = "worker closed its stream"
+        try:
+            for msg in request_iterator:
+                if not msg.HasField("result"):
+                    reason = "worker sent something other than a result"
+                    break
+                handle.on_result(codec.result_from_proto(msg.result))
+        except grpc.RpcError as exc:
+            reason = f"attach stream failed: {exc.code().name}"
+        handle.on_lost(reason)
+
+
+def build_server(config: SchedulerDaemonConfig, log) -> tuple[grpc.Server, Engine, int]:
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers))
+    health = daemon.Health(server, [SERVICE_NAME])
+    engine = Engine(config.core_config, log, health.set)  # serving once a worker attached
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    return server, engine, port
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    cfg.add_arguments(parser, SchedulerDaemonConfig)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = cfg.from_args(SchedulerDaemonConfig, args)
+    log = logs.configure("scheduler", config.log_level)
+    stop = daemon.install_stop_handlers()
+    server, engine, port = build_server(config, log)
+    engine.start()
+    server.start()
+    log.info("scheduler_listening", address=f"{config.host}:{port}", pid=os.getpid())
+    daemon.serve_until_stopped(server, stop)
+    engine.stop()
+    return 0

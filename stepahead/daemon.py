@@ -1,0 +1,42 @@
+"""Helpers every daemon shares: health + reflection wiring and a signal-driven main loop."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from collections.abc import Iterable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+
+
+class Health:
+    """gRPC health for the overall server ("") and each named service."""
+
+    def __init__(self, server: grpc.Server, services: Iterable[str]) -> None:
+        self.servicer = health.HealthServicer()
+        self.services = ("", *services)
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+        self.set(False)
+
+    def set(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.services:
+            self.servicer.set(name, status)
+
+
+def install_stop_handlers() -> threading.Event:
+    """An event set by SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def serve_until_stopped(server: grpc.Server, stop: threading.Event, grace_s: float = 2.0) -> None:
+    stop.wait()
+    server.stop(grace_s).wait()
