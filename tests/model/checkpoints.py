@@ -1,0 +1,49 @@
+"""Random-init Hugging Face checkpoints built locally for the model tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+
+# name -> (model_type, config overrides). Covers tied/untied and GQA ratios 1 and 4.
+VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama_tied_gqa4": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+                                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                                      rope_theta=5000.0)),
+    "mistral_untied_gqa1": ("mistral", dict(num_attention_heads=4, num_key_value_heads=4,
+                                            tie_word_embeddings=False, sliding_window=4096)),
+    "qwen2_untied_gqa4": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+                                        rope_theta=1_000_000.0)),
+    "qwen3_tied_gqa1": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=24,
+                                      tie_word_embeddings=True)),
+}
+
+
+def hf_config(model_type: str, **overrides):
+    from transformers import AutoConfig
+
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                max_position_embeddings=1024, initializer_range=0.1, rms_norm_eps=1e-5,
+                bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    base.update(overrides)
+    return AutoConfig.for_model(model_type, **base)
+
+
+def build_checkpoint(path: Path, model_type: str, *, seed: int = 0, dtype=torch.float32, **overrides):
+    """Saves a random model to `path` (safetensors) and returns the HF model, eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config(model_type, **overrides), dtype=dtype).eval()
+    with torch.no_grad():  # HF inits norms to one and biases to zero; make them matter
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.normal_(1.0, 0.1)
+    model.save_pretrained(path, safe_serialization=True)
+    return model

@@ -1,0 +1,113 @@
+"""A tiny test-only scheduler that drives a ModelRunner with StepPlans.
+
+Allocates blocks from a free list, chunks prompts (`chunk` tokens per request per step),
+admits requests at given steps (joining) and finishes them after `max_new` tokens (leaving),
+under a per-step token budget, so prefill chunks interleave with other requests' decodes.
+Every other step marks decodes as placeholder inputs (the device-side gather path).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
+
+
+@dataclass
+class ToyRequest:
+    request_id: str
+    prompt: list[int]
+    max_new: int
+    arrival_step: int = 0
+    sampling: SamplingParams = GREEDY
+    output: list[int] = field(default_factory=list)
+    blocks: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    sent: bool = False
+    sampled_last_step: bool = False
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def done(self) -> bool:
+        return len(self.output) >= self.max_new
+
+
+class ToyScheduler:
+    def __init__(self, runner, *, chunk: int = 32, token_budget: int = 96, max_running: int = 16):
+        self.runner, self.chunk, self.budget, self.max_running = runner, chunk, token_budget, max_running
+        self.free_blocks = list(range(runner.num_blocks))
+        self.waiting: list[ToyRequest] = []
+        self.running: list[ToyRequest] = []
+        self.finished: list[ToyRequest] = []
+        self.step_id = 0
+        self._to_forget: list[str] = []
+
+    def add(self, req: ToyRequest) -> None:
+        self.waiting.append(req)
+
+    def run(self, max_steps: int = 10_000) -> None:
+        while self.waiting or self.running:
+            self.step()
+            if self.step_id > max_steps:
+                raise RuntimeError("driver did not finish")
+
+    def step(self):
+        plan, scheduled = self._build_plan()
+        result = self.runner.execute(plan)
+        assert result.step_id == plan.step_id
+        self._apply(scheduled, result.sampled_token_ids)
+        self.step_id += 1
+        return plan, result
+
+    def _admit(self) -> None:
+        arrived = [r for r in self.waiting if r.arrival_step <= self.step_id]
+        for r in arrived[: self.max_running - len(self.running)]:
+            self.waiting.remove(r)
+            self.running.append(r)
+
+    def _build_plan(self):
+        self._admit()
+        new, running, scheduled, budget = [], [], [], self.budget
+        for r in self.running:
+            n = min(len(r.tokens) - r.num_computed, self.chunk, budget)
+            if n <= 0:
+                continue
+            budget -= n
+            fresh = self._grow(r, r.num_computed + n)
+            scheduled.append((r, n))
+            if not r.sent:
+                new.append(NewRequest(r.request_id, tuple(r.tokens), r.sampling, tuple(r.blocks),
+                                      r.num_computed, n))
+                r.sent = True
+            else:
+                placeholder = n == 1 and r.sampled_last_step and self.step_id % 2 == 1
+                running.append(RunningRequest(r.request_id, tuple(fresh), n, placeholder))
+        plan = StepPlan(self.step_id, tuple(new), tuple(running), finished_ids=tuple(self._to_forget))
+        self._to_forget = []
+        return plan, scheduled
+
+    def _grow(self, r: ToyRequest, num_tokens: int) -> list[int]:
+        need = -(-num_tokens // self.runner.block_size) - len(r.blocks)
+        fresh = [self.free_blocks.pop() for _ in range(max(need, 0))]
+        r.blocks.extend(fresh)
+        return fresh
+
+    def _apply(self, scheduled, sampled: dict[str, int]) -> None:
+        for r, n in scheduled:
+            r.num_computed += n
+            r.sampled_last_step = r.request_id in sampled
+            if r.sampled_last_step:
+                assert r.num_computed == len(r.tokens)
+                r.output.append(sampled[r.request_id])
+            else:
+                assert r.num_computed < len(r.tokens)
+        for r in [r for r in self.running if r.done]:
+            self.running.remove(r)
+            self.finished.append(r)
+            self.free_blocks.extend(r.blocks)
+            self._to_forget.append(r.request_id)

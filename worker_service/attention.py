@@ -1,0 +1,100 @@
+"""Paged attention behind a small backend interface, with a torch reference implementation.
+
+The runner orders each step's requests decodes first (one query token each), then prompt
+chunks. `AttentionMetadata` describes that flattened batch; a backend writes the step's K/V
+into the paged cache at `slot_mapping` and attends each query over its request's blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset per token
+    positions: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64 (padded with block 0)
+    seq_lens: torch.Tensor  # [num_reqs] int64: tokens in the cache after this step
+    num_decodes: int  # the first num_decodes requests/tokens are single-token decodes
+    max_decode_kv: int  # max seq_len over the decodes (0 when none)
+    # prefill part (requests num_decodes.., tokens num_decodes..):
+    prefill_token_index: torch.Tensor  # [num_prefills, max_q] int64 into the flat tokens (padded)
+    prefill_valid: torch.Tensor  # [num_prefills, max_q] bool: the padded entries are False
+    max_prefill_kv: int  # max seq_len over the prefills (0 when none)
+
+
+class AttentionBackend(Protocol):
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: AttentionMetadata) -> None: ...
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor: ...
+
+
+class TorchAttentionBackend:
+    """Reference paged attention: gather each request's blocks, then SDPA (CPU and CUDA).
+
+    GQA without expanding K/V: the query heads of one KV group are folded into the query
+    length axis, so SDPA sees `[reqs, kv_heads, q_len * group, head_dim]` queries.
+    """
+
+    def write_kv(self, k, v, k_cache, v_cache, meta):
+        # k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+
+    def attend(self, q, k_cache, v_cache, meta, scale):
+        # q: [num_tokens, heads, head_dim] -> out [num_tokens, heads, head_dim]
+        nd = meta.num_decodes
+        if nd == q.shape[0]:
+            return self._decode(q, k_cache, v_cache, meta, scale)
+        prefill = self._prefill(q, k_cache, v_cache, meta, scale)  # [num_tokens - nd, heads, d]
+        if nd == 0:
+            return prefill
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale), prefill))
+
+    def _decode(self, q, k_cache, v_cache, meta, scale):
+        nd = meta.num_decodes
+        tables = meta.block_tables[:nd]
+        k, v = _gather(k_cache, v_cache, tables, meta.max_decode_kv)  # [nd, kvh, S, d]
+        kvh = k.shape[1]
+        qg = q.view(nd, kvh, -1, q.shape[-1])  # [nd, kvh, group, d]
+        key_idx = torch.arange(k.shape[2], device=q.device)  # [S]
+        mask = key_idx[None, :] < meta.seq_lens[:nd, None]  # [nd, S]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        return out.reshape(q.shape)
+
+    def _prefill(self, q, k_cache, v_cache, meta, scale):
+        """Outputs `[num_tokens - num_decodes, heads, head_dim]` of the prefill tokens, in order."""
+        nd = meta.num_decodes
+        index, valid = meta.prefill_token_index, meta.prefill_valid  # [np, max_q]
+        num_p, max_q = index.shape
+        k, v = _gather(k_cache, v_cache, meta.block_tables[nd:], meta.max_prefill_kv)  # [np, kvh, S, d]
+        kvh, head_dim = k.shape[1], q.shape[-1]
+        group = q.shape[1] // kvh
+        qp = q[index].view(num_p, max_q, kvh, group, head_dim)  # [np, max_q, kvh, group, d]
+        qp = qp.permute(0, 2, 1, 3, 4).reshape(num_p, kvh, max_q * group, head_dim)
+        q_pos = meta.positions[index]  # [np, max_q]; padded rows repeat a real token
+        key_idx = torch.arange(k.shape[2], device=q.device)
+        mask = key_idx[None, None, :] <= q_pos[:, :, None]  # [np, max_q, S]
+        mask = mask.repeat_interleave(group, dim=1)[:, None]  # [np, 1, max_q*group, S]
+        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        o = o.view(num_p, kvh, max_q, group, head_dim).permute(0, 2, 1, 3, 4)  # [np, max_q, kvh, group, d]
+        # padded rows dropped; requests' tokens are contiguous, so this is the flat token order
+        return o.reshape(num_p * max_q, -1, head_dim)[valid.view(-1)]
+
+
+def _gather(k_cache, v_cache, tables, max_kv):
+    """K, V `[reqs, kv_heads, S, head_dim]` for the first S = max_kv rounded up to a block."""
+    block_size = k_cache.shape[1]
+    num_blocks = -(-max_kv // block_size)
+    tables = tables[:, :num_blocks]  # [reqs, nb]
+    reqs = tables.shape[0]
+    k = k_cache[tables].view(reqs, num_blocks * block_size, *k_cache.shape[2:])  # [reqs, S, kvh, d]
+    v = v_cache[tables].view(reqs, num_blocks * block_size, *v_cache.shape[2:])
+    return k.transpose(1, 2), v.transpose(1, 2)

@@ -1,0 +1,128 @@
+"""The model settings the worker needs, read from a local Hugging Face checkpoint directory.
+
+Reads `config.json` (and `generation_config.json` for EOS ids when present). Handles both the
+transformers 4.x layout (`rope_theta`, `rope_scaling`) and the 5.x one (`rope_parameters`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dir(cls, model_dir: str | Path) -> ModelConfig:
+        model_dir = Path(model_dir)
+        config_path = model_dir / "config.json"
+        if not config_path.is_file():
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
+        raw = json.loads(config_path.read_text())
+        return cls.from_dict(raw, _read_generation_eos(model_dir))
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation_eos: tuple[int, ...] | None = None) -> ModelConfig:
+        if "model_type" not in raw:
+            raise ValueError("config.json has no model_type")
+        hidden = int(raw["hidden_size"])
+        heads = int(raw["num_attention_heads"])
+        head_dim = raw.get("head_dim") or hidden // heads
+        act = raw.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
+        return cls(
+            model_type=str(raw["model_type"]),
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden,
+            intermediate_size=int(raw["intermediate_size"]),
+            num_layers=int(raw["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(raw.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope=_parse_rope(raw),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            sliding_window=_sliding_window(raw),
+            eos_token_ids=generation_eos if generation_eos is not None else _as_ids(raw.get("eos_token_id")),
+        )
+
+
+def _as_ids(value: Any) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _read_generation_eos(model_dir: Path) -> tuple[int, ...] | None:
+    path = model_dir / "generation_config.json"
+    if not path.is_file():
+        return None
+    raw = json.loads(path.read_text())
+    if raw.get("eos_token_id") is None:
+        return None
+    return _as_ids(raw["eos_token_id"])
+
+
+def _sliding_window(raw: dict[str, Any]) -> int | None:
+    if raw.get("use_sliding_window") is False:
+        return None
+    window = raw.get("sliding_window")
+    return int(window) if window else None
+
+
+def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+    params = dict(raw.get("rope_parameters") or {})
+    scaling = raw.get("rope_scaling") or {}
+    params = {**scaling, **params}
+    theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    if rope_type == "default":
+        return RopeConfig(theta=theta)
+    return RopeConfig(
+        theta=theta,
+        rope_type=rope_type,
+        factor=float(params["factor"]),
+        low_freq_factor=float(params["low_freq_factor"]),
+        high_freq_factor=float(params["high_freq_factor"]),
+        original_max_position_embeddings=int(
+            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
+        ),
+    )
+

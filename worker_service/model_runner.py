@@ -1,0 +1,145 @@
+"""`ModelRunner.execute(plan) -> StepResult`: the worker's side of the step-plan contract.
+
+See the top of `stepahead/plan.py` for the semantics. The runner never allocates blocks; it
+keeps per-request token lists and block tables, the paged KV cache, and the previous step's
+sampled ids on the device (placeholder decode inputs are gathered from them on the device).
+
+For tests, `last_logits` holds the float32 logits `[num_sampled, vocab]` of the last step's
+sampling rows, `last_logits_ids` the matching request ids (`logits_of(request_id)` picks one).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
+from worker_service.attention import AttentionBackend, TorchAttentionBackend
+from worker_service.input_batch import CachedRequest, ScheduledRequest, StepBuffers, StepInputs, build_inputs
+from worker_service.kv_cache import KVCache, plan_num_blocks
+from worker_service.loader import load_model, parse_dtype
+from worker_service.models.llama import ForwardContext
+from worker_service.plan_checks import check_plan
+from worker_service.rope import RotaryTable
+from worker_service.sampler import Sampler, SamplingMetadata
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu",
+                 block_size: int = 16, kv_cache_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
+                 num_host_blocks: int = 0, max_model_len: int | None = None,
+                 attention_backend: AttentionBackend | None = None, seed: int = 0):
+        self.dtype = parse_dtype(dtype)
+        self.device = torch.device(device)
+        self.model, cfg = load_model(model_dir, self.dtype, self.device)
+        self.config = cfg
+        self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
+        self.max_model_len = _max_model_len(cfg, max_model_len)
+        self.block_size = block_size
+        self.num_blocks = plan_num_blocks(cfg, block_size, self.dtype, self.device, kv_cache_bytes=kv_cache_bytes,
+                                          gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks)
+        self.num_host_blocks = num_host_blocks
+        self.kv_cache = KVCache(cfg, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
+                                block_size=block_size, dtype=self.dtype, device=self.device)
+        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, self.max_model_len, self.dtype, self.device)
+        self.backend = attention_backend or TorchAttentionBackend()
+        self.sampler = Sampler(self.device, seed=seed)
+        self.requests: dict[str, CachedRequest] = {}
+        self.buffers = StepBuffers(self.device)
+        self._prev_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # [n] last step's ids
+        self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
+        self.last_logits: torch.Tensor | None = None
+        self.last_logits_ids: tuple[str, ...] = ()
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        self._forget(plan.finished_ids)
+        self._forget(plan.preempted_ids)
+        check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
+                   block_size=self.block_size, max_model_len=self.max_model_len)
+        self.kv_cache.swap_out(plan.swap_out)
+        self.kv_cache.swap_in(plan.swap_in)
+        sched = self._schedule(plan.new_requests, plan.running)
+        if not sched:
+            self._set_sampled([], torch.zeros(0, dtype=torch.int64, device=self.device))
+            return StepResult(step_id=plan.step_id)
+        inputs = build_inputs(self.buffers, sched, self.block_size, self._prev_rows)
+        for s in sched:
+            s.state.num_computed += s.num_scheduled
+        self._fill_placeholders(inputs)
+        logits = self._forward(inputs)  # [num_sampling, vocab] float32
+        sampled = self._sample(logits, inputs.sampling_reqs)  # [num_sampling] int64 on device
+        self._set_sampled(inputs.sampling_reqs, sampled)
+        return StepResult(step_id=plan.step_id, sampled_token_ids=self._commit(inputs.sampling_reqs, sampled))
+
+    def logits_of(self, request_id: str) -> torch.Tensor:
+        """The last step's logits `[vocab]` for a request that sampled in it."""
+        return self.last_logits[self.last_logits_ids.index(request_id)]
+
+    # -- plan application -------------------------------------------------------------
+
+    def _forget(self, ids: tuple[str, ...]) -> None:
+        for rid in ids:  # forgetting an unknown id is a no-op (e.g. aborted before first step)
+            self.requests.pop(rid, None)
+
+    def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> list[ScheduledRequest]:
+        """Registers new requests, applies deltas; decodes (one-token queries) first."""
+        sched = []
+        for r in new:
+            state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids), r.num_computed_tokens)
+            self.requests[r.request_id] = state
+            sched.append(ScheduledRequest(state, r.num_scheduled_tokens, placeholder=False))
+        for r in running:
+            state = self.requests[r.request_id]
+            state.block_ids.extend(r.new_block_ids)
+            sched.append(ScheduledRequest(state, r.num_scheduled_tokens, r.input_is_placeholder))
+        sched.sort(key=lambda s: s.num_scheduled != 1)  # stable: decodes first
+        return sched
+
+    # -- device work --------------------------------------------------------------------
+
+    def _fill_placeholders(self, inputs: StepInputs) -> None:
+        """input_ids[dst] = previous step's sampled ids[src], on the device."""
+        if len(inputs.placeholder_src):
+            src = torch.from_numpy(inputs.placeholder_src).to(self.device, non_blocking=True)
+            inputs.input_ids.index_copy_(0, inputs.placeholder_dst, self._prev_sampled.index_select(0, src))
+
+    def _forward(self, inputs: StepInputs) -> torch.Tensor:
+        cos, sin = self.rotary.lookup(inputs.meta.positions)
+        ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin)
+        hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
+        return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
+        self.last_logits = logits
+        self.last_logits_ids = tuple(r.request_id for r in reqs)
+        if not reqs:
+            return torch.zeros(0, dtype=torch.int64, device=self.device)
+        meta = SamplingMetadata.build([r.sampling for r in reqs], [len(r.token_ids) for r in reqs],
+                                      self.vocab_size, self.device)
+        return self.sampler(logits, meta)
+
+    def _set_sampled(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> None:
+        self._prev_sampled = sampled
+        self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
+
+    def _commit(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> dict[str, int]:
+        """Advance counters, copy sampled ids to host and append them to the token lists."""
+        ids = sampled.cpu().tolist()  # the step's one synchronisation point
+        for r, t in zip(reqs, ids):
+            r.token_ids.append(t)
+        return {r.request_id: t for r, t in zip(reqs, ids)}
+
+
+def _max_model_len(cfg, requested: int | None) -> int:
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay within it
+    if requested is None:
+        return limit
+    if not 0 < requested <= limit:
+        raise ValueError(f"max_model_len {requested} outside (0, {limit}] for this model")
+    return requested
+

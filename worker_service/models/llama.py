@@ -1,0 +1,166 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm).
+
+Module names mirror Hugging Face's `LlamaForCausalLM`, except that q/k/v are fused into
+`qkv_proj` and gate/up into `gate_up_proj`; `packed_modules` tells the loader how HF's
+separate tensors map onto them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.attention import AttentionBackend, AttentionMetadata
+from worker_service.model_config import ModelConfig
+from worker_service.rope import apply_rotary
+
+
+@dataclass
+class ForwardContext:
+    """Everything a layer needs besides its hidden states, built once per step."""
+
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, block_size, kvh, d]
+    cos: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor  # [num_tokens, 1, head_dim]
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What distinguishes the family members (beyond config.json)."""
+
+    qkv_bias: bool = False  # Qwen2: q/k/v always have a bias, o_proj never
+    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, arch: Arch):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias or arch.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and not arch.qkv_bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        # x: [num_tokens, hidden]
+        n = x.shape[0]
+        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
+        q = q.view(n, self.num_heads, self.head_dim)  # [n, heads, d]
+        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, kvh, d]
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q, ctx.cos, ctx.sin)
+        k = apply_rotary(k, ctx.cos, ctx.sin)
+        k_cache, v_cache = ctx.kv_caches[self.layer_idx]
+        ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
+        out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)  # [n, heads, d]
+        return self.o_proj(out.reshape(n, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [n, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, arch: Arch):
+        super().__init__()
+        self.self_attn = LlamaAttention(cfg, layer_idx, arch)
+        self.mlp = LlamaMLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), ctx)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg: ModelConfig, arch: Arch):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, arch) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)  # [n, hidden]
+        for layer in self.layers:
+            x = layer(x, ctx)
+        return self.norm(x)
+
+
+class LlamaForCausalLM(nn.Module):
+    arch = Arch()
+    # HF tensor name fragment -> (our fused module fragment, shard index)
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = LlamaModel(cfg, self.arch)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def shard_sizes(self, fused: str) -> tuple[int, ...]:
+        cfg = self.config
+        if fused == "qkv_proj":
+            kv = cfg.num_kv_heads * cfg.head_dim
+            return (cfg.num_heads * cfg.head_dim, kv, kv)
+        return (cfg.intermediate_size, cfg.intermediate_size)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Final hidden states `[num_tokens, hidden]`."""
+        return self.model(input_ids, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits `[rows, vocab]` float32 for the selected rows `[rows, hidden]`."""
+        return self.lm_head(hidden).float()
+
+
+class MistralForCausalLM(LlamaForCausalLM):
+    pass
+
+
+class Qwen2ForCausalLM(LlamaForCausalLM):
+    arch = Arch(qkv_bias=True)
+
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    arch = Arch(qk_norm=True)
