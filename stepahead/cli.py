@@ -1,39 +1,47 @@
-"""The `stepahead` command: one sub-command per tool or daemon."""
+"""The `stepahead` command: one sub-command per tool or daemon.
+
+Only the chosen sub-command's module is imported, so `stepahead generate` never loads torch.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
-from collections.abc import Callable
 
-# Each entry: (name, help, module exposing add_arguments(parser) and run(args) -> int).
-# Modules are imported lazily so `stepahead generate` never imports torch.
-_COMMANDS: list[tuple[str, str, str]] = [
-    ("make-model", "build a built-in Hugging Face checkpoint offline", "stepahead.builtin_models"),
-]
-
-
-def _load(module_name: str):
-    import importlib
-
-    return importlib.import_module(module_name)
+# name -> (help, module exposing add_arguments(parser) and run(args) -> int)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("start gateway, scheduler and worker as one system", "stepahead.serve"),
+    "generate": ("stream a completion from a running gateway", "stepahead.client"),
+    "gateway": ("run the gateway daemon (public API)", "gateway.server"),
+    "scheduler": ("run the scheduler daemon", "scheduler_service.server"),
+    "worker": ("run a worker daemon", "worker_service.daemon"),
+    "make-model": ("build a built-in Hugging Face checkpoint offline", "stepahead.builtin_models"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stepahead", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text, module_name in _COMMANDS:
-        p = sub.add_parser(name, help=help_text)
-        module = _load(module_name)
-        module.add_arguments(p)
-        p.set_defaults(_run=module.run)
+def _top_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="stepahead",
+        description="stepahead: an LLM inference server that plans one step ahead.",
+        epilog="commands:\n" + "\n".join(f"  {n:<11} {h}" for n, (h, _) in COMMANDS.items()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    run: Callable[[argparse.Namespace], int] = args._run
-    return int(run(args) or 0)
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] not in COMMANDS:
+        _top_parser().parse_args(argv[:1])  # prints usage / the error and exits
+        return 2
+    name = argv[0]
+    help_text, module_name = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"stepahead {name}", description=help_text)
+    module.add_arguments(parser)
+    return int(module.run(parser.parse_args(argv[1:])) or 0)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,145 @@
+"""`stepahead serve`: scheduler, worker and gateway as three OS processes, one command.
+
+Starts the scheduler, then a worker that attaches to it, then the gateway; waits until
+the scheduler (worker attached) and the gateway report SERVING on gRPC health; prints
+the endpoint; forwards SIGINT/SIGTERM and stops every child. Children also get SIGTERM
+from the kernel if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import dataclasses
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+from stepahead import config as cfg
+
+_SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level")
+_WORKER_FIELDS = (
+    "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
+    "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name",
+)
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model: str = cfg.field("tiny", "model directory or built-in name (tiny, 100m)")
+    host: str = cfg.field("127.0.0.1", "gateway listen address")
+    port: int = cfg.field(50050, "gateway port (0 picks a free one)")
+    scheduler_port: int = cfg.field(0, "scheduler port (0 picks a free one)")
+    startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
+    log_level: str = cfg.field("info", "log level of every daemon")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM it when the parent dies."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: serve's own signal handling still stops the children
+
+
+def spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], preexec_fn=_die_with_parent)
+
+
+def wait_healthy(address: str, procs: list[subprocess.Popen], deadline: float, stop: threading.Event) -> bool:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline and not stop.is_set():
+            if any(p.poll() is not None for p in procs):
+                return False
+            try:
+                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1)
+                if resp.status == health_pb2.HealthCheckResponse.SERVING:
+                    return True
+            except grpc.RpcError:
+                pass  # not up yet
+            stop.wait(0.1)  # poll interval of the readiness probe
+    return False
+
+
+def shutdown(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
+    """SIGTERM every child (gateway first), then SIGKILL what is left after timeout_s."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.01))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from scheduler_service.server import SchedulerDaemonConfig
+    from worker_service.daemon import WorkerConfig
+
+    cfg.add_arguments(parser, ServeConfig)
+    cfg.add_arguments(parser, SchedulerDaemonConfig, exclude=_SCHEDULER_EXCLUDE)
+    worker_exclude = tuple(f.name for f in dataclasses.fields(WorkerConfig) if f.name not in _WORKER_FIELDS)
+    cfg.add_arguments(parser, WorkerConfig, exclude=worker_exclude)
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler_service.server import SchedulerDaemonConfig
+    from stepahead.builtin_models import resolve_model
+    from worker_service.daemon import WorkerConfig
+
+    config = cfg.from_args(ServeConfig, args)
+    sched_cfg = cfg.from_args(SchedulerDaemonConfig, args)
+    worker_cfg = cfg.from_args(WorkerConfig, args)
+    model_dir = str(resolve_model(config.model))  # build a built-in model once, here
+    port = config.port or free_port(config.host)
+    sched_addr = f"127.0.0.1:{config.scheduler_port or free_port()}"
+    log = ["--log-level", config.log_level]
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    procs = [
+        spawn(["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
+               *cfg.to_flags(sched_cfg, _sched_fields())]),
+        spawn(["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
+               *cfg.to_flags(worker_cfg, _WORKER_FIELDS)]),
+        spawn(["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
+               "--model", model_dir, *log]),
+    ]
+    try:
+        deadline = time.monotonic() + config.startup_timeout_s
+        for address in (sched_addr, f"{config.host}:{port}"):
+            if not wait_healthy(address, procs, deadline, stop):
+                if not stop.is_set():
+                    print(f"stepahead: {address} did not become healthy", file=sys.stderr, flush=True)
+                return 0 if stop.is_set() else 1
+        print(f"stepahead ready: gateway at {config.host}:{port} (scheduler at {sched_addr})", flush=True)
+        while not stop.wait(0.2):  # supervise: any child exiting ends the whole system
+            if any(p.poll() is not None for p in procs):
+                print("stepahead: a daemon exited; shutting down", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        shutdown(procs)
+
+
+def _sched_fields() -> list[str]:
+    from scheduler_service.server import SchedulerDaemonConfig
+
+    return [f.name for f in dataclasses.fields(SchedulerDaemonConfig) if f.name not in _SCHEDULER_EXCLUDE]
