@@ -1,0 +1,263 @@
+"""Device-side token sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+Every row of a batch carries its own `SamplingParams`; all of them are applied in one pass
+of vectorised tensor ops (no per-row Python loop in `Sampler.__call__`).
+
+Truncation (the order Hugging Face's warpers use): logits are divided by the temperature,
+then top-k keeps the k largest, top-p keeps the smallest prefix (by descending
+probability) of the *renormalised* top-k distribution whose mass reaches p, and min-p keeps
+tokens whose probability is at least `min_p` times the largest one. Each rule is a per-row
+logit threshold, so the three combine into one `max` and one masked fill. Tokens tied with
+the threshold value are kept (top-k may then keep more than k tokens, as in vLLM).
+
+The draw is inverse-CDF sampling with ONE uniform number per row:
+`token = first i with cdf[i] >= u * cdf[-1]`, u in (0, 1]. For a seeded request `u` is a 53-bit hash of
+(seed, num_tokens) computed on the host while the metadata is built, so its draw depends
+only on those two numbers and on its own logits: never on batch composition, row order,
+preemption or timing, and it is the same number on CPU and CUDA. Unseeded rows take `u`
+from the sampler's device generator. Compared with the exponential race
+(`argmax(probs / q)`, one random number per vocabulary entry and a per-row generator loop
+for seeded rows) this draws `vocab_size` times fewer random numbers and needs no loop;
+see `benchmarks/` numbers in the module's test report.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from stepahead.plan import SamplingParams
+
+_MASK64 = (1 << 64) - 1
+_NEG_INF = float("-inf")
+
+# Rows of the packed per-step host tensor (float64 holds every field exactly).
+_TEMPERATURE, _TOP_K, _TOP_P, _LOG_MIN_P, _SEEDED_U, _SEEDED, _GREEDY = range(7)
+_NUM_FIELDS = 7
+
+
+def _splitmix64(x: int) -> int:
+    """One SplitMix64 step: a bijective 64-bit mixer with full avalanche."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def seeded_uniform(seed: int, num_tokens: int) -> float:
+    """The uniform in (0, 1] a seeded request draws when it holds `num_tokens` tokens."""
+    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (num_tokens & _MASK64))
+    return ((mixed >> 11) + 1) * 2.0**-53
+
+
+def _validate(params: SamplingParams, num_tokens: int, row: int) -> None:
+    if not params.temperature >= 0.0 or math.isinf(params.temperature):
+        raise ValueError(f"row {row}: temperature must be finite and >= 0, got {params.temperature}")
+    if params.top_k < -1:
+        raise ValueError(f"row {row}: top_k must be -1, 0 (disabled) or positive, got {params.top_k}")
+    if not 0.0 < params.top_p <= 1.0:
+        raise ValueError(f"row {row}: top_p must be in (0, 1], got {params.top_p}")
+    if not 0.0 <= params.min_p <= 1.0:
+        raise ValueError(f"row {row}: min_p must be in [0, 1], got {params.min_p}")
+    if num_tokens < 0:
+        raise ValueError(f"row {row}: num_tokens must be >= 0, got {num_tokens}")
+
+
+def _row_fields(params: SamplingParams, num_tokens: int, vocab_size: int) -> list[float]:
+    """The packed float64 fields of one row (see the `_TEMPERATURE`... indices)."""
+    top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
+    seeded = params.seed is not None and not params.greedy
+    fields = [0.0] * _NUM_FIELDS
+    fields[_TEMPERATURE] = 1.0 if params.greedy else params.temperature
+    fields[_TOP_K] = float(top_k)
+    # top_p = 1 disables; +inf keeps rounding in the cumulative sum from dropping a tail token
+    fields[_TOP_P] = params.top_p if params.top_p < 1.0 else math.inf
+    fields[_LOG_MIN_P] = math.log(params.min_p) if params.min_p > 0.0 else -math.inf
+    fields[_SEEDED_U] = seeded_uniform(params.seed, num_tokens) if seeded else 0.0
+    fields[_SEEDED] = float(seeded)
+    fields[_GREEDY] = float(params.greedy)
+    return fields
+
+
+@dataclass(frozen=True)
+class SamplingMetadata:
+    """Per-row sampling tensors for one step, on the device, plus host-side flags.
+
+    The flags let `Sampler` skip whole stages (e.g. the sort) without reading the device.
+    Tensors are `None` when no row of the batch uses that stage.
+    """
+
+    num_rows: int
+    vocab_size: int
+    device: torch.device
+    all_greedy: bool
+    temperature: torch.Tensor | None  # [n] float32, 1.0 on greedy rows
+    greedy: torch.Tensor | None  # [n] bool, None when no row is greedy
+    top_k: torch.Tensor | None  # [n] int64 in [1, vocab]; vocab = disabled
+    top_k_max: int  # largest enabled top_k (0 when none)
+    top_p: torch.Tensor | None  # [n] float32; +inf = disabled
+    log_min_p: torch.Tensor | None  # [n] float32; -inf = disabled
+    seeded_u: torch.Tensor | None  # [n] float64 uniforms of seeded rows
+    seeded: torch.Tensor | None  # [n] bool, None when no row is seeded
+    needs_generator: bool  # some sampled row takes its uniform from the shared generator
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        num_tokens: Sequence[int],
+        vocab_size: int,
+        device: torch.device,
+    ) -> SamplingMetadata:
+        """Pack every row's params into one host tensor and copy it to `device` once."""
+        if len(params) != len(num_tokens):
+            raise ValueError(f"{len(params)} sampling params but {len(num_tokens)} num_tokens")
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        device = torch.device(device)
+        for row, (p, n) in enumerate(zip(params, num_tokens)):
+            _validate(p, n, row)
+        all_greedy = all(p.greedy for p in params)
+        if all_greedy:
+            return cls._greedy_only(len(params), vocab_size, device)
+        sampled = [p for p in params if not p.greedy]
+        top_ks = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
+        packed = cls._pack(params, num_tokens, vocab_size, device)  # [fields, n] float64
+        any_seeded = any(p.seed is not None for p in sampled)
+        return cls(
+            num_rows=len(params),
+            vocab_size=vocab_size,
+            device=device,
+            all_greedy=False,
+            temperature=packed[_TEMPERATURE].float(),
+            greedy=packed[_GREEDY].bool() if len(sampled) < len(params) else None,
+            top_k=packed[_TOP_K].long() if top_ks else None,
+            top_k_max=max(top_ks, default=0),
+            top_p=packed[_TOP_P].float() if any(p.top_p < 1.0 for p in sampled) else None,
+            log_min_p=packed[_LOG_MIN_P].float() if any(p.min_p > 0.0 for p in sampled) else None,
+            seeded_u=packed[_SEEDED_U] if any_seeded else None,
+            seeded=packed[_SEEDED].bool() if any_seeded else None,
+            needs_generator=any(p.seed is None for p in sampled),
+        )
+
+    @classmethod
+    def _greedy_only(cls, num_rows: int, vocab_size: int, device: torch.device) -> SamplingMetadata:
+        return cls(num_rows, vocab_size, device, True, None, None, None, 0, None, None, None, None, False)
+
+    @staticmethod
+    def _pack(
+        params: Sequence[SamplingParams], num_tokens: Sequence[int], vocab_size: int, device: torch.device
+    ) -> torch.Tensor:
+        rows = [_row_fields(p, n, vocab_size) for p, n in zip(params, num_tokens)]
+        host = torch.tensor(rows, dtype=torch.float64).T.contiguous()  # [fields, n]
+        if device.type == "cpu":
+            return host
+        # pinned + non_blocking: one asynchronous H2D copy, no wait on the in-flight step
+        return host.pin_memory().to(device, non_blocking=True)
+
+
+class Sampler:
+    """Samples one token per row of `logits` according to a `SamplingMetadata`."""
+
+    def __init__(self, device: torch.device, seed: int = 0):
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed & _MASK64)
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+        """logits: [n, vocab] → sampled token ids [n] int64 on logits.device."""
+        self._check(logits, meta)
+        logits = logits.float()  # [n, vocab]
+        if meta.all_greedy:
+            return logits.argmax(dim=-1)
+        x = logits / meta.temperature[:, None]  # [n, vocab]
+        threshold = truncation_threshold(x, meta)  # [n]
+        x = x.masked_fill(x < threshold[:, None], _NEG_INF)  # [n, vocab]
+        sampled = inverse_cdf_sample(x, self._uniforms(meta))  # [n]
+        if meta.greedy is None:
+            return sampled
+        return torch.where(meta.greedy, logits.argmax(dim=-1), sampled)
+
+    def _uniforms(self, meta: SamplingMetadata) -> torch.Tensor:
+        """[n] float64 in (0, 1]: seeded rows' hashed uniforms, the rest from the generator."""
+        if not meta.needs_generator:
+            return meta.seeded_u
+        u = torch.rand(meta.num_rows, generator=self.generator, dtype=torch.float64, device=self.device)
+        u = 1.0 - u  # [0, 1) -> (0, 1]
+        if meta.seeded is None:
+            return u
+        return torch.where(meta.seeded, meta.seeded_u, u)
+
+    def _check(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
+        if logits.dim() != 2 or logits.shape != (meta.num_rows, meta.vocab_size):
+            raise ValueError(
+                f"logits shape {tuple(logits.shape)} != ({meta.num_rows}, {meta.vocab_size}) from the metadata"
+            )
+        if not logits.is_floating_point():
+            raise ValueError(f"logits must be floating point, got {logits.dtype}")
+        if logits.device != meta.device or logits.device != self.device:
+            raise ValueError(
+                f"logits on {logits.device}, metadata on {meta.device}, sampler on {self.device}"
+            )
+
+
+def truncation_threshold(x: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
+    """[n] float32: per-row logit below which top-k / top-p / min-p drop a token.
+
+    x: [n, vocab] temperature-scaled logits. -inf where a row truncates nothing.
+    """
+    threshold = torch.full((x.shape[0],), _NEG_INF, device=x.device)  # [n]
+    if meta.top_p is not None:
+        threshold = _top_k_top_p_threshold(x, meta.top_k, meta.top_p)
+    elif meta.top_k is not None:
+        threshold = _top_k_threshold(x, meta.top_k, meta.top_k_max)
+    if meta.log_min_p is not None:
+        # p_i / p_max >= min_p  <=>  x_i >= x_max + log(min_p): no softmax needed
+        x_max = x.amax(dim=-1)  # [n]
+        threshold = torch.maximum(threshold, x_max + meta.log_min_p)
+    return threshold
+
+
+def _top_k_threshold(x: torch.Tensor, top_k: torch.Tensor, top_k_max: int) -> torch.Tensor:
+    """[n]: the k-th largest logit per row (-inf where top-k is disabled, k == vocab)."""
+    values = x.topk(top_k_max, dim=-1).values  # [n, k_max] descending
+    kth = values.gather(-1, (top_k.clamp(max=top_k_max) - 1)[:, None]).squeeze(-1)  # [n]
+    return kth.masked_fill(top_k >= x.shape[-1], _NEG_INF)
+
+
+def _top_k_top_p_threshold(
+    x: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor
+) -> torch.Tensor:
+    """[n]: smallest kept logit after top-k then top-p on the renormalised top-k mass."""
+    vocab = x.shape[-1]
+    sorted_x = x.sort(dim=-1, descending=True).values  # [n, vocab]
+    positions = torch.arange(vocab, device=x.device)  # [vocab]
+    keep = torch.ones_like(sorted_x, dtype=torch.bool)  # [n, vocab]
+    if top_k is not None:
+        keep = positions[None, :] < top_k[:, None]
+    probs = sorted_x.masked_fill(~keep, _NEG_INF).softmax(dim=-1)  # [n, vocab]
+    mass_before = probs.cumsum(dim=-1) - probs  # [n, vocab] mass of strictly larger tokens
+    keep &= mass_before < top_p[:, None]  # a prefix of the sorted order; position 0 always kept
+    num_kept = keep.sum(dim=-1)  # [n] >= 1
+    return sorted_x.gather(-1, (num_kept - 1)[:, None]).squeeze(-1)  # [n]
+
+
+def inverse_cdf_sample(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """[n] int64: per row, the token where `u` falls in the CDF of softmax(x).
+
+    x: [n, vocab] logits, -inf where masked; u: [n] float64 in (0, 1].
+    With 0 < target <= total, the first i with cdf[i] >= target has cdf[i] > cdf[i - 1],
+    i.e. a token of non-zero probability.
+    """
+    probs = x.softmax(dim=-1)  # [n, vocab]
+    cdf = probs.cumsum(dim=-1)  # [n, vocab], non-decreasing
+    target = (u.to(cdf.dtype) * cdf[:, -1])[:, None]  # [n, 1] in (0, total]
+    token = torch.searchsorted(cdf, target).squeeze(-1)  # [n]: first cdf >= target
+    token = token.clamp_(max=x.shape[-1] - 1)
+    # A parallel scan (CUDA) is not exactly monotone; should that ever land on a masked
+    # token, fall back to the row's argmax, which is always allowed.
+    masked = x.gather(-1, token[:, None]).squeeze(-1) == _NEG_INF  # [n]
+    return torch.where(masked, x.argmax(dim=-1), token)
