@@ -60,7 +60,7 @@ class Serve:
                 continue
             if int(fields[1]) == self.proc.pid:
                 pids.append(int(stat.parent.name))
-        return pids
+        return sorted(pids)
 
     def close(self) -> None:
         for ch in getattr(self, "_channels", []):
