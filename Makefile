@@ -22,3 +22,6 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info
+
+serve: $(STAMP)
+	$(VENV)/bin/stepahead serve $(SERVE_ARGS)
