@@ -74,6 +74,12 @@ class ModelRunner:
         self._set_sampled(inputs.sampling_reqs, sampled)
         return StepResult(step_id=plan.step_id, sampled_token_ids=self._commit(inputs.sampling_reqs, sampled))
 
+    def reset(self) -> None:
+        """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
+        self.requests.clear()
+        self._set_sampled([], torch.zeros(0, dtype=torch.int64, device=self.device))
+        self.last_logits, self.last_logits_ids = None, ()
+
     def logits_of(self, request_id: str) -> torch.Tensor:
         """The last step's logits `[vocab]` for a request that sampled in it."""
         return self.last_logits[self.last_logits_ids.index(request_id)]

@@ -16,6 +16,13 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
 
 
 @dataclass
+class DriverStats:
+    mixed_steps: int = 0  # steps with a prompt chunk and a decode together
+    placeholder_decodes: int = 0
+    max_running_seen: int = 0
+
+
+@dataclass
 class ToyRequest:
     request_id: str
     prompt: list[int]
@@ -46,6 +53,7 @@ class ToyScheduler:
         self.finished: list[ToyRequest] = []
         self.step_id = 0
         self._to_forget: list[str] = []
+        self.stats = DriverStats()
 
     def add(self, req: ToyRequest) -> None:
         self.waiting.append(req)
@@ -55,6 +63,8 @@ class ToyScheduler:
             self.step()
             if self.step_id > max_steps:
                 raise RuntimeError("driver did not finish")
+        if self._to_forget:  # a last, empty plan tells the worker to forget the finished ones
+            self.step()
 
     def step(self):
         plan, scheduled = self._build_plan()
@@ -89,7 +99,14 @@ class ToyScheduler:
                 running.append(RunningRequest(r.request_id, tuple(fresh), n, placeholder))
         plan = StepPlan(self.step_id, tuple(new), tuple(running), finished_ids=tuple(self._to_forget))
         self._to_forget = []
+        self._record(plan, scheduled)
         return plan, scheduled
+
+    def _record(self, plan: StepPlan, scheduled) -> None:
+        sizes = {n for _, n in scheduled}
+        self.stats.mixed_steps += 1 in sizes and any(n > 1 for n in sizes)
+        self.stats.placeholder_decodes += sum(r.input_is_placeholder for r in plan.running)
+        self.stats.max_running_seen = max(self.stats.max_running_seen, len(self.running))
 
     def _grow(self, r: ToyRequest, num_tokens: int) -> list[int]:
         need = -(-num_tokens // self.runner.block_size) - len(r.blocks)

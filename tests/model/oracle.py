@@ -1,0 +1,47 @@
+"""Hugging Face oracles: batched greedy `generate` and tie-aware comparison of token streams."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+TIE_GAP = 1e-4
+
+
+@dataclass
+class HFGreedy:
+    tokens: list[list[int]]  # per prompt: the new tokens
+    gaps: list[list[float]]  # per prompt, per new token: top-2 logit gap at that step
+
+
+def hf_greedy(model, prompts: list[list[int]], max_new: int) -> HFGreedy:
+    """One left-padded batched `generate` over all prompts (float32, greedy, no EOS stop)."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p)
+        mask[i, width - len(p):] = 1
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                             do_sample=False, pad_token_id=0, output_logits=True,
+                             return_dict_in_generate=True)
+    logits = torch.stack(out.logits, dim=1).float()  # [batch, max_new, vocab]
+    top2 = logits.topk(2, dim=-1).values
+    gaps = (top2[..., 0] - top2[..., 1]).tolist()
+    return HFGreedy(out.sequences[:, width:].tolist(), gaps)
+
+
+def assert_matches_hf(ours: list[int], expected: list[int], gaps: list[float], what: str) -> bool:
+    """Tokens must equal HF's until a step whose top-2 gap is below TIE_GAP; returns True if
+    the whole stream matched (False: diverged, legitimately, after a near-tie)."""
+    assert len(ours) == len(expected), f"{what}: {len(ours)} tokens, HF produced {len(expected)}"
+    for k, (a, b) in enumerate(zip(ours, expected)):
+        if a != b:
+            assert gaps[k] < TIE_GAP, (
+                f"{what}: token {k} is {a}, HF says {b}, and HF's top-2 gap there is {gaps[k]:.3g} "
+                f"(not a tie)\nours {ours}\nhf   {expected}"
+            )
+            return False
+    return True
