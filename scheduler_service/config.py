@@ -1,0 +1,78 @@
+"""Scheduler core configuration (pure Python)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+
+class SchedulingPolicy(str, Enum):
+    """Which request the scheduler serves first."""
+
+    FCFS = "fcfs"  # arrival order
+    PRIORITY = "priority"  # lower priority value first, ties by arrival; may preempt worse
+    SCORE = "score"  # weighted score of priority, wait time and remaining length, with aging
+
+
+class PreemptionMode(str, Enum):
+    """What happens to a preempted request's KV cache."""
+
+    RECOMPUTE = "recompute"  # drop the KV; re-prefill prompt + committed output later
+    SWAP = "swap"  # copy the KV blocks to the host pool; copy them back before new admissions
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Everything the scheduler core needs; the geometry comes from the worker's hello."""
+
+    num_gpu_blocks: int
+    max_model_len: int
+    block_size: int = 16
+    num_cpu_blocks: int = 0
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0  # 0 = off; otherwise max tokens per request per step
+    enable_prefix_caching: bool = True
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
+    async_scheduling: bool = True
+    max_concurrent_batches: int = 2
+    eos_token_ids: tuple[int, ...] = ()
+    # score policy: score = w_priority * priority + w_length * remaining tokens
+    #                       - w_wait * seconds waited; lowest score first.
+    score_priority_weight: float = 1.0
+    score_wait_weight: float = 1.0
+    score_length_weight: float = 0.01
+    # score policy: a request waiting longer than this (clock units) jumps ahead of every
+    # younger request and may preempt running work that has not aged. inf disables aging.
+    max_wait_time: float = 30.0
+
+    def __post_init__(self) -> None:
+        for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.max_concurrent_batches < 1:
+            raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "
+                f">= max_model_len ({self.max_model_len}) so that any prompt fits one step"
+            )
+        if not isinstance(self.scheduling_policy, SchedulingPolicy):
+            object.__setattr__(self, "scheduling_policy", SchedulingPolicy(self.scheduling_policy))
+        if not isinstance(self.preemption_mode, PreemptionMode):
+            object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
+        if self.max_wait_time <= 0 or math.isnan(self.max_wait_time):
+            raise ValueError(f"max_wait_time must be > 0, got {self.max_wait_time}")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @property
+    def max_in_flight(self) -> int:
+        """Plans allowed in flight at once: 1 in synchronous mode."""
+        return self.max_concurrent_batches if self.async_scheduling else 1

@@ -1,0 +1,40 @@
+"""Invariants of one request, checked by `Scheduler.check_integrity` (tests call it after
+every step). Raises AssertionError explicitly so that `python -O` keeps the checks."""
+
+from __future__ import annotations
+
+from scheduler_service.kv_manager import cdiv
+from scheduler_service.request import Request, RequestStatus
+
+
+def _require(ok: bool, req: Request, what: str) -> None:
+    if not ok:
+        raise AssertionError(f"{req!r}: {what}")
+
+
+def check_request(req: Request, block_size: int, max_model_len: int, num_in_flight: int) -> None:
+    _require(
+        req.num_scheduled_tokens >= req.num_computed_tokens >= req.num_committed_tokens,
+        req, "scheduled >= computed >= committed violated",
+    )
+    _require(req.num_scheduled_tokens <= req.num_known_tokens, req, "scheduled past the known tokens")
+    _require(
+        req.num_output_tokens + req.num_output_placeholders <= req.sampling.max_tokens,
+        req, "committed output + placeholders exceed max_tokens",
+    )
+    _require(req.num_known_tokens <= max_model_len, req, "longer than max_model_len")
+    _require(0 <= req.num_output_placeholders <= num_in_flight, req, "more placeholders than plans in flight")
+    _require(len(set(req.block_ids)) == len(req.block_ids), req, "a block appears twice in its table")
+    match req.status:
+        case RequestStatus.RUNNING:
+            _require(len(req.block_ids) >= cdiv(req.num_scheduled_tokens, block_size), req, "block table too short")
+            _require(not req.host_block_ids, req, "running with host blocks")
+        case RequestStatus.SWAPPED:
+            _require(not req.block_ids and req.num_output_placeholders == 0, req, "swapped but holds device state")
+            _require(len(req.host_block_ids) * block_size >= req.num_computed_tokens, req, "host copy too short")
+            _require(req.num_scheduled_tokens == req.num_computed_tokens, req, "swapped with work in flight")
+        case RequestStatus.WAITING | RequestStatus.PREEMPTED:
+            _require(not req.block_ids and not req.host_block_ids, req, "waiting but holds blocks")
+            _require(req.num_scheduled_tokens == req.num_output_placeholders == 0, req, "waiting with work")
+        case _:
+            raise AssertionError(f"{req!r}: finished but still tracked")

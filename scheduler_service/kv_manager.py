@@ -1,0 +1,149 @@
+"""Glue between requests and the device / host block pools: prefix hits, slot allocation,
+registration of computed blocks, swap out / in. No policy decisions here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from scheduler_service.block_pool import BlockHashFn, BlockPool, default_block_hash
+from scheduler_service.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    block_ids: tuple[int, ...]
+    pids: tuple[int, ...]
+    num_free_hits: int  # hit blocks now in the free queue: taking them shrinks it
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+NO_HIT = PrefixHit((), (), 0)
+
+
+class KVCacheManager:
+    def __init__(
+        self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_caching: bool,
+        hash_fn: BlockHashFn = default_block_hash,
+    ) -> None:
+        self.block_size = block_size
+        self.device = BlockPool(num_gpu_blocks, enable_caching)
+        self.host = BlockPool(num_cpu_blocks)
+        self.enable_caching = enable_caching
+        self._hash_fn = hash_fn
+
+    # ---- prefix cache --------------------------------------------------------------------
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        """Chained hashes of the request's first `num_blocks` full committed blocks."""
+        bs, hashes = self.block_size, request.block_hashes
+        assert num_blocks * bs <= request.num_tokens
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            tokens = request.token_ids_range(i * bs, (i + 1) * bs)
+            hashes.append(self._hash_fn(hashes[-1] if hashes else None, tokens, request.cache_salt))
+
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """Longest verified cached prefix of full blocks, leaving >= 1 token to compute."""
+        if not self.enable_caching:
+            return NO_HIT
+        bs = self.block_size
+        max_blocks = (request.num_tokens - 1) // bs
+        self._extend_hashes(request, max_blocks)
+        block_ids, pids, revive, parent = [], [], 0, 0
+        for i in range(max_blocks):
+            tokens = request.token_ids_range(i * bs, (i + 1) * bs)
+            block_id = self.device.lookup(request.block_hashes[i], tokens, request.cache_salt, parent)
+            if block_id is None:
+                break
+            parent = self.device.pid_of(block_id)
+            block_ids.append(block_id)
+            pids.append(parent)
+            revive += self.device.is_free(block_id)
+        return PrefixHit(tuple(block_ids), tuple(pids), revive)
+
+    def take_hit(self, request: Request, hit: PrefixHit) -> None:
+        assert not request.block_ids
+        for block_id in hit.block_ids:
+            self.device.touch(block_id)
+        request.block_ids = list(hit.block_ids)
+        request.prefix_ids = list(hit.pids)
+
+    def register_computed(self, request: Request) -> None:
+        """Cache every full block that is computed and committed."""
+        if not self.enable_caching:
+            return
+        bs = self.block_size
+        full = request.num_committed_tokens // bs
+        if full <= len(request.prefix_ids):
+            return
+        self._extend_hashes(request, full)
+        for i in range(len(request.prefix_ids), full):
+            parent = request.prefix_ids[-1] if request.prefix_ids else 0
+            tokens = request.token_ids_range(i * bs, (i + 1) * bs)
+            pid = self.device.register(request.block_ids[i], request.block_hashes[i], tokens, request.cache_salt, parent)
+            request.prefix_ids.append(pid)
+
+    # ---- slots ---------------------------------------------------------------------------
+    def blocks_needed(self, request: Request, num_tokens: int) -> int:
+        return max(0, cdiv(num_tokens, self.block_size) - len(request.block_ids))
+
+    def allocate_slots(self, request: Request, num_tokens: int) -> bool:
+        """Grow the request's block table to hold `num_tokens` tokens; False if short."""
+        need = self.blocks_needed(request, num_tokens)
+        if need == 0:
+            return True
+        blocks = self.device.allocate(need)
+        if blocks is None:
+            return False
+        request.block_ids.extend(blocks)
+        return True
+
+    def could_allocate_later(self, num_blocks: int) -> bool:
+        """Would `num_blocks` fit once every fence is released?"""
+        return num_blocks <= self.device.num_free + self.device.num_fenced
+
+    def free(self, request: Request) -> None:
+        """Release device and host blocks (fenced while the request's newest plan is in flight)."""
+        # Free the tail first: the LRU queue then evicts a sequence's end before its prefix.
+        self.device.free(reversed(request.block_ids), request.last_step_id)
+        self.host.free(request.host_block_ids, request.last_step_id)
+        request.block_ids = []
+        request.host_block_ids = []
+        request.prefix_ids = []
+
+    # ---- swap ----------------------------------------------------------------------------
+    def swap_out(self, request: Request, step_id: int) -> list[tuple[int, int]] | None:
+        """Copy the blocks holding confirmed KV to host blocks; None if the host pool is short.
+        The device blocks are released, fenced until `step_id` (the plan doing the copy)."""
+        keep = cdiv(request.num_computed_tokens, self.block_size)
+        if keep == 0:
+            return None
+        host_blocks = self.host.allocate(keep)
+        if host_blocks is None:
+            return None
+        pairs = list(zip(request.block_ids[:keep], host_blocks))
+        request.last_step_id = step_id
+        self.device.free(reversed(request.block_ids), step_id)
+        request.block_ids = []
+        request.prefix_ids = []
+        request.host_block_ids = host_blocks
+        return pairs
+
+    def swap_in(self, request: Request, step_id: int) -> list[tuple[int, int]] | None:
+        """Copy the host blocks back into fresh device blocks; None if the device is short."""
+        assert not request.block_ids and request.host_block_ids
+        device_blocks = self.device.allocate(len(request.host_block_ids))
+        if device_blocks is None:
+            return None
+        pairs = list(zip(request.host_block_ids, device_blocks))
+        request.last_step_id = step_id
+        self.host.free(request.host_block_ids, step_id)
+        request.host_block_ids = []
+        request.block_ids = device_blocks
+        return pairs

@@ -1,0 +1,157 @@
+"""Queue policies behind one interface, and the waiting queue they order.
+
+A policy gives every request a sort key (lower = served first). The waiting queue is a
+heap on the policy's static key; running requests are re-sorted each step with
+`running_key`, and preemption victims come from the worst end.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from abc import ABC, abstractmethod
+
+from scheduler_service.config import SchedulerConfig, SchedulingPolicy
+from scheduler_service.request import Request
+
+
+class QueuePolicy(ABC):
+    has_aging = False
+    can_preempt_running = False  # may a waiting request preempt running ones?
+
+    @abstractmethod
+    def static_key(self, request: Request) -> tuple:
+        """Order of waiting requests that does not depend on the time."""
+
+    def running_key(self, request: Request, now: float) -> tuple:
+        return self.static_key(request)
+
+    def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
+        """May the waiting `candidate` preempt the running `victim` to get admitted?"""
+        return False
+
+    def is_aged(self, request: Request, now: float) -> bool:
+        return False
+
+
+class FcfsPolicy(QueuePolicy):
+    def static_key(self, request: Request) -> tuple:
+        return (request.arrival_time,)
+
+
+class PriorityPolicy(QueuePolicy):
+    """Lower priority value first, ties by arrival; strictly better may preempt worse."""
+
+    can_preempt_running = True
+
+    def static_key(self, request: Request) -> tuple:
+        return (request.priority, request.arrival_time)
+
+    def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
+        return candidate.priority < victim.priority
+
+
+class ScorePolicy(QueuePolicy):
+    """score = w_p * priority + w_l * remaining tokens - w_w * time waited (lowest first).
+
+    The wait term is `w_w * (now - arrival)`; `-w_w * now` is common to all requests, so
+    the order is static: `w_p * priority + w_l * remaining + w_w * arrival`. A request that
+    waited longer than `max_wait_time` has aged: it goes ahead of every request that has
+    not, aged requests go in arrival order, and an aged request may preempt running work
+    with a worse key, so nobody starves.
+    """
+
+    has_aging = True
+    can_preempt_running = True
+
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.w_priority = config.score_priority_weight
+        self.w_wait = config.score_wait_weight
+        self.w_length = config.score_length_weight
+        self.max_wait = config.max_wait_time
+
+    def score(self, request: Request) -> float:
+        remaining = (
+            request.num_tokens - request.num_computed_tokens
+            + request.sampling.max_tokens - request.num_output_tokens
+        )
+        return self.w_priority * request.priority + self.w_length * remaining + self.w_wait * request.arrival_time
+
+    def static_key(self, request: Request) -> tuple:
+        return (self.score(request), request.arrival_time)
+
+    def is_aged(self, request: Request, now: float) -> bool:
+        return now - request.arrival_time > self.max_wait
+
+    def running_key(self, request: Request, now: float) -> tuple:
+        if self.is_aged(request, now):
+            return (0, request.arrival_time, 0.0)
+        return (1, self.score(request), request.arrival_time)
+
+    def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
+        return self.is_aged(candidate, now) and self.running_key(candidate, now) < self.running_key(victim, now)
+
+
+def make_policy(config: SchedulerConfig) -> QueuePolicy:
+    match config.scheduling_policy:
+        case SchedulingPolicy.FCFS:
+            return FcfsPolicy()
+        case SchedulingPolicy.PRIORITY:
+            return PriorityPolicy()
+        case SchedulingPolicy.SCORE:
+            return ScorePolicy(config)
+    raise ValueError(f"unknown scheduling policy {config.scheduling_policy!r}")
+
+
+class WaitingQueue:
+    """Heap on the policy's static key with lazy removal; for aging policies a second heap
+    on arrival time finds the oldest request, which goes first once it has aged."""
+
+    def __init__(self, policy: QueuePolicy) -> None:
+        self._policy = policy
+        self._by_key: list[tuple] = []
+        self._by_arrival: list[tuple] = []
+        self._tokens = itertools.count()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __contains__(self, request: Request) -> bool:
+        return request.queue_token is not None
+
+    def push(self, request: Request) -> None:
+        assert request.queue_token is None, f"{request.request_id} queued twice"
+        token = next(self._tokens)
+        request.queue_token = token
+        heapq.heappush(self._by_key, (self._policy.static_key(request), token, request))
+        if self._policy.has_aging:
+            heapq.heappush(self._by_arrival, (request.arrival_time, token, request))
+        self._len += 1
+
+    def remove(self, request: Request) -> None:
+        assert request.queue_token is not None, f"{request.request_id} is not queued"
+        request.queue_token = None
+        self._len -= 1
+
+    def peek(self, now: float) -> Request | None:
+        if self._policy.has_aging:
+            oldest = self._top(self._by_arrival)
+            if oldest is not None and self._policy.is_aged(oldest, now):
+                return oldest
+        return self._top(self._by_key)
+
+    def pop(self, now: float) -> Request | None:
+        request = self.peek(now)
+        if request is not None:
+            self.remove(request)
+        return request
+
+    def requests(self) -> list[Request]:
+        return [entry[2] for entry in self._by_key if entry[2].queue_token == entry[1]]
+
+    @staticmethod
+    def _top(heap: list[tuple]) -> Request | None:
+        while heap and heap[0][2].queue_token != heap[0][1]:
+            heapq.heappop(heap)
+        return heap[0][2] if heap else None

@@ -1,0 +1,172 @@
+"""A request as the scheduler sees it (nano-vllm `Sequence`-like), plus its events.
+
+Status changes happen only in named `Scheduler` methods (`_admit`, `_preempt`,
+`_swap_in`, `_finish`); nothing else assigns `status`.
+
+Counters (positions in the sequence prompt + output):
+- `num_scheduled_tokens`: tokens whose KV computation has been sent to the worker,
+  including steps still in flight.
+- `num_computed_tokens`: tokens whose computation a processed result confirmed.
+- `num_committed_tokens`: leading tokens that are both computed and committed (the part
+  that may enter the prefix cache).
+- `num_output_placeholders`: sampled tokens of in-flight steps, not yet committed.
+Always `num_scheduled >= num_computed >= num_committed` and
+`num_output_tokens + num_output_placeholders <= max_tokens`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from stepahead.plan import SamplingParams
+
+
+class RequestRejected(ValueError):
+    """A request that can never be served (bad input): raised by `Scheduler.add_request`."""
+
+
+class RequestStatus(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # recompute: back in the waiting queue without KV
+    SWAPPED = "swapped"  # KV in the host pool
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISHED
+
+
+class FinishReason(Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    ERROR = "error"
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+FINISHED_STATUS = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+    FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
+    FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
+}
+
+
+@dataclass(frozen=True)
+class RequestEvent:
+    """What a client sees after a step: newly committed tokens and, at the end, why."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class Request:
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingParams,
+        priority: int = 0,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> None:
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestRejected(f"request_id must be a non-empty string, got {request_id!r}")
+        prompt = tuple(prompt_token_ids)
+        if not prompt:
+            raise RequestRejected(f"request {request_id!r}: prompt_token_ids is empty")
+        if any(not isinstance(t, int) or t < 0 for t in prompt):
+            raise RequestRejected(f"request {request_id!r}: prompt token ids must be non-negative ints")
+        if sampling.max_tokens < 1:
+            raise RequestRejected(f"request {request_id!r}: max_tokens must be >= 1, got {sampling.max_tokens}")
+        if not 0 <= sampling.min_tokens <= sampling.max_tokens:
+            raise RequestRejected(
+                f"request {request_id!r}: min_tokens ({sampling.min_tokens}) must be in [0, max_tokens "
+                f"({sampling.max_tokens})]"
+            )
+        self.request_id = request_id
+        self.prompt_token_ids = prompt
+        self.sampling = sampling
+        self.priority = priority
+        self.arrival_time = arrival_time
+        self.cache_salt = cache_salt
+        self.output_token_ids: list[int] = []
+        self.status = RequestStatus.WAITING
+        self.block_ids: list[int] = []  # device KV blocks, in sequence order
+        self.host_block_ids: list[int] = []  # host copies while SWAPPED
+        self.num_scheduled_tokens = 0
+        self.num_computed_tokens = 0
+        self.num_output_placeholders = 0
+        self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported to clients)
+        self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
+        # Scheduler bookkeeping.
+        self.epoch = 0  # bumped on preempt / finish: older in-flight results become stale
+        self.last_step_id = -1  # newest plan that touched this request's blocks
+        self.in_worker = False  # the worker holds this request (sent as NewRequest, not forgotten)
+        self.block_hashes: list[int] = []  # chained hashes of full committed blocks
+        self.prefix_ids: list[int] = []  # content identities of this request's cached blocks
+        self.queue_token: int | None = None  # live entry in the waiting queue
+
+    # ---- lengths -------------------------------------------------------------------
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Committed tokens: prompt + committed output."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens the worker will know once in-flight steps ran: committed + placeholders."""
+        return self.num_tokens + self.num_output_placeholders
+
+    @property
+    def num_committed_tokens(self) -> int:
+        return min(self.num_computed_tokens, self.num_tokens)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    def all_token_ids(self) -> tuple[int, ...]:
+        return self.prompt_token_ids + tuple(self.output_token_ids)
+
+    def token_ids_range(self, start: int, end: int) -> tuple[int, ...]:
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.all_token_ids()[start:end]
+
+    def may_sample(self, max_model_len: int) -> bool:
+        """Whether one more sampled token could still be committed (placeholders counted)."""
+        pending = self.num_output_tokens + self.num_output_placeholders
+        return pending < self.sampling.max_tokens and self.num_known_tokens < max_model_len
+
+    def __repr__(self) -> str:
+        return (
+            f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "
+            f"sched={self.num_scheduled_tokens}, comp={self.num_computed_tokens}, "
+            f"ph={self.num_output_placeholders}, blocks={len(self.block_ids)})"
+        )

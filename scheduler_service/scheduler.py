@@ -1,0 +1,427 @@
+"""The scheduler core: composes the queue policy, the KV manager and the step builder.
+
+Per step: running requests first (policy order; on block shortage the worst running
+request is preempted), then swapped ones, then waiting ones; one token budget and one
+sequence budget. Async: up to `max_concurrent_batches` plans in flight; sampled tokens
+of in-flight steps are counted as placeholders; results are committed in plan order and
+results for requests preempted / finished / aborted since are stale (epoch check).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum, auto
+
+from scheduler_service.block_pool import BlockHashFn, default_block_hash
+from scheduler_service.config import PreemptionMode, SchedulerConfig
+from scheduler_service.integrity import check_request
+from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
+from scheduler_service.policy import WaitingQueue, make_policy
+from scheduler_service.request import (
+    FINISHED_STATUS,
+    FinishReason,
+    Request,
+    RequestEvent,
+    RequestRejected,
+    RequestStatus,
+)
+from scheduler_service.step_builder import InFlightPlan, StepBuilder
+from stepahead.plan import StepPlan, StepResult
+
+__all__ = ["FinishReason", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
+
+
+@dataclass(frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    num_total_blocks: int
+    num_free_blocks: int  # free or cached-and-evictable
+    num_cached_blocks: int  # carrying a prefix-cache entry (in use or not)
+    num_fenced_blocks: int
+    kv_usage: float
+    num_used_host_blocks: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    num_preemptions: int
+    num_swap_outs: int
+    num_steps: int
+    num_finished: int
+    num_aborted: int
+    num_in_flight: int
+
+
+class _Admission(Enum):
+    OK = auto()
+    NO_SEQ = auto()  # max_num_seqs reached
+    NO_BUDGET = auto()  # token budget spent
+    WAIT_FENCE = auto()  # fits once in-flight plans release their fences: wait, do not preempt
+    NO_BLOCKS = auto()
+
+
+class Scheduler:
+    def __init__(
+        self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
+        hash_fn: BlockHashFn = default_block_hash,
+    ) -> None:
+        self.config = config
+        self._clock = clock
+        self._policy = make_policy(config)
+        self._kv = KVCacheManager(
+            config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn
+        )
+        self._eos = frozenset(config.eos_token_ids)
+        self._requests: dict[str, Request] = {}
+        self._waiting = WaitingQueue(self._policy)
+        self._running: list[Request] = []
+        self._swapped: list[Request] = []
+        self._in_flight: deque[InFlightPlan] = deque()
+        self._next_step_id = 0
+        self._pending_finished: list[str] = []
+        self._pending_preempted: list[str] = []
+        self._counts = Counter()
+
+    # ---- requests in and out ---------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        rid = request.request_id
+        if rid in self._requests:
+            raise RequestRejected(f"duplicate request id {rid!r}: a request with this id is still active")
+        if request.status is not RequestStatus.WAITING or request.num_output_tokens or request.epoch:
+            raise RequestRejected(f"request {rid!r} was already used by a scheduler")
+        self._check_fits(request)
+        if request.arrival_time is None:
+            request.arrival_time = self._clock()
+        self._requests[rid] = request
+        self._waiting.push(request)
+
+    def _check_fits(self, request: Request) -> None:
+        cfg, rid, n = self.config, request.request_id, request.num_prompt_tokens
+        if n >= cfg.max_model_len:
+            raise RequestRejected(
+                f"request {rid!r}: prompt has {n} tokens but max_model_len is {cfg.max_model_len} "
+                f"(the prompt must be shorter to leave room for output)"
+            )
+        final_len = min(n + request.sampling.max_tokens, cfg.max_model_len)
+        blocks = cdiv(final_len - 1, cfg.block_size)  # the last sampled token is never computed
+        if blocks > cfg.num_gpu_blocks:
+            raise RequestRejected(
+                f"request {rid!r}: needs up to {blocks} KV blocks ({final_len} tokens) but the device "
+                f"pool has only {cfg.num_gpu_blocks}"
+            )
+
+    def abort(self, request_id: str) -> RequestEvent | None:
+        request = self._requests.get(request_id)
+        if request is None:
+            return None
+        self._finish(request, FinishReason.ABORT)
+        return self._event(request, (), FinishReason.ABORT)
+
+    # ---- the step ----------------------------------------------------------------------------
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    def can_schedule(self) -> bool:
+        return len(self._in_flight) < self.config.max_in_flight
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    def schedule(self) -> StepPlan | None:
+        if not self.can_schedule():
+            return None
+        now = self._clock()
+        cfg = self.config
+        b = StepBuilder(self._next_step_id, cfg.max_num_batched_tokens, cfg.max_num_seqs)
+        deferred = self._schedule_running(b, now)
+        if not b.preempted and not deferred:
+            self._schedule_swapped(b, now)
+            if not self._swapped:
+                self._schedule_waiting(b, now)
+        if not (b.entries or b.swap_out or b.swap_in):
+            return None
+        plan, in_flight = b.build(self._pending_finished, self._pending_preempted)
+        self._pending_finished, self._pending_preempted = [], []
+        self._in_flight.append(in_flight)
+        self._next_step_id += 1
+        return plan
+
+    def _schedule_running(self, b: StepBuilder, now: float) -> bool:
+        """Advance running requests; returns True if one was deferred waiting for a fence."""
+        self._running.sort(key=lambda r: self._policy.running_key(r, now))
+        deferred, i = False, 0
+        while i < len(self._running) and b.tokens_left > 0 and b.seqs_left > 0:
+            req = self._running[i]
+            n = self._num_new_tokens(req, req.num_known_tokens - req.num_scheduled_tokens, b.tokens_left)
+            first_new_block = len(req.block_ids)
+            if n:
+                outcome = self._reserve(req, req.num_scheduled_tokens + n, b)
+                if outcome is _Admission.OK:
+                    b.add(req, n, False, first_new_block)
+                deferred |= outcome is _Admission.WAIT_FENCE
+            if req.status is RequestStatus.RUNNING:
+                i += 1  # otherwise it preempted itself, and it was the last one
+        return deferred
+
+    def _reserve(self, req: Request, num_tokens: int, b: StepBuilder) -> _Admission:
+        """Blocks for `num_tokens`, preempting the worst running requests while short."""
+        while not self._kv.allocate_slots(req, num_tokens):
+            need = self._kv.blocks_needed(req, num_tokens)
+            if self._kv.could_allocate_later(need):
+                return _Admission.WAIT_FENCE
+            victim = self._running[-1]
+            self._preempt(victim, b)
+            if victim is req:
+                return _Admission.NO_BLOCKS
+        return _Admission.OK
+
+    def _num_new_tokens(self, req: Request, remaining: int, tokens_left: int) -> int:
+        """Tokens to compute this step (0: none), honouring chunking and max_tokens."""
+        cfg = self.config
+        if remaining <= 0:
+            return 0
+        if not cfg.enable_chunked_prefill:
+            n = remaining if remaining <= tokens_left else 0
+        else:
+            n = min(remaining, tokens_left)
+            if cfg.long_prefill_token_threshold:
+                n = min(n, cfg.long_prefill_token_threshold)
+        if n == remaining and not req.may_sample(cfg.max_model_len):
+            return 0  # its pending placeholders may already complete it
+        return n
+
+    def _schedule_swapped(self, b: StepBuilder, now: float) -> None:
+        self._swapped.sort(key=lambda r: self._policy.running_key(r, now))
+        while self._swapped and b.seqs_left > 0 and len(self._running) < self.config.max_num_seqs:
+            req = self._swapped[0]
+            n = self._num_new_tokens(req, req.num_tokens - req.num_computed_tokens, b.tokens_left)
+            need = max(len(req.host_block_ids), cdiv(req.num_computed_tokens + n, self.config.block_size))
+            if n == 0 or need > self._kv.device.num_free:
+                return
+            self._swap_in(req, n, b)
+
+    def _schedule_waiting(self, b: StepBuilder, now: float) -> None:
+        while len(self._waiting):
+            req = self._waiting.peek(now)
+            outcome = self._try_admit(req, b)
+            if outcome is _Admission.OK:
+                continue
+            if outcome is _Admission.WAIT_FENCE:
+                return
+            victim = self._policy_victim(req, b, now)
+            if victim is None:
+                return
+            self._preempt(victim, b)
+
+    def _try_admit(self, req: Request, b: StepBuilder) -> _Admission:
+        if len(self._running) >= self.config.max_num_seqs or b.seqs_left == 0:
+            return _Admission.NO_SEQ
+        hit = self._kv.find_prefix_hit(req)
+        computed = hit.num_blocks * self.config.block_size
+        n = self._num_new_tokens(req, req.num_tokens - computed, b.tokens_left)
+        if n == 0:
+            return _Admission.NO_BUDGET
+        need = cdiv(computed + n, self.config.block_size) - hit.num_blocks + hit.num_free_hits
+        if need > self._kv.device.num_free:
+            return _Admission.WAIT_FENCE if self._kv.could_allocate_later(need) else _Admission.NO_BLOCKS
+        self._admit(req, hit, n, b)
+        return _Admission.OK
+
+    def _policy_victim(self, candidate: Request, b: StepBuilder, now: float) -> Request | None:
+        """The worst running request the waiting `candidate` may preempt, if any."""
+        if not self._policy.can_preempt_running:
+            return None
+        eligible = [r for r in self._running if not b.is_scheduled_new(r)]
+        if not eligible:
+            return None
+        victim = max(eligible, key=lambda r: self._policy.running_key(r, now))
+        return victim if self._policy.may_preempt(candidate, victim, now) else None
+
+    # ---- status transitions --------------------------------------------------------------
+    def _admit(self, req: Request, hit: PrefixHit, n: int, b: StepBuilder) -> None:
+        self._waiting.remove(req)
+        self._kv.take_hit(req, hit)
+        req.num_computed_tokens = req.num_scheduled_tokens = hit.num_blocks * self.config.block_size
+        ok = self._kv.allocate_slots(req, req.num_computed_tokens + n)
+        assert ok, "admission checked the free blocks"
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = self._clock()
+            req.num_cached_tokens = req.num_computed_tokens
+        self._counts["prefix_query_tokens"] += req.num_tokens
+        self._counts["prefix_hit_tokens"] += req.num_computed_tokens
+        self._running.append(req)
+        b.add(req, n, True, 0)
+
+    def _swap_in(self, req: Request, n: int, b: StepBuilder) -> None:
+        pairs = self._kv.swap_in(req, b.step_id)
+        assert pairs is not None and self._kv.allocate_slots(req, req.num_computed_tokens + n)
+        b.swap_in.extend(pairs)
+        self._swapped.remove(req)
+        req.status = RequestStatus.RUNNING
+        self._running.append(req)
+        b.add(req, n, True, 0)
+
+    def _preempt(self, victim: Request, b: StepBuilder) -> None:
+        """Take a running request off the device: swap its KV out, or drop it (recompute)."""
+        b.unschedule(victim)
+        self._running.remove(victim)
+        b.preempted = True
+        victim.epoch += 1  # its in-flight results are stale from now on
+        victim.num_output_placeholders = 0
+        victim.num_preemptions += 1
+        self._counts["num_preemptions"] += 1
+        if victim.in_worker:
+            self._pending_preempted.append(victim.request_id)
+            victim.in_worker = False
+        pairs = None
+        if self.config.preemption_mode is PreemptionMode.SWAP:
+            pairs = self._kv.swap_out(victim, b.step_id)
+        if pairs:
+            b.swap_out.extend(pairs)
+            victim.num_scheduled_tokens = victim.num_computed_tokens
+            victim.status = RequestStatus.SWAPPED
+            self._swapped.append(victim)
+            self._counts["num_swap_outs"] += 1
+            return
+        self._kv.free(victim)
+        victim.num_computed_tokens = victim.num_scheduled_tokens = 0
+        victim.status = RequestStatus.PREEMPTED
+        self._waiting.push(victim)
+
+    def _finish(self, req: Request, reason: FinishReason) -> None:
+        match req.status:
+            case RequestStatus.RUNNING:
+                self._running.remove(req)
+            case RequestStatus.SWAPPED:
+                self._swapped.remove(req)
+            case RequestStatus.WAITING | RequestStatus.PREEMPTED:
+                self._waiting.remove(req)
+        self._kv.free(req)
+        req.status = FINISHED_STATUS[reason]
+        req.epoch += 1
+        req.num_output_placeholders = 0
+        if req.in_worker:
+            self._pending_finished.append(req.request_id)
+            req.in_worker = False
+        del self._requests[req.request_id]
+        self._counts["num_finished"] += 1
+        self._counts["num_aborted"] += reason is FinishReason.ABORT
+
+    # ---- results -----------------------------------------------------------------------------
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestEvent]:
+        """Commit the result of the oldest in-flight plan; returns one event per request that
+        got a token (with its finish reason when it finished)."""
+        if not self._in_flight or self._in_flight[0].step_id != plan.step_id:
+            oldest = self._in_flight[0].step_id if self._in_flight else None
+            raise ValueError(f"plan {plan.step_id} is not the oldest in flight (oldest: {oldest})")
+        if result.step_id != plan.step_id:
+            raise ValueError(f"result for step {result.step_id} given with plan {plan.step_id}")
+        record = self._in_flight[0]
+        self._check_result(record, result)
+        self._in_flight.popleft()
+        self._kv.device.release_fences(record.step_id)
+        self._kv.host.release_fences(record.step_id)
+        self._counts["num_steps"] += 1
+        events = []
+        for entry in record.entries:
+            req = entry.request
+            if req.epoch != entry.epoch:
+                continue  # preempted, finished or aborted since the plan was built: stale
+            req.num_computed_tokens += entry.num_tokens
+            if not entry.samples:
+                self._kv.register_computed(req)
+                continue
+            req.num_output_placeholders -= 1
+            token = result.sampled_token_ids[req.request_id]
+            req.output_token_ids.append(token)
+            self._kv.register_computed(req)
+            reason = self._stop_reason(req, token)
+            if reason is not None:
+                self._finish(req, reason)
+            events.append(self._event(req, (token,), reason))
+        return events
+
+    @staticmethod
+    def _check_result(record: InFlightPlan, result: StepResult) -> None:
+        sampling = {e.request.request_id for e in record.entries if e.samples}
+        extra = result.sampled_token_ids.keys() - sampling
+        if extra:
+            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)}")
+        fresh = {e.request.request_id for e in record.entries if e.samples and e.request.epoch == e.epoch}
+        missing = fresh - result.sampled_token_ids.keys()
+        if missing:
+            raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)}")
+
+    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
+        sp = req.sampling
+        if req.num_output_tokens >= sp.min_tokens:
+            if (token in self._eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+                return FinishReason.STOP
+        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    @staticmethod
+    def _event(req: Request, tokens: tuple[int, ...], reason: FinishReason | None) -> RequestEvent:
+        return RequestEvent(req.request_id, tokens, reason, req.num_prompt_tokens, req.num_cached_tokens)
+
+    # ---- introspection -------------------------------------------------------------------------
+    def get_request(self, request_id: str) -> Request | None:
+        return self._requests.get(request_id)
+
+    def waiting_requests(self) -> list[Request]:
+        return self._waiting.requests()
+
+    def stats(self) -> SchedulerStats:
+        device, c = self._kv.device, self._counts
+        return SchedulerStats(
+            num_running=len(self._running),
+            num_waiting=len(self._waiting),
+            num_swapped=len(self._swapped),
+            num_total_blocks=device.num_blocks,
+            num_free_blocks=device.num_free,
+            num_cached_blocks=device.num_cached,
+            num_fenced_blocks=device.num_fenced,
+            kv_usage=device.num_used / device.num_blocks,
+            num_used_host_blocks=self._kv.host.num_used + self._kv.host.num_fenced,
+            prefix_query_tokens=c["prefix_query_tokens"],
+            prefix_hit_tokens=c["prefix_hit_tokens"],
+            num_preemptions=c["num_preemptions"],
+            num_swap_outs=c["num_swap_outs"],
+            num_steps=c["num_steps"],
+            num_finished=c["num_finished"],
+            num_aborted=c["num_aborted"],
+            num_in_flight=len(self._in_flight),
+        )
+
+    def check_integrity(self) -> None:
+        cfg = self.config
+        refs, host_refs = Counter(), Counter()
+        for req in self._requests.values():
+            check_request(req, cfg.block_size, cfg.max_model_len, len(self._in_flight))
+            refs.update(req.block_ids)
+            host_refs.update(req.host_block_ids)
+        self._kv.device.check_integrity(refs)
+        self._kv.host.check_integrity(host_refs)
+        containers = {
+            RequestStatus.RUNNING: self._running,
+            RequestStatus.SWAPPED: self._swapped,
+            RequestStatus.WAITING: self._waiting.requests(),
+        }
+        listed = 0
+        for status, members in containers.items():
+            for req in members:
+                ok = req.status is status or (status is RequestStatus.WAITING and req.status is RequestStatus.PREEMPTED)
+                if not ok or self._requests.get(req.request_id) is not req:
+                    raise AssertionError(f"{req!r} listed as {status.name}")
+            listed += len(members)
+        if listed != len(self._requests) or len(self._waiting) != len(containers[RequestStatus.WAITING]):
+            raise AssertionError(f"{listed} requests in queues, {len(self._requests)} tracked")
+        if self._in_flight and [p.step_id for p in self._in_flight] != list(
+            range(self._next_step_id - len(self._in_flight), self._next_step_id)
+        ):
+            raise AssertionError("in-flight plans out of order")

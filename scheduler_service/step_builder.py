@@ -1,0 +1,106 @@
+"""One step under construction: the budget, what is scheduled, and the plan it becomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from scheduler_service.request import Request
+from stepahead.plan import NewRequest, RunningRequest, StepPlan
+
+
+@dataclass
+class ScheduledEntry:
+    request: Request
+    num_new_tokens: int
+    is_new: bool  # sent in full as a NewRequest (admitted, resumed or swapped in)
+    first_new_block: int  # index of the first block the worker has not seen yet
+
+
+@dataclass(frozen=True)
+class InFlightEntry:
+    """One request's part of an in-flight plan; stale once the request's epoch moved on."""
+
+    request: Request
+    epoch: int
+    num_tokens: int
+    samples: bool
+
+
+@dataclass(frozen=True)
+class InFlightPlan:
+    step_id: int
+    entries: tuple[InFlightEntry, ...]
+
+
+@dataclass
+class StepBuilder:
+    step_id: int
+    token_budget: int
+    seq_budget: int
+    entries: dict[str, ScheduledEntry] = field(default_factory=dict)
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: bool = False
+
+    @property
+    def tokens_left(self) -> int:
+        return self.token_budget
+
+    @property
+    def seqs_left(self) -> int:
+        return self.seq_budget
+
+    def add(self, request: Request, num_new_tokens: int, is_new: bool, first_new_block: int) -> None:
+        assert request.request_id not in self.entries and num_new_tokens > 0
+        assert num_new_tokens <= self.token_budget and self.seq_budget > 0
+        self.entries[request.request_id] = ScheduledEntry(request, num_new_tokens, is_new, first_new_block)
+        self.token_budget -= num_new_tokens
+        self.seq_budget -= 1
+
+    def unschedule(self, request: Request) -> None:
+        """Drop a running delta again (its request is being preempted)."""
+        entry = self.entries.pop(request.request_id, None)
+        if entry is None:
+            return
+        assert not entry.is_new, "a request admitted this step is never a victim"
+        self.token_budget += entry.num_new_tokens
+        self.seq_budget += 1
+
+    def is_scheduled_new(self, request: Request) -> bool:
+        entry = self.entries.get(request.request_id)
+        return entry is not None and entry.is_new
+
+    def build(self, finished_ids: list[str], preempted_ids: list[str]) -> tuple[StepPlan, InFlightPlan]:
+        """Apply the schedule to the requests' counters and emit the plan."""
+        new_reqs, running, in_flight = [], [], []
+        for entry in self.entries.values():
+            req, n = entry.request, entry.num_new_tokens
+            start = req.num_scheduled_tokens
+            req.num_scheduled_tokens += n
+            samples = req.num_scheduled_tokens == req.num_known_tokens
+            if entry.is_new:
+                assert req.num_output_placeholders == 0, "a request sent in full has no placeholders"
+                new_reqs.append(
+                    NewRequest(req.request_id, req.all_token_ids(), req.sampling, tuple(req.block_ids), start, n)
+                )
+                req.in_worker = True
+            else:
+                placeholder = start >= req.num_tokens
+                assert not placeholder or n == 1, "a placeholder input is always a single decode"
+                running.append(
+                    RunningRequest(req.request_id, tuple(req.block_ids[entry.first_new_block:]), n, placeholder)
+                )
+            if samples:
+                req.num_output_placeholders += 1
+            req.last_step_id = self.step_id
+            in_flight.append(InFlightEntry(req, req.epoch, n, samples))
+        plan = StepPlan(
+            step_id=self.step_id,
+            new_requests=tuple(new_reqs),
+            running=tuple(running),
+            finished_ids=tuple(finished_ids),
+            preempted_ids=tuple(preempted_ids),
+            swap_out=tuple(self.swap_out),
+            swap_in=tuple(self.swap_in),
+        )
+        return plan, InFlightPlan(self.step_id, tuple(in_flight))

@@ -1,0 +1,251 @@
+"""A fake worker that executes StepPlans exactly as the plan docstring says, checking the
+scheduler's side of the contract, plus a driver that runs scheduler + fake in a loop.
+
+The fake keeps a KV "cache" whose slots hold (position, token) instead of tensors: every
+step it writes the computed slots and then verifies that every position the request
+attends to holds the right token. A wrong prefix hit, a bad swap, a short block table or a
+block reused under another request all fail there. Sampled tokens are a hash of the
+request id and all its known tokens (deterministic, batch-independent), so a run can be
+compared with an uncontended synchronous run of the same request.
+"""
+
+from __future__ import annotations
+
+import zlib
+from array import array
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.request import FinishReason, Request, RequestEvent
+from scheduler_service.scheduler import Scheduler
+from stepahead.plan import SamplingParams, StepPlan, StepResult
+
+TokenFn = Callable[[str, tuple[int, ...]], int]
+
+
+def hashed_tokens(vocab_size: int) -> TokenFn:
+    """token = crc32(request id, all known tokens) mod vocab_size."""
+
+    def token_fn(request_id: str, tokens: tuple[int, ...]) -> int:
+        return zlib.crc32(request_id.encode() + array("q", tokens).tobytes()) % vocab_size
+
+    return token_fn
+
+
+def eos_at(eos_token_id: int, lengths: Mapping[str, int], base: TokenFn) -> TokenFn:
+    """Sample `eos_token_id` when a request's known length is `lengths[request_id]`."""
+
+    def token_fn(request_id: str, tokens: tuple[int, ...]) -> int:
+        if lengths.get(request_id) == len(tokens):
+            return eos_token_id
+        return base(request_id, tokens)
+
+    return token_fn
+
+
+@dataclass
+class _WorkerRequest:
+    tokens: list[int]
+    sampled_by: list[int]  # per position: step that sampled it, -1 if given in NewRequest
+    block_table: list[int]
+    num_computed: int
+
+
+@dataclass
+class FakeExecutor:
+    block_size: int
+    num_gpu_blocks: int
+    num_cpu_blocks: int
+    token_fn: TokenFn
+    requests: dict[str, _WorkerRequest] = field(default_factory=dict)
+    reported_step: int = -1  # newest step whose result the scheduler has processed
+    next_step: int = 0
+    _touched: dict[int, tuple[set[int], set[int]]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.kv = [[None] * self.block_size for _ in range(self.num_gpu_blocks)]
+        self.host = [[None] * self.block_size for _ in range(self.num_cpu_blocks)]
+
+    def mark_reported(self, step_id: int) -> None:
+        assert step_id == self.reported_step + 1
+        self.reported_step = step_id
+        self._touched.pop(step_id, None)
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        assert plan.step_id == self.next_step, f"plan {plan.step_id} out of order"
+        self._check_fences(plan)
+        for rid in plan.finished_ids + plan.preempted_ids:
+            assert rid in self.requests, f"forgetting unknown request {rid}"
+            del self.requests[rid]
+        for dev, host in plan.swap_out:
+            self.host[host] = list(self.kv[dev])
+        for host, dev in plan.swap_in:
+            self.kv[dev] = list(self.host[host])
+        scheduled: list[tuple[str, int, bool]] = []
+        for nr in plan.new_requests:
+            assert nr.request_id not in self.requests, f"{nr.request_id} registered twice"
+            assert 0 <= nr.num_computed_tokens < len(nr.token_ids)
+            self.requests[nr.request_id] = _WorkerRequest(
+                list(nr.token_ids), [-1] * len(nr.token_ids), list(nr.block_ids), nr.num_computed_tokens
+            )
+            scheduled.append((nr.request_id, nr.num_scheduled_tokens, False))
+        for rr in plan.running:
+            self.requests[rr.request_id].block_table.extend(rr.new_block_ids)
+            scheduled.append((rr.request_id, rr.num_scheduled_tokens, rr.input_is_placeholder))
+        ids = [rid for rid, _, _ in scheduled]
+        assert len(ids) == len(set(ids)), "a request scheduled twice in one plan"
+        sampled = {}
+        for rid, n, placeholder in scheduled:
+            token = self._compute(rid, n, placeholder, plan.step_id)
+            if token is not None:
+                sampled[rid] = token
+        self._record_touched(plan)
+        self.next_step += 1
+        return StepResult(plan.step_id, sampled)
+
+    def _compute(self, rid: str, n: int, placeholder: bool, step_id: int) -> int | None:
+        req, bs = self.requests[rid], self.block_size
+        start, end = req.num_computed, req.num_computed + n
+        assert n > 0 and end <= len(req.tokens), f"{rid}: computes [{start}, {end}) of {len(req.tokens)} known"
+        assert len(req.block_table) * bs >= end, f"{rid}: block table too short for {end} tokens"
+        unreported = req.sampled_by[start] > self.reported_step
+        assert placeholder == unreported, f"{rid}: input_is_placeholder={placeholder}, token unreported={unreported}"
+        for p in range(start, end):
+            self.kv[req.block_table[p // bs]][p % bs] = (p, req.tokens[p])
+        for q in range(end):
+            got = self.kv[req.block_table[q // bs]][q % bs]
+            assert got == (q, req.tokens[q]), f"{rid}: KV at position {q} holds {got}, want {(q, req.tokens[q])}"
+        req.num_computed = end
+        if end < len(req.tokens):
+            return None
+        token = self.token_fn(rid, tuple(req.tokens))
+        req.tokens.append(token)
+        req.sampled_by.append(step_id)
+        return token
+
+    def _check_fences(self, plan: StepPlan) -> None:
+        """Blocks handed out fresh must not be touched by a plan still in flight."""
+        bs = self.block_size
+        fresh = {dev for _, dev in plan.swap_in}
+        for nr in plan.new_requests:
+            fresh.update(nr.block_ids[nr.num_computed_tokens // bs :])
+        for rr in plan.running:
+            fresh.update(rr.new_block_ids)
+        fresh_host = {host for _, host in plan.swap_out}
+        for step, (device, host) in self._touched.items():
+            assert not fresh & device, f"plan {plan.step_id} reuses blocks {fresh & device} of in-flight plan {step}"
+            assert not fresh_host & host, f"plan {plan.step_id} reuses host blocks of in-flight plan {step}"
+
+    def _record_touched(self, plan: StepPlan) -> None:
+        device = {dev for dev, _ in plan.swap_out} | {dev for _, dev in plan.swap_in}
+        for rid in [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.running]:
+            device.update(self.requests[rid].block_table)
+        host = {h for _, h in plan.swap_out} | {h for h, _ in plan.swap_in}
+        self._touched[plan.step_id] = (device, host)
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """Everything needed to build the same request again (Request objects are single-use)."""
+
+    request_id: str
+    prompt: tuple[int, ...]
+    sampling: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+
+    def build(self, arrival_time: float | None = None) -> Request:
+        return Request(self.request_id, self.prompt, self.sampling, self.priority, arrival_time, self.cache_salt)
+
+
+class Driver:
+    """The daemon loop in miniature: schedule while allowed, deliver results in order."""
+
+    def __init__(self, scheduler: Scheduler, executor: FakeExecutor) -> None:
+        self.scheduler = scheduler
+        self.executor = executor
+        self.in_flight: deque[tuple[StepPlan, StepResult]] = deque()
+        self.outputs: dict[str, list[int]] = {}
+        self.finished: dict[str, FinishReason] = {}
+        self.events: list[RequestEvent] = []
+        self.plans: list[StepPlan] = []
+
+    @classmethod
+    def create(cls, config: SchedulerConfig, token_fn: TokenFn, clock=None, **kwargs) -> Driver:
+        sched = Scheduler(config, clock, **kwargs) if clock else Scheduler(config, **kwargs)
+        fake = FakeExecutor(config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, token_fn)
+        return cls(sched, fake)
+
+    def step(self) -> bool:
+        """Schedule and send one plan if possible."""
+        if not self.scheduler.can_schedule():
+            return False
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return False
+        self.plans.append(plan)
+        self.in_flight.append((plan, self.executor.execute(plan)))
+        return True
+
+    def deliver(self) -> list[RequestEvent]:
+        plan, result = self.in_flight.popleft()
+        self.executor.mark_reported(plan.step_id)
+        events = self.scheduler.update_from_output(plan, result)
+        for event in events:
+            self.record(event)
+        return events
+
+    def record(self, event: RequestEvent) -> None:
+        assert event.request_id not in self.finished, f"event after finish: {event}"
+        self.events.append(event)
+        self.outputs.setdefault(event.request_id, []).extend(event.new_token_ids)
+        if event.finish_reason is not None:
+            self.finished[event.request_id] = event.finish_reason
+
+    def abort(self, request_id: str) -> RequestEvent | None:
+        event = self.scheduler.abort(request_id)
+        if event is not None:
+            self.record(event)
+        return event
+
+    def tick(self) -> None:
+        """One loop turn: fill the in-flight window, then deliver the oldest result."""
+        while self.step():
+            pass
+        if self.in_flight:
+            self.deliver()
+        elif self.scheduler.has_unfinished_requests():
+            raise AssertionError("stuck: requests unfinished, nothing in flight, nothing schedulable")
+
+    def run_until_done(self, max_ticks: int = 10_000, check: bool = True) -> None:
+        for _ in range(max_ticks):
+            if not self.scheduler.has_unfinished_requests() and not self.in_flight:
+                return
+            self.tick()
+            if check:
+                self.scheduler.check_integrity()
+        raise AssertionError(f"not done after {max_ticks} ticks")
+
+
+def run_alone(config: SchedulerConfig, spec: RequestSpec, token_fn: TokenFn) -> tuple[list[int], FinishReason]:
+    """The oracle: the same request alone through a fresh synchronous scheduler."""
+    from dataclasses import replace
+
+    from scheduler_service.kv_manager import cdiv
+
+    solo = replace(
+        config,
+        num_gpu_blocks=cdiv(config.max_model_len, config.block_size) + 1,
+        num_cpu_blocks=0,
+        max_num_batched_tokens=max(config.max_model_len, 8),
+        enable_chunked_prefill=True,
+        long_prefill_token_threshold=0,
+        enable_prefix_caching=False,
+        async_scheduling=False,
+    )
+    driver = Driver.create(solo, token_fn)
+    driver.scheduler.add_request(spec.build())
+    driver.run_until_done()
+    return driver.outputs.get(spec.request_id, []), driver.finished[spec.request_id]
