@@ -4,6 +4,9 @@ Allocates blocks from a free list, chunks prompts (`chunk` tokens per request pe
 admits requests at given steps (joining) and finishes them after `max_new` tokens (leaving),
 under a per-step token budget, so prefill chunks interleave with other requests' decodes.
 Every other step marks decodes as placeholder inputs (the device-side gather path).
+With `preempt_every=k`, every k-th step preempts the newest running request, alternating
+swap (KV copied to the host pool, resumed later with its computed count) and recompute
+(KV dropped, resent later as prompt + output from scratch).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 30)
 @dataclass
 class DriverStats:
     mixed_steps: int = 0  # steps with a prompt chunk and a decode together
+    swaps: int = 0
+    recomputes: int = 0
     placeholder_decodes: int = 0
     max_running_seen: int = 0
 
@@ -34,6 +39,8 @@ class ToyRequest:
     num_computed: int = 0
     sent: bool = False
     sampled_last_step: bool = False
+    host_blocks: list[int] = field(default_factory=list)
+    preempted_at: int = -1
 
     @property
     def tokens(self) -> list[int]:
@@ -45,9 +52,16 @@ class ToyRequest:
 
 
 class ToyScheduler:
-    def __init__(self, runner, *, chunk: int = 32, token_budget: int = 96, max_running: int = 16):
+    def __init__(self, runner, *, chunk: int = 32, token_budget: int = 96, max_running: int = 16,
+                 preempt_every: int = 0):
         self.runner, self.chunk, self.budget, self.max_running = runner, chunk, token_budget, max_running
+        self.preempt_every = preempt_every
         self.free_blocks = list(range(runner.num_blocks))
+        self.free_host_blocks = list(range(runner.num_host_blocks))
+        self.swapped: list[ToyRequest] = []
+        self._preempted: list[str] = []
+        self._swap_out: list[tuple[int, int]] = []
+        self._swap_in: list[tuple[int, int]] = []
         self.waiting: list[ToyRequest] = []
         self.running: list[ToyRequest] = []
         self.finished: list[ToyRequest] = []
@@ -59,7 +73,7 @@ class ToyScheduler:
         self.waiting.append(req)
 
     def run(self, max_steps: int = 10_000) -> None:
-        while self.waiting or self.running:
+        while self.waiting or self.running or self.swapped:
             self.step()
             if self.step_id > max_steps:
                 raise RuntimeError("driver did not finish")
@@ -74,7 +88,40 @@ class ToyScheduler:
         self.step_id += 1
         return plan, result
 
+    def _preempt(self) -> None:
+        victims = [r for r in self.running if r.sent]
+        if not (self.preempt_every and self.step_id % self.preempt_every == 0 and victims):
+            return
+        r = victims[-1]
+        self.running.remove(r)
+        self._preempted.append(r.request_id)
+        r.sent, r.sampled_last_step, r.preempted_at = False, False, self.step_id
+        if (self.stats.swaps + self.stats.recomputes) % 2 == 0:
+            r.host_blocks = [self.free_host_blocks.pop() for _ in r.blocks]
+            self._swap_out.extend(zip(r.blocks, r.host_blocks))
+            self.swapped.append(r)
+            self.stats.swaps += 1
+        else:
+            r.num_computed = 0
+            self.waiting.insert(0, r)
+            self.stats.recomputes += 1
+        self.free_blocks.extend(r.blocks)
+        r.blocks = []
+
+    def _resume_swapped(self) -> None:
+        for r in [r for r in self.swapped if r.preempted_at < self.step_id]:
+            if len(self.running) >= self.max_running:
+                return
+            self.swapped.remove(r)
+            r.blocks = [self.free_blocks.pop() for _ in r.host_blocks]
+            self._swap_in.extend(zip(r.host_blocks, r.blocks))
+            self.free_host_blocks.extend(r.host_blocks)
+            r.host_blocks = []
+            self.running.append(r)
+
     def _admit(self) -> None:
+        self._preempt()
+        self._resume_swapped()
         arrived = [r for r in self.waiting if r.arrival_step <= self.step_id]
         for r in arrived[: self.max_running - len(self.running)]:
             self.waiting.remove(r)
@@ -97,8 +144,10 @@ class ToyScheduler:
             else:
                 placeholder = n == 1 and r.sampled_last_step and self.step_id % 2 == 1
                 running.append(RunningRequest(r.request_id, tuple(fresh), n, placeholder))
-        plan = StepPlan(self.step_id, tuple(new), tuple(running), finished_ids=tuple(self._to_forget))
-        self._to_forget = []
+        plan = StepPlan(self.step_id, tuple(new), tuple(running), finished_ids=tuple(self._to_forget),
+                        preempted_ids=tuple(self._preempted), swap_out=tuple(self._swap_out),
+                        swap_in=tuple(self._swap_in))
+        self._to_forget, self._preempted, self._swap_out, self._swap_in = [], [], [], []
         self._record(plan, scheduled)
         return plan, scheduled
 
