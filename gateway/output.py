@@ -53,11 +53,11 @@ class OutputProcessor:
         text = self._detok.append(ids)
         if finish_reason is not None:
             text += self._detok.finish()
-        match = self._stop.feed(text)
-        if match.stopped:
-            return Output(match.text, ids, FinishReason.STOP, match.stop_string, self._num_tokens)
+        safe = self._stop.feed(text)
+        if self._stop.stopped:
+            return Output(safe, ids, FinishReason.STOP, self._stop.matched_stop, self._num_tokens)
         if finish_reason is None:
-            return Output(match.text, ids, num_output_tokens=self._num_tokens)
-        tail = match.text + self._stop.flush()
+            return Output(safe, ids, num_output_tokens=self._num_tokens)
+        tail = safe + self._stop.finish()
         stop_reason = str(ids[-1]) if ids and ids[-1] in self._stop_token_ids else ""
         return Output(tail, ids, finish_reason, stop_reason, self._num_tokens)

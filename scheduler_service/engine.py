@@ -17,13 +17,15 @@ import dataclasses
 import itertools
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.request import Request
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
-from stepahead.plan import SamplingParams, StepPlan, StepResult, WorkerInfo
+from stepahead.flight_recorder import FlightRecorder, StepRecord
+from stepahead.plan import StepPlan, StepResult, WorkerInfo
 
 
 class NoWorker(RuntimeError):
@@ -101,13 +103,18 @@ class Engine:
         make_config: Callable[[WorkerInfo], SchedulerConfig],
         log,
         on_ready_change: Callable[[bool], None] = lambda ready: None,
+        recorder: FlightRecorder | None = None,
+        on_fatal: Callable[[], None] = lambda: None,
     ) -> None:
+        self._on_fatal = on_fatal
+        self.crashed = False
+        self.recorder = recorder or FlightRecorder()
         self._make_config = make_config
         self._log = log
         self._on_ready_change = on_ready_change
         self._inbox: queue.Queue = queue.Queue()
         self._scheduler: Scheduler | None = None
-        self._handle: WorkerHandle | None = None
+        self._worker: WorkerHandle | None = None
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         self._streams: dict[str, RequestStream] = {}
         self._ids = itertools.count()
@@ -124,7 +131,7 @@ class Engine:
 
     @property
     def worker(self) -> WorkerInfo | None:
-        handle = self._handle
+        handle = self._worker
         return handle.info if handle else None
 
     def submit(self, request: Request) -> RequestStream:
@@ -162,6 +169,15 @@ class Engine:
 
     # ---- engine thread -------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException:
+            self.crashed = True
+            self._log.exception("engine_crashed")
+            self._on_fatal()
+            raise
+
+    def _loop(self) -> None:
         while True:
             item = self._inbox.get()
             if isinstance(item, _Stop):
@@ -182,12 +198,12 @@ class Engine:
             case _Abort(request_id):
                 self._abort(request_id)
             case _Result(handle, result):
-                if handle is self._handle:  # late results of a replaced worker mean nothing
+                if handle is self._worker:  # late results of a replaced worker mean nothing
                     self._commit(result)
             case _Attach(handle):
                 self._attach(handle)
             case _WorkerLost(handle, reason):
-                if handle is self._handle:
+                if handle is self._worker:
                     self._lose_worker(reason)
             case _Call(fn, reply):
                 try:
@@ -214,25 +230,25 @@ class Engine:
             self._dispatch([event])
 
     def _attach(self, handle: WorkerHandle) -> None:
-        if self._handle is not None:
-            self._log.warning("worker_replaced", old=self._handle.info.worker_id, new=handle.info.worker_id)
+        if self._worker is not None:
+            self._log.warning("worker_replaced", old=self._worker.info.worker_id, new=handle.info.worker_id)
             self._lose_worker("replaced by a new worker")
         self._scheduler = Scheduler(self._make_config(handle.info))
-        self._handle = handle
+        self._worker = handle
         self._log.info("worker_attached", **dataclasses.asdict(handle.info))
         self.worker_ready.set()
         self._on_ready_change(True)
 
     def _lose_worker(self, reason: str) -> None:
         """Fail every request: their KV lived on the lost worker."""
-        assert self._handle is not None
+        assert self._worker is not None
         self._log.error("worker_lost", reason=reason, requests=len(self._streams))
         for stream in self._streams.values():
             stream.put(RequestEvent(stream.request_id, (), FinishReason.ERROR, 0, 0))
         self._streams.clear()
         self._in_flight.clear()
-        self._handle.send(None)
-        self._scheduler = self._handle = None
+        self._worker.send(None)
+        self._scheduler = self._worker = None
         self.worker_ready.clear()
         self._on_ready_change(False)
 
@@ -240,18 +256,35 @@ class Engine:
         """Plan and send steps while the in-flight window has room."""
         sched = self._scheduler
         while sched is not None and sched.can_schedule():
+            start = time.time()
             plan = sched.schedule()
             if plan is None:
                 return
+            record = self._record(plan, start)
             self._in_flight.append(plan)
-            self._handle.send(plan)
+            self._worker.send(plan)
+            record.plan_sent = time.time()
+
+    def _record(self, plan: StepPlan, start: float) -> StepRecord:
+        stats = self._scheduler.stats()
+        record = StepRecord(
+            step_id=plan.step_id, schedule_start=start, schedule_end=time.time(),
+            num_requests=plan.num_requests, num_tokens=plan.num_scheduled_tokens,
+            num_running=stats.num_running, num_waiting=stats.num_waiting,
+        )
+        self.recorder.add(record)
+        return record
 
     def _commit(self, result: StepResult) -> None:
         if self._scheduler is None:
             return  # the worker was lost; its late results are meaningless
+        start = time.time()
         plan = self._in_flight.popleft()
         assert plan.step_id == result.step_id, f"result {result.step_id} for plan {plan.step_id}"
         self._dispatch(self._scheduler.update_from_output(plan, result))
+        record = self.recorder.get(plan.step_id)
+        if record is not None:
+            record.commit_start, record.result_committed, record.worker = start, time.time(), result.timing
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:
@@ -261,7 +294,3 @@ class Engine:
             stream.put(event)
             if event.finish_reason is not None:
                 del self._streams[event.request_id]
-
-
-def default_sampling(max_model_len: int, prompt_len: int) -> SamplingParams:
-    return SamplingParams(max_tokens=max_model_len - prompt_len)

@@ -23,6 +23,7 @@ from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, RequestRejected
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
+from stepahead.flight_recorder import FlightRecorder
 from stepahead.plan import StepPlan, WorkerInfo
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -42,6 +43,11 @@ class SchedulerDaemonConfig:
     preemption_mode: PreemptionMode = cfg.field(PreemptionMode.RECOMPUTE, "what preemption does to KV")
     async_scheduling: bool = cfg.field(True, "plan step t+1 while step t runs")
     max_concurrent_batches: int = cfg.field(2, "plans in flight at most in async mode")
+    score_priority_weight: float = cfg.field(1.0, "score policy: weight of the priority value")
+    score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
+    score_length_weight: float = cfg.field(0.01, "score policy: weight of remaining tokens")
+    max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
+    flight_recorder_steps: int = cfg.field(1000, "steps kept by the flight recorder")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
     log_level: str = cfg.field("info", "log level")
 
@@ -61,6 +67,10 @@ class SchedulerDaemonConfig:
             async_scheduling=self.async_scheduling,
             max_concurrent_batches=self.max_concurrent_batches,
             eos_token_ids=info.eos_token_ids,
+            score_priority_weight=self.score_priority_weight,
+            score_wait_weight=self.score_wait_weight,
+            score_length_weight=self.score_length_weight,
+            max_wait_time=self.max_wait_time,
         )
 
 
@@ -131,6 +141,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, "no worker attached yet")
         return codec.worker_info_to_proto(info)
 
+    def GetFlightRecord(self, request, context):
+        info = self.engine.worker
+        return scheduler_pb2.FlightRecord(
+            worker_id=info.worker_id if info else "",
+            steps=[codec.step_record_to_proto(r) for r in self.engine.recorder.snapshot()],
+        )
+
     def AttachWorker(self, request_iterator, context):
         first = next(request_iterator, None)
         if first is None or not first.HasField("hello"):
@@ -154,10 +171,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         handle.on_lost(reason)
 
 
-def build_server(config: SchedulerDaemonConfig, log) -> tuple[grpc.Server, Engine, int]:
+def build_server(
+    config: SchedulerDaemonConfig, log, on_fatal=lambda: None
+) -> tuple[grpc.Server, Engine, int]:
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers))
     health = daemon.Health(server, [SERVICE_NAME])
-    engine = Engine(config.core_config, log, health.set)  # serving once a worker attached
+    recorder = FlightRecorder(config.flight_recorder_steps)
+    engine = Engine(config.core_config, log, health.set, recorder, on_fatal)  # serving once a worker attached
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     return server, engine, port
@@ -171,10 +191,10 @@ def run(args: argparse.Namespace) -> int:
     config = cfg.from_args(SchedulerDaemonConfig, args)
     log = logs.configure("scheduler", config.log_level)
     stop = daemon.install_stop_handlers()
-    server, engine, port = build_server(config, log)
+    server, engine, port = build_server(config, log, on_fatal=stop.set)  # a dead engine ends the daemon
     engine.start()
     server.start()
     log.info("scheduler_listening", address=f"{config.host}:{port}", pid=os.getpid())
     daemon.serve_until_stopped(server, stop)
     engine.stop()
-    return 0
+    return 1 if engine.crashed else 0

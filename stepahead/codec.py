@@ -5,7 +5,18 @@ Servicers stay thin: they call these converters and hand domain objects to domai
 
 from __future__ import annotations
 
-from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult, WorkerInfo
+import dataclasses
+
+from stepahead.flight_recorder import StepRecord
+from stepahead.plan import (
+    NewRequest,
+    RunningRequest,
+    SamplingParams,
+    StepPlan,
+    StepResult,
+    WorkerInfo,
+    WorkerTiming,
+)
 from stepahead.v1 import common_pb2, scheduler_pb2
 
 
@@ -100,12 +111,34 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
     )
 
 
+def timing_to_proto(t: WorkerTiming) -> scheduler_pb2.WorkerTiming:
+    return scheduler_pb2.WorkerTiming(**dataclasses.asdict(t))
+
+
+def timing_from_proto(msg: scheduler_pb2.WorkerTiming) -> WorkerTiming:
+    return WorkerTiming(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerTiming)})
+
+
 def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
-    return scheduler_pb2.StepResult(step_id=result.step_id, sampled_token_ids=result.sampled_token_ids)
+    return scheduler_pb2.StepResult(
+        step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing)
+    )
 
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
-    return StepResult(step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids))
+    return StepResult(
+        step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing)
+    )
+
+
+def step_record_to_proto(r: StepRecord) -> scheduler_pb2.StepRecord:
+    fields = {k: v for k, v in vars(r).items() if k != "worker"}
+    return scheduler_pb2.StepRecord(**fields, worker=timing_to_proto(r.worker))
+
+
+def step_record_from_proto(msg: scheduler_pb2.StepRecord) -> StepRecord:
+    names = [f.name for f in dataclasses.fields(StepRecord) if f.name != "worker"]
+    return StepRecord(**{n: getattr(msg, n) for n in names}, worker=timing_from_proto(msg.worker))
 
 
 def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:

@@ -95,11 +95,23 @@ class StepPlan:
 
 
 @dataclass(frozen=True)
+class WorkerTiming:
+    """One step as the worker saw it (wall-clock seconds, 0 when unknown)."""
+
+    plan_received: float = 0.0
+    prep_start: float = 0.0
+    forward_start: float = 0.0
+    forward_end: float = 0.0  # the step's sampled ids are on the host
+    result_sent: float = 0.0
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What the worker answers for one plan."""
 
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> token
+    timing: WorkerTiming = field(default_factory=WorkerTiming)
 
 
 @dataclass(frozen=True)

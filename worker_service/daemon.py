@@ -11,15 +11,17 @@ exponential backoff, so a restarted scheduler gets a clean worker.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import queue
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
-from stepahead.plan import WorkerInfo
+from stepahead.plan import WorkerInfo, WorkerTiming
 
 
 @dataclass(frozen=True)
@@ -93,7 +95,11 @@ def attach_once(channel, runner, info: WorkerInfo, stop: threading.Event, log) -
     log.info("attached", worker_id=info.worker_id)
     try:
         for msg in responses:
+            received = time.time()
             result = runner.execute(codec.plan_from_proto(msg.plan))
+            done = time.time()
+            timing = WorkerTiming(received, received, received, done, time.time())
+            result = dataclasses.replace(result, timing=timing)
             outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
     finally:
         outbox.put(None)

@@ -172,7 +172,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids")
+    __slots__ = ("step_id", "sampled_token_ids", "timing")
     class SampledTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -182,6 +182,60 @@ class StepResult(_message.Message):
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.ScalarMap[str, int]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    timing: WorkerTiming
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...
+
+class WorkerTiming(_message.Message):
+    __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent")
+    PLAN_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    PREP_START_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_START_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_END_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SENT_FIELD_NUMBER: _ClassVar[int]
+    plan_received: float
+    prep_start: float
+    forward_start: float
+    forward_end: float
+    result_sent: float
+    def __init__(self, plan_received: _Optional[float] = ..., prep_start: _Optional[float] = ..., forward_start: _Optional[float] = ..., forward_end: _Optional[float] = ..., result_sent: _Optional[float] = ...) -> None: ...
+
+class GetFlightRecordRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class FlightRecord(_message.Message):
+    __slots__ = ("worker_id", "steps")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    steps: _containers.RepeatedCompositeFieldContainer[StepRecord]
+    def __init__(self, worker_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ...) -> None: ...
+
+class StepRecord(_message.Message):
+    __slots__ = ("step_id", "schedule_start", "schedule_end", "plan_sent", "commit_start", "result_committed", "num_requests", "num_tokens", "num_running", "num_waiting", "worker")
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_START_FIELD_NUMBER: _ClassVar[int]
+    SCHEDULE_END_FIELD_NUMBER: _ClassVar[int]
+    PLAN_SENT_FIELD_NUMBER: _ClassVar[int]
+    COMMIT_START_FIELD_NUMBER: _ClassVar[int]
+    RESULT_COMMITTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    step_id: int
+    schedule_start: float
+    schedule_end: float
+    plan_sent: float
+    commit_start: float
+    result_committed: float
+    num_requests: int
+    num_tokens: int
+    num_running: int
+    num_waiting: int
+    worker: WorkerTiming
+    def __init__(self, step_id: _Optional[int] = ..., schedule_start: _Optional[float] = ..., schedule_end: _Optional[float] = ..., plan_sent: _Optional[float] = ..., commit_start: _Optional[float] = ..., result_committed: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...

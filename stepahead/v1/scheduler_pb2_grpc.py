@@ -51,6 +51,11 @@ class SchedulerStub:
                 request_serializer=stepahead_dot_v1_dot_scheduler__pb2.GetModelRequest.SerializeToString,
                 response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.WorkerHello.FromString,
                 _registered_method=True)
+        self.GetFlightRecord = channel.unary_unary(
+                '/stepahead.v1.Scheduler/GetFlightRecord',
+                request_serializer=stepahead_dot_v1_dot_scheduler__pb2.GetFlightRecordRequest.SerializeToString,
+                response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.FlightRecord.FromString,
+                _registered_method=True)
         self.AttachWorker = channel.stream_stream(
                 '/stepahead.v1.Scheduler/AttachWorker',
                 request_serializer=stepahead_dot_v1_dot_scheduler__pb2.WorkerMessage.SerializeToString,
@@ -84,6 +89,13 @@ class SchedulerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetFlightRecord(self, request, context):
+        """The flight recorder: timings of the last steps (scheduler and worker sides).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def AttachWorker(self, request_iterator, context):
         """Opened by a worker: hello then step results up; step plans down.
         """
@@ -108,6 +120,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.GetModel,
                     request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.GetModelRequest.FromString,
                     response_serializer=stepahead_dot_v1_dot_scheduler__pb2.WorkerHello.SerializeToString,
+            ),
+            'GetFlightRecord': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetFlightRecord,
+                    request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.GetFlightRecordRequest.FromString,
+                    response_serializer=stepahead_dot_v1_dot_scheduler__pb2.FlightRecord.SerializeToString,
             ),
             'AttachWorker': grpc.stream_stream_rpc_method_handler(
                     servicer.AttachWorker,
@@ -198,6 +215,33 @@ class Scheduler:
             '/stepahead.v1.Scheduler/GetModel',
             stepahead_dot_v1_dot_scheduler__pb2.GetModelRequest.SerializeToString,
             stepahead_dot_v1_dot_scheduler__pb2.WorkerHello.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetFlightRecord(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepahead.v1.Scheduler/GetFlightRecord',
+            stepahead_dot_v1_dot_scheduler__pb2.GetFlightRecordRequest.SerializeToString,
+            stepahead_dot_v1_dot_scheduler__pb2.FlightRecord.FromString,
             options,
             channel_credentials,
             insecure,
