@@ -200,6 +200,26 @@ def test_ensure_model_failed_build_leaves_no_trace(monkeypatch: pytest.MonkeyPat
     assert list((tmp_path / "models").iterdir()) == []
 
 
+@pytest.mark.slow
+def test_ensure_model_two_real_processes_race(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """Two processes build the same cached model at once: both get one complete copy."""
+    import os
+
+    env = {**os.environ, "STEPAHEAD_CACHE_DIR": str(tmp_path)}
+    code = "from stepahead.builtin_models import ensure_model; print(ensure_model('tiny'))"
+    procs = [
+        subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+        for _ in range(2)
+    ]
+    outputs = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert [p.returncode for p in procs] == [0, 0]
+    target = tmp_path / "models" / "tiny"
+    assert outputs == [str(target), str(target)]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny"]
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (target / name).read_bytes() == (tiny_model_dir / name).read_bytes(), name
+
+
 def test_resolve_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_model_dir: Path) -> None:
     monkeypatch.setenv("STEPAHEAD_CACHE_DIR", str(tmp_path / "cache"))
     (tmp_path / "cache" / "models").mkdir(parents=True)

@@ -67,7 +67,7 @@ def test_random_ids_match_decode(tiny_tokenizer, byte_token_ids, data) -> None:
     assert "".join(deltas) == tiny_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
-@given(text=st.text(st.characters(blacklist_characters=REPLACEMENT_CHAR)), sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4))
+@given(text=st.text().map(lambda t: t.replace(REPLACEMENT_CHAR, "?")), sizes=st.lists(st.integers(1, 3), min_size=1, max_size=4))
 def test_valid_text_never_streams_replacement_chars(tiny_tokenizer, text: str, sizes: list[int]) -> None:
     ids = tiny_tokenizer(text, add_special_tokens=False).input_ids
     deltas = _stream(tiny_tokenizer, ids, sizes, skip_special_tokens=False)  # text may spell "<|eos|>"
