@@ -171,6 +171,7 @@ class Driver:
         self.finished: dict[str, FinishReason] = {}
         self.events: list[RequestEvent] = []
         self.plans: list[StepPlan] = []
+        self.num_stale = 0  # sampled tokens the scheduler dropped as stale
 
     @classmethod
     def create(cls, config: SchedulerConfig, token_fn: TokenFn, clock=None, **kwargs) -> Driver:
@@ -193,6 +194,7 @@ class Driver:
         plan, result = self.in_flight.popleft()
         self.executor.mark_reported(plan.step_id)
         events = self.scheduler.update_from_output(plan, result)
+        self.num_stale += len(result.sampled_token_ids.keys() - {e.request_id for e in events})
         for event in events:
             self.record(event)
         return events

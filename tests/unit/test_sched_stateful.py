@@ -1,0 +1,170 @@
+"""Hypothesis stateful tests of the scheduler core driven by the fake executor.
+
+Random arrivals (shared prefixes, salts, priorities, min/max tokens, ignore_eos), aborts
+at any moment, results delivered at random times, tiny pools that force preemption in
+both modes, async on and off, all three policies. After every rule: `check_integrity()`
+(pool accounting, ref counts, scheduled >= computed >= committed, placeholders within
+max_tokens). The fake executor checks every plan against the worker contract and the
+fences. At the end: everything drains, no block leaks, and every request's committed
+output equals (or, if aborted, is a prefix of) its uncontended synchronous run.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis import event
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens, run_alone
+from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from scheduler_service.kv_manager import cdiv
+from scheduler_service.policy import ScorePolicy
+from scheduler_service.request import FinishReason
+from stepahead.plan import SamplingParams
+
+EOS = 0
+TOKEN_FN = hashed_tokens(vocab_size=12)  # EOS (0) comes up about once in 12 tokens
+MAX_PROMPT, MAX_TOKENS = 10, 8
+PREFIXES = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5, 5, 5, 5)]
+
+
+@st.composite
+def configs(draw) -> SchedulerConfig:
+    block_size = draw(st.sampled_from([2, 4]))
+    max_model_len = draw(st.sampled_from([12, 20]))
+    chunked = draw(st.booleans())
+    need = cdiv(min(MAX_PROMPT + MAX_TOKENS, max_model_len) - 1, block_size)
+    return SchedulerConfig(
+        block_size=block_size,
+        num_gpu_blocks=need + draw(st.sampled_from([0, 0, 1, 2, 6])),
+        num_cpu_blocks=draw(st.sampled_from([0, 4, 16, 16])),
+        max_model_len=max_model_len,
+        max_num_seqs=draw(st.sampled_from([2, 3, 8])),
+        max_num_batched_tokens=draw(st.sampled_from([3, 8, 32])) if chunked else 32,
+        enable_chunked_prefill=chunked,
+        long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])) if chunked else 0,
+        enable_prefix_caching=draw(st.booleans()),
+        scheduling_policy=draw(st.sampled_from(list(SchedulingPolicy))),
+        preemption_mode=draw(st.sampled_from(list(PreemptionMode))),
+        async_scheduling=draw(st.booleans()),
+        eos_token_ids=(EOS,),
+        max_wait_time=3.0,
+    )
+
+
+@st.composite
+def request_params(draw) -> tuple:
+    prefix = draw(st.sampled_from(PREFIXES))
+    suffix = draw(st.lists(st.integers(1, 11), max_size=5))
+    prompt = (tuple(prefix) + tuple(suffix))[:MAX_PROMPT] or (7,)
+    max_tokens = draw(st.integers(1, MAX_TOKENS))
+    sampling = SamplingParams(
+        temperature=0.0,
+        max_tokens=max_tokens,
+        min_tokens=draw(st.integers(0, min(3, max_tokens))),
+        ignore_eos=draw(st.booleans()),
+        stop_token_ids=draw(st.sampled_from([(), (3,)])),
+    )
+    return prompt, sampling, draw(st.integers(0, 2)), draw(st.sampled_from([None, None, "tenant-a"]))
+
+
+@functools.lru_cache(maxsize=100_000)
+def oracle(max_model_len: int, spec: RequestSpec) -> tuple[tuple[int, ...], FinishReason]:
+    config = SchedulerConfig(num_gpu_blocks=64, max_model_len=max_model_len, block_size=4, eos_token_ids=(EOS,))
+    tokens, reason = run_alone(config, spec, TOKEN_FN)
+    return tuple(tokens), reason
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(config=configs())
+    def setup(self, config: SchedulerConfig) -> None:
+        self.now = 0.0
+        self.config = config
+        self.driver = Driver.create(config, TOKEN_FN, clock=lambda: self.now)
+        self.sched = self.driver.scheduler
+        self.specs: dict[str, RequestSpec] = {}
+        self.policy = ScorePolicy(config)
+
+    @rule(batch=st.lists(request_params(), min_size=1, max_size=3))
+    def add(self, batch) -> None:
+        for prompt, sampling, priority, salt in batch:
+            spec = RequestSpec(f"r{len(self.specs)}", prompt, sampling, priority, salt)
+            self.specs[spec.request_id] = spec
+            self.sched.add_request(spec.build())
+
+    @rule()
+    def step(self) -> None:
+        waiting_before = {r.request_id: r for r in self.sched.waiting_requests()}
+        if not self.driver.step():
+            return
+        plan = self.driver.plans[-1]
+        if self.config.scheduling_policy is SchedulingPolicy.SCORE:
+            self._check_aging(plan, waiting_before)
+
+    def _check_aging(self, plan, waiting_before) -> None:
+        """An aged request is never passed over by one that admits after it."""
+        admitted = [waiting_before[r.request_id] for r in plan.new_requests if r.request_id in waiting_before]
+        for left in self.sched.waiting_requests():
+            if not self.policy.is_aged(left, self.now):
+                continue
+            for req in admitted:
+                key_left = self.policy.running_key(left, self.now)
+                assert self.policy.running_key(req, self.now) <= key_left, f"{req} admitted before aged {left}"
+
+    @rule()
+    def deliver(self) -> None:
+        if self.driver.in_flight:
+            self.driver.deliver()
+
+    @rule(data=st.data())
+    def abort(self, data) -> None:
+        ids = sorted(self.specs) + ["unknown"]
+        rid = data.draw(st.sampled_from(ids))
+        live = self.sched.get_request(rid) is not None
+        event = self.driver.abort(rid)
+        assert (event is not None) == live
+        if event is not None:
+            assert event.finish_reason is FinishReason.ABORT and event.new_token_ids == ()
+
+    @rule(dt=st.sampled_from([0.5, 1.0, 4.0]))
+    def tick_clock(self, dt: float) -> None:
+        self.now += dt
+
+    @invariant()
+    def integrity(self) -> None:
+        if hasattr(self, "sched"):
+            self.sched.check_integrity()
+
+    @invariant()
+    def outputs_are_prefixes_of_the_oracle(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        for rid, got in self.driver.outputs.items():
+            want, _ = oracle(self.config.max_model_len, self.specs[rid])
+            assert tuple(got) == want[: len(got)], f"{rid}: {got} is not a prefix of {want}"
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sched"):
+            return
+        self.driver.run_until_done(max_ticks=2_000)
+        stats = self.sched.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks, f"leaked device blocks: {stats}"
+        assert stats.num_fenced_blocks == 0 and stats.num_used_host_blocks == 0, stats
+        event(f"preempted: {stats.num_preemptions > 0}, swapped: {stats.num_swap_outs > 0}")
+        event(f"prefix hit: {stats.prefix_hit_tokens > 0}, aborted: {stats.num_aborted > 0}")
+        event(f"stale results: {self.driver.num_stale > 0}")
+        for rid, spec in self.specs.items():
+            reason = self.driver.finished[rid]
+            if reason is FinishReason.ABORT:
+                continue
+            want, want_reason = oracle(self.config.max_model_len, spec)
+            assert (tuple(self.driver.outputs[rid]), reason) == (want, want_reason), rid
+
+
+# The active profile's example count (500 default, 5000 with --slow); collection runs after
+# conftest loaded the profile, so settings() inherits it.
+SchedulerMachine.TestCase.settings = settings(stateful_step_count=40)
+TestSchedulerStateful = SchedulerMachine.TestCase
