@@ -196,7 +196,8 @@ def ensure_model(name: str) -> Path:
             if not target.is_dir():  # not a lost race: a real failure
                 raise
     finally:
-        shutil.rmtree(staging, ignore_errors=True)  # no-op after a successful rename
+        if staging.exists():  # gone after a successful rename
+            shutil.rmtree(staging)
     return target
 
 
