@@ -35,10 +35,10 @@ def hashed_tokens(vocab_size: int) -> TokenFn:
 
 
 def eos_at(eos_token_id: int, lengths: Mapping[str, int], base: TokenFn) -> TokenFn:
-    """Sample `eos_token_id` when a request's known length is `lengths[request_id]`."""
+    """Sample `eos_token_id` as the token that makes a request `lengths[request_id]` long."""
 
     def token_fn(request_id: str, tokens: tuple[int, ...]) -> int:
-        if lengths.get(request_id) == len(tokens):
+        if lengths.get(request_id) == len(tokens) + 1:
             return eos_token_id
         return base(request_id, tokens)
 
