@@ -16,6 +16,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "gateway": ("run the gateway daemon (public API)", "gateway.server"),
     "scheduler": ("run the scheduler daemon", "scheduler_service.server"),
     "worker": ("run a worker daemon", "worker_service.daemon"),
+    "bench": ("benchmark a running gateway (flags follow vllm bench serve)", "stepahead.bench"),
+    "trace": ("write the flight recorder as a Perfetto trace and a PNG timeline", "stepahead.trace"),
     "make-model": ("build a built-in Hugging Face checkpoint offline", "stepahead.builtin_models"),
 }
 

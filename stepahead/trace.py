@@ -1,0 +1,76 @@
+"""`stepahead trace`: the flight recorder as a Perfetto trace and a PNG timeline.
+
+    stepahead trace --target 127.0.0.1:50051 --out traces/
+
+`--target` is the scheduler's address (`stepahead serve` prints it). Writes
+`trace.json` (open it in ui.perfetto.dev or chrome://tracing) and `timeline.png` with one
+lane for the scheduler's CPU work and one for the worker's device work; the gaps in the
+device lane are time the device sat idle.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from stepahead.flight_recorder import StepRecord, device_idle_fraction, to_chrome_trace
+
+
+def fetch_records(target: str) -> tuple[str, list[StepRecord]]:
+    import grpc
+
+    from stepahead import codec
+    from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with grpc.insecure_channel(target) as channel:
+        record = scheduler_pb2_grpc.SchedulerStub(channel).GetFlightRecord(
+            scheduler_pb2.GetFlightRecordRequest(), timeout=30
+        )
+    return record.worker_id, [codec.step_record_from_proto(s) for s in record.steps]
+
+
+def plot_timeline(records: list[StepRecord], path: Path, title: str = "") -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(r.schedule_start for r in records)
+    lanes = {
+        "scheduler CPU": [(r.schedule_start, r.schedule_end) for r in records]
+        + [(r.commit_start, r.result_committed) for r in records if r.commit_start > 0],
+        "worker device": [(r.worker.forward_start, r.worker.forward_end) for r in records if r.worker.forward_end > 0],
+    }
+    fig, ax = plt.subplots(figsize=(14, 2.6))
+    for y, (name, spans) in enumerate(lanes.items()):
+        bars = [((a - t0) * 1e3, (b - a) * 1e3) for a, b in spans if b >= a > 0]
+        ax.broken_barh(bars, (y - 0.35, 0.7), color=("tab:orange", "tab:blue")[y])
+    ax.set_yticks(range(len(lanes)), list(lanes))
+    ax.set_xlabel("ms")
+    idle = device_idle_fraction(records)
+    ax.set_title(f"{title} last {len(records)} steps — device idle {idle:.1%}".strip())
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_trace(target: str, out: Path) -> dict:
+    worker_id, records = fetch_records(target)
+    if not records:
+        raise SystemExit("the flight recorder is empty: run some requests first")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "trace.json").write_text(json.dumps(to_chrome_trace(records, worker_name=f"worker {worker_id}")))
+    plot_timeline(records, out / "timeline.png")
+    return {"steps": len(records), "device_idle_fraction": device_idle_fraction(records),
+            "trace": str(out / "trace.json"), "timeline": str(out / "timeline.png")}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default="127.0.0.1:50051", help="scheduler address")
+    parser.add_argument("--out", type=Path, default=Path("trace"), help="output directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    print(json.dumps(write_trace(args.target, args.out), indent=2))
+    return 0
