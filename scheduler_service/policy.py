@@ -24,6 +24,11 @@ class QueuePolicy(ABC):
         """Order of waiting requests that does not depend on the time."""
 
     def running_key(self, request: Request, now: float) -> tuple:
+        """Order of running requests (victims come from the worst end)."""
+        return self.static_key(request)
+
+    def queue_key(self, request: Request, now: float) -> tuple:
+        """Order in which waiting requests are admitted at time `now`."""
         return self.static_key(request)
 
     def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
@@ -52,13 +57,14 @@ class PriorityPolicy(QueuePolicy):
 
 
 class ScorePolicy(QueuePolicy):
-    """score = w_p * priority + w_l * remaining tokens - w_w * time waited (lowest first).
+    """score = w_p * priority + w_l * remaining tokens - w_w * time since arrival (lowest first).
 
     The wait term is `w_w * (now - arrival)`; `-w_w * now` is common to all requests, so
     the order is static: `w_p * priority + w_l * remaining + w_w * arrival`. A request that
-    waited longer than `max_wait_time` has aged: it goes ahead of every request that has
-    not, aged requests go in arrival order, and an aged request may preempt running work
-    with a worse key, so nobody starves.
+    has been in the waiting queue longer than `max_wait_time` (since it arrived or was last
+    preempted) has aged: it goes ahead of every request that has not, aged requests go in
+    queueing order, and an aged request may preempt any running request. So nobody
+    starves: a preempted request ages again after `max_wait_time` and takes its turn.
     """
 
     has_aging = True
@@ -78,18 +84,21 @@ class ScorePolicy(QueuePolicy):
         return self.w_priority * request.priority + self.w_length * remaining + self.w_wait * request.arrival_time
 
     def static_key(self, request: Request) -> tuple:
-        return (self.score(request), request.arrival_time)
+        return self.running_key(request, 0.0)
 
     def is_aged(self, request: Request, now: float) -> bool:
-        return now - request.arrival_time > self.max_wait
+        return now - request.queued_time > self.max_wait
 
     def running_key(self, request: Request, now: float) -> tuple:
-        if self.is_aged(request, now):
-            return (0, request.arrival_time, 0.0)
         return (1, self.score(request), request.arrival_time)
 
+    def queue_key(self, request: Request, now: float) -> tuple:
+        if self.is_aged(request, now):
+            return (0, request.queued_time, request.arrival_time)
+        return self.running_key(request, now)
+
     def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
-        return self.is_aged(candidate, now) and self.running_key(candidate, now) < self.running_key(victim, now)
+        return self.is_aged(candidate, now)
 
 
 def make_policy(config: SchedulerConfig) -> QueuePolicy:
@@ -105,7 +114,7 @@ def make_policy(config: SchedulerConfig) -> QueuePolicy:
 
 class WaitingQueue:
     """Heap on the policy's static key with lazy removal; for aging policies a second heap
-    on arrival time finds the oldest request, which goes first once it has aged."""
+    on queueing time finds the longest-waiting request, which goes first once it has aged."""
 
     def __init__(self, policy: QueuePolicy) -> None:
         self._policy = policy
@@ -126,7 +135,7 @@ class WaitingQueue:
         request.queue_token = token
         heapq.heappush(self._by_key, (self._policy.static_key(request), token, request))
         if self._policy.has_aging:
-            heapq.heappush(self._by_arrival, (request.arrival_time, token, request))
+            heapq.heappush(self._by_arrival, (request.queued_time, token, request))
         self._len += 1
 
     def remove(self, request: Request) -> None:

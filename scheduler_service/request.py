@@ -115,6 +115,7 @@ class Request:
         self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported to clients)
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
+        self.queued_time: float | None = None  # when it last entered the waiting queue
         # Scheduler bookkeeping.
         self.epoch = 0  # bumped on preempt / finish: older in-flight results become stale
         self.last_step_id = -1  # newest plan that touched this request's blocks

@@ -93,8 +93,10 @@ class Scheduler:
         if request.status is not RequestStatus.WAITING or request.num_output_tokens or request.epoch:
             raise RequestRejected(f"request {rid!r} was already used by a scheduler")
         self._check_fits(request)
+        now = self._clock()
         if request.arrival_time is None:
-            request.arrival_time = self._clock()
+            request.arrival_time = now
+        request.queued_time = now
         self._requests[rid] = request
         self._waiting.push(request)
 
@@ -290,6 +292,7 @@ class Scheduler:
         self._kv.free(victim)
         victim.num_computed_tokens = victim.num_scheduled_tokens = 0
         victim.status = RequestStatus.PREEMPTED
+        victim.queued_time = self._clock()
         self._waiting.push(victim)
 
     def _finish(self, req: Request, reason: FinishReason) -> None:

@@ -97,7 +97,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def step(self) -> None:
-        waiting_before = {r.request_id: r for r in self.sched.waiting_requests()}
+        waiting_before = {r.request_id: self.policy.queue_key(r, self.now) for r in self.sched.waiting_requests()}
         if not self.driver.step():
             return
         plan = self.driver.plans[-1]
@@ -105,14 +105,12 @@ class SchedulerMachine(RuleBasedStateMachine):
             self._check_aging(plan, waiting_before)
 
     def _check_aging(self, plan, waiting_before) -> None:
-        """An aged request is never passed over by one that admits after it."""
+        """An aged request is never passed over: whatever was admitted came before it."""
         admitted = [waiting_before[r.request_id] for r in plan.new_requests if r.request_id in waiting_before]
         for left in self.sched.waiting_requests():
-            if not self.policy.is_aged(left, self.now):
-                continue
-            for req in admitted:
-                key_left = self.policy.running_key(left, self.now)
-                assert self.policy.running_key(req, self.now) <= key_left, f"{req} admitted before aged {left}"
+            if left.request_id in waiting_before and self.policy.is_aged(left, self.now):
+                key_left = waiting_before[left.request_id]
+                assert all(key <= key_left for key in admitted), f"{admitted} admitted before aged {left}"
 
     @rule()
     def deliver(self) -> None:

@@ -1,0 +1,115 @@
+"""Queue policies: fcfs, priority, score with aging (no starvation)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from scheduler_service.config import SchedulerConfig, SchedulingPolicy
+from scheduler_service.policy import WaitingQueue, make_policy
+from scheduler_service.request import Request, RequestStatus
+from stepahead.plan import SamplingParams
+from tests.unit.fake_executor import Driver, hashed_tokens
+
+CONFIG = SchedulerConfig(num_gpu_blocks=64, max_model_len=64, block_size=4)
+
+
+def req(rid, arrival, priority=0, prompt_len=4, max_tokens=4) -> Request:
+    r = Request(rid, range(1, prompt_len + 1), SamplingParams(max_tokens=max_tokens), priority, arrival)
+    r.queued_time = arrival  # what Scheduler.add_request sets
+    return r
+
+
+def drain(queue: WaitingQueue, now: float = 0.0) -> list[str]:
+    out = []
+    while (r := queue.pop(now)) is not None:
+        out.append(r.request_id)
+    return out
+
+
+def queue_for(policy: SchedulingPolicy, **kw) -> WaitingQueue:
+    return WaitingQueue(make_policy(replace(CONFIG, scheduling_policy=policy, **kw)))
+
+
+def test_fcfs_is_arrival_order_and_removal_is_lazy():
+    q = queue_for(SchedulingPolicy.FCFS)
+    reqs = [req("c", 3.0), req("a", 1.0), req("b", 2.0, priority=-5)]
+    for r in reqs:
+        q.push(r)
+    q.remove(reqs[1])
+    assert len(q) == 2 and reqs[1] not in q
+    assert drain(q) == ["b", "c"]
+
+
+def test_priority_is_lower_value_first_then_arrival():
+    q = queue_for(SchedulingPolicy.PRIORITY)
+    for r in [req("late-high", 5.0, 0), req("low", 0.0, 3), req("early-high", 1.0, 0)]:
+        q.push(r)
+    assert drain(q) == ["early-high", "late-high", "low"]
+
+
+def test_score_weighs_priority_length_and_wait():
+    q = queue_for(SchedulingPolicy.SCORE, score_priority_weight=1.0, score_wait_weight=1.0,
+                  score_length_weight=0.5, max_wait_time=math.inf)
+    q.push(req("long", 0.0, max_tokens=20))  # 0.5 * 24 = 12
+    q.push(req("short-late", 5.0))  # 0.5 * 8 + 5 = 9
+    q.push(req("urgent", 9.0, priority=-10))  # -10 + 4 + 9 = 3
+    assert drain(q, now=10.0) == ["urgent", "short-late", "long"]
+
+
+def test_aged_requests_go_first_in_queueing_order():
+    q = queue_for(SchedulingPolicy.SCORE, score_wait_weight=0.0, max_wait_time=10.0)
+    q.push(req("bad-old", 0.0, priority=9))
+    q.push(req("bad-older", -1.0, priority=8))
+    q.push(req("good", 5.0, priority=0))
+    assert q.peek(now=5.0).request_id == "good"
+    assert drain(q, now=10.5) == ["bad-older", "bad-old", "good"]
+
+
+def _starvation_run(max_wait: float) -> Request:
+    """One slow, low-priority request against a stream of cheap, urgent ones."""
+    clock = [0.0]
+    config = replace(CONFIG, max_num_seqs=1, async_scheduling=False, scheduling_policy=SchedulingPolicy.SCORE,
+                     score_wait_weight=0.0, max_wait_time=max_wait)
+    d = Driver.create(config, hashed_tokens(1000), clock=lambda: clock[0])
+    starving = req("starving", None, priority=5, max_tokens=2)
+    d.scheduler.add_request(starving)
+    for i in range(40):
+        d.scheduler.add_request(req(f"urgent{i}", None, priority=0, max_tokens=2))
+        d.tick()
+        d.scheduler.check_integrity()
+        clock[0] += 1.0
+    return starving
+
+
+def test_without_aging_the_score_policy_starves():
+    assert _starvation_run(math.inf).first_scheduled_time is None
+
+
+@pytest.mark.parametrize("max_wait", [3.0, 10.0])
+def test_aging_bounds_the_wait(max_wait):
+    starving = _starvation_run(max_wait)
+    assert starving.first_scheduled_time is not None
+    # Aged strictly after max_wait; the slot frees (or is preempted) at the next schedule.
+    assert max_wait < starving.first_scheduled_time - starving.arrival_time <= max_wait + 1.0
+
+
+def test_aged_request_preempts_running_work_that_has_not_aged():
+    clock = [0.0]
+    config = replace(CONFIG, max_num_seqs=1, async_scheduling=False, scheduling_policy=SchedulingPolicy.SCORE,
+                     max_wait_time=2.0)
+    d = Driver.create(config, hashed_tokens(1000), clock=lambda: clock[0])
+    d.scheduler.add_request(req("hog", None, max_tokens=40))
+    d.tick()
+    clock[0] += 1.0
+    d.scheduler.add_request(req("patient", None, priority=50, max_tokens=2))
+    for _ in range(4):
+        d.tick()
+        clock[0] += 1.0
+    patient = d.scheduler.get_request("patient")
+    hog = d.scheduler.get_request("hog")
+    assert hog.num_preemptions == 1 and hog.status is RequestStatus.PREEMPTED
+    assert patient is None or patient.status is RequestStatus.RUNNING
+    assert any(p.preempted_ids == ("hog",) for p in d.plans)
