@@ -1,0 +1,81 @@
+"""Launch `stepahead serve` as a subprocess and wait until it is ready (tests, benchmarks).
+
+    with ServeProcess(model_dir, "--max-num-seqs", "64") as s:
+        s.gateway.Generate(...); s.stats()
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import grpc
+
+from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)")
+
+
+class ServeProcess:
+    """`stepahead serve` with the given flags; `.gateway` / `.scheduler` are gRPC stubs."""
+
+    def __init__(self, model_dir: Path | str, *flags: str, startup_timeout_s: float = 300.0,
+                 log_level: str = "warning") -> None:
+        env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "stepahead.cli", "serve", "--model", str(model_dir), "--port", "0", *flags],
+            stdout=subprocess.PIPE, text=True, env=env,
+        )
+        self.gateway_addr, self.scheduler_addr = self._wait_ready(startup_timeout_s)
+        self._channels = [grpc.insecure_channel(self.gateway_addr), grpc.insecure_channel(self.scheduler_addr)]
+        self.gateway = generation_pb2_grpc.GenerationStub(self._channels[0])
+        self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channels[1])
+
+    def _wait_ready(self, timeout_s: float) -> tuple[str, str]:
+        found: list[tuple[str, str]] = []
+        done = threading.Event()
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                m = READY.search(line)
+                if m:
+                    found.append((m.group(1), m.group(2)))
+                    done.set()
+            done.set()
+
+        threading.Thread(target=read, daemon=True).start()
+        if not done.wait(timeout_s) or not found:
+            self.close()
+            raise RuntimeError(f"stepahead serve did not become ready (exit code {self.proc.poll()})")
+        return found[0]
+
+    def stats(self) -> scheduler_pb2.SchedulerStats:
+        return self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+
+    def child_pids(self) -> list[int]:
+        pids = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:
+                pids.append(int(stat.parent.name))
+        return sorted(pids)
+
+    def close(self) -> None:
+        for ch in getattr(self, "_channels", []):
+            ch.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=30)
+
+    def __enter__(self) -> ServeProcess:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
