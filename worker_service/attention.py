@@ -22,6 +22,7 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [num_reqs] int64: tokens in the cache after this step
     num_decodes: int  # the first num_decodes requests/tokens are single-token decodes
     max_decode_kv: int  # max seq_len over the decodes (0 when none)
+    decode_uniform: bool  # every decode has seq_len == max_decode_kv (no mask needed)
     # prefill part (requests num_decodes.., tokens num_decodes..):
     prefill_token_index: torch.Tensor  # [num_prefills, max_q] int64 into the flat tokens (padded)
     prefill_valid: torch.Tensor  # [num_prefills, max_q] bool: the padded entries are False
@@ -62,11 +63,14 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         tables = meta.block_tables[:nd]
         k, v = _gather(k_cache, v_cache, tables, meta.max_decode_kv)  # [nd, kvh, S, d]
+        k, v = k[:, :, : meta.max_decode_kv], v[:, :, : meta.max_decode_kv]
         kvh = k.shape[1]
-        qg = q.view(nd, kvh, -1, q.shape[-1])  # [nd, kvh, group, d]
-        key_idx = torch.arange(k.shape[2], device=q.device)  # [S]
-        mask = key_idx[None, :] < meta.seq_lens[:nd, None]  # [nd, S]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask[:, None, None, :], scale=scale)
+        qg = q.view(nd, kvh, -1, q.shape[-1])  # [nd, kvh, group, d]: a decode's group is its query axis
+        mask = None
+        if not meta.decode_uniform:
+            key_idx = torch.arange(k.shape[2], device=q.device)  # [S]
+            mask = (key_idx[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, S]
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return out.reshape(q.shape)
 
     def _prefill(self, q, k_cache, v_cache, meta, scale):
@@ -93,8 +97,8 @@ def _gather(k_cache, v_cache, tables, max_kv):
     """K, V `[reqs, kv_heads, S, head_dim]` for the first S = max_kv rounded up to a block."""
     block_size = k_cache.shape[1]
     num_blocks = -(-max_kv // block_size)
-    tables = tables[:, :num_blocks]  # [reqs, nb]
     reqs = tables.shape[0]
-    k = k_cache[tables].view(reqs, num_blocks * block_size, *k_cache.shape[2:])  # [reqs, S, kvh, d]
-    v = v_cache[tables].view(reqs, num_blocks * block_size, *v_cache.shape[2:])
+    flat = tables[:, :num_blocks].reshape(-1)  # [reqs * nb]; index_select copies whole blocks
+    k = k_cache.index_select(0, flat).view(reqs, num_blocks * block_size, *k_cache.shape[2:])  # [reqs, S, kvh, d]
+    v = v_cache.index_select(0, flat).view(reqs, num_blocks * block_size, *v_cache.shape[2:])
     return k.transpose(1, 2), v.transpose(1, 2)

@@ -119,6 +119,7 @@ def build_inputs(buffers: StepBuffers, sched: list[ScheduledRequest], block_size
         seq_lens=b["seq_lens"].to_device(seq_lens),
         num_decodes=num_decodes,
         max_decode_kv=int(seq_lens[:num_decodes].max()) if num_decodes else 0,
+        decode_uniform=bool(num_decodes) and bool(seq_lens[:num_decodes].min() == seq_lens[:num_decodes].max()),
         max_prefill_kv=int(seq_lens[num_decodes:].max()) if num_decodes < num_reqs else 0,
         **_prefill_index(b, cu, q_lens, num_decodes),
     )

@@ -44,10 +44,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        # HF semantics: normalise in float32, cast back, then scale by the weight
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -58,22 +57,22 @@ class LlamaAttention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias or arch.qkv_bias)
+        qkv_bias = cfg.attention_bias or arch.qkv_bias
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and not arch.qkv_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # x: [num_tokens, hidden]
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)
-        q = q.view(n, self.num_heads, self.head_dim)  # [n, heads, d]
-        k = k.view(n, self.num_kv_heads, self.head_dim)  # [n, kvh, d]
-        v = v.view(n, self.num_kv_heads, self.head_dim)
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, self.head_dim)  # [n, H+KVH, d]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, self.head_dim)  # [n, kvh, d]
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q, ctx.cos, ctx.sin)
-        k = apply_rotary(k, ctx.cos, ctx.sin)
+            q, k = qk.split((heads, kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = apply_rotary(qk, ctx.cos, ctx.sin).split((heads, kv_heads), dim=1)  # one rotation for q and k
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)  # [n, heads, d]

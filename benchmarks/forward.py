@@ -1,0 +1,176 @@
+"""Per-decode-step time: stepahead's ModelRunner vs Hugging Face (with its KV cache) vs the
+bare-matmul floor, for the built-in `tiny` and `100m` Llama models, ~256 tokens of KV per
+request, batch 1/8/32/64. Prints a table and writes JSON.
+
+    python benchmarks/forward.py [--models tiny 100m] [--batches 1 8 32 64] [--steps 20]
+                                 [--out benchmarks/forward.json] [--threads N]
+
+The runner's requests start as prefix hits (`num_computed_tokens = 256`): the KV content
+does not change the decode cost, and this skips a prefill that would dominate the run.
+The floor is the model's matrix multiplies alone (fused qkv, o, fused gate/up, down per
+layer, then lm_head) on a `[batch, hidden]` input, with preallocated outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+KV_TOKENS = 256
+SPECS = {  # fallback configs, equal to stepahead.builtin_models' specs
+    "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
+                 vocab_size=4096, intermediate_size=512, tie_word_embeddings=False),
+    "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
+                 vocab_size=32000, intermediate_size=2048, tie_word_embeddings=True),
+}
+
+
+def model_dir(name: str) -> Path:
+    try:
+        from stepahead.builtin_models import ensure_model
+    except ImportError:
+        return _fallback_model(name)
+    return ensure_model(name)
+
+
+def _fallback_model(name: str) -> Path:
+    import tempfile
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(tempfile.gettempdir()) / f"stepahead-bench-{name}"
+    if not (path / "config.json").is_file():
+        torch.manual_seed(0)
+        LlamaForCausalLM(LlamaConfig(**SPECS[name], max_position_embeddings=2048)).save_pretrained(path)
+    return path
+
+
+def _time_steps(step, warmup: int, steps: int) -> float:
+    """Median seconds per call of `step()` after `warmup` calls."""
+    for _ in range(warmup):
+        step()
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def bench_runner(path: Path, batch: int, warmup: int, steps: int) -> float:
+    from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
+    from worker_service.model_runner import ModelRunner
+
+    block_size = 16
+    total = KV_TOKENS + 1 + warmup + steps + 1
+    per_req = -(-total // block_size)
+    runner = ModelRunner(path, block_size=block_size, num_blocks=batch * per_req, max_model_len=total + 1)
+    greedy = SamplingParams(temperature=0.0)
+    prompt = tuple(range(1, KV_TOKENS + 2))  # KV_TOKENS cached + 1 to decode
+    new = tuple(NewRequest(f"r{i}", prompt, greedy, tuple(range(i * per_req, (i + 1) * per_req)), KV_TOKENS, 1)
+                for i in range(batch))
+    runner.execute(StepPlan(0, new_requests=new))
+    decode = tuple(RunningRequest(f"r{i}", (), 1, input_is_placeholder=True) for i in range(batch))
+    step_id = iter(range(1, 1 << 30))
+    return _time_steps(lambda: runner.execute(StepPlan(next(step_id), running=decode)), warmup, steps)
+
+
+def bench_hf(path: Path, batch: int, warmup: int, steps: int) -> float:
+    import torch
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    cfg = model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    cache = DynamicCache(config=cfg)
+    for layer in range(cfg.num_hidden_layers):
+        kv = torch.randn(batch, cfg.num_key_value_heads, KV_TOKENS, head_dim)
+        cache.update(kv, kv.clone(), layer)
+    state = {"pos": KV_TOKENS, "ids": torch.ones(batch, 1, dtype=torch.long)}
+
+    @torch.inference_mode()
+    def step():
+        pos = torch.full((batch, 1), state["pos"], dtype=torch.long)
+        out = model(input_ids=state["ids"], past_key_values=cache, position_ids=pos, use_cache=True)
+        state["ids"] = out.logits[:, -1].argmax(-1, keepdim=True)
+        state["pos"] += 1
+
+    return _time_steps(step, warmup, steps)
+
+
+def bench_floor(path: Path, batch: int, warmup: int, steps: int) -> float:
+    import torch
+
+    from worker_service.loader import load_model
+
+    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    weights = []
+    for layer in model.model.layers:
+        weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
+                    layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
+    weights.append(model.lm_head.weight)
+    x = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    outs = [torch.empty(batch, w.shape[0]) for w in weights]
+
+    @torch.inference_mode()
+    def step():
+        for w, o in zip(weights, outs):
+            torch.mm(x[w.shape[1]], w.t(), out=o)
+
+    return _time_steps(step, warmup, steps)
+
+
+def run_all(models, batches, warmup, steps) -> list[dict]:
+    rows = []
+    for name in models:
+        path = model_dir(name)
+        for batch in batches:
+            row = {"model": name, "batch": batch, "kv_tokens": KV_TOKENS}
+            row["stepahead_ms"] = 1e3 * bench_runner(path, batch, warmup, steps)
+            row["hf_ms"] = 1e3 * bench_hf(path, batch, warmup, steps)
+            row["floor_ms"] = 1e3 * bench_floor(path, batch, warmup, steps)
+            row["vs_hf"] = row["stepahead_ms"] / row["hf_ms"]
+            row["vs_floor"] = row["stepahead_ms"] / row["floor_ms"]
+            print(_fmt(row), flush=True)
+            rows.append(row)
+    return rows
+
+
+def _fmt(row: dict) -> str:
+    return (f"{row['model']:>5} {row['batch']:>5} {row['stepahead_ms']:>10.2f} {row['hf_ms']:>10.2f} "
+            f"{row['floor_ms']:>10.2f} {row['vs_hf']:>7.2f} {row['vs_floor']:>9.2f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=sorted(SPECS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/forward.json"))
+    args = parser.parse_args(argv)
+
+    import os
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus; "
+          f"decode step ms, median of {args.steps}")
+    print(f"{'model':>5} {'batch':>5} {'stepahead':>10} {'hf':>10} {'floor':>10} {'vs_hf':>7} {'vs_floor':>9}")
+    rows = run_all(args.models, args.batches, args.warmup, args.steps)
+    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+            "load_avg_after": os.getloadavg()}
+    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
