@@ -1,0 +1,67 @@
+"""The real scheduler core and the real ModelRunner in one process, with the in-flight window.
+
+The worker executes plans strictly in order, but a plan's result is committed only after
+the scheduler planned as far ahead as `max_concurrent_batches` allows, exactly as the
+daemons do: in async mode step t+1 is planned (with placeholders) before step t's
+tokens are known. `check_integrity()` runs after every commit.
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.request import Request
+from scheduler_service.scheduler import RequestEvent, Scheduler
+from stepahead.plan import StepPlan
+
+
+class LocalEngine:
+    def __init__(self, runner, config: SchedulerConfig) -> None:
+        self.runner = runner
+        self.scheduler = Scheduler(config)
+        self.pending: collections.deque[StepPlan] = collections.deque()
+        self.plans: list[StepPlan] = []  # every plan, in order
+        self.outputs: dict[str, list[int]] = collections.defaultdict(list)
+        self.finish: dict[str, object] = {}
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def plan_ahead(self) -> None:
+        while self.scheduler.can_schedule():
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return
+            self.pending.append(plan)
+            self.plans.append(plan)
+
+    def commit_oldest(self) -> list[RequestEvent]:
+        plan = self.pending.popleft()
+        events = self.scheduler.update_from_output(plan, self.runner.execute(plan))
+        self.scheduler.check_integrity()
+        for e in events:
+            self.outputs[e.request_id] += e.new_token_ids
+            if e.finish_reason is not None:
+                self.finish[e.request_id] = e.finish_reason
+        return events
+
+    def step(self) -> list[RequestEvent]:
+        self.plan_ahead()
+        return self.commit_oldest() if self.pending else []
+
+    def run(self, before_step: Callable[[int], None] = lambda i: None, max_steps: int = 10_000) -> None:
+        for i in range(max_steps):
+            before_step(i)
+            if not self.scheduler.has_unfinished_requests() and not self.pending:
+                return
+            self.step()
+        raise AssertionError("requests did not finish")
+
+    def assert_no_leaks(self) -> None:
+        while self.pending:  # results of plans still in flight release their fences
+            self.commit_oldest()
+        stats = self.scheduler.stats()
+        assert stats.num_free_blocks == stats.num_total_blocks, stats
+        assert stats.num_fenced_blocks == 0 and stats.num_used_host_blocks == 0, stats
