@@ -177,10 +177,9 @@ def test_seeded_draws_over_seeds_and_num_tokens_match_the_distribution() -> None
     assert_follows(sample(rows, fixed_seed, list(range(N_DRAWS))), allowed_probs(logits, params))
 
 
-def test_mixed_batch_rows_each_honour_their_own_params() -> None:
-    configs = CONFIGS + [SamplingParams(temperature=0.0), SamplingParams(top_k=3, seed=9)]
+def assert_mixed_batch_follows(configs: list[SamplingParams], repeats: int = 4000) -> None:
+    """Rows of all `configs`, shuffled into one batch, each follow their own distribution."""
     logits = np.stack([config_logits(p) for p in configs])  # [configs, vocab]
-    repeats = 4000
     order = np.random.default_rng(3).permutation(len(configs) * repeats) % len(configs)
     params = [dataclasses.replace(configs[i], seed=None if configs[i].seed is None else int(r))
               for r, i in enumerate(order)]
@@ -190,6 +189,18 @@ def test_mixed_batch_rows_each_honour_their_own_params() -> None:
             assert (tokens[order == i] == logits[i].argmax()).all()
         else:
             assert_follows(tokens[order == i], allowed_probs(logits[i], p))
+
+
+def test_mixed_batch_rows_each_honour_their_own_params() -> None:
+    assert_mixed_batch_follows(CONFIGS + [SamplingParams(temperature=0.0), SamplingParams(top_k=3, seed=9)])
+
+
+def test_per_row_top_k_and_min_p_without_top_p_rows() -> None:
+    """No row uses top-p, so top-k takes the partial `topk` path with a different k per row."""
+    configs = [SamplingParams(top_k=k) for k in (1, 2, 3, 5, 8)]
+    configs += [SamplingParams(min_p=0.05), SamplingParams(temperature=0.7, min_p=0.3),
+                SamplingParams(top_k=4, min_p=0.2, seed=1), SamplingParams(temperature=0.0)]
+    assert_mixed_batch_follows(configs)
 
 
 params_strategy = st.builds(
@@ -202,17 +213,20 @@ params_strategy = st.builds(
 )
 
 
-@given(params=params_strategy, logits_seed=st.integers(0, 2**32 - 1))
-def test_never_samples_outside_the_allowed_set(params: SamplingParams, logits_seed: int) -> None:
+@given(configs=st.lists(params_strategy, min_size=1, max_size=4), logits_seed=st.integers(0, 2**32 - 1))
+def test_never_samples_outside_the_allowed_set(configs: list[SamplingParams], logits_seed: int) -> None:
+    """Rows cycle through up to four configs, so per-row top-k values differ in one batch."""
     rng = np.random.default_rng(logits_seed)
-    logits = random_logits(rng, 64, scale=3.0)
-    n = 256
-    tokens = sample(np.tile(logits, (n, 1)), [params] * n, list(range(n)))
-    if params.greedy:
-        assert (tokens == logits.argmax()).all()
-        return
-    allowed = np.flatnonzero(allowed_probs(logits, params, tol=1e-4) > 0)
-    assert np.isin(tokens, allowed).all(), f"{sorted(set(tokens) - set(allowed))} not in {allowed}"
+    logits = np.stack([random_logits(rng, 64, scale=3.0) for _ in configs])  # [configs, vocab]
+    which = np.arange(256) % len(configs)
+    tokens = sample(logits[which], [configs[i] for i in which], list(range(256)))
+    for i, p in enumerate(configs):
+        if p.greedy:
+            assert (tokens[which == i] == logits[i].argmax()).all()
+            continue
+        allowed = np.flatnonzero(allowed_probs(logits[i], p, tol=1e-4) > 0)
+        bad = set(tokens[which == i]) - set(allowed)
+        assert not bad, f"{p}: sampled {sorted(bad)} outside {allowed}"
 
 
 # ---------------------------------------------------------------------- seeded invariance
