@@ -3,7 +3,7 @@ bare-matmul floor, for the built-in `tiny` and `100m` Llama models, ~256 tokens 
 request, batch 1/8/32/64. Prints a table and writes JSON.
 
     python benchmarks/forward.py [--models tiny 100m] [--batches 1 8 32 64] [--steps 20]
-                                 [--out benchmarks/forward.json] [--threads N]
+                                 [--out benchmarks/forward.json] [--threads N] [--clock wall|cpu]
 
 The runner's requests start as prefix hits (`num_computed_tokens = 256`): the KV content
 does not change the decode cost, and this skips a prefill that would dominate the run.
@@ -49,15 +49,19 @@ def _fallback_model(name: str) -> Path:
     return path
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+_clock = time.perf_counter
+
+
 def _time_steps(step, warmup: int, steps: int) -> float:
     """Median seconds per call of `step()` after `warmup` calls."""
     for _ in range(warmup):
         step()
     times = []
     for _ in range(steps):
-        t0 = time.perf_counter()
+        t0 = _clock()
         step()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     return statistics.median(times)
 
 
@@ -152,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="cpu: process CPU time, steadier on a shared machine (use with --threads 1)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/forward.json"))
     args = parser.parse_args(argv)
 
@@ -159,13 +165,15 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    global _clock
+    _clock = CLOCKS[args.clock]
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus; "
-          f"decode step ms, median of {args.steps}")
+          f"decode step ms ({args.clock} clock), median of {args.steps}")
     print(f"{'model':>5} {'batch':>5} {'stepahead':>10} {'hf':>10} {'floor':>10} {'vs_hf':>7} {'vs_floor':>9}")
     rows = run_all(args.models, args.batches, args.warmup, args.steps)
-    meta = {"torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+    meta = {"clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "load_avg_after": os.getloadavg()}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"wrote {args.out}")

@@ -46,8 +46,10 @@ class TorchAttentionBackend:
 
     def write_kv(self, k, v, k_cache, v_cache, meta):
         # k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, meta.slot_mapping, v)
+        # 2-D views: index_copy_/index_select take a row-memcpy fast path on 2-D tensors
+        n = k.shape[0]
+        k_cache.view(-1, k_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, k.reshape(n, -1))
+        v_cache.view(-1, v_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, v.reshape(n, -1))
 
     def attend(self, q, k_cache, v_cache, meta, scale):
         # q: [num_tokens, heads, head_dim] -> out [num_tokens, heads, head_dim]
@@ -99,6 +101,7 @@ def _gather(k_cache, v_cache, tables, max_kv):
     num_blocks = -(-max_kv // block_size)
     reqs = tables.shape[0]
     flat = tables[:, :num_blocks].reshape(-1)  # [reqs * nb]; index_select copies whole blocks
-    k = k_cache.index_select(0, flat).view(reqs, num_blocks * block_size, *k_cache.shape[2:])  # [reqs, S, kvh, d]
-    v = v_cache.index_select(0, flat).view(reqs, num_blocks * block_size, *v_cache.shape[2:])
+    rows = (reqs, num_blocks * block_size, *k_cache.shape[2:])
+    k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(rows)  # [reqs, S, kvh, d]
+    v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(rows)
     return k.transpose(1, 2), v.transpose(1, 2)

@@ -40,7 +40,7 @@ class StepInputs:
     logits_indices: torch.Tensor  # [num_sampling] int64: rows of the hidden states to sample
     sampling_reqs: list[CachedRequest]  # in logits row order
     placeholder_dst: torch.Tensor  # [num_placeholders] token index in input_ids
-    placeholder_src: np.ndarray  # [num_placeholders] host row index in the previous sampled ids
+    placeholder_src: torch.Tensor  # [num_placeholders] row in the previous step's sampled ids
 
 
 class _Buffer:
@@ -72,7 +72,7 @@ class _Buffer:
 
 class StepBuffers:
     def __init__(self, device: torch.device):
-        names = ("input_ids", "positions", "slots", "seq_lens", "logits_idx", "ph_dst", "pf_index", "pf_valid")
+        names = ("input_ids", "positions", "slots", "seq_lens", "logits_idx", "ph_dst", "ph_src")
         self.bufs = {n: _Buffer(device) for n in names}
         self.bufs["pf_index"] = _Buffer(device, cols=1)
         self.bufs["pf_valid"] = _Buffer(device, cols=1)
@@ -110,7 +110,8 @@ def build_inputs(buffers: StepBuffers, sched: list[ScheduledRequest], block_size
     ph_rows = [i for i, s in enumerate(sched) if s.placeholder]
     ph_dst = b["ph_dst"].ensure(len(ph_rows))
     ph_dst[:] = cu[ph_rows]
-    ph_src = np.fromiter((prev_rows[sched[i].state.request_id] for i in ph_rows), dtype=np.int64)
+    ph_src = b["ph_src"].ensure(len(ph_rows))
+    ph_src[:] = [prev_rows[sched[i].state.request_id] for i in ph_rows]
     num_decodes = int(np.argmax(q_lens != 1)) if (q_lens != 1).any() else num_reqs
     meta = AttentionMetadata(
         slot_mapping=b["slots"].to_device(slots),
@@ -129,7 +130,7 @@ def build_inputs(buffers: StepBuffers, sched: list[ScheduledRequest], block_size
         logits_indices=b["logits_idx"].to_device(logits_idx),
         sampling_reqs=[sched[i].state for i in sampling_rows],
         placeholder_dst=b["ph_dst"].to_device(ph_dst),
-        placeholder_src=ph_src,
+        placeholder_src=b["ph_src"].to_device(ph_src),
     )
 
 

@@ -109,8 +109,8 @@ class ModelRunner:
     def _fill_placeholders(self, inputs: StepInputs) -> None:
         """input_ids[dst] = previous step's sampled ids[src], on the device."""
         if len(inputs.placeholder_src):
-            src = torch.from_numpy(inputs.placeholder_src).to(self.device, non_blocking=True)
-            inputs.input_ids.index_copy_(0, inputs.placeholder_dst, self._prev_sampled.index_select(0, src))
+            tokens = self._prev_sampled.index_select(0, inputs.placeholder_src)
+            inputs.input_ids.index_copy_(0, inputs.placeholder_dst, tokens)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
         cos, sin = self.rotary.lookup(inputs.meta.positions)
@@ -133,7 +133,9 @@ class ModelRunner:
 
     def _commit(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> dict[str, int]:
         """Advance counters, copy sampled ids to host and append them to the token lists."""
-        ids = sampled.cpu().tolist()  # the step's one synchronisation point
+        # The step's one synchronisation point; on CUDA it also guarantees that this step's
+        # non-blocking H2D copies finished before build_inputs reuses the pinned host buffers.
+        ids = sampled.cpu().tolist()
         for r, t in zip(reqs, ids):
             r.token_ids.append(t)
         return {r.request_id: t for r, t in zip(reqs, ids)}
