@@ -25,7 +25,7 @@ class AttentionMetadata:
     decode_uniform: bool  # every decode has seq_len == max_decode_kv (no mask needed)
     # prefill part (requests num_decodes.., tokens num_decodes..):
     prefill_token_index: torch.Tensor  # [num_prefills, max_q] int64 into the flat tokens (padded)
-    prefill_valid: torch.Tensor  # [num_prefills, max_q] bool: the padded entries are False
+    prefill_rows: torch.Tensor  # [num_prefill_tokens] int64: the unpadded entries of the flattened index
     max_prefill_kv: int  # max seq_len over the prefills (0 when none)
 
 
@@ -78,7 +78,7 @@ class TorchAttentionBackend:
     def _prefill(self, q, k_cache, v_cache, meta, scale):
         """Outputs `[num_tokens - num_decodes, heads, head_dim]` of the prefill tokens, in order."""
         nd = meta.num_decodes
-        index, valid = meta.prefill_token_index, meta.prefill_valid  # [np, max_q]
+        index = meta.prefill_token_index  # [np, max_q]
         num_p, max_q = index.shape
         k, v = _gather(k_cache, v_cache, meta.block_tables[nd:], meta.max_prefill_kv)  # [np, kvh, S, d]
         kvh, head_dim = k.shape[1], q.shape[-1]
@@ -92,7 +92,7 @@ class TorchAttentionBackend:
         o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
         o = o.view(num_p, kvh, max_q, group, head_dim).permute(0, 2, 1, 3, 4)  # [np, max_q, kvh, group, d]
         # padded rows dropped; requests' tokens are contiguous, so this is the flat token order
-        return o.reshape(num_p * max_q, -1, head_dim)[valid.view(-1)]
+        return o.reshape(num_p * max_q, -1, head_dim).index_select(0, meta.prefill_rows)
 
 
 def _gather(k_cache, v_cache, tables, max_kv):

@@ -72,10 +72,9 @@ class _Buffer:
 
 class StepBuffers:
     def __init__(self, device: torch.device):
-        names = ("input_ids", "positions", "slots", "seq_lens", "logits_idx", "ph_dst", "ph_src")
+        names = ("input_ids", "positions", "slots", "seq_lens", "logits_idx", "ph_dst", "ph_src", "pf_rows")
         self.bufs = {n: _Buffer(device) for n in names}
         self.bufs["pf_index"] = _Buffer(device, cols=1)
-        self.bufs["pf_valid"] = _Buffer(device, cols=1)
         self.bufs["tables"] = _Buffer(device, cols=1)
 
 
@@ -140,13 +139,13 @@ def _prefill_index(b: dict[str, _Buffer], cu: np.ndarray, q_lens: np.ndarray, nu
     num_p = len(pf_lens)
     max_q = int(pf_lens.max()) if num_p else 0
     index = b["pf_index"].ensure(num_p, max_q)
-    valid = b["pf_valid"].ensure(num_p, max_q)
+    rows = b["pf_rows"].ensure(int(pf_lens.sum()))
     if num_p:
         offs = np.arange(max_q)[None, :]  # [1, max_q]
-        valid[:] = offs < pf_lens[:, None]
         # padded entries repeat the request's last token so no query row is fully masked
         index[:] = cu[num_decodes:-1, None] + np.minimum(offs, pf_lens[:, None] - 1)
+        rows[:] = np.flatnonzero(offs < pf_lens[:, None])  # real entries, row-major = token order
     return {
         "prefill_token_index": b["pf_index"].to_device(index),
-        "prefill_valid": b["pf_valid"].to_device(valid).bool(),
+        "prefill_rows": b["pf_rows"].to_device(rows),
     }

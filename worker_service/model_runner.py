@@ -4,6 +4,10 @@ See the top of `stepahead/plan.py` for the semantics. The runner never allocates
 keeps per-request token lists and block tables, the paged KV cache, and the previous step's
 sampled ids on the device (placeholder decode inputs are gathered from them on the device).
 
+A plan that fails validation (`plan_checks.PlanError`, a ValueError naming the request)
+changes nothing beyond its finished/preempted forgets. A placeholder decode must be for a
+request that sampled in the immediately preceding plan.
+
 For tests, `last_logits` holds the float32 logits `[num_sampled, vocab]` of the last step's
 sampling rows, `last_logits_ids` the matching request ids (`logits_of(request_id)` picks one).
 """
@@ -31,6 +35,8 @@ class ModelRunner:
                  gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
                  num_host_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0):
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.model, cfg = load_model(model_dir, self.dtype, self.device)
