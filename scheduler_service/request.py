@@ -106,6 +106,7 @@ class Request:
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
         self.output_token_ids: list[int] = []
+        self.num_tokens = len(prompt)  # committed tokens: prompt + committed output
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []  # device KV blocks, in sequence order
         self.host_block_ids: list[int] = []  # host copies while SWAPPED
@@ -123,6 +124,11 @@ class Request:
         self.block_hashes: list[int] = []  # chained hashes of full committed blocks
         self.prefix_ids: list[int] = []  # content identities of this request's cached blocks
         self.queue_token: int | None = None  # live entry in the waiting queue
+        self.run_key: tuple = ()  # policy order while running (fixed when it starts running)
+
+    def commit_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.num_tokens += 1
 
     # ---- lengths -------------------------------------------------------------------
     @property
@@ -132,11 +138,6 @@ class Request:
     @property
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
-
-    @property
-    def num_tokens(self) -> int:
-        """Committed tokens: prompt + committed output."""
-        return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
     def num_known_tokens(self) -> int:

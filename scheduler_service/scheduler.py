@@ -9,6 +9,7 @@ results for requests preempted / finished / aborted since are stale (epoch check
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import Counter, deque
 from collections.abc import Callable
@@ -53,6 +54,10 @@ class SchedulerStats:
     num_finished: int
     num_aborted: int
     num_in_flight: int
+
+
+def _run_key(request: Request) -> tuple:
+    return request.run_key
 
 
 class _Admission(Enum):
@@ -152,15 +157,18 @@ class Scheduler:
         return plan
 
     def _schedule_running(self, b: StepBuilder, now: float) -> bool:
-        """Advance running requests; returns True if one was deferred waiting for a fence."""
-        self._running.sort(key=lambda r: self._policy.running_key(r, now))
+        """Advance running requests in policy order; returns True if one was deferred
+        waiting for a fence."""
+        running, bs = self._running, self.config.block_size
         deferred, i = False, 0
-        while i < len(self._running) and b.tokens_left > 0 and b.seqs_left > 0:
-            req = self._running[i]
-            n = self._num_new_tokens(req, req.num_known_tokens - req.num_scheduled_tokens, b.tokens_left)
-            first_new_block = len(req.block_ids)
+        while i < len(running) and b.token_budget > 0 and b.seq_budget > 0:
+            req = running[i]
+            remaining = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
+            n = self._num_new_tokens(req, remaining, b.token_budget)
             if n:
-                outcome = self._reserve(req, req.num_scheduled_tokens + n, b)
+                first_new_block = len(req.block_ids)
+                end = req.num_scheduled_tokens + n
+                outcome = _Admission.OK if end <= first_new_block * bs else self._reserve(req, end, b)
                 if outcome is _Admission.OK:
                     b.add(req, n, False, first_new_block)
                 deferred |= outcome is _Admission.WAIT_FENCE
@@ -185,7 +193,9 @@ class Scheduler:
         cfg = self.config
         if remaining <= 0:
             return 0
-        if not cfg.enable_chunked_prefill:
+        if remaining == 1:  # a decode: the common case
+            n = 1
+        elif not cfg.enable_chunked_prefill:
             n = remaining if remaining <= tokens_left else 0
         else:
             n = min(remaining, tokens_left)
@@ -195,20 +205,25 @@ class Scheduler:
             return 0  # its pending placeholders may already complete it
         return n
 
+    def _add_running(self, req: Request, now: float) -> None:
+        req.status = RequestStatus.RUNNING
+        req.run_key = self._policy.running_key(req, now)
+        bisect.insort(self._running, req, key=_run_key)
+
     def _schedule_swapped(self, b: StepBuilder, now: float) -> None:
-        self._swapped.sort(key=lambda r: self._policy.running_key(r, now))
-        while self._swapped and b.seqs_left > 0 and len(self._running) < self.config.max_num_seqs:
+        self._swapped.sort(key=_run_key)
+        while self._swapped and b.seq_budget > 0 and len(self._running) < self.config.max_num_seqs:
             req = self._swapped[0]
-            n = self._num_new_tokens(req, req.num_tokens - req.num_computed_tokens, b.tokens_left)
+            n = self._num_new_tokens(req, req.num_tokens - req.num_computed_tokens, b.token_budget)
             need = max(len(req.host_block_ids), cdiv(req.num_computed_tokens + n, self.config.block_size))
             if n == 0 or need > self._kv.device.num_free:
                 return
-            self._swap_in(req, n, b)
+            self._swap_in(req, n, b, now)
 
     def _schedule_waiting(self, b: StepBuilder, now: float) -> None:
         while len(self._waiting):
             req = self._waiting.peek(now)
-            outcome = self._try_admit(req, b)
+            outcome = self._try_admit(req, b, now)
             if outcome is _Admission.OK:
                 continue
             if outcome is _Admission.WAIT_FENCE:
@@ -218,53 +233,50 @@ class Scheduler:
                 return
             self._preempt(victim, b)
 
-    def _try_admit(self, req: Request, b: StepBuilder) -> _Admission:
-        if len(self._running) >= self.config.max_num_seqs or b.seqs_left == 0:
+    def _try_admit(self, req: Request, b: StepBuilder, now: float) -> _Admission:
+        if len(self._running) >= self.config.max_num_seqs or b.seq_budget == 0:
             return _Admission.NO_SEQ
         hit = self._kv.find_prefix_hit(req)
         computed = hit.num_blocks * self.config.block_size
-        n = self._num_new_tokens(req, req.num_tokens - computed, b.tokens_left)
+        n = self._num_new_tokens(req, req.num_tokens - computed, b.token_budget)
         if n == 0:
             return _Admission.NO_BUDGET
         need = cdiv(computed + n, self.config.block_size) - hit.num_blocks + hit.num_free_hits
         if need > self._kv.device.num_free:
             return _Admission.WAIT_FENCE if self._kv.could_allocate_later(need) else _Admission.NO_BLOCKS
-        self._admit(req, hit, n, b)
+        self._admit(req, hit, n, b, now)
         return _Admission.OK
 
     def _policy_victim(self, candidate: Request, b: StepBuilder, now: float) -> Request | None:
         """The worst running request the waiting `candidate` may preempt, if any."""
         if not self._policy.can_preempt_running:
             return None
-        eligible = [r for r in self._running if not b.is_scheduled_new(r)]
-        if not eligible:
+        victim = next((r for r in reversed(self._running) if not b.is_scheduled_new(r)), None)
+        if victim is None or not self._policy.may_preempt(candidate, victim, now):
             return None
-        victim = max(eligible, key=lambda r: self._policy.running_key(r, now))
-        return victim if self._policy.may_preempt(candidate, victim, now) else None
+        return victim
 
     # ---- status transitions --------------------------------------------------------------
-    def _admit(self, req: Request, hit: PrefixHit, n: int, b: StepBuilder) -> None:
+    def _admit(self, req: Request, hit: PrefixHit, n: int, b: StepBuilder, now: float) -> None:
         self._waiting.remove(req)
         self._kv.take_hit(req, hit)
         req.num_computed_tokens = req.num_scheduled_tokens = hit.num_blocks * self.config.block_size
         ok = self._kv.allocate_slots(req, req.num_computed_tokens + n)
         assert ok, "admission checked the free blocks"
-        req.status = RequestStatus.RUNNING
+        self._add_running(req, now)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self._clock()
             req.num_cached_tokens = req.num_computed_tokens
         self._counts["prefix_query_tokens"] += req.num_tokens
         self._counts["prefix_hit_tokens"] += req.num_computed_tokens
-        self._running.append(req)
         b.add(req, n, True, 0)
 
-    def _swap_in(self, req: Request, n: int, b: StepBuilder) -> None:
+    def _swap_in(self, req: Request, n: int, b: StepBuilder, now: float) -> None:
         pairs = self._kv.swap_in(req, b.step_id)
         assert pairs is not None and self._kv.allocate_slots(req, req.num_computed_tokens + n)
         b.swap_in.extend(pairs)
         self._swapped.remove(req)
-        req.status = RequestStatus.RUNNING
-        self._running.append(req)
+        self._add_running(req, now)
         b.add(req, n, True, 0)
 
     def _preempt(self, victim: Request, b: StepBuilder) -> None:
@@ -329,33 +341,32 @@ class Scheduler:
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
         self._counts["num_steps"] += 1
-        events = []
-        for entry in record.entries:
-            req = entry.request
-            if req.epoch != entry.epoch:
+        events, tokens = [], result.sampled_token_ids
+        caching, bs = self.config.enable_prefix_caching, self.config.block_size
+        for req, epoch, num_tokens, samples in record.entries:
+            if req.epoch != epoch:
                 continue  # preempted, finished or aborted since the plan was built: stale
-            req.num_computed_tokens += entry.num_tokens
-            if not entry.samples:
+            req.num_computed_tokens += num_tokens
+            if samples:
+                req.num_output_placeholders -= 1
+                req.commit_token(tokens[req.request_id])
+            if caching and min(req.num_computed_tokens, req.num_tokens) >= (len(req.prefix_ids) + 1) * bs:
                 self._kv.register_computed(req)
-                continue
-            req.num_output_placeholders -= 1
-            token = result.sampled_token_ids[req.request_id]
-            req.output_token_ids.append(token)
-            self._kv.register_computed(req)
-            reason = self._stop_reason(req, token)
-            if reason is not None:
-                self._finish(req, reason)
-            events.append(self._event(req, (token,), reason))
+            if samples:
+                token = tokens[req.request_id]
+                reason = self._stop_reason(req, token)
+                if reason is not None:
+                    self._finish(req, reason)
+                events.append(RequestEvent(req.request_id, (token,), reason, req.num_prompt_tokens, req.num_cached_tokens))
         return events
 
     @staticmethod
     def _check_result(record: InFlightPlan, result: StepResult) -> None:
-        sampling = {e.request.request_id for e in record.entries if e.samples}
-        extra = result.sampled_token_ids.keys() - sampling
+        extra = result.sampled_token_ids.keys() - record.sampling_ids
         if extra:
             raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)}")
-        fresh = {e.request.request_id for e in record.entries if e.samples and e.request.epoch == e.epoch}
-        missing = fresh - result.sampled_token_ids.keys()
+        missing = record.sampling_ids - result.sampled_token_ids.keys()
+        missing = {rid for rid in missing if any(e[0].request_id == rid and e[0].epoch == e[1] for e in record.entries)}
         if missing:
             raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)}")
 
@@ -424,6 +435,8 @@ class Scheduler:
             listed += len(members)
         if listed != len(self._requests) or len(self._waiting) != len(containers[RequestStatus.WAITING]):
             raise AssertionError(f"{listed} requests in queues, {len(self._requests)} tracked")
+        if any(a.run_key > b.run_key for a, b in zip(self._running, self._running[1:])):
+            raise AssertionError("running requests out of policy order")
         if self._in_flight and [p.step_id for p in self._in_flight] != list(
             range(self._next_step_id - len(self._in_flight), self._next_step_id)
         ):

@@ -16,20 +16,16 @@ class ScheduledEntry:
     first_new_block: int  # index of the first block the worker has not seen yet
 
 
-@dataclass(frozen=True)
-class InFlightEntry:
-    """One request's part of an in-flight plan; stale once the request's epoch moved on."""
-
-    request: Request
-    epoch: int
-    num_tokens: int
-    samples: bool
+# One request's part of an in-flight plan: (request, epoch, num_tokens, samples). Stale
+# once the request's epoch moved on (preempted / finished / aborted). A tuple: hot path.
+InFlightEntry = tuple[Request, int, int, bool]
 
 
 @dataclass(frozen=True)
 class InFlightPlan:
     step_id: int
     entries: tuple[InFlightEntry, ...]
+    sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
 
 
 @dataclass
@@ -42,20 +38,12 @@ class StepBuilder:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
 
-    @property
-    def tokens_left(self) -> int:
-        return self.token_budget
-
-    @property
-    def seqs_left(self) -> int:
-        return self.seq_budget
-
     def add(self, request: Request, num_new_tokens: int, is_new: bool, first_new_block: int) -> None:
-        assert request.request_id not in self.entries and num_new_tokens > 0
-        assert num_new_tokens <= self.token_budget and self.seq_budget > 0
+        assert num_new_tokens > 0 and request.request_id not in self.entries
         self.entries[request.request_id] = ScheduledEntry(request, num_new_tokens, is_new, first_new_block)
         self.token_budget -= num_new_tokens
         self.seq_budget -= 1
+        assert self.token_budget >= 0 and self.seq_budget >= 0
 
     def unschedule(self, request: Request) -> None:
         """Drop a running delta again (its request is being preempted)."""
@@ -72,12 +60,13 @@ class StepBuilder:
 
     def build(self, finished_ids: list[str], preempted_ids: list[str]) -> tuple[StepPlan, InFlightPlan]:
         """Apply the schedule to the requests' counters and emit the plan."""
-        new_reqs, running, in_flight = [], [], []
+        new_reqs, running, in_flight, sampling = [], [], [], []
+        step_id = self.step_id
         for entry in self.entries.values():
             req, n = entry.request, entry.num_new_tokens
             start = req.num_scheduled_tokens
-            req.num_scheduled_tokens += n
-            samples = req.num_scheduled_tokens == req.num_known_tokens
+            req.num_scheduled_tokens = end = start + n
+            samples = end == req.num_tokens + req.num_output_placeholders
             if entry.is_new:
                 assert req.num_output_placeholders == 0, "a request sent in full has no placeholders"
                 new_reqs.append(
@@ -88,14 +77,15 @@ class StepBuilder:
                 placeholder = start >= req.num_tokens
                 assert not placeholder or n == 1, "a placeholder input is always a single decode"
                 running.append(
-                    RunningRequest(req.request_id, tuple(req.block_ids[entry.first_new_block:]), n, placeholder)
+                    RunningRequest(req.request_id, tuple(req.block_ids[entry.first_new_block :]), n, placeholder)
                 )
             if samples:
                 req.num_output_placeholders += 1
-            req.last_step_id = self.step_id
-            in_flight.append(InFlightEntry(req, req.epoch, n, samples))
+                sampling.append(req.request_id)
+            req.last_step_id = step_id
+            in_flight.append((req, req.epoch, n, samples))
         plan = StepPlan(
-            step_id=self.step_id,
+            step_id=step_id,
             new_requests=tuple(new_reqs),
             running=tuple(running),
             finished_ids=tuple(finished_ids),
@@ -103,4 +93,4 @@ class StepBuilder:
             swap_out=tuple(self.swap_out),
             swap_in=tuple(self.swap_in),
         )
-        return plan, InFlightPlan(self.step_id, tuple(in_flight))
+        return plan, InFlightPlan(step_id, tuple(in_flight), frozenset(sampling))
