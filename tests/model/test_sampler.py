@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from scipy.stats import chi2_contingency, chisquare
 
 from stepahead.plan import SamplingParams
+from worker_service import sampler as sampler_module
 from worker_service.sampler import Sampler, SamplingMetadata
 
 CPU = torch.device("cpu")
@@ -203,6 +204,32 @@ def test_per_row_top_k_and_min_p_without_top_p_rows() -> None:
     assert_mixed_batch_follows(configs)
 
 
+@pytest.mark.parametrize("width", [4, 8, 16])
+def test_cpu_candidate_top_p_keeps_the_same_tokens_as_a_full_sort(
+    monkeypatch: pytest.MonkeyPatch, width: int
+) -> None:
+    """The CPU shortcut (cut-off among the top `width` logits, else sort) against the sort."""
+    monkeypatch.setattr(sampler_module, "CPU_TOP_P_CANDIDATES", width)
+    rng = np.random.default_rng(width)
+    vocab, rows = 40, []
+    for scale in (0.05, 1.0, 4.0):  # flat (cut-off beyond the candidates) to peaked
+        for top_k in (vocab, 3, width, width + 5):
+            for top_p in (0.3, 0.9, 0.99, float("inf")):
+                rows.append((random_logits(rng, vocab, scale), top_k, top_p))
+    x = torch.as_tensor(np.stack([r[0] for r in rows]))  # [rows, vocab]
+    k = torch.tensor([r[1] for r in rows])
+    top_p = torch.tensor([r[2] for r in rows], dtype=torch.float32)
+    shortcut = sampler_module._threshold_from_candidates(x, k, top_p)  # [rows]
+    full = sampler_module._threshold_from_sort(x, k, top_p)  # [rows]
+    torch.testing.assert_close(x >= shortcut[:, None], x >= full[:, None], rtol=0, atol=0)
+
+
+def test_mixed_batch_through_the_cpu_candidate_top_p(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sampler_module, "CPU_TOP_P_CANDIDATES", 6)
+    assert_mixed_batch_follows(CONFIGS + [SamplingParams(top_p=0.95, seed=3), SamplingParams(top_k=4, top_p=0.6)],
+                               repeats=2500)
+
+
 params_strategy = st.builds(
     SamplingParams,
     temperature=st.sampled_from([0.0, 0.3, 1.0, 2.0]),
@@ -217,7 +244,8 @@ params_strategy = st.builds(
 def test_never_samples_outside_the_allowed_set(configs: list[SamplingParams], logits_seed: int) -> None:
     """Rows cycle through up to four configs, so per-row top-k values differ in one batch."""
     rng = np.random.default_rng(logits_seed)
-    logits = np.stack([random_logits(rng, 64, scale=3.0) for _ in configs])  # [configs, vocab]
+    vocab = 64 if logits_seed % 2 else 600  # 600: CPU top-p through the candidate shortcut
+    logits = np.stack([random_logits(rng, vocab, scale=3.0) for _ in configs])  # [configs, vocab]
     which = np.arange(256) % len(configs)
     tokens = sample(logits[which], [configs[i] for i in which], list(range(256)))
     for i, p in enumerate(configs):
