@@ -144,10 +144,8 @@ class Scheduler:
         cfg = self.config
         b = StepBuilder(self._next_step_id, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         deferred = self._schedule_running(b, now)
-        if not b.preempted and not deferred:
-            self._schedule_swapped(b, now)
-            if not self._swapped:
-                self._schedule_waiting(b, now)
+        if not b.preempted and not deferred and not self._schedule_swapped(b, now):
+            self._schedule_waiting(b, now)
         if not (b.entries or b.swap_out or b.swap_in):
             return None
         plan, in_flight = b.build(self._pending_finished, self._pending_preempted)
@@ -191,7 +189,7 @@ class Scheduler:
     def _num_new_tokens(self, req: Request, remaining: int, tokens_left: int) -> int:
         """Tokens to compute this step (0: none), honouring chunking and max_tokens."""
         cfg = self.config
-        if remaining <= 0:
+        if remaining <= 0 or tokens_left <= 0:
             return 0
         if remaining == 1:  # a decode: the common case
             n = 1
@@ -210,15 +208,32 @@ class Scheduler:
         req.run_key = self._policy.running_key(req, now)
         bisect.insort(self._running, req, key=_run_key)
 
-    def _schedule_swapped(self, b: StepBuilder, now: float) -> None:
+    def _schedule_swapped(self, b: StepBuilder, now: float) -> bool:
+        """Swap requests back in, before new admissions; returns True if one that should
+        go next did not fit (then nothing new is admitted this step)."""
         self._swapped.sort(key=_run_key)
-        while self._swapped and b.seq_budget > 0 and len(self._running) < self.config.max_num_seqs:
+        while self._swapped:
             req = self._swapped[0]
+            if self._outranked_by_waiting(req, now):
+                return False
             n = self._num_new_tokens(req, req.num_tokens - req.num_computed_tokens, b.token_budget)
             need = max(len(req.host_block_ids), cdiv(req.num_computed_tokens + n, self.config.block_size))
-            if n == 0 or need > self._kv.device.num_free:
-                return
+            full = b.seq_budget == 0 or len(self._running) >= self.config.max_num_seqs
+            if full or n == 0 or need > self._kv.device.num_free:
+                return True
             self._swap_in(req, n, b, now)
+        return False
+
+    def _outranked_by_waiting(self, req: Request, now: float) -> bool:
+        """Would the head of the waiting queue preempt this request anyway? Then it goes
+        first (swapping in a request only to preempt it again would livelock)."""
+        head = self._waiting.peek(now)
+        policy = self._policy
+        return (
+            head is not None
+            and policy.may_preempt(head, req, now)
+            and policy.queue_key(head, now) < policy.queue_key(req, now)
+        )
 
     def _schedule_waiting(self, b: StepBuilder, now: float) -> None:
         while len(self._waiting):
@@ -298,6 +313,7 @@ class Scheduler:
             b.swap_out.extend(pairs)
             victim.num_scheduled_tokens = victim.num_computed_tokens
             victim.status = RequestStatus.SWAPPED
+            victim.queued_time = self._clock()
             self._swapped.append(victim)
             self._counts["num_swap_outs"] += 1
             return

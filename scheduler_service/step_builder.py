@@ -43,7 +43,8 @@ class StepBuilder:
         self.entries[request.request_id] = ScheduledEntry(request, num_new_tokens, is_new, first_new_block)
         self.token_budget -= num_new_tokens
         self.seq_budget -= 1
-        assert self.token_budget >= 0 and self.seq_budget >= 0
+        assert self.token_budget >= 0, "token budget overdrawn"
+        assert self.seq_budget >= 0, "sequence budget overdrawn"
 
     def unschedule(self, request: Request) -> None:
         """Drop a running delta again (its request is being preempted)."""
