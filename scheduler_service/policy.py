@@ -119,7 +119,7 @@ class WaitingQueue:
     def __init__(self, policy: QueuePolicy) -> None:
         self._policy = policy
         self._by_key: list[tuple] = []
-        self._by_arrival: list[tuple] = []
+        self._by_queued: list[tuple] = []
         self._tokens = itertools.count()
         self._len = 0
 
@@ -135,7 +135,7 @@ class WaitingQueue:
         request.queue_token = token
         heapq.heappush(self._by_key, (self._policy.static_key(request), token, request))
         if self._policy.has_aging:
-            heapq.heappush(self._by_arrival, (request.queued_time, token, request))
+            heapq.heappush(self._by_queued, ((request.queued_time, request.arrival_time), token, request))
         self._len += 1
 
     def remove(self, request: Request) -> None:
@@ -145,7 +145,7 @@ class WaitingQueue:
 
     def peek(self, now: float) -> Request | None:
         if self._policy.has_aging:
-            oldest = self._top(self._by_arrival)
+            oldest = self._top(self._by_queued)
             if oldest is not None and self._policy.is_aged(oldest, now):
                 return oldest
         return self._top(self._by_key)

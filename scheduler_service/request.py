@@ -161,11 +161,6 @@ class Request:
             return self.prompt_token_ids[start:end]
         return self.all_token_ids()[start:end]
 
-    def may_sample(self, max_model_len: int) -> bool:
-        """Whether one more sampled token could still be committed (placeholders counted)."""
-        pending = self.num_output_tokens + self.num_output_placeholders
-        return pending < self.sampling.max_tokens and self.num_known_tokens < max_model_len
-
     def __repr__(self) -> str:
         return (
             f"Request({self.request_id!r}, {self.status.name}, tokens={self.num_tokens}, "

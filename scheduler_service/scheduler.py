@@ -199,8 +199,13 @@ class Scheduler:
             n = min(remaining, tokens_left)
             if cfg.long_prefill_token_threshold:
                 n = min(n, cfg.long_prefill_token_threshold)
-        if n == remaining and not req.may_sample(cfg.max_model_len):
-            return 0  # its pending placeholders may already complete it
+        if n == remaining:  # the step samples: never past max_tokens / max_model_len
+            pending = req.num_output_placeholders
+            if (
+                len(req.output_token_ids) + pending >= req.sampling.max_tokens
+                or req.num_tokens + pending >= cfg.max_model_len
+            ):
+                return 0  # its pending placeholders may already complete it
         return n
 
     def _add_running(self, req: Request, now: float) -> None:
@@ -373,7 +378,9 @@ class Scheduler:
                 reason = self._stop_reason(req, token)
                 if reason is not None:
                     self._finish(req, reason)
-                events.append(RequestEvent(req.request_id, (token,), reason, req.num_prompt_tokens, req.num_cached_tokens))
+                events.append(
+                    RequestEvent(req.request_id, (token,), reason, len(req.prompt_token_ids), req.num_cached_tokens)
+                )
         return events
 
     @staticmethod
@@ -387,11 +394,11 @@ class Scheduler:
             raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)}")
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        sp = req.sampling
-        if req.num_output_tokens >= sp.min_tokens:
+        sp, num_output = req.sampling, len(req.output_token_ids)
+        if num_output >= sp.min_tokens:
             if (token in self._eos and not sp.ignore_eos) or token in sp.stop_token_ids:
                 return FinishReason.STOP
-        if req.num_output_tokens >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
+        if num_output >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
             return FinishReason.LENGTH
         return None
 
