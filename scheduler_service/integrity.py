@@ -3,6 +3,8 @@ every step). Raises AssertionError explicitly so that `python -O` keeps the chec
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 from scheduler_service.kv_manager import cdiv
 from scheduler_service.request import Request, RequestStatus
 
@@ -38,3 +40,25 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
             _require(req.num_scheduled_tokens == req.num_output_placeholders == 0, req, "waiting with work")
         case _:
             raise AssertionError(f"{req!r}: finished but still tracked")
+
+
+def check_queues(
+    requests: Mapping[str, Request], running: Sequence[Request], swapped: Sequence[Request],
+    waiting: Sequence[Request], waiting_len: int,
+) -> None:
+    """Every tracked request is in exactly the queue its status says; running is sorted."""
+    groups = (
+        (running, {RequestStatus.RUNNING}),
+        (swapped, {RequestStatus.SWAPPED}),
+        (waiting, {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
+    )
+    listed = 0
+    for members, statuses in groups:
+        for req in members:
+            if req.status not in statuses or requests.get(req.request_id) is not req:
+                raise AssertionError(f"{req!r} listed among {sorted(s.name for s in statuses)}")
+        listed += len(members)
+    if listed != len(requests) or waiting_len != len(waiting):
+        raise AssertionError(f"{listed} requests in queues, {len(requests)} tracked, waiting {waiting_len}")
+    if any(a.run_key > b.run_key for a, b in zip(running, running[1:])):
+        raise AssertionError("running requests out of policy order")

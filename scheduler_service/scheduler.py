@@ -13,12 +13,11 @@ import bisect
 import time
 from collections import Counter, deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from enum import Enum, auto
 
 from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.integrity import check_request
+from scheduler_service.integrity import check_queues, check_request
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
 from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.request import (
@@ -29,31 +28,11 @@ from scheduler_service.request import (
     RequestRejected,
     RequestStatus,
 )
+from scheduler_service.stats import SchedulerStats
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
 from stepahead.plan import StepPlan, StepResult
 
 __all__ = ["FinishReason", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
-
-
-@dataclass(frozen=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    num_swapped: int
-    num_total_blocks: int
-    num_free_blocks: int  # free or cached-and-evictable
-    num_cached_blocks: int  # carrying a prefix-cache entry (in use or not)
-    num_fenced_blocks: int
-    kv_usage: float
-    num_used_host_blocks: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    num_preemptions: int
-    num_swap_outs: int
-    num_steps: int
-    num_finished: int
-    num_aborted: int
-    num_in_flight: int
 
 
 def _run_key(request: Request) -> tuple:
@@ -357,7 +336,7 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result for step {result.step_id} given with plan {plan.step_id}")
         record = self._in_flight[0]
-        self._check_result(record, result)
+        record.check_result(result)
         self._in_flight.popleft()
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
@@ -382,16 +361,6 @@ class Scheduler:
                     RequestEvent(req.request_id, (token,), reason, len(req.prompt_token_ids), req.num_cached_tokens)
                 )
         return events
-
-    @staticmethod
-    def _check_result(record: InFlightPlan, result: StepResult) -> None:
-        extra = result.sampled_token_ids.keys() - record.sampling_ids
-        if extra:
-            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)}")
-        missing = record.sampling_ids - result.sampled_token_ids.keys()
-        missing = {rid for rid in missing if any(e[0].request_id == rid and e[0].epoch == e[1] for e in record.entries)}
-        if missing:
-            raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)}")
 
     def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
         sp, num_output = req.sampling, len(req.output_token_ids)
@@ -436,6 +405,7 @@ class Scheduler:
         )
 
     def check_integrity(self) -> None:
+        """Pool accounting, ref counts vs owners, queue membership, per-request counters."""
         cfg = self.config
         refs, host_refs = Counter(), Counter()
         for req in self._requests.values():
@@ -444,23 +414,7 @@ class Scheduler:
             host_refs.update(req.host_block_ids)
         self._kv.device.check_integrity(refs)
         self._kv.host.check_integrity(host_refs)
-        containers = {
-            RequestStatus.RUNNING: self._running,
-            RequestStatus.SWAPPED: self._swapped,
-            RequestStatus.WAITING: self._waiting.requests(),
-        }
-        listed = 0
-        for status, members in containers.items():
-            for req in members:
-                ok = req.status is status or (status is RequestStatus.WAITING and req.status is RequestStatus.PREEMPTED)
-                if not ok or self._requests.get(req.request_id) is not req:
-                    raise AssertionError(f"{req!r} listed as {status.name}")
-            listed += len(members)
-        if listed != len(self._requests) or len(self._waiting) != len(containers[RequestStatus.WAITING]):
-            raise AssertionError(f"{listed} requests in queues, {len(self._requests)} tracked")
-        if any(a.run_key > b.run_key for a, b in zip(self._running, self._running[1:])):
-            raise AssertionError("running requests out of policy order")
-        if self._in_flight and [p.step_id for p in self._in_flight] != list(
-            range(self._next_step_id - len(self._in_flight), self._next_step_id)
-        ):
-            raise AssertionError("in-flight plans out of order")
+        check_queues(self._requests, self._running, self._swapped, self._waiting.requests(), len(self._waiting))
+        in_flight = [p.step_id for p in self._in_flight]
+        if in_flight != list(range(self._next_step_id - len(in_flight), self._next_step_id)):
+            raise AssertionError(f"in-flight plans out of order: {in_flight}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from scheduler_service.request import Request
-from stepahead.plan import NewRequest, RunningRequest, StepPlan
+from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
 
 
 @dataclass
@@ -26,6 +26,18 @@ class InFlightPlan:
     step_id: int
     entries: tuple[InFlightEntry, ...]
     sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
+
+    def check_result(self, result: StepResult) -> None:
+        """Tokens exactly for the requests that sample (stale ones may be missing)."""
+        tokens = result.sampled_token_ids
+        extra = tokens.keys() - self.sampling_ids
+        if extra:
+            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)}")
+        missing = self.sampling_ids - tokens.keys()
+        if missing:  # only fresh entries must have a token
+            missing = {req.request_id for req, epoch, _, _ in self.entries if req.request_id in missing and req.epoch == epoch}
+        if missing:
+            raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)}")
 
 
 @dataclass
