@@ -222,3 +222,26 @@ def test_update_from_output_rejects_out_of_order_or_incomplete_results():
         sched.update_from_output(first, StepResult(first.step_id, {"a": 1, "zzz": 2}))
     sched.check_integrity()  # rejected results changed nothing
     assert sched.update_from_output(first, StepResult(first.step_id, {"a": 1}))[0].new_token_ids == (1,)
+
+
+@pytest.mark.parametrize("collide", [False, True], ids=["real-hash", "all-hashes-collide"])
+def test_shared_prefixes_end_to_end_even_when_every_hash_collides(collide):
+    kwargs = {"hash_fn": lambda parent, tokens, salt: 0} if collide else {}
+    config = replace(BASE, num_gpu_blocks=12, max_model_len=24, block_size=2)
+    d = driver(config, **kwargs)
+    specs = [
+        RequestSpec(f"r{i}", prefix + suffix, greedy(4), cache_salt=salt)
+        for i, (prefix, suffix, salt) in enumerate(
+            [((1, 2, 3, 4), (5,), None), ((1, 2, 3, 4), (6, 7), None), ((3, 4, 1, 2), (5,), None),
+             ((1, 2, 3, 4), (5,), "other"), ((1, 2, 9, 4), (5, 6), None), ((1, 2, 3, 4), (5, 8), None)]
+        )
+    ]
+    for spec in specs[:2]:
+        d.scheduler.add_request(spec.build())
+    d.run_until_done()
+    for spec in specs[2:]:
+        d.scheduler.add_request(spec.build())
+    d.run_until_done()
+    assert d.scheduler.stats().prefix_hit_tokens >= 8  # r1 and r5 reuse (1, 2) (3, 4) at least
+    for spec in specs:
+        assert (d.outputs[spec.request_id], d.finished[spec.request_id]) == run_alone(config, spec, TOKENS)
