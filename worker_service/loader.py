@@ -51,7 +51,8 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"weight file {path} is truncated or corrupt: {e}") from e
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: str | Path, dtype: torch.dtype,
+               device: torch.device) -> tuple[LlamaForCausalLM, ModelConfig]:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
     cls = model_class(cfg.model_type)

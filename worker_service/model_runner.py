@@ -100,7 +100,8 @@ class ModelRunner:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
         sched = []
         for r in new:
-            state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids), r.num_computed_tokens)
+            state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
+                                  r.num_computed_tokens)
             self.requests[r.request_id] = state
             sched.append(ScheduledRequest(state, r.num_scheduled_tokens, placeholder=False))
         for r in running:

@@ -6,7 +6,10 @@ from dataclasses import dataclass
 
 import torch
 
+from tests.model.checkpoints import VOCAB
+
 TIE_GAP = 1e-4
+MAX_NEW = 48
 
 
 @dataclass
@@ -45,3 +48,18 @@ def assert_matches_hf(ours: list[int], expected: list[int], gaps: list[float], w
             )
             return False
     return True
+
+
+def random_prompts(seed: int, lens: list[int]) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def check_against_hf(sched, prompts: list[list[int]], expected: HFGreedy) -> int:
+    """Every finished request of a ToyScheduler run against HF; returns how many fully matched."""
+    outputs = {r.request_id: r.output for r in sched.finished}
+    assert len(outputs) == len(prompts)
+    full = 0
+    for i in range(len(prompts)):
+        full += assert_matches_hf(outputs[f"r{i}"], expected.tokens[i], expected.gaps[i], f"r{i}")
+    return full

@@ -109,7 +109,8 @@ def new(rid, tokens, blocks, scheduled=None, computed=0):
 @pytest.mark.parametrize(
     ("plan", "message"),
     [
-        (StepPlan(0, (new("a", range(9), [0, 1]),)), "'a': block table of 2 blocks .* too short for 9 tokens"),
+        (StepPlan(0, (new("a", range(9), [0, 1]),)),
+         "'a': block table of 2 blocks .* too short for 9 tokens"),
         (StepPlan(0, (new("a", range(25), range(7)),)), "'a': position 24 >= max model length 24"),
         (StepPlan(0, (new("a", range(3), [8]),)), "'a': block ids \\[8\\] outside the device pool"),
         (StepPlan(0, (new("a", range(3), [0], scheduled=4),)), "'a': step computes tokens up to 4 but"),

@@ -3,20 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from tests.model.checkpoints import VARIANTS, VOCAB, build_checkpoint
+from tests.model.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
-from tests.model.oracle import assert_matches_hf, hf_greedy
+from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
 from worker_service.model_runner import ModelRunner
 
 PROMPT_LENS = [1, 300, 7, 16, 17, 250, 31, 32, 33, 64, 2, 100, 128, 150, 200, 280]
-MAX_NEW = 48
-
-
-def random_prompts(seed: int, lens=PROMPT_LENS) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
 
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
@@ -24,7 +17,7 @@ def checkpoint(request, tmp_path_factory):
     model_type, overrides = VARIANTS[request.param]
     path = tmp_path_factory.mktemp(request.param)
     hf = build_checkpoint(path, model_type, **overrides)
-    prompts = random_prompts(seed=len(request.param))
+    prompts = random_prompts(len(request.param), PROMPT_LENS)
     return request.param, path, prompts, hf_greedy(hf, prompts, MAX_NEW)
 
 
@@ -34,15 +27,6 @@ def run_workload(runner, prompts, **driver_kwargs) -> ToyScheduler:
         sched.add(ToyRequest(f"r{i}", p, MAX_NEW, arrival_step=3 * (i // 2)))
     sched.run()
     return sched
-
-
-def check_against_hf(sched: ToyScheduler, prompts, expected) -> int:
-    outputs = {r.request_id: r.output for r in sched.finished}
-    assert len(outputs) == len(prompts)
-    full = 0
-    for i in range(len(prompts)):
-        full += assert_matches_hf(outputs[f"r{i}"], expected.tokens[i], expected.gaps[i], f"r{i}")
-    return full
 
 
 def test_mixed_batches_match_hf_generate(checkpoint):

@@ -7,8 +7,7 @@ import torch
 
 from tests.model.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
-from tests.model.oracle import hf_greedy
-from tests.model.test_oracle_generate import MAX_NEW, check_against_hf, random_prompts
+from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
 from worker_service.kv_cache import KVCache
 from worker_service.model_config import ModelConfig
 from worker_service.model_runner import ModelRunner
