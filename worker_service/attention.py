@@ -44,6 +44,9 @@ class TorchAttentionBackend:
     length axis, so SDPA sees `[reqs, kv_heads, q_len * group, head_dim]` queries.
     """
 
+    def __init__(self):
+        self._gather = _GatherBuffer().gather
+
     def write_kv(self, k, v, k_cache, v_cache, meta):
         # k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
         # 2-D views: index_copy_/index_select take a row-memcpy fast path on 2-D tensors
@@ -64,7 +67,7 @@ class TorchAttentionBackend:
     def _decode(self, q, k_cache, v_cache, meta, scale):
         nd = meta.num_decodes
         tables = meta.block_tables[:nd]
-        k, v = _gather(k_cache, v_cache, tables, meta.max_decode_kv)  # [nd, kvh, S, d]
+        k, v = self._gather(k_cache, v_cache, tables, meta.max_decode_kv)  # [nd, kvh, S, d]
         k, v = k[:, :, : meta.max_decode_kv], v[:, :, : meta.max_decode_kv]
         kvh = k.shape[1]
         qg = q.view(nd, kvh, -1, q.shape[-1])  # [nd, kvh, group, d]: a decode's group is its query axis
@@ -80,7 +83,7 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         index = meta.prefill_token_index  # [np, max_q]
         num_p, max_q = index.shape
-        k, v = _gather(k_cache, v_cache, meta.block_tables[nd:], meta.max_prefill_kv)  # [np, kvh, S, d]
+        k, v = self._gather(k_cache, v_cache, meta.block_tables[nd:], meta.max_prefill_kv)  # [np, kvh, S, d]
         kvh, head_dim = k.shape[1], q.shape[-1]
         group = q.shape[1] // kvh
         qp = q[index].view(num_p, max_q, kvh, group, head_dim)  # [np, max_q, kvh, group, d]
@@ -95,13 +98,33 @@ class TorchAttentionBackend:
         return o.reshape(num_p * max_q, -1, head_dim).index_select(0, meta.prefill_rows)
 
 
-def _gather(k_cache, v_cache, tables, max_kv):
-    """K, V `[reqs, kv_heads, S, head_dim]` for the first S = max_kv rounded up to a block."""
-    block_size = k_cache.shape[1]
-    num_blocks = -(-max_kv // block_size)
-    reqs = tables.shape[0]
-    flat = tables[:, :num_blocks].reshape(-1)  # [reqs * nb]; index_select copies whole blocks
-    rows = (reqs, num_blocks * block_size, *k_cache.shape[2:])
-    k = k_cache.view(k_cache.shape[0], -1).index_select(0, flat).view(rows)  # [reqs, S, kvh, d]
-    v = v_cache.view(v_cache.shape[0], -1).index_select(0, flat).view(rows)
-    return k.transpose(1, 2), v.transpose(1, 2)
+class _GatherBuffer:
+    """One reusable `[2, capacity]` buffer for gathered K and V (grown geometrically).
+
+    Reuse is safe because a gathered K/V is dead before the next gather (one layer, one
+    part of the batch at a time). Fresh multi-MB tensors per layer would be mmapped and
+    page-faulted by the allocator at every step.
+    """
+
+    def __init__(self):
+        self.buf: torch.Tensor | None = None
+
+    def gather(self, k_cache, v_cache, tables, max_kv):
+        """K, V `[reqs, kv_heads, S, head_dim]` for the first S = max_kv rounded up to a block."""
+        block_size = k_cache.shape[1]
+        num_blocks = -(-max_kv // block_size)
+        reqs = tables.shape[0]
+        flat = tables[:, :num_blocks].reshape(-1)  # [reqs * nb]; whole blocks are copied as rows
+        row = k_cache[0].numel()
+        kv = self._ensure(2 * flat.numel() * row, k_cache)[: 2 * flat.numel() * row].view(2, flat.numel(), row)
+        # 2-D views: index_select takes a row-memcpy fast path on 2-D tensors
+        torch.index_select(k_cache.view(k_cache.shape[0], row), 0, flat, out=kv[0])
+        torch.index_select(v_cache.view(v_cache.shape[0], row), 0, flat, out=kv[1])
+        kv = kv.view(2, reqs, num_blocks * block_size, *k_cache.shape[2:])  # [2, reqs, S, kvh, d]
+        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
+
+    def _ensure(self, numel: int, like: torch.Tensor) -> torch.Tensor:
+        buf = self.buf
+        if buf is None or buf.numel() < numel or buf.dtype != like.dtype or buf.device != like.device:
+            self.buf = buf = torch.empty(1 << (numel - 1).bit_length(), dtype=like.dtype, device=like.device)
+        return buf
