@@ -74,18 +74,28 @@ def _validate(params: SamplingParams, num_tokens: int, row: int) -> None:
 
 
 def _row_fields(params: SamplingParams, num_tokens: int, vocab_size: int) -> list[float]:
-    """The packed float64 fields of one row (see the `_TEMPERATURE`... indices)."""
-    top_k = params.top_k if 0 < params.top_k < vocab_size else vocab_size
-    seeded = params.seed is not None and not params.greedy
+    """The packed float64 fields of one row (see the `_TEMPERATURE`... indices).
+
+    Greedy rows get temperature 1 and no truncation: their answer is the argmax of x.
+    """
     fields = [0.0] * _NUM_FIELDS
-    fields[_TEMPERATURE] = 1.0 if params.greedy else params.temperature
-    fields[_TOP_K] = float(top_k)
-    # top_p = 1 disables; +inf keeps rounding in the cumulative sum from dropping a tail token
-    fields[_TOP_P] = params.top_p if params.top_p < 1.0 else math.inf
-    fields[_LOG_MIN_P] = math.log(params.min_p) if params.min_p > 0.0 else -math.inf
-    fields[_SEEDED_U] = seeded_uniform(params.seed, num_tokens) if seeded else 0.0
-    fields[_SEEDED] = float(seeded)
-    fields[_GREEDY] = float(params.greedy)
+    fields[_TEMPERATURE] = 1.0
+    fields[_TOP_K] = float(vocab_size)
+    fields[_TOP_P] = math.inf  # +inf, not 1: rounding in a cumulative sum cannot reach it
+    fields[_LOG_MIN_P] = -math.inf
+    if params.greedy:
+        fields[_GREEDY] = 1.0
+        return fields
+    fields[_TEMPERATURE] = params.temperature
+    if 0 < params.top_k < vocab_size:
+        fields[_TOP_K] = float(params.top_k)
+    if params.top_p < 1.0:
+        fields[_TOP_P] = params.top_p
+    if params.min_p > 0.0:
+        fields[_LOG_MIN_P] = math.log(params.min_p)
+    if params.seed is not None:
+        fields[_SEEDED_U] = seeded_uniform(params.seed, num_tokens)
+        fields[_SEEDED] = 1.0
     return fields
 
 
@@ -152,7 +162,11 @@ class SamplingMetadata:
 
     @classmethod
     def _greedy_only(cls, num_rows: int, vocab_size: int, device: torch.device) -> SamplingMetadata:
-        return cls(num_rows, vocab_size, device, True, None, None, None, 0, None, None, None, None, False)
+        return cls(
+            num_rows=num_rows, vocab_size=vocab_size, device=device, all_greedy=True,
+            temperature=None, greedy=None, top_k=None, top_k_max=0, top_p=None,
+            log_min_p=None, seeded_u=None, seeded=None, needs_generator=False,
+        )
 
     @staticmethod
     def _pack(
