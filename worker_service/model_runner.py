@@ -14,11 +14,13 @@ sampling rows, `last_logits_ids` the matching request ids (`logits_of(request_id
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
+from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.input_batch import CachedRequest, ScheduledRequest, StepBuffers, StepInputs, build_inputs
 from worker_service.kv_cache import KVCache, plan_num_blocks
@@ -27,6 +29,28 @@ from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
+from worker_service.streams import DeviceStreams, StepEvent
+
+
+@dataclass
+class PendingStep:
+    """A launched step whose sampled ids may still be on their way to the host."""
+
+    step_id: int
+    reqs: list[CachedRequest]  # sampling requests, in row order
+    slots: list[int]  # index in each request's token_ids reserved for its sampled id
+    host_ids: torch.Tensor  # [num_sampling] int64, valid once `done` completed
+    done: StepEvent
+    timing: WorkerTiming  # forward_end is set by wait() on CUDA
+
+    def wait(self) -> StepResult:
+        """Block until the ids are on the host (the step's one sync); fill the token lists."""
+        self.done.synchronize()
+        timing = self.timing if self.timing.forward_end else replace(self.timing, forward_end=time.time())
+        ids = self.host_ids.tolist()
+        for r, slot, t in zip(self.reqs, self.slots, ids):
+            r.token_ids[slot] = t
+        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, timing)
 
 
 class ModelRunner:
@@ -54,13 +78,25 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=seed)
         self.requests: dict[str, CachedRequest] = {}
         self.buffers = StepBuffers(self.device)
+        self.streams = DeviceStreams(self.device)
+        self._inputs_copied = StepEvent()  # guards the pinned host input buffers
         self._prev_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # [n] last step's ids
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
+        """Run one plan to completion (launch, then wait for its sampled ids)."""
+        return self.launch(plan).wait()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, received: float = 0.0) -> PendingStep:
+        """Queue a step's device work; returns before its sampled ids reach the host on CUDA.
+
+        Steps must be launched in plan order. The next step may be launched at once: a
+        placeholder decode reads the sampled ids this step left on the device.
+        """
+        prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
@@ -69,16 +105,34 @@ class ModelRunner:
         self.kv_cache.swap_in(plan.swap_in)
         sched = self._schedule(plan.new_requests, plan.running)
         if not sched:
-            self._set_sampled([], torch.zeros(0, dtype=torch.int64, device=self.device))
-            return StepResult(step_id=plan.step_id)
-        inputs = build_inputs(self.buffers, sched, self.block_size, self._prev_rows)
+            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
+            self._set_sampled([], empty)
+            now = time.time()
+            return PendingStep(plan.step_id, [], [], empty.cpu(), StepEvent(),
+                               WorkerTiming(received or prep_start, prep_start, now, now))
+        inputs = self._copy_inputs(sched)
         for s in sched:
             s.state.num_computed += s.num_scheduled
+        forward_start = time.time()
         self._fill_placeholders(inputs)
         logits = self._forward(inputs)  # [num_sampling, vocab] float32
         sampled = self._sample(logits, inputs.sampling_reqs)  # [num_sampling] int64 on device
         self._set_sampled(inputs.sampling_reqs, sampled)
-        return StepResult(step_id=plan.step_id, sampled_token_ids=self._commit(inputs.sampling_reqs, sampled))
+        slots = self._reserve_slots(inputs.sampling_reqs)
+        host_ids, done = self.streams.to_host(sampled)
+        forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
+        timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
+        return PendingStep(plan.step_id, inputs.sampling_reqs, slots, host_ids, done, timing)
+
+    def _copy_inputs(self, sched: list[ScheduledRequest]) -> StepInputs:
+        """Fill the pinned host buffers and copy them to the device on the copy stream."""
+        self._inputs_copied.synchronize()  # the previous step's H2D copies read these buffers
+        self.streams.copy_waits_for_main()  # device buffers: the previous step's compute is done
+        with self.streams.on_copy_stream():
+            inputs = build_inputs(self.buffers, sched, self.block_size, self._prev_rows)
+        self._inputs_copied = self.streams.record("copy")
+        self.streams.main_waits_for_copies()
+        return inputs
 
     def reset(self) -> None:
         """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
@@ -138,14 +192,17 @@ class ModelRunner:
         self._prev_sampled = sampled
         self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
 
-    def _commit(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> dict[str, int]:
-        """Advance counters, copy sampled ids to host and append them to the token lists."""
-        # The step's one synchronisation point; on CUDA it also guarantees that this step's
-        # non-blocking H2D copies finished before build_inputs reuses the pinned host buffers.
-        ids = sampled.cpu().tolist()
-        for r, t in zip(reqs, ids):
-            r.token_ids.append(t)
-        return {r.request_id: t for r, t in zip(reqs, ids)}
+    @staticmethod
+    def _reserve_slots(reqs: list[CachedRequest]) -> list[int]:
+        """Append a slot per sampled token; wait() fills it once the id is on the host.
+
+        Until then the slot is only ever read through the device (placeholder decodes).
+        """
+        slots = []
+        for r in reqs:
+            slots.append(len(r.token_ids))
+            r.token_ids.append(-1)
+        return slots
 
 
 def _max_model_len(cfg, requested: int | None) -> int:
