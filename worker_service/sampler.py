@@ -218,7 +218,8 @@ class Sampler:
     def _check(self, logits: torch.Tensor, meta: SamplingMetadata) -> None:
         if logits.dim() != 2 or logits.shape != (meta.num_rows, meta.vocab_size):
             raise ValueError(
-                f"logits shape {tuple(logits.shape)} != ({meta.num_rows}, {meta.vocab_size}) from the metadata"
+                f"logits shape {tuple(logits.shape)} != "
+                f"({meta.num_rows}, {meta.vocab_size}) from the metadata"
             )
         if not logits.is_floating_point():
             raise ValueError(f"logits must be floating point, got {logits.dtype}")

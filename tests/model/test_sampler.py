@@ -227,8 +227,8 @@ def test_cpu_candidate_top_p_keeps_the_same_tokens_as_a_full_sort(
 
 def test_mixed_batch_through_the_cpu_candidate_top_p(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sampler_module, "CPU_TOP_P_CANDIDATES", 6)
-    assert_mixed_batch_follows(CONFIGS + [SamplingParams(top_p=0.95, seed=3), SamplingParams(top_k=4, top_p=0.6)],
-                               repeats=2500)
+    extra = [SamplingParams(top_p=0.95, seed=3), SamplingParams(top_k=4, top_p=0.6)]
+    assert_mixed_batch_follows(CONFIGS + extra, repeats=2500)
 
 
 params_strategy = st.builds(
