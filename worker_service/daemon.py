@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
-from stepahead.plan import WorkerInfo, WorkerTiming
+from stepahead.plan import WorkerInfo
 
 
 @dataclass(frozen=True)
@@ -83,6 +83,55 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
     )
 
 
+class _Pipeline:
+    """Plans in → execution thread → sender thread → results out, in plan order.
+
+    The execution thread launches each step as soon as it arrives (a placeholder decode
+    reads the previous step's ids on the device); the sender thread waits for each step's
+    sampled ids to reach the host (the one sync per step) and streams the result.
+    """
+
+    def __init__(self, runner, outbox: queue.Queue, log) -> None:
+        self.runner, self.outbox, self.log = runner, outbox, log
+        self.plans: queue.Queue = queue.Queue()
+        self.launched: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self._threads = [
+            threading.Thread(target=self._execute, name="execute", daemon=True),
+            threading.Thread(target=self._send, name="send", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, plan_msg, received: float) -> None:
+        self.plans.put((plan_msg, received))
+
+    def close(self) -> None:
+        self.plans.put(None)
+        for t in self._threads:
+            t.join()
+
+    def _execute(self) -> None:
+        try:
+            while (item := self.plans.get()) is not None:
+                plan_msg, received = item
+                self.launched.put(self.runner.launch(codec.plan_from_proto(plan_msg), received))
+        except BaseException as exc:  # reported by serve(): the attach session ends
+            self.error = exc
+            self.log.exception("step_failed")
+        finally:
+            self.launched.put(None)
+
+    def _send(self) -> None:
+        from stepahead.v1 import scheduler_pb2
+
+        while (pending := self.launched.get()) is not None:
+            result = pending.wait()
+            result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
+            self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
+        self.outbox.put(None)  # ends the request stream: the scheduler sees the worker leave
+
+
 def attach_once(channel, runner, info: WorkerInfo, stop: threading.Event, log) -> None:
     """One attach session: hello, then execute plans until the stream ends."""
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -90,19 +139,19 @@ def attach_once(channel, runner, info: WorkerInfo, stop: threading.Event, log) -
     outbox: queue.Queue = queue.Queue()
     outbox.put(scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info)))
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
-    stop_watch = threading.Thread(target=lambda: (stop.wait(), responses.cancel()), daemon=True)
-    stop_watch.start()
+    threading.Thread(target=lambda: (stop.wait(), responses.cancel()), daemon=True).start()
     log.info("attached", worker_id=info.worker_id)
+    pipeline = _Pipeline(runner, outbox, log)
     try:
         for msg in responses:
-            received = time.time()
-            result = runner.execute(codec.plan_from_proto(msg.plan))
-            done = time.time()
-            timing = WorkerTiming(received, received, received, done, time.time())
-            result = dataclasses.replace(result, timing=timing)
-            outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
+            pipeline.submit(msg.plan, time.time())
+            if pipeline.error is not None:
+                break
     finally:
-        outbox.put(None)
+        pipeline.close()
+        responses.cancel()
+    if pipeline.error is not None:
+        raise pipeline.error
 
 
 def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
@@ -121,6 +170,8 @@ def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
                 if not stop.is_set():
                     log.warning("attach_failed", scheduler=config.scheduler, error=repr(exc)[:200])
+            except Exception:  # a failed step: the scheduler fails its requests; start clean
+                log.exception("attach_session_failed")
         runner.reset()  # the scheduler forgot our requests; so do we
         stop.wait(backoff)  # reconnect backoff, interrupted by SIGTERM
         backoff = min(backoff * 2, config.reconnect_max_backoff_s)
