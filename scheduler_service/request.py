@@ -76,6 +76,34 @@ class RequestEvent:
 
 
 class Request:
+    __slots__ = (
+        "request_id",
+        "prompt_token_ids",
+        "sampling",
+        "priority",
+        "arrival_time",
+        "cache_salt",
+        "output_token_ids",
+        "num_tokens",
+        "status",
+        "block_ids",
+        "host_block_ids",
+        "num_scheduled_tokens",
+        "num_computed_tokens",
+        "num_output_placeholders",
+        "num_cached_tokens",
+        "num_preemptions",
+        "first_scheduled_time",
+        "queued_time",
+        "epoch",
+        "last_step_id",
+        "in_worker",
+        "block_hashes",
+        "prefix_ids",
+        "queue_token",
+        "run_key",
+    )
+
     def __init__(
         self,
         request_id: str,
