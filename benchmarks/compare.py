@@ -38,7 +38,9 @@ def bench_args(args, label: str, target: str, scheduler: str) -> argparse.Namesp
 
 
 def run_stepahead(args, label: str, *flags: str) -> dict:
-    with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.num_prompts), *flags) as s:
+    extra = args.serve_args.split()
+    with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.num_prompts), *extra,
+                      *flags) as s:
         return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr))
 
 
@@ -106,6 +108,7 @@ def main() -> None:
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true", help="only stepahead async vs sync")
+    parser.add_argument("--serve-args", default="", help="extra flags for both stepahead runs")
     parser.add_argument("--out", type=Path, default=Path("results/compare.json"))
     args = parser.parse_args()
     args.model_dir = resolve_model(args.model)

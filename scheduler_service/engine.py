@@ -88,9 +88,18 @@ class RequestStream:
         self._events.put(event)
 
     def __iter__(self):
+        """Events as they come; events that queued up meanwhile are merged into one, so a
+        slow reader gets fewer, larger messages instead of falling further behind."""
         while True:
             event = self._events.get()
-            yield event
+            tokens = list(event.new_token_ids)
+            while event.finish_reason is None:
+                try:
+                    event = self._events.get_nowait()
+                except queue.Empty:
+                    break
+                tokens += event.new_token_ids
+            yield dataclasses.replace(event, new_token_ids=tuple(tokens))
             if event.finish_reason is not None:
                 return
 

@@ -166,8 +166,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     reason = "worker sent something other than a result"
                     break
                 handle.on_result(codec.result_from_proto(msg.result))
-        except grpc.RpcError as exc:
-            reason = f"attach stream failed: {exc.code().name}"
+        except grpc.RpcError as exc:  # the server side raises a bare RpcError (no code) on reset
+            reason = f"attach stream failed: {exc!r}"
         handle.on_lost(reason)
 
 

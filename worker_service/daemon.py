@@ -38,17 +38,22 @@ class WorkerConfig:
     swap_space: float = cfg.field(1.0, "host memory for swapped-out KV blocks, GiB")
     max_model_len: int | None = cfg.field(None, "maximum prompt + output tokens (default: the model's)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
+    num_threads: int | None = cfg.field(None, "torch intra-op threads on CPU (default: torch's choice)")
     reconnect_max_backoff_s: float = cfg.field(5.0, "longest wait between attach attempts")
     log_level: str = cfg.field("info", "log level")
 
 
 def build_runner(config: WorkerConfig):
+    import torch
+
     from stepahead.builtin_models import resolve_model
     from worker_service.kv_cache import block_bytes
     from worker_service.loader import parse_dtype
     from worker_service.model_config import ModelConfig
     from worker_service.model_runner import ModelRunner
 
+    if config.num_threads:
+        torch.set_num_threads(config.num_threads)
     model_dir = resolve_model(config.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(config.dtype))
