@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.request import Request
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
+from scheduler_service.metrics import SchedulerMetrics
 from stepahead.flight_recorder import FlightRecorder, StepRecord
 from stepahead.plan import StepPlan, StepResult, WorkerInfo
 
@@ -114,7 +115,9 @@ class Engine:
         on_ready_change: Callable[[bool], None] = lambda ready: None,
         recorder: FlightRecorder | None = None,
         on_fatal: Callable[[], None] = lambda: None,
+        metrics: SchedulerMetrics | None = None,
     ) -> None:
+        self.metrics = metrics or SchedulerMetrics()
         self._on_fatal = on_fatal
         self.crashed = False
         self.recorder = recorder or FlightRecorder()
@@ -230,12 +233,14 @@ class Engine:
             raise RequestRejected(f"request_id {request.request_id!r} is already in flight")
         self._scheduler.add_request(request)
         self._streams[request.request_id] = stream
+        self.metrics.on_submit(request.request_id)
 
     def _abort(self, request_id: str) -> None:
         if self._scheduler is None:
             return
         event = self._scheduler.abort(request_id)
         if event is not None:
+            self.metrics.on_events([event], self._scheduler.get_request)
             self._dispatch([event])
 
     def _attach(self, handle: WorkerHandle) -> None:
@@ -290,10 +295,13 @@ class Engine:
         start = time.time()
         plan = self._in_flight.popleft()
         assert plan.step_id == result.step_id, f"result {result.step_id} for plan {plan.step_id}"
-        self._dispatch(self._scheduler.update_from_output(plan, result))
+        events = self._scheduler.update_from_output(plan, result)
+        self.metrics.on_events(events, self._scheduler.get_request)
+        self._dispatch(events)
         record = self.recorder.get(plan.step_id)
         if record is not None:
             record.commit_start, record.result_committed, record.worker = start, time.time(), result.timing
+            self.metrics.on_step(record, self._scheduler.stats())
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         for event in events:

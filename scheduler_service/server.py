@@ -16,9 +16,11 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import REGISTRY, start_http_server
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from scheduler_service.engine import Engine, NoWorker, WorkerHandle
+from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, RequestRejected
 from stepahead import codec, daemon, logs
@@ -48,6 +50,7 @@ class SchedulerDaemonConfig:
     score_length_weight: float = cfg.field(0.01, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
     flight_recorder_steps: int = cfg.field(1000, "steps kept by the flight recorder")
+    metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
     log_level: str = cfg.field("info", "log level")
 
@@ -177,7 +180,8 @@ def build_server(
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers))
     health = daemon.Health(server, [SERVICE_NAME])
     recorder = FlightRecorder(config.flight_recorder_steps)
-    engine = Engine(config.core_config, log, health.set, recorder, on_fatal)  # serving once a worker attached
+    metrics = SchedulerMetrics(REGISTRY)
+    engine = Engine(config.core_config, log, health.set, recorder, on_fatal, metrics)  # serving once a worker attached
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     return server, engine, port
@@ -194,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
     server, engine, port = build_server(config, log, on_fatal=stop.set)  # a dead engine ends the daemon
     engine.start()
     server.start()
+    if config.metrics_port is not None:
+        start_http_server(config.metrics_port, addr=config.host, registry=REGISTRY)
     log.info("scheduler_listening", address=f"{config.host}:{port}", pid=os.getpid())
     daemon.serve_until_stopped(server, stop)
     engine.stop()

@@ -16,8 +16,15 @@ from tests.service.hf_oracle import HFGreedy, assert_matches_hf
 
 
 @pytest.fixture(scope="module")
-def serve(tiny_model_dir):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-num-seqs", "64") as s:
+def metrics_port() -> int:
+    from stepahead.serve import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_model_dir, metrics_port):  # noqa: F811
+    with Serve(tiny_model_dir, "--max-num-seqs", "64", "--metrics-port", str(metrics_port)) as s:
         yield s
 
 
@@ -165,3 +172,23 @@ def test_stop_string_ends_the_request(serve):
     _, text, last = collect(serve.gateway, request)
     assert text == full_text[: full_text.index(stop)]
     assert last.finish_reason == common_pb2.FINISH_REASON_STOP and last.stop_reason == stop
+
+
+def test_prometheus_metrics_follow_the_traffic(serve, metrics_port):
+    import urllib.request
+
+    def scrape() -> dict[str, float]:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        return {k: float(v) for k, v in (line.rsplit(" ", 1) for line in text.splitlines()
+                                         if line and not line.startswith("#"))}
+
+    before = scrape()
+    collect(serve.gateway, greedy_request([7, 8, 9], 5))
+    after = scrape()
+    key = "stepahead_scheduler_time_to_first_token_seconds_count"
+    assert after[key] == before.get(key, 0) + 1
+    itl = "stepahead_scheduler_inter_token_latency_seconds_count"
+    assert after[itl] - before.get(itl, 0) >= 1
+    done = 'stepahead_scheduler_requests_finished_total{reason="length"}'
+    assert after[done] == before.get(done, 0) + 1
+    assert after["stepahead_scheduler_num_running"] == 0
