@@ -37,6 +37,12 @@ class AttentionBackend(Protocol):
                scale: float) -> torch.Tensor: ...
 
 
+# CPU decode attends in chunks of requests whose gathered K+V take about this many bytes, so
+# each chunk is still in the last-level cache when SDPA reads it (one DRAM pass over the KV
+# instead of three: read cache, write gather buffer, read it back).
+CPU_DECODE_CHUNK_BYTES = 4 << 20
+
+
 class TorchAttentionBackend:
     """Reference paged attention: gather each request's blocks, then SDPA (CPU and CUDA).
 
@@ -44,8 +50,11 @@ class TorchAttentionBackend:
     length axis, so SDPA sees `[reqs, kv_heads, q_len * group, head_dim]` queries.
     """
 
-    def __init__(self):
+    def __init__(self, cpu_decode_chunk_bytes: int = CPU_DECODE_CHUNK_BYTES):
+        if cpu_decode_chunk_bytes < 1:
+            raise ValueError(f"cpu_decode_chunk_bytes must be positive, got {cpu_decode_chunk_bytes}")
         self._gather = _GatherBuffer().gather
+        self.cpu_decode_chunk_bytes = cpu_decode_chunk_bytes
 
     def write_kv(self, k, v, k_cache, v_cache, meta):
         # k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
@@ -65,16 +74,33 @@ class TorchAttentionBackend:
         return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale), prefill))
 
     def _decode(self, q, k_cache, v_cache, meta, scale):
+        """Outputs `[num_decodes, heads, head_dim]`; on CPU in cache-sized chunks of requests."""
         nd = meta.num_decodes
-        tables = meta.block_tables[:nd]
-        k, v = self._gather(k_cache, v_cache, tables, meta.max_decode_kv)  # [nd, kvh, S, d]
+        chunk = self._decode_chunk_reqs(k_cache, meta.max_decode_kv) if q.device.type == "cpu" else nd
+        if chunk >= nd:
+            return self._decode_part(q, k_cache, v_cache, meta, scale, 0, nd)
+        out = torch.empty_like(q)  # [nd, heads, d]
+        for start in range(0, nd, chunk):
+            end = min(start + chunk, nd)
+            out[start:end] = self._decode_part(q[start:end], k_cache, v_cache, meta, scale, start, end)
+        return out
+
+    def _decode_chunk_reqs(self, k_cache, max_kv: int) -> int:
+        block_size = k_cache.shape[1]
+        req_bytes = 2 * -(-max_kv // block_size) * k_cache[0].numel() * k_cache.element_size()
+        return max(1, self.cpu_decode_chunk_bytes // req_bytes)
+
+    def _decode_part(self, q, k_cache, v_cache, meta, scale, start: int, end: int):
+        """Decodes `start:end`; q `[end - start, heads, d]` -> out of the same shape."""
+        n = end - start
+        k, v = self._gather(k_cache, v_cache, meta.block_tables[start:end], meta.max_decode_kv)  # [n, kvh, S, d]
         k, v = k[:, :, : meta.max_decode_kv], v[:, :, : meta.max_decode_kv]
         kvh = k.shape[1]
-        qg = q.view(nd, kvh, -1, q.shape[-1])  # [nd, kvh, group, d]: a decode's group is its query axis
+        qg = q.view(n, kvh, -1, q.shape[-1])  # [n, kvh, group, d]: a decode's group is its query axis
         mask = None
         if not meta.decode_uniform:
             key_idx = torch.arange(k.shape[2], device=q.device)  # [S]
-            mask = (key_idx[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, S]
+            mask = (key_idx[None, :] < meta.seq_lens[start:end, None])[:, None, None, :]  # [n, 1, 1, S]
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
         return out.reshape(q.shape)
 
