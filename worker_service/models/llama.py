@@ -26,7 +26,7 @@ class ForwardContext:
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, block_size, kvh, d]
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor  # [num_tokens, 1, head_dim], first half negated (RotaryTable.lookup)
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # HF semantics: normalise in float32, cast back, then scale by the weight
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)  # same math, fewer ops
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
         return self.weight * normed.to(x.dtype)
 
