@@ -192,3 +192,26 @@ def test_prometheus_metrics_follow_the_traffic(serve, metrics_port):
     done = 'stepahead_scheduler_requests_finished_total{reason="length"}'
     assert after[done] == before.get(done, 0) + 1
     assert after["stepahead_scheduler_num_running"] == 0
+
+
+def test_sync_and_async_daemons_give_the_same_tokens(serve, tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    prompts = random_prompts(12, 1, 60, len(tiny_tokenizer), seed=9)
+
+    def requests():
+        for i, p in enumerate(prompts):
+            if i % 2:
+                sampling = common_pb2.SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=20,
+                                                     ignore_eos=True)
+                yield generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=p), sampling=sampling)
+            else:
+                yield greedy_request(p, 20)
+
+    def run_all(stub):
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            return [f.result()[0] for f in [pool.submit(collect, stub, r) for r in requests()]]
+
+    async_tokens = run_all(serve.gateway)
+    with Serve(tiny_model_dir, "--no-async-scheduling") as sync:
+        sync_tokens = run_all(sync.gateway)
+        assert sync.stats().num_steps > 0
+    assert async_tokens == sync_tokens
