@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import dataclasses
+import os
 import signal
 import socket
 import subprocess
@@ -107,6 +108,10 @@ def run(args: argparse.Namespace) -> int:
     config = cfg.from_args(ServeConfig, args)
     sched_cfg = cfg.from_args(SchedulerDaemonConfig, args)
     worker_cfg = cfg.from_args(WorkerConfig, args)
+    if worker_cfg.device == "cpu" and worker_cfg.num_threads is None:
+        # The CPU is the device here: leave a core to the scheduler and the gateway so that
+        # planning and streaming overlap with the forward pass instead of preempting it.
+        worker_cfg = dataclasses.replace(worker_cfg, num_threads=max(1, (os.cpu_count() or 2) - 1))
     model_dir = str(resolve_model(config.model))  # build a built-in model once, here
     port = config.port or free_port(config.host)
     sched_addr = f"127.0.0.1:{config.scheduler_port or free_port()}"

@@ -38,7 +38,9 @@ class WorkerConfig:
     swap_space: float = cfg.field(1.0, "host memory for swapped-out KV blocks, GiB")
     max_model_len: int | None = cfg.field(None, "maximum prompt + output tokens (default: the model's)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
-    num_threads: int | None = cfg.field(None, "torch intra-op threads on CPU (default: torch's choice)")
+    num_threads: int | None = cfg.field(
+        None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
+    )
     reconnect_max_backoff_s: float = cfg.field(5.0, "longest wait between attach attempts")
     log_level: str = cfg.field("info", "log level")
 
