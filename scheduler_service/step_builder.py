@@ -83,7 +83,10 @@ class StepBuilder:
             if entry.is_new:
                 assert req.num_output_placeholders == 0, "a request sent in full has no placeholders"
                 new_reqs.append(
-                    NewRequest(req.request_id, req.all_token_ids(), req.sampling, tuple(req.block_ids), start, n)
+                    NewRequest(
+                        req.request_id, req.all_token_ids(), req.sampling, tuple(req.block_ids), start, n,
+                        req.num_prompt_tokens,
+                    )
                 )
                 req.in_worker = True
             else:

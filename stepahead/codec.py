@@ -62,6 +62,7 @@ def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
                 block_ids=r.block_ids,
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
+                num_prompt_tokens=len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens,
             )
             for r in plan.new_requests
         ],
@@ -92,6 +93,7 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
                 block_ids=tuple(r.block_ids),
                 num_computed_tokens=r.num_computed_tokens,
                 num_scheduled_tokens=r.num_scheduled_tokens,
+                num_prompt_tokens=r.num_prompt_tokens,
             )
             for r in msg.new_requests
         ),

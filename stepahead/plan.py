@@ -17,6 +17,8 @@ Worker-side semantics (the contract both sides rely on):
 - A request samples one token in a step iff, after the step, `num_computed` reaches the
   number of tokens the worker knows for it (i.e. the step covers its last known token).
   Partial prefill chunks sample nothing.
+- Until a request has `min_tokens` outputs, its EOS ids (unless `ignore_eos`) and its
+  `stop_token_ids` are masked out of the logits, so they cannot be sampled (vLLM semantics).
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
 """
@@ -55,6 +57,7 @@ class NewRequest:
     block_ids: tuple[int, ...]  # device KV blocks, in sequence order
     num_computed_tokens: int  # tokens whose KV is already in block_ids (prefix hit / swap-in)
     num_scheduled_tokens: int  # tokens to compute this step, from num_computed_tokens on
+    num_prompt_tokens: int | None = None  # the prompt's share of token_ids (None: all of them)
 
 
 @dataclass(frozen=True)

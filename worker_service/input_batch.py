@@ -24,6 +24,11 @@ class CachedRequest:
     sampling: SamplingParams
     block_ids: list[int]
     num_computed: int
+    num_prompt_tokens: int = 0  # token_ids[:num_prompt_tokens] is the prompt
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
 
 
 @dataclass

@@ -154,8 +154,9 @@ class ModelRunner:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
         sched = []
         for r in new:
+            num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
-                                  r.num_computed_tokens)
+                                  r.num_computed_tokens, num_prompt)
             self.requests[r.request_id] = state
             sched.append(ScheduledRequest(state, r.num_scheduled_tokens, placeholder=False))
         for r in running:
@@ -184,9 +185,25 @@ class ModelRunner:
         self.last_logits_ids = tuple(r.request_id for r in reqs)
         if not reqs:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
+        self._mask_stops_before_min_tokens(logits, reqs)
         meta = SamplingMetadata.build([r.sampling for r in reqs], [len(r.token_ids) for r in reqs],
                                       self.vocab_size, self.device)
         return self.sampler(logits, meta)
+
+    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
+        """logits[row, stop ids] = -inf for rows still short of min_tokens (usually none)."""
+        rows, cols = [], []
+        for i, r in enumerate(reqs):
+            if r.num_output_tokens < r.sampling.min_tokens:
+                stops = set(r.sampling.stop_token_ids)
+                if not r.sampling.ignore_eos:
+                    stops.update(self.eos_token_ids)
+                ids = [t for t in stops if t < logits.shape[1]]
+                rows += [i] * len(ids)
+                cols += ids
+        if rows:
+            index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
+            logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
 
     def _set_sampled(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> None:
         self._prev_sampled = sampled

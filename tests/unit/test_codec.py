@@ -29,6 +29,7 @@ new_req = st.builds(
     block_ids=ids,
     num_computed_tokens=st.integers(0, 1000),
     num_scheduled_tokens=st.integers(0, 1000),
+    num_prompt_tokens=st.integers(0, 1000),
 )
 running = st.builds(
     RunningRequest,
