@@ -43,6 +43,16 @@ class AttentionBackend(Protocol):
 CPU_DECODE_CHUNK_BYTES = 4 << 20
 
 
+@dataclass
+class _DecodeChunk:
+    """A run of decode requests attended together; derived once per step, used by every layer."""
+
+    start: int
+    end: int
+    blocks: torch.Tensor  # [(end - start) * num_blocks] int64: the requests' block ids, row-major
+    mask: torch.Tensor | None  # [end - start, 1, 1, S] bool (key < seq_len); None when lengths are uniform
+
+
 class TorchAttentionBackend:
     """Reference paged attention: gather each request's blocks, then SDPA (CPU and CUDA).
 
@@ -53,8 +63,11 @@ class TorchAttentionBackend:
     def __init__(self, cpu_decode_chunk_bytes: int = CPU_DECODE_CHUNK_BYTES):
         if cpu_decode_chunk_bytes < 1:
             raise ValueError(f"cpu_decode_chunk_bytes must be positive, got {cpu_decode_chunk_bytes}")
-        self._gather = _GatherBuffer().gather
+        self._buffer = _GatherBuffer()
         self.cpu_decode_chunk_bytes = cpu_decode_chunk_bytes
+        self._chunks_meta: AttentionMetadata | None = None  # the step the cached chunks were built for
+        self._chunks_geometry: tuple = ()
+        self._chunks: list[_DecodeChunk] = []
 
     def write_kv(self, k, v, k_cache, v_cache, meta):
         # k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
@@ -75,33 +88,46 @@ class TorchAttentionBackend:
 
     def _decode(self, q, k_cache, v_cache, meta, scale):
         """Outputs `[num_decodes, heads, head_dim]`; on CPU in cache-sized chunks of requests."""
-        nd = meta.num_decodes
-        chunk = self._decode_chunk_reqs(k_cache, meta.max_decode_kv) if q.device.type == "cpu" else nd
-        if chunk >= nd:
-            return self._decode_part(q, k_cache, v_cache, meta, scale, 0, nd)
+        chunks = self._decode_chunks(meta, k_cache, q.device)
+        if len(chunks) == 1:
+            return self._decode_part(q, k_cache, v_cache, meta, scale, chunks[0])
         out = torch.empty_like(q)  # [nd, heads, d]
-        for start in range(0, nd, chunk):
-            end = min(start + chunk, nd)
-            out[start:end] = self._decode_part(q[start:end], k_cache, v_cache, meta, scale, start, end)
+        for c in chunks:
+            out[c.start : c.end] = self._decode_part(q[c.start : c.end], k_cache, v_cache, meta, scale, c)
         return out
 
-    def _decode_chunk_reqs(self, k_cache, max_kv: int) -> int:
-        block_size = k_cache.shape[1]
-        req_bytes = 2 * -(-max_kv // block_size) * k_cache[0].numel() * k_cache.element_size()
-        return max(1, self.cpu_decode_chunk_bytes // req_bytes)
+    def _decode_chunks(self, meta: AttentionMetadata, k_cache: torch.Tensor, device: torch.device):
+        """The step's decode chunks, built by its first layer (holding `meta` keeps its id unique)."""
+        geometry = (k_cache.shape[1:], k_cache.dtype, device)
+        if meta is not self._chunks_meta or geometry != self._chunks_geometry:
+            self._chunks = self._build_decode_chunks(meta, k_cache, device)
+            self._chunks_meta, self._chunks_geometry = meta, geometry
+        return self._chunks
 
-    def _decode_part(self, q, k_cache, v_cache, meta, scale, start: int, end: int):
-        """Decodes `start:end`; q `[end - start, heads, d]` -> out of the same shape."""
-        n = end - start
-        k, v = self._gather(k_cache, v_cache, meta.block_tables[start:end], meta.max_decode_kv)  # [n, kvh, S, d]
-        k, v = k[:, :, : meta.max_decode_kv], v[:, :, : meta.max_decode_kv]
-        kvh = k.shape[1]
-        qg = q.view(n, kvh, -1, q.shape[-1])  # [n, kvh, group, d]: a decode's group is its query axis
+    def _build_decode_chunks(self, meta, k_cache, device) -> list[_DecodeChunk]:
+        nd, max_kv = meta.num_decodes, meta.max_decode_kv
+        num_blocks = -(-max_kv // k_cache.shape[1])
+        size = nd
+        if device.type == "cpu":
+            req_bytes = 2 * num_blocks * k_cache[0].numel() * k_cache.element_size()
+            size = max(1, self.cpu_decode_chunk_bytes // req_bytes)
         mask = None
         if not meta.decode_uniform:
-            key_idx = torch.arange(k.shape[2], device=q.device)  # [S]
-            mask = (key_idx[None, :] < meta.seq_lens[start:end, None])[:, None, None, :]  # [n, 1, 1, S]
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale)
+            key_idx = torch.arange(max_kv, device=device)  # [S]
+            mask = (key_idx[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, S]
+        chunks = []
+        for start in range(0, nd, size):
+            end = min(start + size, nd)
+            blocks = meta.block_tables[start:end, :num_blocks].reshape(-1)  # [(end - start) * num_blocks]
+            chunks.append(_DecodeChunk(start, end, blocks, None if mask is None else mask[start:end]))
+        return chunks
+
+    def _decode_part(self, q, k_cache, v_cache, meta, scale, chunk: _DecodeChunk):
+        """Decodes one chunk; q `[n, heads, d]` -> out of the same shape."""
+        n = chunk.end - chunk.start
+        k, v = self._buffer.gather_blocks(k_cache, v_cache, chunk.blocks, n, meta.max_decode_kv)  # [n, kvh, S, d]
+        qg = q.view(n, k.shape[1], -1, q.shape[-1])  # [n, kvh, group, d]: a decode's group is its query axis
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=chunk.mask, scale=scale)
         return out.reshape(q.shape)
 
     def _prefill(self, q, k_cache, v_cache, meta, scale):
@@ -109,7 +135,9 @@ class TorchAttentionBackend:
         nd = meta.num_decodes
         index = meta.prefill_token_index  # [np, max_q]
         num_p, max_q = index.shape
-        k, v = self._gather(k_cache, v_cache, meta.block_tables[nd:], meta.max_prefill_kv)  # [np, kvh, S, d]
+        num_blocks = -(-meta.max_prefill_kv // k_cache.shape[1])
+        blocks = meta.block_tables[nd:, :num_blocks].reshape(-1)  # [np * num_blocks]
+        k, v = self._buffer.gather_blocks(k_cache, v_cache, blocks, num_p, num_blocks * k_cache.shape[1])
         kvh, head_dim = k.shape[1], q.shape[-1]
         group = q.shape[1] // kvh
         qp = q[index].view(num_p, max_q, kvh, group, head_dim)  # [np, max_q, kvh, group, d]
@@ -135,18 +163,16 @@ class _GatherBuffer:
     def __init__(self):
         self.buf: torch.Tensor | None = None
 
-    def gather(self, k_cache, v_cache, tables, max_kv):
-        """K, V `[reqs, kv_heads, S, head_dim]` for the first S = max_kv rounded up to a block."""
-        block_size = k_cache.shape[1]
-        num_blocks = -(-max_kv // block_size)
-        reqs = tables.shape[0]
-        flat = tables[:, :num_blocks].reshape(-1)  # [reqs * nb]; whole blocks are copied as rows
-        row = k_cache[0].numel()
-        kv = self._ensure(2 * flat.numel() * row, k_cache)[: 2 * flat.numel() * row].view(2, flat.numel(), row)
+    def gather_blocks(self, k_cache, v_cache, blocks, reqs: int, s_len: int):
+        """K, V `[reqs, kv_heads, s_len, head_dim]` (strided views) of `blocks` `[reqs * nb]`,
+        each request's `nb` blocks in order; `s_len <= nb * block_size`."""
+        row = k_cache.shape[1] * k_cache.shape[2] * k_cache.shape[3]  # one block
+        rows = blocks.shape[0]
+        kv = self._ensure(2 * rows * row, k_cache)[: 2 * rows * row].view(2, rows, row)
         # 2-D views: index_select takes a row-memcpy fast path on 2-D tensors
-        torch.index_select(k_cache.view(k_cache.shape[0], row), 0, flat, out=kv[0])
-        torch.index_select(v_cache.view(v_cache.shape[0], row), 0, flat, out=kv[1])
-        kv = kv.view(2, reqs, num_blocks * block_size, *k_cache.shape[2:])  # [2, reqs, S, kvh, d]
+        torch.index_select(k_cache.view(k_cache.shape[0], row), 0, blocks, out=kv[0])
+        torch.index_select(v_cache.view(v_cache.shape[0], row), 0, blocks, out=kv[1])
+        kv = kv.view(2, reqs, -1, k_cache.shape[2], k_cache.shape[3])[:, :, :s_len]  # [2, reqs, S, kvh, d]
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
     def _ensure(self, numel: int, like: torch.Tensor) -> torch.Tensor:

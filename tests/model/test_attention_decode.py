@@ -68,14 +68,31 @@ def test_decode_matches_reference(lens, heads, kv_heads, chunk_reqs):
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-5)
 
 
-def test_chunking_actually_splits():
-    """The chunk size in requests follows the byte budget (so the tests above cover several chunks)."""
+@pytest.mark.parametrize("max_len", [3 * BLOCK, 3 * BLOCK - 1], ids=["whole-blocks", "rounded-up"])
+def test_chunks_follow_the_byte_budget(max_len):
+    """Chunks of 3 requests when 3 requests' K+V fit the budget (lengths round up to blocks)."""
+    gen = torch.Generator().manual_seed(1)
+    meta = _decode_meta([max_len] * 7, 64, gen)
     k_cache = torch.zeros(64, BLOCK, 2, 16)
     per_req = 2 * 3 * BLOCK * 2 * 16 * 4  # K+V of 3 blocks, float32
-    backend = TorchAttentionBackend(cpu_decode_chunk_bytes=3 * per_req + 1)
-    assert backend._decode_chunk_reqs(k_cache, 3 * BLOCK) == 3
-    assert backend._decode_chunk_reqs(k_cache, 3 * BLOCK - 1) == 3  # lengths round up to whole blocks
-    assert TorchAttentionBackend(cpu_decode_chunk_bytes=1)._decode_chunk_reqs(k_cache, 3 * BLOCK) == 1
+    chunks = TorchAttentionBackend(cpu_decode_chunk_bytes=3 * per_req + 1)._build_decode_chunks(
+        meta, k_cache, torch.device("cpu"))
+    assert [(c.start, c.end) for c in chunks] == [(0, 3), (3, 6), (6, 7)]
+    assert torch.equal(chunks[1].blocks, meta.block_tables[3:6, :3].reshape(-1))
+
+
+def test_chunks_are_rebuilt_for_each_step():
+    """Decode chunks are cached per metadata object: a new step's tables must be used."""
+    gen = torch.Generator().manual_seed(2)
+    d, num_blocks = 16, 64
+    k_cache = torch.randn(num_blocks, BLOCK, 2, d, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK, 2, d, generator=gen)
+    backend = TorchAttentionBackend()
+    for lens in ([9, 9], [5, 13], [13, 5]):
+        meta = _decode_meta(lens, num_blocks, gen)
+        q = torch.randn(len(lens), 4, d, generator=gen)
+        out = backend.attend(q, k_cache, v_cache, meta, scale=0.25)
+        torch.testing.assert_close(out, _reference(q, k_cache, v_cache, meta, 0.25), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_chunk_budget_is_rejected():
