@@ -19,6 +19,7 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_REQUEST_ID_CHARS = 256
 PRIORITY_RANGE = (-1000, 1000)
 MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
 
 
@@ -164,7 +165,7 @@ def _temperature(value: float | None) -> float:
     _finite("sampling.temperature", value)
     if not 0.0 <= value <= MAX_TEMPERATURE:
         raise ValidationError("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE}], got {value}")
-    return value
+    return 0.0 if value < GREEDY_BELOW else value  # as vLLM: a vanishing temperature is greedy
 
 
 def _top_k(value: int) -> int:

@@ -72,3 +72,7 @@ def test_edges_are_accepted() -> None:
     )
     valid = validate(edge, LIMITS, tokenize)
     assert valid.sampling.greedy and valid.priority == 1000
+
+
+def test_vanishing_temperature_is_greedy() -> None:
+    assert validate(dataclasses.replace(GOOD, temperature=1e-7), LIMITS, tokenize).sampling.greedy
