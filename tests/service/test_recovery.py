@@ -1,0 +1,81 @@
+"""A worker that dies mid-generation: its requests end with ERROR, nothing leaks, and a new
+worker that attaches serves new requests (daemons started one by one, as an operator would)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from stepahead.serve import free_port
+from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.fixtures_models import tiny_model_dir  # noqa: F401
+
+
+def spawn(*args: str) -> subprocess.Popen:
+    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
+    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
+
+
+def wait_serving(address: str, timeout_s: float = 120.0) -> None:
+    """Follow the health Watch stream until SERVING (no polling)."""
+    with grpc.insecure_channel(address) as channel:
+        updates = health_pb2_grpc.HealthStub(channel).Watch(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True
+        )
+        for update in updates:
+            if update.status == health_pb2.HealthCheckResponse.SERVING:
+                updates.cancel()
+                return
+    raise AssertionError(f"{address} not serving")
+
+
+@pytest.fixture
+def daemons(tiny_model_dir):  # noqa: F811
+    sched_port, gw_port = free_port(), free_port()
+    sched = f"127.0.0.1:{sched_port}"
+    procs = {"scheduler": spawn("scheduler", "--port", str(sched_port))}
+    procs["worker"] = spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
+    procs["gateway"] = spawn("gateway", "--scheduler", sched, "--port", str(gw_port), "--model", str(tiny_model_dir))
+    try:
+        wait_serving(sched)
+        wait_serving(f"127.0.0.1:{gw_port}")
+        yield procs, sched, f"127.0.0.1:{gw_port}"
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            p.wait(timeout=30)
+
+
+def test_worker_death_fails_its_requests_and_a_new_worker_takes_over(daemons, tiny_model_dir):  # noqa: F811
+    procs, sched, gateway = daemons
+    gw = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway))
+    sched_stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(sched))
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    call = gw.Generate(generation_pb2.GenerateRequest(text="while True:", sampling=sampling), timeout=120)
+    first = next(call)
+    assert first.token_ids
+    finals: list = []
+    reader = threading.Thread(target=lambda: finals.extend(m for m in call if m.finish_reason), daemon=True)
+    reader.start()
+    procs["worker"].send_signal(signal.SIGKILL)
+    reader.join(timeout=60)
+    assert [m.finish_reason for m in finals] == [common_pb2.FINISH_REASON_ERROR]
+
+    procs["worker"] = spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
+    wait_serving(sched)
+    again = list(gw.Generate(generation_pb2.GenerateRequest(
+        text="while True:", sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
+        timeout=120))
+    assert again[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert sum(len(m.token_ids) for m in again) == 8
+    stats = sched_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+    assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
