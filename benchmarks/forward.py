@@ -2,8 +2,12 @@
 bare-matmul floor, for the built-in `tiny` and `100m` Llama models, ~256 tokens of KV per
 request, batch 1/8/32/64. Prints a table and writes JSON.
 
-    python benchmarks/forward.py [--models tiny 100m] [--batches 1 8 32 64] [--steps 20]
+    python benchmarks/forward.py [--models tiny 100m] [--batches 1 8 32 64] [--steps 20] [--repeat 1]
                                  [--out benchmarks/forward.json] [--threads N] [--clock wall|cpu]
+
+Each round runs the three contenders in turn (warm-up, then the timed steps); with
+`--repeat R` the ratios are medians of R rounds' ratios, so a load change on a shared
+machine between rounds does not skew them.
 
 The runner's requests start as prefix hits (`num_computed_tokens = 256`): the KV content
 does not change the decode cost, and this skips a prefill that would dominate the run.
@@ -53,24 +57,28 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 _clock = time.perf_counter
 
 
-def _time_steps(step, warmup: int, steps: int) -> float:
-    """Median seconds per call of `step()` after `warmup` calls."""
-    for _ in range(warmup):
-        step()
-    times = []
-    for _ in range(steps):
-        t0 = _clock()
-        step()
-        times.append(_clock() - t0)
-    return statistics.median(times)
+def _time_round(step_fns: dict, warmup: int, steps: int) -> dict[str, float]:
+    """Median seconds per call of each `step()`: the contenders take turns, each `warmup`
+    untimed calls (caches refilled with its own weights) then `steps` timed ones."""
+    result = {}
+    for name, step in step_fns.items():
+        for _ in range(warmup):
+            step()
+        times = []
+        for _ in range(steps):
+            t0 = _clock()
+            step()
+            times.append(_clock() - t0)
+        result[name] = statistics.median(times)
+    return result
 
 
-def bench_runner(path: Path, batch: int, warmup: int, steps: int) -> float:
+def runner_step(path: Path, batch: int, steps: int):
     from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
     from worker_service.model_runner import ModelRunner
 
     block_size = 16
-    total = KV_TOKENS + 1 + warmup + steps + 1
+    total = KV_TOKENS + 1 + steps + 1
     per_req = -(-total // block_size)
     runner = ModelRunner(path, block_size=block_size, num_blocks=batch * per_req, max_model_len=total + 1)
     greedy = SamplingParams(temperature=0.0)
@@ -80,10 +88,10 @@ def bench_runner(path: Path, batch: int, warmup: int, steps: int) -> float:
     runner.execute(StepPlan(0, new_requests=new))
     decode = tuple(RunningRequest(f"r{i}", (), 1, input_is_placeholder=True) for i in range(batch))
     step_id = iter(range(1, 1 << 30))
-    return _time_steps(lambda: runner.execute(StepPlan(next(step_id), running=decode)), warmup, steps)
+    return lambda: runner.execute(StepPlan(next(step_id), running=decode))
 
 
-def bench_hf(path: Path, batch: int, warmup: int, steps: int) -> float:
+def hf_step(path: Path, batch: int):
     import torch
     from transformers import AutoModelForCausalLM, DynamicCache
 
@@ -103,10 +111,10 @@ def bench_hf(path: Path, batch: int, warmup: int, steps: int) -> float:
         state["ids"] = out.logits[:, -1].argmax(-1, keepdim=True)
         state["pos"] += 1
 
-    return _time_steps(step, warmup, steps)
+    return step
 
 
-def bench_floor(path: Path, batch: int, warmup: int, steps: int) -> float:
+def floor_step(path: Path, batch: int):
     import torch
 
     from worker_service.loader import load_model
@@ -125,20 +133,23 @@ def bench_floor(path: Path, batch: int, warmup: int, steps: int) -> float:
         for w, o in zip(weights, outs):
             torch.mm(x[w.shape[1]], w.t(), out=o)
 
-    return _time_steps(step, warmup, steps)
+    return step
 
 
-def run_all(models, batches, warmup, steps) -> list[dict]:
+def run_all(models, batches, warmup, steps, repeat: int = 1) -> list[dict]:
+    """One row per (model, batch): per-step medians, and ratios as medians over `repeat` rounds."""
     rows = []
     for name in models:
         path = model_dir(name)
         for batch in batches:
-            row = {"model": name, "batch": batch, "kv_tokens": KV_TOKENS}
-            row["stepahead_ms"] = 1e3 * bench_runner(path, batch, warmup, steps)
-            row["hf_ms"] = 1e3 * bench_hf(path, batch, warmup, steps)
-            row["floor_ms"] = 1e3 * bench_floor(path, batch, warmup, steps)
-            row["vs_hf"] = row["stepahead_ms"] / row["hf_ms"]
-            row["vs_floor"] = row["stepahead_ms"] / row["floor_ms"]
+            fns = {"stepahead": runner_step(path, batch, (warmup + steps) * repeat), "hf": hf_step(path, batch),
+                   "floor": floor_step(path, batch)}
+            rounds = [_time_round(fns, warmup, steps) for _ in range(repeat)]
+            row = {"model": name, "batch": batch, "kv_tokens": KV_TOKENS, "rounds": repeat}
+            for key in fns:
+                row[f"{key}_ms"] = 1e3 * statistics.median(t[key] for t in rounds)
+            row["vs_hf"] = statistics.median(t["stepahead"] / t["hf"] for t in rounds)
+            row["vs_floor"] = statistics.median(t["stepahead"] / t["floor"] for t in rounds)
             print(_fmt(row), flush=True)
             rows.append(row)
     return rows
@@ -154,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=sorted(SPECS))
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds; the table shows medians over rounds")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: process CPU time, steadier on a shared machine (use with --threads 1)")
@@ -170,9 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus; "
-          f"decode step ms ({args.clock} clock), median of {args.steps}")
+          f"decode step ms ({args.clock} clock), median of {args.steps} steps, {args.repeat} rounds")
     print(f"{'model':>5} {'batch':>5} {'stepahead':>10} {'hf':>10} {'floor':>10} {'vs_hf':>7} {'vs_floor':>9}")
-    rows = run_all(args.models, args.batches, args.warmup, args.steps)
+    rows = run_all(args.models, args.batches, args.warmup, args.steps, args.repeat)
     meta = {"clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
             "load_avg_after": os.getloadavg()}
     args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
