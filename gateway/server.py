@@ -172,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
 
     config = cfg.from_args(GatewayConfig, args)
     log = logs.configure("gateway", config.log_level)
+    daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
     channel = grpc.insecure_channel(config.scheduler)

@@ -38,6 +38,33 @@ class _Abort:
     request_id: str
 
 
+class PlanOutbox:
+    """Plans from the engine thread to the thread that writes the worker's stream.
+
+    `send` returns once the stream asked for the message after the plan (i.e. the plan was
+    written), or after `handoff_timeout_s`: the engine serves clients only after the
+    device's next step is on its way, instead of racing 64 client threads for the GIL.
+    """
+
+    def __init__(self, handoff_timeout_s: float = 0.05) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._timeout = handoff_timeout_s
+
+    def send(self, plan: StepPlan | None) -> None:
+        if plan is None:
+            self._queue.put(None)  # closes the stream
+            return
+        written = threading.Event()
+        self._queue.put((plan, written))
+        written.wait(self._timeout)
+
+    def __iter__(self):
+        while (item := self._queue.get()) is not None:
+            plan, written = item
+            yield plan
+            written.set()  # the consumer came back for the next one: this one is out
+
+
 class WorkerHandle:
     """One attached worker's link: plans go out through `send`; `send(None)` closes it."""
 
@@ -296,6 +323,7 @@ class Engine:
         plan = self._in_flight.popleft()
         assert plan.step_id == result.step_id, f"result {result.step_id} for plan {plan.step_id}"
         events = self._scheduler.update_from_output(plan, result)
+        self._pump()  # the next plan leaves before clients are served: the device waits for it
         self.metrics.on_events(events, self._scheduler.get_request)
         self._dispatch(events)
         record = self.recorder.get(plan.step_id)

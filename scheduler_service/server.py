@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import queue
 import threading
 from concurrent import futures
 from dataclasses import dataclass
@@ -19,14 +18,14 @@ import grpc
 from prometheus_client import REGISTRY, start_http_server
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from scheduler_service.engine import Engine, NoWorker, WorkerHandle
+from scheduler_service.engine import Engine, NoWorker, PlanOutbox, WorkerHandle
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, RequestRejected
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
 from stepahead.flight_recorder import FlightRecorder
-from stepahead.plan import StepPlan, WorkerInfo
+from stepahead.plan import WorkerInfo
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -155,10 +154,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         first = next(request_iterator, None)
         if first is None or not first.HasField("hello"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
-        outbox: queue.Queue[StepPlan | None] = queue.Queue()
-        handle = self.engine.attach_worker(codec.worker_info_from_proto(first.hello), outbox.put)
+        outbox = PlanOutbox()
+        handle = self.engine.attach_worker(codec.worker_info_from_proto(first.hello), outbox.send)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
-        while (plan := outbox.get()) is not None:
+        for plan in outbox:
             yield scheduler_pb2.SchedulerMessage(plan=codec.plan_to_proto(plan))
 
     def _read_results(self, request_iterator, handle: WorkerHandle) -> None:
@@ -194,6 +193,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = cfg.from_args(SchedulerDaemonConfig, args)
     log = logs.configure("scheduler", config.log_level)
+    daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     server, engine, port = build_server(config, log, on_fatal=stop.set)  # a dead engine ends the daemon
     engine.start()

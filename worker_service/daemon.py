@@ -191,6 +191,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = cfg.from_args(WorkerConfig, args)
     log = logs.configure("worker", config.log_level)
+    daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     serve(config, stop, log)
     return 0
