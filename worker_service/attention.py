@@ -16,6 +16,9 @@ import torch.nn.functional as F
 
 @dataclass
 class AttentionMetadata:
+    """One step's attention inputs. Build a new object per step: backends may cache data derived
+    from it (TorchAttentionBackend's decode chunks) for the step's layers, keyed on its identity."""
+
     slot_mapping: torch.Tensor  # [num_tokens] int64: block * block_size + offset per token
     positions: torch.Tensor  # [num_tokens] int64
     block_tables: torch.Tensor  # [num_reqs, max_blocks] int64 (padded with block 0)
@@ -98,7 +101,9 @@ class TorchAttentionBackend:
 
     def _decode_chunks(self, meta: AttentionMetadata, k_cache: torch.Tensor, device: torch.device):
         """The step's decode chunks, built by its first layer (holding `meta` keeps its id unique)."""
-        geometry = (k_cache.shape[1:], k_cache.dtype, device)
+        # the scalars guard (cheaply) against a metadata object reused across steps
+        geometry = (k_cache.shape[1:], k_cache.dtype, device, meta.num_decodes, meta.max_decode_kv,
+                    meta.decode_uniform)
         if meta is not self._chunks_meta or geometry != self._chunks_geometry:
             self._chunks = self._build_decode_chunks(meta, k_cache, device)
             self._chunks_meta, self._chunks_geometry = meta, geometry
