@@ -12,7 +12,9 @@ produces the same number of tokens. Prints one table and writes JSON.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import time
 from pathlib import Path
 
@@ -21,6 +23,8 @@ import torch
 from stepahead import bench
 from stepahead.builtin_models import resolve_model
 from stepahead.launcher import ServeProcess
+
+ALL_CPUS = os.sched_getaffinity(0)
 
 
 def workload(args) -> list[list[int]]:
@@ -41,7 +45,24 @@ def run_stepahead(args, label: str, *flags: str) -> dict:
     extra = args.serve_args.split()
     with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.num_prompts), *extra,
                       *flags) as s:
-        return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr))
+        with client_off_device_cores():
+            return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr))
+
+
+@contextlib.contextmanager
+def client_off_device_cores():
+    """The benchmark client runs on the control-plane core, as a client on another host
+    would not take the device's cores (set only after the server started: children
+    inherit affinity)."""
+    from stepahead.serve import cpu_split
+
+    _, control = cpu_split("cpu")
+    if control:
+        os.sched_setaffinity(0, control)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, ALL_CPUS)
 
 
 def load_hf(args):

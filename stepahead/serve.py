@@ -36,6 +36,7 @@ class ServeConfig:
     port: int = cfg.field(50050, "gateway port (0 picks a free one)")
     scheduler_port: int = cfg.field(0, "scheduler port (0 picks a free one)")
     startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
+    pin_cpus: bool = cfg.field(True, "CPU device: worker on all cores but the last, the rest on the last")
     log_level: str = cfg.field("info", "log level of every daemon")
 
 
@@ -53,8 +54,25 @@ def _die_with_parent() -> None:
         pass  # not Linux: serve's own signal handling still stops the children
 
 
-def spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], preexec_fn=_die_with_parent)
+def spawn(args: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+    def setup() -> None:  # runs in the child before exec
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], preexec_fn=setup)
+
+
+def cpu_split(device: str) -> tuple[set[int] | None, set[int] | None]:
+    """(worker cpus, scheduler+gateway cpus) when the CPU is the device, else (None, None).
+
+    The worker's intra-op threads stall at every parallel region's barrier when another
+    process takes one of their cores; pinning keeps the control plane off the device's cores.
+    """
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if device != "cpu" or len(allowed) < 2:
+        return None, None
+    return set(allowed[:-1]), {allowed[-1]}
 
 
 def wait_healthy(address: str, procs: list[subprocess.Popen], deadline: float, stop: threading.Event) -> bool:
@@ -108,6 +126,7 @@ def run(args: argparse.Namespace) -> int:
     config = cfg.from_args(ServeConfig, args)
     sched_cfg = cfg.from_args(SchedulerDaemonConfig, args)
     worker_cfg = cfg.from_args(WorkerConfig, args)
+    worker_cpus, control_cpus = cpu_split(worker_cfg.device) if config.pin_cpus else (None, None)
     if worker_cfg.device == "cpu" and worker_cfg.num_threads is None:
         # The CPU is the device here: leave a core to the scheduler and the gateway so that
         # planning and streaming overlap with the forward pass instead of preempting it.
@@ -121,11 +140,11 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda *_: stop.set())
     procs = [
         spawn(["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
-               *cfg.to_flags(sched_cfg, _sched_fields())]),
+               *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus),
         spawn(["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
-               *cfg.to_flags(worker_cfg, _WORKER_FIELDS)]),
+               *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus),
         spawn(["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
-               "--model", model_dir, *log]),
+               "--model", model_dir, *log], control_cpus),
     ]
     try:
         deadline = time.monotonic() + config.startup_timeout_s
