@@ -35,7 +35,8 @@ def workload(args) -> list[list[int]]:
 def bench_args(args, label: str, target: str, scheduler: str) -> argparse.Namespace:
     return argparse.Namespace(
         target=target, scheduler=scheduler, num_prompts=args.num_prompts, random_input_len=args.input_len,
-        random_output_len=args.output_len, random_range_ratio=0.0, request_rate=float("inf"),
+        random_output_len=args.output_len, random_range_ratio=args.random_range_ratio,
+        request_rate=args.request_rate,
         max_concurrency=None, ignore_eos=True, seed=args.seed, label=label,
         result_filename=args.out.parent / f"{args.out.stem}_{label}.json",
     )
@@ -128,10 +129,15 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=64)
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--request-rate", type=float, default=float("inf"),
+                        help="Poisson arrivals for the stepahead runs (HF runs get every prompt at once)")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0, help="prompt/output length spread")
     parser.add_argument("--skip-hf", action="store_true", help="only stepahead async vs sync")
     parser.add_argument("--serve-args", default="", help="extra flags for both stepahead runs")
     parser.add_argument("--out", type=Path, default=Path("results/compare.json"))
     args = parser.parse_args()
+    if args.random_range_ratio and not args.skip_hf:
+        parser.error("HF static batches need equal prompt lengths: add --skip-hf to --random-range-ratio")
     args.model_dir = resolve_model(args.model)
     args.vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
