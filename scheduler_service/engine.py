@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import itertools
 import queue
 import threading
 import time
@@ -156,9 +155,7 @@ class Engine:
         self._worker: WorkerHandle | None = None
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         self._streams: dict[str, RequestStream] = {}
-        self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
-        self.worker_ready = threading.Event()
 
     # ---- thread-safe entry points -------------------------------------------------
     def start(self) -> None:
@@ -190,12 +187,6 @@ class Engine:
     def stats(self):
         """The core's stats, read on the engine thread (None until a worker attached)."""
         return self._call(lambda: self._scheduler.stats() if self._scheduler else None)
-
-    def check_integrity(self) -> None:
-        self._call(lambda: self._scheduler and self._scheduler.check_integrity())
-
-    def new_request_id(self) -> str:
-        return f"req-{next(self._ids)}"
 
     def _call(self, fn: Callable[[], object]) -> object:
         """Run fn on the engine thread and return its result (or raise its exception)."""
@@ -277,7 +268,6 @@ class Engine:
         self._scheduler = Scheduler(self._make_config(handle.info))
         self._worker = handle
         self._log.info("worker_attached", **dataclasses.asdict(handle.info))
-        self.worker_ready.set()
         self._on_ready_change(True)
 
     def _lose_worker(self, reason: str) -> None:
@@ -290,7 +280,6 @@ class Engine:
         self._in_flight.clear()
         self._worker.send(None)
         self._scheduler = self._worker = None
-        self.worker_ready.clear()
         self._on_ready_change(False)
 
     def _pump(self) -> None:
