@@ -2,9 +2,10 @@
 
     stepahead gateway --scheduler 127.0.0.1:50051 --port 50050 --model tiny
 
-Per request: proto → `RawGenerateRequest` → `validate()` → scheduler `Submit` stream →
-`OutputProcessor` (incremental detokenization, stop strings) → proto deltas. A client
-that goes away cancels the upstream call, which aborts the request in the scheduler.
+Per request: proto → `RawGenerateRequest` → `validate()` → the gateway's multiplexed
+`Scheduler.Connect` stream (`SchedulerLink`) → `OutputProcessor` (incremental
+detokenization, stop strings) → proto deltas. A client that goes away, or a stop string,
+sends an abort for the request upstream.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import grpc
 
 from gateway.output import FinishReason, OutputProcessor
+from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
@@ -82,7 +84,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.model = model
         self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, config.max_request_bytes)
-        self.stub = scheduler_pb2_grpc.SchedulerStub(scheduler_channel)
+        self.link = SchedulerLink(scheduler_channel, log)
         self.log = log
 
     def _tokenize(self, text: str) -> list[int]:
@@ -94,24 +96,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValidationError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = valid.request_id or f"gen-{uuid.uuid4().hex}"
-        upstream = self.stub.Submit(submit_to_proto(valid, request_id))
-        context.add_callback(upstream.cancel)  # client gone or call over: abort upstream
+        try:
+            events = self.link.submit(submit_to_proto(valid, request_id))
+        except ValueError as exc:  # the id is already in flight here
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
+        context.add_callback(lambda: self.link.abort(request_id))  # client gone or call over
         processor = OutputProcessor(self.tokenizer, valid)
         try:
-            for event in upstream:
+            for event in events:
+                if event.rejected:
+                    code = grpc.StatusCode.UNAVAILABLE if event.unavailable else grpc.StatusCode.INVALID_ARGUMENT
+                    context.abort(code, event.message)
                 reason = finish_from_proto(event.finish_reason)
                 out = processor.on_tokens(event.token_ids, reason)
                 if out.finished:
                     if reason is None:
-                        upstream.cancel()  # a stop string ended it here; the scheduler aborts it
+                        self.link.abort(request_id)  # a stop string ended it here
                     yield self._final(request_id, out, event)
                     return
                 if out.text or out.token_ids:
                     yield generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.CANCELLED and not context.is_active():
-                return  # our own client went away
-            context.abort(exc.code(), exc.details() or "scheduler call failed")
+        except LinkBroken as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
     def _final(self, request_id: str, out, event) -> generation_pb2.GenerateResponse:
         return generation_pb2.GenerateResponse(

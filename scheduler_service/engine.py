@@ -100,6 +100,11 @@ class _Call:
     reply: queue.Queue
 
 
+@dataclass(frozen=True)
+class _CloseSession:
+    session: object
+
+
 class _Stop:
     pass
 
@@ -111,8 +116,9 @@ class RequestStream:
         self.request_id = request_id
         self._events: queue.Queue[RequestEvent] = queue.Queue()
 
-    def put(self, event: RequestEvent) -> None:
-        self._events.put(event)
+    def put_many(self, events: list[RequestEvent]) -> None:
+        for event in events:
+            self._events.put(event)
 
     def __iter__(self):
         """Events as they come; events that queued up meanwhile are merged into one, so a
@@ -129,6 +135,42 @@ class RequestStream:
             yield dataclasses.replace(event, new_token_ids=tuple(tokens))
             if event.finish_reason is not None:
                 return
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A submission on a gateway session that the scheduler refused."""
+
+    request_id: str
+    message: str
+    unavailable: bool = False  # no worker yet: the caller may retry
+
+
+class GatewaySession:
+    """Every request one gateway submitted on its Connect stream: the engine hands over one
+    list of events per dispatch; the stream's writer merges lists that queued up meanwhile."""
+
+    def __init__(self) -> None:
+        self._batches: queue.Queue[list | None] = queue.Queue()
+
+    def put_many(self, events: list) -> None:
+        self._batches.put(list(events))
+
+    def close(self) -> None:
+        self._batches.put(None)
+
+    def __iter__(self):
+        while (batch := self._batches.get()) is not None:
+            while True:
+                try:
+                    more = self._batches.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    yield batch
+                    return
+                batch += more
+            yield batch
 
 
 class Engine:
@@ -154,7 +196,7 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._worker: WorkerHandle | None = None
         self._in_flight: collections.deque[StepPlan] = collections.deque()
-        self._streams: dict[str, RequestStream] = {}
+        self._streams: dict[str, RequestStream | GatewaySession] = {}  # request id -> its events' sink
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- thread-safe entry points -------------------------------------------------
@@ -170,11 +212,16 @@ class Engine:
         handle = self._worker
         return handle.info if handle else None
 
-    def submit(self, request: Request) -> RequestStream:
-        """Queue a request; raises RequestRejected (bad input) or NoWorker."""
-        stream = RequestStream(request.request_id)
-        self._call(lambda: self._add(request, stream))
-        return stream
+    def submit(self, request: Request, sink: GatewaySession | None = None) -> RequestStream | GatewaySession:
+        """Queue a request whose events go to `sink` (default: a new RequestStream);
+        raises RequestRejected (bad input) or NoWorker."""
+        sink = sink if sink is not None else RequestStream(request.request_id)
+        self._call(lambda: self._add(request, sink))
+        return sink
+
+    def close_session(self, session: GatewaySession) -> None:
+        """The gateway's stream ended: abort every request it still has, then close."""
+        self._inbox.put(_CloseSession(session))
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
@@ -235,6 +282,10 @@ class Engine:
             case _WorkerLost(handle, reason):
                 if handle is self._worker:
                     self._lose_worker(reason)
+            case _CloseSession(session):
+                for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
+                    self._abort(request_id)
+                session.close()
             case _Call(fn, reply):
                 try:
                     reply.put((True, fn()))
@@ -243,7 +294,7 @@ class Engine:
             case _:
                 raise AssertionError(f"unknown inbox item {item!r}")
 
-    def _add(self, request: Request, stream: RequestStream) -> None:
+    def _add(self, request: Request, stream: RequestStream | GatewaySession) -> None:
         """Runs on the engine thread; RequestRejected reaches the submitting caller."""
         if self._scheduler is None:
             raise NoWorker("no worker attached yet")
@@ -274,9 +325,7 @@ class Engine:
         """Fail every request: their KV lived on the lost worker."""
         assert self._worker is not None
         self._log.error("worker_lost", reason=reason, requests=len(self._streams))
-        for stream in self._streams.values():
-            stream.put(RequestEvent(stream.request_id, (), FinishReason.ERROR, 0, 0))
-        self._streams.clear()
+        self._dispatch([RequestEvent(rid, (), FinishReason.ERROR, 0, 0) for rid in self._streams])
         self._in_flight.clear()
         self._worker.send(None)
         self._scheduler = self._worker = None
@@ -321,10 +370,14 @@ class Engine:
             self.metrics.on_step(record, self._scheduler.stats())
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
+        """Hand events to their sinks: one list per sink, so a gateway session gets one message."""
+        batches: dict[int, tuple[RequestStream | GatewaySession, list[RequestEvent]]] = {}
         for event in events:
-            stream = self._streams.get(event.request_id)
-            if stream is None:
+            sink = self._streams.get(event.request_id)
+            if sink is None:
                 continue
-            stream.put(event)
+            batches.setdefault(id(sink), (sink, []))[1].append(event)
             if event.finish_reason is not None:
                 del self._streams[event.request_id]
+        for sink, batch in batches.values():
+            sink.put_many(batch)

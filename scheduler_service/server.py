@@ -18,7 +18,7 @@ import grpc
 from prometheus_client import REGISTRY, start_http_server
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from scheduler_service.engine import Engine, NoWorker, PlanOutbox, WorkerHandle
+from scheduler_service.engine import Engine, GatewaySession, NoWorker, PlanOutbox, Rejected, WorkerHandle
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, RequestRejected
@@ -105,6 +105,19 @@ def event_to_proto(event: RequestEvent) -> scheduler_pb2.TokenEvent:
     )
 
 
+def rejection_to_proto(r: Rejected) -> scheduler_pb2.TokenEvent:
+    return scheduler_pb2.TokenEvent(
+        request_id=r.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, rejected=True,
+        message=r.message, unavailable=r.unavailable,
+    )
+
+
+def batch_to_proto(batch: list[RequestEvent | Rejected]) -> scheduler_pb2.EventBatch:
+    return scheduler_pb2.EventBatch(
+        events=[rejection_to_proto(e) if isinstance(e, Rejected) else event_to_proto(e) for e in batch]
+    )
+
+
 def stats_to_proto(stats) -> scheduler_pb2.SchedulerStats:
     fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
     return scheduler_pb2.SchedulerStats(**{k: v for k, v in vars(stats).items() if k in fields})
@@ -130,6 +143,35 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         context.add_callback(lambda: self.engine.abort(req.request_id))
         for event in stream:
             yield event_to_proto(event)
+
+    def Connect(self, request_iterator, context):
+        session = GatewaySession()
+        threading.Thread(target=self._read_gateway, args=(request_iterator, session), daemon=True).start()
+        for batch in session:
+            yield batch_to_proto(batch)
+
+    def _read_gateway(self, request_iterator, session: GatewaySession) -> None:
+        try:
+            for msg in request_iterator:
+                if msg.HasField("submit"):
+                    self._submit_on(session, msg.submit)
+                elif msg.HasField("abort"):
+                    self.engine.abort(msg.abort.request_id)
+        except grpc.RpcError as exc:  # the gateway went away: its requests are aborted below
+            self.log.warning("gateway_stream_failed", error=repr(exc)[:200])
+        finally:
+            self.engine.close_session(session)
+
+    def _submit_on(self, session: GatewaySession, msg: scheduler_pb2.SubmitRequest) -> None:
+        info = self.engine.worker
+        try:
+            if info is None:
+                raise NoWorker("no worker attached yet")
+            self.engine.submit(request_from_proto(msg, info), session)
+        except RequestRejected as exc:
+            session.put_many([Rejected(msg.request_id, str(exc))])
+        except NoWorker as exc:
+            session.put_many([Rejected(msg.request_id, str(exc), unavailable=True)])
 
     def GetStats(self, request, context):
         stats = self.engine.stats()

@@ -41,6 +41,11 @@ class SchedulerStub:
                 request_serializer=stepahead_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
                 response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
                 _registered_method=True)
+        self.Connect = channel.stream_stream(
+                '/stepahead.v1.Scheduler/Connect',
+                request_serializer=stepahead_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
+                response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.EventBatch.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/stepahead.v1.Scheduler/GetStats',
                 request_serializer=stepahead_dot_v1_dot_scheduler__pb2.GetStatsRequest.SerializeToString,
@@ -70,6 +75,14 @@ class SchedulerServicer:
 
     def Submit(self, request, context):
         """Submit one request; committed tokens stream back. Cancelling the call aborts it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Connect(self, request_iterator, context):
+        """One stream per gateway carrying all its requests: submissions and aborts up, one
+        batch of events per scheduler step down. Closing it aborts every request it opened.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -110,6 +123,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.Submit,
                     request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
                     response_serializer=stepahead_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
+            ),
+            'Connect': grpc.stream_stream_rpc_method_handler(
+                    servicer.Connect,
+                    request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.GatewayMessage.FromString,
+                    response_serializer=stepahead_dot_v1_dot_scheduler__pb2.EventBatch.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -161,6 +179,33 @@ class Scheduler:
             '/stepahead.v1.Scheduler/Submit',
             stepahead_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
             stepahead_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Connect(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/stepahead.v1.Scheduler/Connect',
+            stepahead_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
+            stepahead_dot_v1_dot_scheduler__pb2.EventBatch.FromString,
             options,
             channel_credentials,
             insecure,
