@@ -109,34 +109,6 @@ class _Stop:
     pass
 
 
-class RequestStream:
-    """Events of one request, read by the servicer thread that serves its call."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._events: queue.Queue[RequestEvent] = queue.Queue()
-
-    def put_many(self, events: list[RequestEvent]) -> None:
-        for event in events:
-            self._events.put(event)
-
-    def __iter__(self):
-        """Events as they come; events that queued up meanwhile are merged into one, so a
-        slow reader gets fewer, larger messages instead of falling further behind."""
-        while True:
-            event = self._events.get()
-            tokens = list(event.new_token_ids)
-            while event.finish_reason is None:
-                try:
-                    event = self._events.get_nowait()
-                except queue.Empty:
-                    break
-                tokens += event.new_token_ids
-            yield dataclasses.replace(event, new_token_ids=tuple(tokens))
-            if event.finish_reason is not None:
-                return
-
-
 @dataclass(frozen=True)
 class Rejected:
     """A submission on a gateway session that the scheduler refused."""
@@ -196,7 +168,7 @@ class Engine:
         self._scheduler: Scheduler | None = None
         self._worker: WorkerHandle | None = None
         self._in_flight: collections.deque[StepPlan] = collections.deque()
-        self._streams: dict[str, RequestStream | GatewaySession] = {}  # request id -> its events' sink
+        self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- thread-safe entry points -------------------------------------------------
@@ -212,12 +184,9 @@ class Engine:
         handle = self._worker
         return handle.info if handle else None
 
-    def submit(self, request: Request, sink: GatewaySession | None = None) -> RequestStream | GatewaySession:
-        """Queue a request whose events go to `sink` (default: a new RequestStream);
-        raises RequestRejected (bad input) or NoWorker."""
-        sink = sink if sink is not None else RequestStream(request.request_id)
-        self._call(lambda: self._add(request, sink))
-        return sink
+    def submit(self, request: Request, session: GatewaySession) -> None:
+        """Queue a request whose events go to `session`; raises RequestRejected or NoWorker."""
+        self._call(lambda: self._add(request, session))
 
     def close_session(self, session: GatewaySession) -> None:
         """The gateway's stream ended: abort every request it still has, then close."""
@@ -294,7 +263,7 @@ class Engine:
             case _:
                 raise AssertionError(f"unknown inbox item {item!r}")
 
-    def _add(self, request: Request, stream: RequestStream | GatewaySession) -> None:
+    def _add(self, request: Request, stream: GatewaySession) -> None:
         """Runs on the engine thread; RequestRejected reaches the submitting caller."""
         if self._scheduler is None:
             raise NoWorker("no worker attached yet")
@@ -371,7 +340,7 @@ class Engine:
 
     def _dispatch(self, events: list[RequestEvent]) -> None:
         """Hand events to their sinks: one list per sink, so a gateway session gets one message."""
-        batches: dict[int, tuple[RequestStream | GatewaySession, list[RequestEvent]]] = {}
+        batches: dict[int, tuple[GatewaySession, list[RequestEvent]]] = {}
         for event in events:
             sink = self._streams.get(event.request_id)
             if sink is None:

@@ -2,7 +2,7 @@
 
     stepahead scheduler --port 50051 [--max-num-seqs ...]
 
-Gateways call Submit/GetStats/GetModel; workers open AttachWorker. Protos become domain
+Gateways open one Connect stream each (plus GetStats/GetModel); workers open AttachWorker. Protos become domain
 objects here and nowhere else in scheduler_service.
 """
 
@@ -128,24 +128,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.engine = engine
         self.log = log
 
-    def Submit(self, request, context):
-        info = self.engine.worker
-        if info is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker attached yet")
-        try:
-            req = request_from_proto(request, info)
-            stream = self.engine.submit(req)
-        except RequestRejected as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        except NoWorker as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        # Runs when the call ends for any reason; aborting a finished request is a no-op.
-        context.add_callback(lambda: self.engine.abort(req.request_id))
-        for event in stream:
-            yield event_to_proto(event)
-
     def Connect(self, request_iterator, context):
         session = GatewaySession()
+        context.add_callback(session.close)  # call over (client gone, server stopping): end the writer
         threading.Thread(target=self._read_gateway, args=(request_iterator, session), daemon=True).start()
         for batch in session:
             yield batch_to_proto(batch)
@@ -197,6 +182,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if first is None or not first.HasField("hello"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
         outbox = PlanOutbox()
+        context.add_callback(lambda: outbox.send(None))  # call over: end the writer
         handle = self.engine.attach_worker(codec.worker_info_from_proto(first.hello), outbox.send)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
         for plan in outbox:

@@ -26,8 +26,8 @@ if _version_not_supported:
 
 
 class SchedulerStub:
-    """The scheduler's service. Gateways submit token-level requests; workers attach with one
-    bidirectional stream each and receive step plans on it.
+    """The scheduler's service. Each gateway opens one Connect stream for all its token-level
+    requests; workers attach with one bidirectional stream each and receive step plans on it.
     """
 
     def __init__(self, channel):
@@ -36,11 +36,6 @@ class SchedulerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Submit = channel.unary_stream(
-                '/stepahead.v1.Scheduler/Submit',
-                request_serializer=stepahead_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-                response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
-                _registered_method=True)
         self.Connect = channel.stream_stream(
                 '/stepahead.v1.Scheduler/Connect',
                 request_serializer=stepahead_dot_v1_dot_scheduler__pb2.GatewayMessage.SerializeToString,
@@ -69,16 +64,9 @@ class SchedulerStub:
 
 
 class SchedulerServicer:
-    """The scheduler's service. Gateways submit token-level requests; workers attach with one
-    bidirectional stream each and receive step plans on it.
+    """The scheduler's service. Each gateway opens one Connect stream for all its token-level
+    requests; workers attach with one bidirectional stream each and receive step plans on it.
     """
-
-    def Submit(self, request, context):
-        """Submit one request; committed tokens stream back. Cancelling the call aborts it.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
 
     def Connect(self, request_iterator, context):
         """One stream per gateway carrying all its requests: submissions and aborts up, one
@@ -119,11 +107,6 @@ class SchedulerServicer:
 
 def add_SchedulerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Submit': grpc.unary_stream_rpc_method_handler(
-                    servicer.Submit,
-                    request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.SubmitRequest.FromString,
-                    response_serializer=stepahead_dot_v1_dot_scheduler__pb2.TokenEvent.SerializeToString,
-            ),
             'Connect': grpc.stream_stream_rpc_method_handler(
                     servicer.Connect,
                     request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.GatewayMessage.FromString,
@@ -158,36 +141,9 @@ def add_SchedulerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Scheduler:
-    """The scheduler's service. Gateways submit token-level requests; workers attach with one
-    bidirectional stream each and receive step plans on it.
+    """The scheduler's service. Each gateway opens one Connect stream for all its token-level
+    requests; workers attach with one bidirectional stream each and receive step plans on it.
     """
-
-    @staticmethod
-    def Submit(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/stepahead.v1.Scheduler/Submit',
-            stepahead_dot_v1_dot_scheduler__pb2.SubmitRequest.SerializeToString,
-            stepahead_dot_v1_dot_scheduler__pb2.TokenEvent.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
 
     @staticmethod
     def Connect(request_iterator,

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 import grpc
 import pytest
@@ -79,3 +80,23 @@ def test_worker_death_fails_its_requests_and_a_new_worker_takes_over(daemons, ti
     assert sum(len(m.token_ids) for m in again) == 8
     stats = sched_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
     assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_a_dead_gateway_aborts_its_requests(daemons):
+    procs, sched, gateway = daemons
+    gw = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway))
+    sched_stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(sched))
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
+    call = gw.Generate(generation_pb2.GenerateRequest(text="for x in y:", sampling=sampling), timeout=120)
+    assert next(call).token_ids
+    before = sched_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+    assert before.num_running == 1
+    procs["gateway"].send_signal(signal.SIGKILL)
+    procs["gateway"].wait(timeout=30)
+    deadline = time.monotonic() + 5
+    while True:  # the abort is asynchronous; its fenced blocks return when in-flight steps do
+        stats = sched_stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+        if stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            break
+        assert time.monotonic() < deadline, f"the dead gateway's request still holds resources: {stats}"
+    assert stats.num_aborted == before.num_aborted + 1
