@@ -28,7 +28,7 @@ from scheduler_service.request import (
     RequestRejected,
     RequestStatus,
 )
-from scheduler_service.stats import SchedulerStats
+from scheduler_service.stats import SchedulerStats, build_stats
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
 from stepahead.plan import StepPlan, StepResult
 
@@ -383,26 +383,8 @@ class Scheduler:
         return self._waiting.requests()
 
     def stats(self) -> SchedulerStats:
-        device, c = self._kv.device, self._counts
-        return SchedulerStats(
-            num_running=len(self._running),
-            num_waiting=len(self._waiting),
-            num_swapped=len(self._swapped),
-            num_total_blocks=device.num_blocks,
-            num_free_blocks=device.num_free,
-            num_cached_blocks=device.num_cached,
-            num_fenced_blocks=device.num_fenced,
-            kv_usage=device.num_used / device.num_blocks,
-            num_used_host_blocks=self._kv.host.num_used + self._kv.host.num_fenced,
-            prefix_query_tokens=c["prefix_query_tokens"],
-            prefix_hit_tokens=c["prefix_hit_tokens"],
-            num_preemptions=c["num_preemptions"],
-            num_swap_outs=c["num_swap_outs"],
-            num_steps=c["num_steps"],
-            num_finished=c["num_finished"],
-            num_aborted=c["num_aborted"],
-            num_in_flight=len(self._in_flight),
-        )
+        return build_stats(self._kv, self._counts, len(self._running), len(self._waiting), len(self._swapped),
+                           len(self._in_flight))
 
     def check_integrity(self) -> None:
         """Pool accounting, ref counts vs owners, queue membership, per-request counters."""

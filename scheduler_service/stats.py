@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
+
+from scheduler_service.kv_manager import KVCacheManager
 
 
 @dataclass(frozen=True)
@@ -24,3 +27,27 @@ class SchedulerStats:
     num_finished: int
     num_aborted: int
     num_in_flight: int
+
+
+def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiting: int, num_swapped: int,
+                num_in_flight: int) -> SchedulerStats:
+    device, host = kv.device, kv.host
+    return SchedulerStats(
+        num_running=num_running,
+        num_waiting=num_waiting,
+        num_swapped=num_swapped,
+        num_total_blocks=device.num_blocks,
+        num_free_blocks=device.num_free,
+        num_cached_blocks=device.num_cached,
+        num_fenced_blocks=device.num_fenced,
+        kv_usage=device.num_used / device.num_blocks,
+        num_used_host_blocks=host.num_used + host.num_fenced,
+        prefix_query_tokens=counts["prefix_query_tokens"],
+        prefix_hit_tokens=counts["prefix_hit_tokens"],
+        num_preemptions=counts["num_preemptions"],
+        num_swap_outs=counts["num_swap_outs"],
+        num_steps=counts["num_steps"],
+        num_finished=counts["num_finished"],
+        num_aborted=counts["num_aborted"],
+        num_in_flight=num_in_flight,
+    )
