@@ -1,10 +1,10 @@
 """The scheduler core: composes the queue policy, the KV manager and the step builder.
 
-Per step: running requests first (policy order; on block shortage the worst running
-request is preempted), then swapped ones, then waiting ones; one token budget and one
-sequence budget. Async: up to `max_concurrent_batches` plans in flight; sampled tokens
-of in-flight steps are counted as placeholders; results are committed in plan order and
-results for requests preempted / finished / aborted since are stale (epoch check).
+Per step: running requests first (policy order; on block shortage the worst running one is
+preempted), then swapped, then waiting; one token budget and one sequence budget. Async: up
+to `max_concurrent_batches` plans in flight, in-flight samples counted as placeholders,
+results committed in plan order; results for requests preempted / finished / aborted since
+are stale (epoch check).
 """
 
 from __future__ import annotations

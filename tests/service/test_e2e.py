@@ -12,7 +12,8 @@ import pytest
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.service.harness import Serve
-from tests.service.hf_oracle import HFGreedy, assert_matches_hf
+from tests.model.oracle import assert_matches_hf
+from tests.service.hf_oracle import HFGreedy
 
 
 @pytest.fixture(scope="module")
@@ -56,7 +57,7 @@ def check_against_hf(hf: HFGreedy, prompts, outputs, max_tokens) -> None:
     for i, (prompt, got) in enumerate(zip(prompts, outputs)):
         want, gaps = hf.generate(prompt, max_tokens[i])
         assert len(got) == max_tokens[i]
-        assert_matches_hf(got, want, gaps, label=f"request {i}")
+        assert_matches_hf(got, want, gaps, f"request {i}")
 
 
 def run_concurrently(stub, prompts, max_tokens) -> list[list[int]]:
