@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from stepahead.plan import StepPlan
-from worker_service.input_batch import CachedRequest
+
+if TYPE_CHECKING:  # torch-free at run time: the sim worker checks plans with these rules too
+    from worker_service.input_batch import CachedRequest
 
 
 class PlanError(ValueError):

@@ -217,18 +217,20 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent")
+    __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent", "device_busy_s")
     PLAN_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PREP_START_FIELD_NUMBER: _ClassVar[int]
     FORWARD_START_FIELD_NUMBER: _ClassVar[int]
     FORWARD_END_FIELD_NUMBER: _ClassVar[int]
     RESULT_SENT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     plan_received: float
     prep_start: float
     forward_start: float
     forward_end: float
     result_sent: float
-    def __init__(self, plan_received: _Optional[float] = ..., prep_start: _Optional[float] = ..., forward_start: _Optional[float] = ..., forward_end: _Optional[float] = ..., result_sent: _Optional[float] = ...) -> None: ...
+    device_busy_s: float
+    def __init__(self, plan_received: _Optional[float] = ..., prep_start: _Optional[float] = ..., forward_start: _Optional[float] = ..., forward_end: _Optional[float] = ..., result_sent: _Optional[float] = ..., device_busy_s: _Optional[float] = ...) -> None: ...
 
 class GetFlightRecordRequest(_message.Message):
     __slots__ = ()
