@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from stepahead.v1 import common_pb2 as stepahead_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstepahead/v1/scheduler.proto\x12\x0cstepahead.v1\x1a\x19stepahead/v1/common.proto\"\x93\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"t\n\x0eGatewayMessage\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.stepahead.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.stepahead.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"6\n\nEventBatch\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.stepahead.v1.TokenEvent\"\xd4\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.stepahead.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08rejected\x18\x06 \x01(\x08\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x13\n\x0bunavailable\x18\x08 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xf3\x02\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x14\n\x0cnum_finished\x18\x0b \x01(\x04\x12\x15\n\rnum_in_flight\x18\x0c \x01(\r\x12\x19\n\x11num_fenced_blocks\x18\r \x01(\r\x12\x1c\n\x14num_used_host_blocks\x18\x0e \x01(\r\x12\x13\n\x0bnum_aborted\x18\x0f \x01(\x04\"\x11\n\x0fGetModelRequest\"\xf1\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\"o\n\rWorkerMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.stepahead.v1.WorkerHelloH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.stepahead.v1.StepResultH\x00\x42\x06\n\x04kind\"B\n\x10SchedulerMessage\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x16.stepahead.v1.StepPlanH\x00\x42\x06\n\x04kind\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xcc\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"w\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x1c\n\x14input_is_placeholder\x18\x04 \x01(\x08\"\xfc\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x18.stepahead.v1.NewRequest\x12-\n\x07running\x18\x03 \x03(\x0b\x32\x1c.stepahead.v1.RunningRequest\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12\x15\n\rpreempted_ids\x18\x05 \x03(\t\x12)\n\x08swap_out\x18\x06 \x03(\x0b\x32\x17.stepahead.v1.BlockPair\x12(\n\x07swap_in\x18\x07 \x03(\x0b\x32\x17.stepahead.v1.BlockPair\"\xcb\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12H\n\x11sampled_token_ids\x18\x02 \x03(\x0b\x32-.stepahead.v1.StepResult.SampledTokenIdsEntry\x12*\n\x06timing\x18\x03 \x01(\x0b\x32\x1a.stepahead.v1.WorkerTiming\x1a\x36\n\x14SampledTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x91\x01\n\x0cWorkerTiming\x12\x15\n\rplan_received\x18\x01 \x01(\x01\x12\x12\n\nprep_start\x18\x02 \x01(\x01\x12\x15\n\rforward_start\x18\x03 \x01(\x01\x12\x13\n\x0b\x66orward_end\x18\x04 \x01(\x01\x12\x13\n\x0bresult_sent\x18\x05 \x01(\x01\x12\x15\n\rdevice_busy_s\x18\x06 \x01(\x01\"\x18\n\x16GetFlightRecordRequest\"J\n\x0c\x46lightRecord\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x05steps\x18\x02 \x03(\x0b\x32\x18.stepahead.v1.StepRecord\"\x8e\x02\n\nStepRecord\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0eschedule_start\x18\x02 \x01(\x01\x12\x14\n\x0cschedule_end\x18\x03 \x01(\x01\x12\x11\n\tplan_sent\x18\x04 \x01(\x01\x12\x14\n\x0c\x63ommit_start\x18\x05 \x01(\x01\x12\x18\n\x10result_committed\x18\x06 \x01(\x01\x12\x14\n\x0cnum_requests\x18\x07 \x01(\r\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12*\n\x06worker\x18\x0b \x01(\x0b\x32\x1a.stepahead.v1.WorkerTiming2\x87\x03\n\tScheduler\x12\x45\n\x07\x43onnect\x12\x1c.stepahead.v1.GatewayMessage\x1a\x18.stepahead.v1.EventBatch(\x01\x30\x01\x12G\n\x08GetStats\x12\x1d.stepahead.v1.GetStatsRequest\x1a\x1c.stepahead.v1.SchedulerStats\x12\x44\n\x08GetModel\x12\x1d.stepahead.v1.GetModelRequest\x1a\x19.stepahead.v1.WorkerHello\x12S\n\x0fGetFlightRecord\x12$.stepahead.v1.GetFlightRecordRequest\x1a\x1a.stepahead.v1.FlightRecord\x12O\n\x0c\x41ttachWorker\x12\x1b.stepahead.v1.WorkerMessage\x1a\x1e.stepahead.v1.SchedulerMessage(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cstepahead/v1/scheduler.proto\x12\x0cstepahead.v1\x1a\x19stepahead/v1/common.proto\"\x93\x01\n\rSubmitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParams\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x12\n\ncache_salt\x18\x05 \x01(\t\"t\n\x0eGatewayMessage\x12-\n\x06submit\x18\x01 \x01(\x0b\x32\x1b.stepahead.v1.SubmitRequestH\x00\x12+\n\x05\x61\x62ort\x18\x02 \x01(\x0b\x32\x1a.stepahead.v1.AbortRequestH\x00\x42\x06\n\x04kind\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"6\n\nEventBatch\x12(\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x18.stepahead.v1.TokenEvent\"\xd4\x01\n\nTokenEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x31\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1a.stepahead.v1.FinishReason\x12\x19\n\x11num_prompt_tokens\x18\x04 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x05 \x01(\r\x12\x10\n\x08rejected\x18\x06 \x01(\x08\x12\x0f\n\x07message\x18\x07 \x01(\t\x12\x13\n\x0bunavailable\x18\x08 \x01(\x08\"\x11\n\x0fGetStatsRequest\"\xa6\x03\n\x0eSchedulerStats\x12\x13\n\x0bnum_running\x18\x01 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x02 \x01(\r\x12\x13\n\x0bnum_swapped\x18\x03 \x01(\r\x12\x18\n\x10num_total_blocks\x18\x04 \x01(\r\x12\x17\n\x0fnum_free_blocks\x18\x05 \x01(\r\x12\x10\n\x08kv_usage\x18\x06 \x01(\x02\x12\x1b\n\x13prefix_query_tokens\x18\x07 \x01(\x04\x12\x19\n\x11prefix_hit_tokens\x18\x08 \x01(\x04\x12\x17\n\x0fnum_preemptions\x18\t \x01(\x04\x12\x11\n\tnum_steps\x18\n \x01(\x04\x12\x14\n\x0cnum_finished\x18\x0b \x01(\x04\x12\x15\n\rnum_in_flight\x18\x0c \x01(\r\x12\x19\n\x11num_fenced_blocks\x18\r \x01(\r\x12\x1c\n\x14num_used_host_blocks\x18\x0e \x01(\r\x12\x13\n\x0bnum_aborted\x18\x0f \x01(\x04\x12\x15\n\rdevice_busy_s\x18\x10 \x01(\x01\x12\x1a\n\x12num_sampled_tokens\x18\x11 \x01(\x04\"\x11\n\x0fGetModelRequest\"\xf1\x01\n\x0bWorkerHello\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x12\n\nmodel_name\x18\x02 \x01(\t\x12\x12\n\nmodel_type\x18\x03 \x01(\t\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x05 \x01(\t\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x19\n\x11num_device_blocks\x18\x07 \x01(\r\x12\x17\n\x0fnum_host_blocks\x18\x08 \x01(\r\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x15\n\reos_token_ids\x18\x0b \x03(\r\"o\n\rWorkerMessage\x12*\n\x05hello\x18\x01 \x01(\x0b\x32\x19.stepahead.v1.WorkerHelloH\x00\x12*\n\x06result\x18\x02 \x01(\x0b\x32\x18.stepahead.v1.StepResultH\x00\x42\x06\n\x04kind\"B\n\x10SchedulerMessage\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x16.stepahead.v1.StepPlanH\x00\x42\x06\n\x04kind\"%\n\tBlockPair\x12\x0b\n\x03src\x18\x01 \x01(\r\x12\x0b\n\x03\x64st\x18\x02 \x01(\r\"\xcc\x01\n\nNewRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12.\n\x08sampling\x18\x03 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParams\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\x1b\n\x13num_computed_tokens\x18\x05 \x01(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x06 \x01(\r\x12\x19\n\x11num_prompt_tokens\x18\x07 \x01(\r\"w\n\x0eRunningRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x15\n\rnew_block_ids\x18\x02 \x03(\r\x12\x1c\n\x14num_scheduled_tokens\x18\x03 \x01(\r\x12\x1c\n\x14input_is_placeholder\x18\x04 \x01(\x08\"\xfc\x01\n\x08StepPlan\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12.\n\x0cnew_requests\x18\x02 \x03(\x0b\x32\x18.stepahead.v1.NewRequest\x12-\n\x07running\x18\x03 \x03(\x0b\x32\x1c.stepahead.v1.RunningRequest\x12\x14\n\x0c\x66inished_ids\x18\x04 \x03(\t\x12\x15\n\rpreempted_ids\x18\x05 \x03(\t\x12)\n\x08swap_out\x18\x06 \x03(\x0b\x32\x17.stepahead.v1.BlockPair\x12(\n\x07swap_in\x18\x07 \x03(\x0b\x32\x17.stepahead.v1.BlockPair\"\xcb\x01\n\nStepResult\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12H\n\x11sampled_token_ids\x18\x02 \x03(\x0b\x32-.stepahead.v1.StepResult.SampledTokenIdsEntry\x12*\n\x06timing\x18\x03 \x01(\x0b\x32\x1a.stepahead.v1.WorkerTiming\x1a\x36\n\x14SampledTokenIdsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\"\x91\x01\n\x0cWorkerTiming\x12\x15\n\rplan_received\x18\x01 \x01(\x01\x12\x12\n\nprep_start\x18\x02 \x01(\x01\x12\x15\n\rforward_start\x18\x03 \x01(\x01\x12\x13\n\x0b\x66orward_end\x18\x04 \x01(\x01\x12\x13\n\x0bresult_sent\x18\x05 \x01(\x01\x12\x15\n\rdevice_busy_s\x18\x06 \x01(\x01\"\x18\n\x16GetFlightRecordRequest\"J\n\x0c\x46lightRecord\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x05steps\x18\x02 \x03(\x0b\x32\x18.stepahead.v1.StepRecord\"\x8e\x02\n\nStepRecord\x12\x0f\n\x07step_id\x18\x01 \x01(\x04\x12\x16\n\x0eschedule_start\x18\x02 \x01(\x01\x12\x14\n\x0cschedule_end\x18\x03 \x01(\x01\x12\x11\n\tplan_sent\x18\x04 \x01(\x01\x12\x14\n\x0c\x63ommit_start\x18\x05 \x01(\x01\x12\x18\n\x10result_committed\x18\x06 \x01(\x01\x12\x14\n\x0cnum_requests\x18\x07 \x01(\r\x12\x12\n\nnum_tokens\x18\x08 \x01(\r\x12\x13\n\x0bnum_running\x18\t \x01(\r\x12\x13\n\x0bnum_waiting\x18\n \x01(\r\x12*\n\x06worker\x18\x0b \x01(\x0b\x32\x1a.stepahead.v1.WorkerTiming2\x87\x03\n\tScheduler\x12\x45\n\x07\x43onnect\x12\x1c.stepahead.v1.GatewayMessage\x1a\x18.stepahead.v1.EventBatch(\x01\x30\x01\x12G\n\x08GetStats\x12\x1d.stepahead.v1.GetStatsRequest\x1a\x1c.stepahead.v1.SchedulerStats\x12\x44\n\x08GetModel\x12\x1d.stepahead.v1.GetModelRequest\x1a\x19.stepahead.v1.WorkerHello\x12S\n\x0fGetFlightRecord\x12$.stepahead.v1.GetFlightRecordRequest\x1a\x1a.stepahead.v1.FlightRecord\x12O\n\x0c\x41ttachWorker\x12\x1b.stepahead.v1.WorkerMessage\x1a\x1e.stepahead.v1.SchedulerMessage(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -47,35 +47,35 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSTATSREQUEST']._serialized_start=648
   _globals['_GETSTATSREQUEST']._serialized_end=665
   _globals['_SCHEDULERSTATS']._serialized_start=668
-  _globals['_SCHEDULERSTATS']._serialized_end=1039
-  _globals['_GETMODELREQUEST']._serialized_start=1041
-  _globals['_GETMODELREQUEST']._serialized_end=1058
-  _globals['_WORKERHELLO']._serialized_start=1061
-  _globals['_WORKERHELLO']._serialized_end=1302
-  _globals['_WORKERMESSAGE']._serialized_start=1304
-  _globals['_WORKERMESSAGE']._serialized_end=1415
-  _globals['_SCHEDULERMESSAGE']._serialized_start=1417
-  _globals['_SCHEDULERMESSAGE']._serialized_end=1483
-  _globals['_BLOCKPAIR']._serialized_start=1485
-  _globals['_BLOCKPAIR']._serialized_end=1522
-  _globals['_NEWREQUEST']._serialized_start=1525
-  _globals['_NEWREQUEST']._serialized_end=1729
-  _globals['_RUNNINGREQUEST']._serialized_start=1731
-  _globals['_RUNNINGREQUEST']._serialized_end=1850
-  _globals['_STEPPLAN']._serialized_start=1853
-  _globals['_STEPPLAN']._serialized_end=2105
-  _globals['_STEPRESULT']._serialized_start=2108
-  _globals['_STEPRESULT']._serialized_end=2311
-  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_start=2257
-  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_end=2311
-  _globals['_WORKERTIMING']._serialized_start=2314
-  _globals['_WORKERTIMING']._serialized_end=2459
-  _globals['_GETFLIGHTRECORDREQUEST']._serialized_start=2461
-  _globals['_GETFLIGHTRECORDREQUEST']._serialized_end=2485
-  _globals['_FLIGHTRECORD']._serialized_start=2487
-  _globals['_FLIGHTRECORD']._serialized_end=2561
-  _globals['_STEPRECORD']._serialized_start=2564
-  _globals['_STEPRECORD']._serialized_end=2834
-  _globals['_SCHEDULER']._serialized_start=2837
-  _globals['_SCHEDULER']._serialized_end=3228
+  _globals['_SCHEDULERSTATS']._serialized_end=1090
+  _globals['_GETMODELREQUEST']._serialized_start=1092
+  _globals['_GETMODELREQUEST']._serialized_end=1109
+  _globals['_WORKERHELLO']._serialized_start=1112
+  _globals['_WORKERHELLO']._serialized_end=1353
+  _globals['_WORKERMESSAGE']._serialized_start=1355
+  _globals['_WORKERMESSAGE']._serialized_end=1466
+  _globals['_SCHEDULERMESSAGE']._serialized_start=1468
+  _globals['_SCHEDULERMESSAGE']._serialized_end=1534
+  _globals['_BLOCKPAIR']._serialized_start=1536
+  _globals['_BLOCKPAIR']._serialized_end=1573
+  _globals['_NEWREQUEST']._serialized_start=1576
+  _globals['_NEWREQUEST']._serialized_end=1780
+  _globals['_RUNNINGREQUEST']._serialized_start=1782
+  _globals['_RUNNINGREQUEST']._serialized_end=1901
+  _globals['_STEPPLAN']._serialized_start=1904
+  _globals['_STEPPLAN']._serialized_end=2156
+  _globals['_STEPRESULT']._serialized_start=2159
+  _globals['_STEPRESULT']._serialized_end=2362
+  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_start=2308
+  _globals['_STEPRESULT_SAMPLEDTOKENIDSENTRY']._serialized_end=2362
+  _globals['_WORKERTIMING']._serialized_start=2365
+  _globals['_WORKERTIMING']._serialized_end=2510
+  _globals['_GETFLIGHTRECORDREQUEST']._serialized_start=2512
+  _globals['_GETFLIGHTRECORDREQUEST']._serialized_end=2536
+  _globals['_FLIGHTRECORD']._serialized_start=2538
+  _globals['_FLIGHTRECORD']._serialized_end=2612
+  _globals['_STEPRECORD']._serialized_start=2615
+  _globals['_STEPRECORD']._serialized_end=2885
+  _globals['_SCHEDULER']._serialized_start=2888
+  _globals['_SCHEDULER']._serialized_end=3279
 # @@protoc_insertion_point(module_scope)
