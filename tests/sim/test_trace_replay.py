@@ -76,20 +76,33 @@ def test_bad_jsonl_names_the_line_and_field(tmp_path, row, message):
         load_trace(path)
 
 
-def bench_args(path: str, serve, num_prompts: int) -> argparse.Namespace:
+def bench_args(path: str, serve, num_prompts: int, result: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     return parser.parse_args(["--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr,
                               "--dataset-name", "trace", "--dataset-path", path, "--trace-speedup", "4",
-                              "--num-prompts", str(num_prompts), "--disable-tqdm"])
+                              "--num-prompts", str(num_prompts), "--disable-tqdm", "--result-filename", result])
+
+
+def offline(sim_model_dir, path: str, num_prompts: int) -> dict:
+    from scheduler_service.server import SchedulerDaemonConfig
+    from stepahead import config as cfg
+    from stepahead import simulate
+
+    parser = argparse.ArgumentParser()
+    simulate.add_arguments(parser)
+    args = parser.parse_args(["--dataset-path", path, "--trace-speedup", "4", "--num-prompts", str(num_prompts),
+                              "--model", str(sim_model_dir), "--sim-profile", "h200"])
+    return simulate.simulate(cfg.from_args(simulate.SimulateConfig, args), cfg.from_args(SchedulerDaemonConfig, args))
 
 
 def test_replay_against_a_sim_system(sim_model_dir, tmp_path):
     rows = [{"arrival_s": i * 0.04, "prompt_len": 20 + (i * 37) % 200, "output_len": 5 + (i * 13) % 40,
              "priority": i % 3, "prefix_group": f"g{i % 4}" if i % 2 else None} for i in range(40)]
     path = jsonl(tmp_path, [{k: v for k, v in r.items() if v is not None} for r in rows])
+    result = str(tmp_path / "replay.json")
     with Serve(sim_model_dir, "--device", "sim", "--sim-profile", "h200") as serve:
-        summary = bench.bench(bench_args(path, serve, 32))
+        summary = bench.bench(bench_args(path, serve, 32, result))
         stats = serve.stats()
     assert summary["completed"] == 32 and summary["failed"] == 0
     assert summary["total_output_tokens"] == sum(r["output_len"] for r in rows[:32]), "EOS must be ignored"
@@ -101,3 +114,14 @@ def test_replay_against_a_sim_system(sim_model_dir, tmp_path):
     assert summary["duration"] >= rows[31]["arrival_s"] / 4, "arrivals follow the sped-up trace"
     assert 0 < summary["device_utilization"] <= 1.0
     assert summary["device_busy_s"] > 0 and summary["device_sampled_tokens"] >= summary["total_output_tokens"]
+
+    # the offline simulator agrees with the real-time system on token counts and request order
+    real = json.loads(open(result).read())["requests"]
+    predicted = offline(sim_model_dir, path, 32)["requests"]
+    assert [r["output_len"] for r in real] == [len(p["token_times"]) for p in predicted]
+    t0 = min(r["start"] for r in real)
+    real_first = [r["first_token"] - t0 for r in real]
+    sim_first = [p["token_times"][0] for p in predicted]
+    pairs = [(i, j) for i in range(32) for j in range(32) if sim_first[j] - sim_first[i] > 0.05]
+    assert len(pairs) > 100
+    assert all(real_first[i] < real_first[j] for i, j in pairs), "first tokens came in another order"

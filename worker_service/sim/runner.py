@@ -103,6 +103,17 @@ class SimRunner:
 
     def _launch(self, plan: StepPlan, received: float) -> SimPendingStep:
         prep_start = time.time()
+        sampled, busy = self.apply(plan)
+        start = max(time.monotonic(), self._device_free_at)
+        self._device_free_at = start + busy
+        timing = WorkerTiming(received or prep_start, prep_start, start + self._wall_offset)
+        return SimPendingStep(plan.step_id, sampled, start + busy, busy, timing, self._wall_offset)
+
+    def apply(self, plan: StepPlan) -> tuple[dict[str, int], float]:
+        """Check and apply a plan, no clock involved: (sampled token per request, device seconds).
+
+        The offline simulator (`stepahead simulate`) drives this on its virtual clock.
+        """
         for rid in (*plan.finished_ids, *plan.preempted_ids):
             self.requests.pop(rid, None)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
@@ -119,12 +130,10 @@ class SimRunner:
             if state.num_computed == len(state.token_ids):
                 sampled[state.request_id] = self._sample(state)
         self._prev_rows = {rid: i for i, rid in enumerate(sampled)}
+        if not (batch or plan.swap_out or plan.swap_in):
+            return sampled, 0.0
         step = self.cost.step(batch, len(sampled), len(plan.swap_out) + len(plan.swap_in), self.block_size)
-        busy = step.seconds if batch or plan.swap_out or plan.swap_in else 0.0
-        start = max(time.monotonic(), self._device_free_at)
-        self._device_free_at = start + busy
-        timing = WorkerTiming(received or prep_start, prep_start, start + self._wall_offset)
-        return SimPendingStep(plan.step_id, sampled, start + busy, busy, timing, self._wall_offset)
+        return sampled, step.seconds
 
     def _check_host_block(self, block: int) -> None:
         if not 0 <= block < self.num_host_blocks:
