@@ -104,7 +104,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     row = {k: summary.get(k) for k in (
         "label", "completed", "failed", "duration", "total_output_tokens", "output_throughput",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
-        "device_utilization", "device_busy_s", "device_ideal_output_throughput", "client_cpu_s")}
+        "device_utilization", "device_busy_s", "device_ideal_output_throughput", "client_cpu_s", "errors")}
     ideal = row["device_ideal_output_throughput"] or float("nan")
     row.update(setup=setup, model=model, streams=streams, mode="async" if async_on else "sync", steps=steps,
                client_vs_ideal=row["output_throughput"] / ideal,
