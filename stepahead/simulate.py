@@ -83,7 +83,7 @@ class VirtualSystem:
         self.now = 0.0
         self.runner = runner
         self.scheduler = Scheduler(sched_config, clock=lambda: self.now)
-        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, end time)
+        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, end time)
         self.device_free = 0.0
         self.busy = 0.0
         self.num_steps = 0
@@ -104,13 +104,13 @@ class VirtualSystem:
                     continue
                 logs[request.request_id] = log
             self._pump()
-            times = ([self.in_flight[0][2]] if self.in_flight else []) + ([pending[0][0]] if pending else [])
+            times = ([self.in_flight[0][3]] if self.in_flight else []) + ([pending[0][0]] if pending else [])
             if not times:
                 if not self.scheduler.has_unfinished_requests():
                     return  # the last arrivals were rejected
                 raise RuntimeError(f"simulation stuck at t={self.now}: {self.scheduler.stats()}")
             self.now = max(self.now, min(times))
-            if self.in_flight and self.in_flight[0][2] <= self.now:
+            if self.in_flight and self.in_flight[0][3] <= self.now:
                 self._commit(logs)
 
     def _pump(self) -> None:
@@ -118,21 +118,21 @@ class VirtualSystem:
             plan = self.scheduler.schedule()
             if plan is None:
                 return
-            sampled, seconds = self.runner.apply(plan)
+            sampled, seconds, failed = self.runner.apply(plan)
             start = max(self.now, self.device_free)
             self.device_free = start + seconds
             self.busy += seconds
-            self.in_flight.append((plan, sampled, self.device_free))
+            self.in_flight.append((plan, sampled, failed, self.device_free))
 
     def _commit(self, logs: dict[str, SimRequestLog]) -> None:
         from stepahead.plan import StepResult
 
-        plan, sampled, _ = self.in_flight.popleft()
+        plan, sampled, failed, _ = self.in_flight.popleft()
         self.num_steps += 1
         for r in plan.new_requests:
             log = logs[r.request_id]
             log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
-        for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled)):
+        for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled, failed=failed)):
             log = logs[event.request_id]
             log.token_times += [self.now] * len(event.new_token_ids)
             if event.finish_reason is not None:

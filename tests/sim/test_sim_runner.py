@@ -149,3 +149,13 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_a_bad_sampling_row_fails_alone_as_on_the_torch_worker(sim_model_dir, fast_profile):
+    sim = runner(sim_model_dir, fast_profile)
+    bad = NewRequest("bad", (5, 6, 7), SamplingParams(top_p=0.0, max_tokens=4), (1,), 0, 3)
+    result = sim.execute(plan(1, new("a", 3), bad))
+    assert set(result.sampled_token_ids) == {"a"} and "top_p" in result.failed["bad"]
+    later = sim.execute(plan(2, running=(RunningRequest("a", (), 1, input_is_placeholder=True),
+                                         RunningRequest("bad", (), 1))))
+    assert set(later.sampled_token_ids) == {"a"}, "deltas of a failed request are skipped"

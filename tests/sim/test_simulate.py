@@ -77,7 +77,7 @@ def test_rejected_requests_are_reported(sim_model_dir, tmp_path):
     path.write_text('{"arrival_s": 0, "prompt_len": 10, "output_len": 3}\n'
                     '{"arrival_s": 1, "prompt_len": 9000, "output_len": 3}\n')
     result = run(sim_model_dir, str(path))
-    assert result["completed"] == 1 and result["failed"] == 1 and "max_model_len" in result["errors"][0]
+    assert result["completed"] == 1 and result["failed"] == 1 and "9000 tokens" in result["errors"][0]
 
 
 @pytest.mark.parametrize("flag", ["--no-async-scheduling", "--async-scheduling"])

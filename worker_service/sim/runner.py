@@ -18,7 +18,7 @@ from pathlib import Path
 
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult, WorkerTiming
 from worker_service.model_config import ModelConfig
-from worker_service.plan_checks import PlanError, check_plan
+from worker_service.plan_checks import PlanError, check_plan, split_bad_sampling_rows
 from worker_service.sim import tokens
 from worker_service.sim.cost import CostModel, ModelGeometry
 from worker_service.sim.profiles import AcceleratorProfile
@@ -47,6 +47,7 @@ class SimPendingStep:
     busy_s: float
     timing: WorkerTiming
     wall_offset: float  # time.time() - time.monotonic() when the runner started
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
 
     def wait(self) -> StepResult:
         delay = self.deadline - time.monotonic()
@@ -54,7 +55,7 @@ class SimPendingStep:
             time.sleep(delay)  # releases the GIL; no CPU while the "device" computes
         timing = WorkerTiming(self.timing.plan_received, self.timing.prep_start, self.timing.forward_start,
                               self.deadline + self.wall_offset, 0.0, self.busy_s)
-        return StepResult(self.step_id, self.sampled, timing)
+        return StepResult(self.step_id, self.sampled, timing, self.failed)
 
 
 class SimRunner:
@@ -85,6 +86,7 @@ class SimRunner:
                                      eos_probability, seed)
         self.requests: dict[str, SimRequest] = {}
         self._prev_rows: dict[str, int] = {}
+        self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
         self._device_free_at = 0.0  # monotonic end of the last launched step
         self._wall_offset = time.time() - time.monotonic()
         self._lock = threading.Lock()
@@ -95,6 +97,7 @@ class SimRunner:
     def reset(self) -> None:
         with self._lock:
             self.requests.clear()
+            self._failed_ids.clear()
             self._prev_rows = {}
 
     def launch(self, plan: StepPlan, received: float = 0.0) -> SimPendingStep:
@@ -103,19 +106,21 @@ class SimRunner:
 
     def _launch(self, plan: StepPlan, received: float) -> SimPendingStep:
         prep_start = time.time()
-        sampled, busy = self.apply(plan)
+        sampled, busy, failed = self.apply(plan)
         start = max(time.monotonic(), self._device_free_at)
         self._device_free_at = start + busy
         timing = WorkerTiming(received or prep_start, prep_start, start + self._wall_offset)
-        return SimPendingStep(plan.step_id, sampled, start + busy, busy, timing, self._wall_offset)
+        return SimPendingStep(plan.step_id, sampled, start + busy, busy, timing, self._wall_offset, failed)
 
-    def apply(self, plan: StepPlan) -> tuple[dict[str, int], float]:
-        """Check and apply a plan, no clock involved: (sampled token per request, device seconds).
-
-        The offline simulator (`stepahead simulate`) drives this on its virtual clock.
+    def apply(self, plan: StepPlan) -> tuple[dict[str, int], float, dict[str, str]]:
+        """Check and apply a plan, no clock involved: (sampled token per request, device
+        seconds, requests that failed alone). The offline simulator drives this on its
+        virtual clock. Rows breaking the shared limits fail alone, as on the torch worker.
         """
         for rid in (*plan.finished_ids, *plan.preempted_ids):
             self.requests.pop(rid, None)
+            self._failed_ids.discard(rid)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
                    block_size=self.block_size, max_model_len=self.max_model_len)
         for _, host in plan.swap_out:
@@ -131,9 +136,9 @@ class SimRunner:
                 sampled[state.request_id] = self._sample(state)
         self._prev_rows = {rid: i for i, rid in enumerate(sampled)}
         if not (batch or plan.swap_out or plan.swap_in):
-            return sampled, 0.0
+            return sampled, 0.0, failed
         step = self.cost.step(batch, len(sampled), len(plan.swap_out) + len(plan.swap_in), self.block_size)
-        return sampled, step.seconds
+        return sampled, step.seconds, failed
 
     def _check_host_block(self, block: int) -> None:
         if not 0 <= block < self.num_host_blocks:
