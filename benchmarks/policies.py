@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import tempfile
 from pathlib import Path
 
 from scheduler_service.server import SchedulerDaemonConfig
@@ -140,8 +141,11 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/policies.json"))
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    work = args.out.parent / "policies_traces"
-    work.mkdir(exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="policies-") as tmp:
+        run_all(args, Path(tmp))
+
+
+def run_all(args, work: Path) -> None:
     burst = write_trace(work / "burst.jsonl", args.num_requests, float("inf"), args.seed, args.prompt_len, args.output_len)
     saturated = run_sim(args, burst, "fcfs")
     capacity = steady_rate(saturated["requests"])
