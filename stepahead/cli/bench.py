@@ -129,7 +129,7 @@ def summarize(results: list[RequestMetrics], elapsed: float) -> dict:
 
 def device_idle(scheduler: str, start: float, end: float) -> float | None:
     from stepahead.flight_recorder import device_idle_fraction
-    from stepahead.trace import fetch_records
+    from stepahead.cli.trace import fetch_records
 
     _, records = fetch_records(scheduler)
     inside = [r for r in records if r.worker.forward_start >= start and r.worker.forward_end <= end]
