@@ -12,16 +12,19 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 
-from gateway.output import FinishReason, OutputProcessor
+from gateway.generation import ChoiceOutput, Frontend, Rejected
+from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
-from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
-from stepahead import codec, daemon, logs
+from gateway.validation import RawGenerateRequest, ValidationError
+from stepahead import daemon, logs
 from stepahead import config as cfg
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -33,6 +36,7 @@ class GatewayConfig:
     scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address")
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50050, "port to listen on")
+    http_port: int = cfg.field(8000, "OpenAI-compatible HTTP port (0 disables HTTP)")
     model: str = cfg.field("tiny", "model directory (for the tokenizer) or a built-in model name")
     max_request_bytes: int = cfg.field(1 << 20, "largest accepted request message")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
@@ -60,76 +64,67 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else None,
         priority=msg.priority,
+        n=msg.n if msg.HasField("n") else 1,
         size_bytes=msg.ByteSize(),
     )
 
 
-def finish_from_proto(value: int) -> FinishReason | None:
-    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    return FinishReason[common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_")]
-
-
-def submit_to_proto(valid: ValidRequest, request_id: str) -> scheduler_pb2.SubmitRequest:
-    return scheduler_pb2.SubmitRequest(
-        request_id=request_id,
-        prompt_token_ids=valid.prompt_token_ids,
-        sampling=codec.sampling_to_proto(valid.sampling),
-        priority=valid.priority,
-    )
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, scheduler_channel, config: GatewayConfig, log):
-        self.tokenizer = tokenizer
-        self.model = model
-        self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, config.max_request_bytes)
-        self.link = SchedulerLink(scheduler_channel, log)
+    def __init__(self, frontend: Frontend, log):
+        self.frontend = frontend
+        self.model = frontend.model
         self.log = log
 
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
-
     def Generate(self, request, context):
+        front = self.frontend
         try:
-            valid = validate(raw_from_proto(request), self.limits, self._tokenize)
+            valid = front.validate(raw_from_proto(request))
         except ValidationError as exc:
+            front.metrics.observe_rejected("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = valid.request_id or f"gen-{uuid.uuid4().hex}"
+        events: queue.SimpleQueue = queue.SimpleQueue()
         try:
-            events = self.link.submit(submit_to_proto(valid, request_id))
+            gen = front.start(valid, request_id, events.put, "grpc")
         except ValueError as exc:  # the id is already in flight here
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
-        context.add_callback(lambda: self.link.abort(request_id))  # client gone or call over
-        processor = OutputProcessor(self.tokenizer, valid)
+        context.add_callback(gen.abort)  # client gone or call over
         try:
-            for event in events:
-                if event.rejected:
-                    code = grpc.StatusCode.UNAVAILABLE if event.unavailable else grpc.StatusCode.INVALID_ARGUMENT
-                    context.abort(code, event.message)
-                reason = finish_from_proto(event.finish_reason)
-                out = processor.on_tokens(event.token_ids, reason)
-                if out.finished:
-                    if reason is None:
-                        self.link.abort(request_id)  # a stop string ended it here
-                    yield self._final(request_id, out, event)
-                    return
-                if out.text or out.token_ids:
-                    yield generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
+            while not gen.done:
+                choice = gen.on_event(events.get())
+                if choice is not None:
+                    response = self._response(request_id, choice)
+                    if response is not None:
+                        yield response
+        except Rejected as exc:
+            code = grpc.StatusCode.UNAVAILABLE if exc.unavailable else grpc.StatusCode.INVALID_ARGUMENT
+            context.abort(code, str(exc))
         except LinkBroken as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
-    def _final(self, request_id: str, out, event) -> generation_pb2.GenerateResponse:
+    def _response(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse | None:
+        out = choice.output
+        if out.finished:
+            return self._final(request_id, choice)
+        if out.text or out.token_ids:
+            return generation_pb2.GenerateResponse(
+                request_id=request_id, text=out.text, token_ids=out.token_ids, index=choice.index
+            )
+        return None
+
+    def _final(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse:
+        out = choice.output
         return generation_pb2.GenerateResponse(
             request_id=request_id,
+            index=choice.index,
             text=out.text,
             token_ids=out.token_ids,
             finish_reason=common_pb2.FinishReason.Value("FINISH_REASON_" + out.finish_reason.name),
             stop_reason=out.stop_reason,
             usage=common_pb2.Usage(
-                prompt_tokens=event.num_prompt_tokens,
+                prompt_tokens=choice.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,
-                cached_tokens=event.num_cached_tokens,
+                cached_tokens=choice.num_cached_tokens,
             ),
         )
 
@@ -171,6 +166,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, GatewayConfig)
 
 
+def worker_attached(channel) -> Callable[[], bool]:
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+
+    def ask() -> bool:
+        try:
+            stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        return True
+
+    return ask
+
+
 def run(args: argparse.Namespace) -> int:
     from transformers import AutoTokenizer
 
@@ -185,16 +193,32 @@ def run(args: argparse.Namespace) -> int:
     model = wait_for_model(channel, stop, log)  # the limits to validate against come from the worker
     if model is None:
         return 0
+    frontend = Frontend(tokenizer, model, SchedulerLink(channel, log), config.max_request_bytes, GatewayMetrics())
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers),
         options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes)],
     )
-    servicer = GenerationServicer(tokenizer, model, channel, config, log)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, log), server)
     health = daemon.Health(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
+    http = _start_http(frontend, channel, config, log)
     server.start()
     health.set(True)
-    log.info("gateway_ready", address=f"{config.host}:{port}", model=model.model_name, pid=os.getpid())
-    daemon.serve_until_stopped(server, stop)
+    log.info("gateway_ready", address=f"{config.host}:{port}", http_port=http.port if http else 0,
+             model=model.model_name, pid=os.getpid())
+    try:
+        daemon.serve_until_stopped(server, stop)
+    finally:
+        if http is not None:
+            http.stop()
     return 0
+
+
+def _start_http(frontend: Frontend, channel, config: GatewayConfig, log):
+    if config.http_port == 0:
+        return None
+    from gateway.http_server import HttpThread, OpenAIServer
+
+    http = HttpThread(OpenAIServer(frontend, worker_attached(channel), log).app, config.host, config.http_port)
+    http.start()
+    return http

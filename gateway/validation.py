@@ -21,6 +21,7 @@ PRIORITY_RANGE = (-1000, 1000)
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
+MAX_N = 16
 
 
 class ValidationError(ValueError):
@@ -29,6 +30,7 @@ class ValidationError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,7 @@ class RawGenerateRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
     priority: int = 0
+    n: int = 1  # independent output sequences for the prompt
     size_bytes: int = 0  # serialized size of the whole request
 
 
@@ -74,6 +77,7 @@ class ValidRequest:
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     priority: int
+    n: int = 1
 
 
 def validate(
@@ -101,6 +105,7 @@ def validate(
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
         priority=_priority(raw.priority),
+        n=_n(raw.n),
     )
 
 
@@ -230,4 +235,10 @@ def _priority(value: int) -> int:
     lo, hi = PRIORITY_RANGE
     if not lo <= value <= hi:
         raise ValidationError("priority", f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def _n(value: int) -> int:
+    if not 1 <= value <= MAX_N:
+        raise ValidationError("n", f"must be in [1, {MAX_N}], got {value}")
     return value

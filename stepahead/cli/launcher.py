@@ -15,9 +15,10 @@ from pathlib import Path
 
 import grpc
 
+from stepahead.cli.serve import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)")
+READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)(?: http at (\S+))?")
 
 
 class ServeProcess:
@@ -26,24 +27,26 @@ class ServeProcess:
     def __init__(self, model_dir: Path | str, *flags: str, startup_timeout_s: float = 300.0,
                  log_level: str = "warning") -> None:
         env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level)
+        if "--http-port" not in flags:
+            flags = ("--http-port", str(free_port()), *flags)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stepahead.cli", "serve", "--model", str(model_dir), "--port", "0", *flags],
             stdout=subprocess.PIPE, text=True, env=env,
         )
-        self.gateway_addr, self.scheduler_addr = self._wait_ready(startup_timeout_s)
+        self.gateway_addr, self.scheduler_addr, self.http_url = self._wait_ready(startup_timeout_s)
         self._channels = [grpc.insecure_channel(self.gateway_addr), grpc.insecure_channel(self.scheduler_addr)]
         self.gateway = generation_pb2_grpc.GenerationStub(self._channels[0])
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channels[1])
 
-    def _wait_ready(self, timeout_s: float) -> tuple[str, str]:
-        found: list[tuple[str, str]] = []
+    def _wait_ready(self, timeout_s: float) -> tuple[str, str, str | None]:
+        found: list[tuple[str, str, str | None]] = []
         done = threading.Event()
 
         def read() -> None:
             for line in self.proc.stdout:
                 m = READY.search(line)
                 if m:
-                    found.append((m.group(1), m.group(2)))
+                    found.append((m.group(1), m.group(2), m.group(3)))
                     done.set()
             done.set()
 
