@@ -5,8 +5,8 @@ fields follow the OpenAI completions / chat completions APIs. Unknown fields are
 (as vLLM does); known fields are type-checked strictly, so `"max_tokens": "5"` is an error
 naming the field rather than a silent conversion.
 
-Parameters this server accepts in the schema but cannot honour yet are refused with a
-400 that names them (`UNSUPPORTED`), never silently ignored.
+Parameters this server accepts in the schema but cannot honour yet (logprobs) are refused
+with a 400 that names them, never silently ignored.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ class _SamplingFields(_Strict):
     # vLLM extras
     top_k: int = -1
     min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     min_tokens: int = 0
     ignore_eos: bool = False
     priority: int = 0
@@ -87,24 +87,22 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
 
 
-def _check_unsupported(body: _SamplingFields, logprobs_requested: bool) -> None:
+def _check_unsupported(logprobs_requested: bool) -> None:
     """Refuse, by name, what the worker cannot do yet (never silently ignore it)."""
-    for name, value, neutral, lo, hi in (
-        ("presence_penalty", body.presence_penalty, 0.0, -2.0, 2.0),
-        ("frequency_penalty", body.frequency_penalty, 0.0, -2.0, 2.0),
-    ):
-        if not lo <= value <= hi:
-            raise ValidationError(name, f"must be in [{lo}, {hi}], got {value}")
-        if value != neutral:
-            raise ValidationError(name, "is not supported by this server yet")
-    if not body.repetition_penalty > 0.0:
-        raise ValidationError("repetition_penalty", f"must be > 0, got {body.repetition_penalty}")
-    if body.repetition_penalty != 1.0:
-        raise ValidationError("repetition_penalty", "is not supported by this server yet")
-    if body.logit_bias:
-        raise ValidationError("logit_bias", "is not supported by this server yet")
     if logprobs_requested:
         raise ValidationError("logprobs", "is not supported by this server yet")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ValidationError("logit_bias", f"keys must be token ids, got {key!r}")
+        out[int(key)] = value
+    return out
 
 
 def _stop(stop: str | list[str] | None) -> list[str]:
@@ -130,6 +128,10 @@ def _common(body: _SamplingFields, max_tokens: int | None, size_bytes: int) -> d
         skip_special_tokens=body.skip_special_tokens,
         include_stop_str_in_output=body.include_stop_str_in_output,
         stop_token_ids=list(body.stop_token_ids or ()),
+        logit_bias=_logit_bias(body.logit_bias),
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
         size_bytes=size_bytes,
     )
 
@@ -139,7 +141,7 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRe
         raise ValidationError("best_of", "is not supported (only best_of == n)")
     if body.suffix:
         raise ValidationError("suffix", "is not supported")
-    _check_unsupported(body, body.logprobs is not None)
+    _check_unsupported(body.logprobs is not None)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -168,7 +170,7 @@ def chat_to_raw(
         raise ValidationError("tools", "tool calling is not supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationError("top_logprobs", "requires logprobs to be true")
-    _check_unsupported(body, body.logprobs)
+    _check_unsupported(body.logprobs)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise ValidationError("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

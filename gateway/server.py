@@ -65,6 +65,10 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else None,
         priority=msg.priority,
         n=msg.n if msg.HasField("n") else 1,
+        logit_bias=dict(s.logit_bias),
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
         size_bytes=msg.ByteSize(),
     )
 

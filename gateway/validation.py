@@ -8,7 +8,7 @@ INVALID_ARGUMENT (gRPC) or HTTP 400.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stepahead.plan import SamplingParams
@@ -22,6 +22,10 @@ MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5
 SEED_RANGE = (-(2**63), 2**63 - 1)
 MAX_N = 16
+MAX_LOGIT_BIAS_IDS = 1024
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+REPETITION_PENALTY_MAX = 10.0
+PRESENCE_FREQUENCY_RANGE = (-2.0, 2.0)
 
 
 class ValidationError(ValueError):
@@ -65,6 +69,10 @@ class RawGenerateRequest:
     skip_special_tokens: bool | None = None
     priority: int = 0
     n: int = 1  # independent output sequences for the prompt
+    logit_bias: Mapping[int, float] | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     size_bytes: int = 0  # serialized size of the whole request
 
 
@@ -96,6 +104,10 @@ def validate(
         min_tokens=_min_tokens(raw.min_tokens, max_tokens),
         stop_token_ids=_stop_token_ids(raw.stop_token_ids, limits),
         ignore_eos=raw.ignore_eos,
+        logit_bias=_logit_bias(raw.logit_bias, limits),
+        repetition_penalty=_repetition_penalty(raw.repetition_penalty),
+        presence_penalty=_penalty("sampling.presence_penalty", raw.presence_penalty),
+        frequency_penalty=_penalty("sampling.frequency_penalty", raw.frequency_penalty),
     )
     return ValidRequest(
         request_id=raw.request_id,
@@ -241,4 +253,37 @@ def _priority(value: int) -> int:
 def _n(value: int) -> int:
     if not 1 <= value <= MAX_N:
         raise ValidationError("n", f"must be in [1, {MAX_N}], got {value}")
+    return value
+
+
+def _logit_bias(bias: Mapping[int, float] | None, limits: ModelLimits) -> tuple[tuple[int, float], ...]:
+    if not bias:
+        return ()
+    field = "sampling.logit_bias"
+    if len(bias) > MAX_LOGIT_BIAS_IDS:
+        raise ValidationError(field, f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(bias)}")
+    lo, hi = LOGIT_BIAS_RANGE
+    for token_id, value in bias.items():
+        if not 0 <= token_id < limits.vocab_size:
+            raise ValidationError(field, f"token id {token_id} is outside the vocabulary [0, {limits.vocab_size})")
+        _finite(field, value)
+        if not lo <= value <= hi:
+            raise ValidationError(field, f"biases must be in [{lo}, {hi}], got {value} for token {token_id}")
+    return tuple(sorted(bias.items()))
+
+
+def _repetition_penalty(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    _finite("sampling.repetition_penalty", value)
+    if not 0.0 < value <= REPETITION_PENALTY_MAX:
+        raise ValidationError("sampling.repetition_penalty", f"must be in (0, {REPETITION_PENALTY_MAX}], got {value}")
+    return value
+
+
+def _penalty(field: str, value: float) -> float:
+    _finite(field, value)
+    lo, hi = PRESENCE_FREQUENCY_RANGE
+    if not lo <= value <= hi:
+        raise ValidationError(field, f"must be in [{lo}, {hi}], got {value}")
     return value

@@ -30,9 +30,14 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         min_tokens=p.min_tokens,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
+        logit_bias=dict(p.logit_bias),
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
     return msg
 
 
@@ -48,6 +53,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
     )
 
 

@@ -25,6 +25,7 @@ from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.input_batch import CachedRequest, ScheduledRequest, StepBuffers, StepInputs, build_inputs
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
+from worker_service.logits_processing import LogitsProcessing
 from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan
 from worker_service.rope import RotaryTable
@@ -76,6 +77,7 @@ class ModelRunner:
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, self.max_model_len, self.dtype, self.device)
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
+        self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
         self.requests: dict[str, CachedRequest] = {}
         self.buffers = StepBuffers(self.device)
         self.streams = DeviceStreams(self.device)
@@ -137,6 +139,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
         self.requests.clear()
+        self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
         self._set_sampled([], torch.zeros(0, dtype=torch.int64, device=self.device))
         self.last_logits, self.last_logits_ids = None, ()
 
@@ -149,6 +152,7 @@ class ModelRunner:
     def _forget(self, ids: tuple[str, ...]) -> None:
         for rid in ids:  # forgetting an unknown id is a no-op (e.g. aborted before first step)
             self.requests.pop(rid, None)
+            self.logits_processing.forget(rid)
 
     def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> list[ScheduledRequest]:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
@@ -158,6 +162,7 @@ class ModelRunner:
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
                                   r.num_computed_tokens, num_prompt)
             self.requests[r.request_id] = state
+            self.logits_processing.register(r.request_id, r.sampling, r.token_ids, num_prompt)
             sched.append(ScheduledRequest(state, r.num_scheduled_tokens, placeholder=False))
         for r in running:
             state = self.requests[r.request_id]
@@ -186,9 +191,12 @@ class ModelRunner:
         if not reqs:
             return torch.zeros(0, dtype=torch.int64, device=self.device)
         self._mask_stops_before_min_tokens(logits, reqs)
-        meta = SamplingMetadata.build([r.sampling for r in reqs], [len(r.token_ids) for r in reqs],
-                                      self.vocab_size, self.device)
-        return self.sampler(logits, meta)
+        params = [r.sampling for r in reqs]
+        meta = SamplingMetadata.build(params, [len(r.token_ids) for r in reqs], self.vocab_size, self.device)
+        self.logits_processing.apply(logits, self.last_logits_ids, params)  # after build validated params
+        sampled = self.sampler(logits, meta)
+        self.logits_processing.record(sampled)  # penalty counts see this step's ids, on the device
+        return sampled
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
         """logits[row, stop ids] = -inf for rows still short of min_tokens (usually none)."""

@@ -60,7 +60,7 @@ def canonical_device(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device
 
 
-def _validate(params: SamplingParams, num_tokens: int, row: int) -> None:
+def _validate(params: SamplingParams, num_tokens: int, row: int, vocab_size: int) -> None:
     if not params.temperature >= 0.0 or math.isinf(params.temperature):
         raise ValueError(f"row {row}: temperature must be finite and >= 0, got {params.temperature}")
     if params.top_k < -1:
@@ -71,6 +71,14 @@ def _validate(params: SamplingParams, num_tokens: int, row: int) -> None:
         raise ValueError(f"row {row}: min_p must be in [0, 1], got {params.min_p}")
     if num_tokens < 0:
         raise ValueError(f"row {row}: num_tokens must be >= 0, got {num_tokens}")
+    if not 0.0 < params.repetition_penalty < math.inf:
+        raise ValueError(f"row {row}: repetition_penalty must be finite and > 0, got {params.repetition_penalty}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if not math.isfinite(getattr(params, name)):
+            raise ValueError(f"row {row}: {name} must be finite, got {getattr(params, name)}")
+    for token_id, bias in params.logit_bias:
+        if not (0 <= token_id < vocab_size and math.isfinite(bias)):
+            raise ValueError(f"row {row}: logit_bias needs ids in [0, {vocab_size}) and finite values")
 
 
 def _row_fields(params: SamplingParams, num_tokens: int, vocab_size: int) -> list[float]:
@@ -136,7 +144,7 @@ class SamplingMetadata:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         device = canonical_device(device)
         for row, (p, n) in enumerate(zip(params, num_tokens)):
-            _validate(p, n, row)
+            _validate(p, n, row, vocab_size)
         all_greedy = all(p.greedy for p in params)
         if all_greedy:
             return cls._greedy_only(len(params), vocab_size, device)

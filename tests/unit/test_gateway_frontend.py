@@ -91,10 +91,8 @@ def test_derived_seed_keeps_none_and_wraps():
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
-    ({"prompt": "x", "logit_bias": {"5": 1.0}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
     ({"prompt": "x", "logprobs": 0}, "logprobs"),
-    ({"prompt": "x", "repetition_penalty": 0.0}, "repetition_penalty"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": [[1], [2]]}, "prompt"),
 ])
@@ -143,3 +141,29 @@ def test_completion_echo_is_sent_once_per_choice():
     for index in (0, 1, 0):
         fmt.accumulate(ChoiceOutput(index, Output("t", (1,), num_output_tokens=1)))
     assert [c["text"] for c in fmt.full()["choices"]] == ["PROMPTtt", "PROMPTt"]
+
+
+@pytest.mark.parametrize("body, field", [
+    ({"prompt": "x", "presence_penalty": 2.5}, "sampling.presence_penalty"),
+    ({"prompt": "x", "frequency_penalty": float("nan")}, "sampling.frequency_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+    ({"prompt": "x", "repetition_penalty": 11.0}, "sampling.repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"100": 1.0}}, "sampling.logit_bias"),  # vocab is 100
+    ({"prompt": "x", "logit_bias": {"5": 101.0}}, "sampling.logit_bias"),
+    ({"prompt": "x", "logit_bias": {str(i): 1.0 for i in range(1025)}}, "sampling.logit_bias"),
+])
+def test_penalty_and_bias_ranges_are_enforced(body, field):
+    front = frontend(FakeLink())
+    with pytest.raises(ValidationError) as info:
+        front.validate(completion_to_raw(CompletionRequest.model_validate(body), 10))
+    assert info.value.field == field
+
+
+def test_penalties_and_bias_reach_the_sampling_params():
+    front = frontend(FakeLink())
+    body = {"prompt": "x", "logit_bias": {"9": -3.5, "2": 1.0}, "repetition_penalty": 1.2,
+            "presence_penalty": 0.5, "frequency_penalty": -0.25}
+    sampling = front.validate(completion_to_raw(CompletionRequest.model_validate(body), 10)).sampling
+    assert sampling.logit_bias == ((2, 1.0), (9, -3.5))
+    assert (sampling.repetition_penalty, sampling.presence_penalty, sampling.frequency_penalty) == (1.2, 0.5, -0.25)
+    assert sampling.uses_penalties
