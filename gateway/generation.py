@@ -30,11 +30,11 @@ WAKE = object()  # put into a sink by `Generation.abort` so a waiting consumer s
 
 
 class Rejected(Exception):
-    """The scheduler refused the request (`unavailable`: no worker now, retry later)."""
+    """The scheduler refused the request; `code` is its `scheduler_pb2.RejectCode`."""
 
-    def __init__(self, message: str, *, unavailable: bool) -> None:
+    def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
-        self.unavailable = unavailable
+        self.code = code
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class ChoiceOutput:
     output: Output
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    error: str = ""  # with FinishReason.ERROR: what failed
 
 
 def finish_from_proto(value: int) -> FinishReason | None:
@@ -96,7 +97,7 @@ class Generation:
             return None  # an event after a stop string ended the choice here
         if event.rejected:
             self.abort()
-            raise Rejected(event.message, unavailable=event.unavailable)
+            raise Rejected(event.message, event.reject_code)
         index = self._index[rid]
         reason = finish_from_proto(event.finish_reason)
         out = self._processors[index].on_tokens(event.token_ids, reason)
@@ -108,7 +109,8 @@ class Generation:
                 self._link.abort(rid)  # a stop string ended it here
             self._close(rid)
             self._metrics.observe_finished(self._transport, out, time.monotonic() - self._start)
-        return ChoiceOutput(index, out, event.num_prompt_tokens, event.num_cached_tokens)
+        error = event.message if out.finish_reason is FinishReason.ERROR else ""
+        return ChoiceOutput(index, out, event.num_prompt_tokens, event.num_cached_tokens, error)
 
     def abort(self, upstream_ids: list[str] | None = None) -> None:
         """Abort every unfinished choice upstream (client gone, or an error)."""

@@ -43,6 +43,7 @@ from gateway.openai_protocol import (
 )
 from gateway.scheduler_link import LinkBroken
 from gateway.validation import ValidationError
+from stepahead.v1 import scheduler_pb2
 
 
 class ApiError(Exception):
@@ -71,8 +72,11 @@ def _schema_api_error(exc: pydantic.ValidationError) -> ApiError:
 
 
 def _upstream_api_error(exc: Exception) -> ApiError:
-    if isinstance(exc, Rejected) and not exc.unavailable:
+    code = exc.code if isinstance(exc, Rejected) else None
+    if code == scheduler_pb2.REJECT_CODE_INVALID:
         return ApiError(400, str(exc))
+    if code == scheduler_pb2.REJECT_CODE_QUEUE_FULL:
+        return ApiError(429, str(exc), type_="rate_limit_error")
     return ApiError(503, str(exc), type_="service_unavailable")
 
 

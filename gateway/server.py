@@ -30,6 +30,13 @@ from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, schedu
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
+# How a scheduler's refusal reaches the client.
+REJECT_STATUS = {
+    scheduler_pb2.REJECT_CODE_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    scheduler_pb2.REJECT_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    scheduler_pb2.REJECT_CODE_QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -101,8 +108,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     if response is not None:
                         yield response
         except Rejected as exc:
-            code = grpc.StatusCode.UNAVAILABLE if exc.unavailable else grpc.StatusCode.INVALID_ARGUMENT
-            context.abort(code, str(exc))
+            context.abort(REJECT_STATUS[exc.code], str(exc))
         except LinkBroken as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
@@ -125,6 +131,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             token_ids=out.token_ids,
             finish_reason=common_pb2.FinishReason.Value("FINISH_REASON_" + out.finish_reason.name),
             stop_reason=out.stop_reason,
+            error=choice.error,
             usage=common_pb2.Usage(
                 prompt_tokens=choice.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,

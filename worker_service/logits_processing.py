@@ -88,15 +88,22 @@ class LogitsProcessing:
     def forget(self, request_id: str) -> None:
         self.state.forget(request_id)
 
-    def apply(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]) -> None:
-        """In place on logits [n, vocab] (float32). Remembers the penalty rows for `record`."""
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+              ) -> torch.Tensor:
+        """logits [n, vocab] with bias and penalties applied: `logits` itself when no row uses
+        them, else a new tensor (the input stays intact, so a retry starts clean).
+        Remembers the penalty rows for `record`."""
         self._pending = None
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalised = [i for i, p in enumerate(params) if p.uses_penalties]
+        if not (biased or penalised):
+            return logits
+        logits = logits.clone()  # [n, vocab]
         if biased:
             self._apply_bias(logits, biased, params)
         if penalised:
             self._apply_penalties(logits, penalised, [request_ids[i] for i in penalised], params)
+        return logits
 
     def record(self, sampled: torch.Tensor) -> None:
         """Add this step's sampled ids [n] to the counts of its penalty rows (device only)."""

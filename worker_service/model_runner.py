@@ -15,7 +15,7 @@ sampling rows, `last_logits_ids` the matching request ids (`logits_of(request_id
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing
 from worker_service.models.llama import ForwardContext
-from worker_service.plan_checks import check_plan
+from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
 from worker_service.streams import DeviceStreams, StepEvent
@@ -43,6 +43,7 @@ class PendingStep:
     host_ids: torch.Tensor  # [num_sampling] int64, valid once `done` completed
     done: StepEvent
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
 
     def wait(self) -> StepResult:
         """Block until the ids are on the host (the step's one sync); fill the token lists."""
@@ -51,7 +52,7 @@ class PendingStep:
         ids = self.host_ids.tolist()
         for r, slot, t in zip(self.reqs, self.slots, ids):
             r.token_ids[slot] = t
-        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, timing)
+        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, timing, self.failed)
 
 
 class ModelRunner:
@@ -84,6 +85,7 @@ class ModelRunner:
         self._inputs_copied = StepEvent()  # guards the pinned host input buffers
         self._prev_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # [n] last step's ids
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
+        self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
 
@@ -101,6 +103,7 @@ class ModelRunner:
         prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
                    block_size=self.block_size, max_model_len=self.max_model_len)
         self.kv_cache.swap_out(plan.swap_out)
@@ -111,20 +114,21 @@ class ModelRunner:
             self._set_sampled([], empty)
             now = time.time()
             return PendingStep(plan.step_id, [], [], empty.cpu(), StepEvent(),
-                               WorkerTiming(received or prep_start, prep_start, now, now))
+                               WorkerTiming(received or prep_start, prep_start, now, now), failed)
         inputs = self._copy_inputs(sched)
         for s in sched:
             s.state.num_computed += s.num_scheduled
         forward_start = time.time()
         self._fill_placeholders(inputs)
         logits = self._forward(inputs)  # [num_sampling, vocab] float32
-        sampled = self._sample(logits, inputs.sampling_reqs)  # [num_sampling] int64 on device
-        self._set_sampled(inputs.sampling_reqs, sampled)
-        slots = self._reserve_slots(inputs.sampling_reqs)
+        sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
+        self._fail(sample_failed, failed)
+        self._set_sampled(reqs, sampled)
+        slots = self._reserve_slots(reqs)
         host_ids, done = self.streams.to_host(sampled)
         forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
         timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
-        return PendingStep(plan.step_id, inputs.sampling_reqs, slots, host_ids, done, timing)
+        return PendingStep(plan.step_id, reqs, slots, host_ids, done, timing, failed)
 
     def _copy_inputs(self, sched: list[ScheduledRequest]) -> StepInputs:
         """Fill the pinned host buffers and copy them to the device on the copy stream."""
@@ -140,6 +144,7 @@ class ModelRunner:
         """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
         self.requests.clear()
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
+        self._failed_ids.clear()
         self._set_sampled([], torch.zeros(0, dtype=torch.int64, device=self.device))
         self.last_logits, self.last_logits_ids = None, ()
 
@@ -153,6 +158,15 @@ class ModelRunner:
         for rid in ids:  # forgetting an unknown id is a no-op (e.g. aborted before first step)
             self.requests.pop(rid, None)
             self.logits_processing.forget(rid)
+            self._failed_ids.discard(rid)
+
+    def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
+        """Requests that failed alone this step: forget them, skip their later deltas."""
+        for rid in newly:
+            self.requests.pop(rid, None)
+            self.logits_processing.forget(rid)
+        self._failed_ids.update(newly)
+        failed.update(newly)
 
     def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> list[ScheduledRequest]:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
@@ -185,18 +199,44 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
-    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]
+                ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:
+        """logits [n, vocab] → (ids [m] int64 on the device, the m requests that sampled, failures).
+
+        Sampling is one batched pass; should it raise (no valid row can make it: the rows
+        were checked against the shared limits), the rows are sampled one by one and only
+        those that fail again fail, each alone with its reason.
+        """
         self.last_logits = logits
         self.last_logits_ids = tuple(r.request_id for r in reqs)
         if not reqs:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
+            return torch.zeros(0, dtype=torch.int64, device=self.device), [], {}
         self._mask_stops_before_min_tokens(logits, reqs)
+        try:
+            return self._sample_rows(logits, reqs), reqs, {}
+        except Exception:  # isolated below, row by row; each failure is reported with its reason
+            return self._sample_each_row(logits, reqs)
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
         params = [r.sampling for r in reqs]
         meta = SamplingMetadata.build(params, [len(r.token_ids) for r in reqs], self.vocab_size, self.device)
-        self.logits_processing.apply(logits, self.last_logits_ids, params)  # after build validated params
-        sampled = self.sampler(logits, meta)
+        # bias and penalties (a new tensor, or `logits` itself when no row uses them)
+        processed = self.logits_processing.apply(logits, [r.request_id for r in reqs], params)
+        sampled = self.sampler(processed, meta)
         self.logits_processing.record(sampled)  # penalty counts see this step's ids, on the device
         return sampled
+
+    def _sample_each_row(self, logits: torch.Tensor, reqs: list[CachedRequest]
+                         ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:
+        good, ids, failed = [], [], {}
+        for i, r in enumerate(reqs):
+            try:
+                ids.append(self._sample_rows(logits[i : i + 1], [r]))  # [1]
+                good.append(r)
+            except Exception as exc:  # this row alone fails: its request ends with the reason
+                failed[r.request_id] = f"sampling failed: {exc!r}"[:500]
+        sampled = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)
+        return sampled, good, failed
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
         """logits[row, stop ids] = -inf for rows still short of min_tokens (usually none)."""

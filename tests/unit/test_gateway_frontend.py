@@ -81,7 +81,8 @@ def test_a_rejection_aborts_every_choice():
     gen = front.start(front.validate(completion_to_raw(CompletionRequest(prompt="hi", n=2), 10)), "r",
                       lambda _: None, "grpc")
     with pytest.raises(Rejected):
-        gen.on_event(event("r#0", [], rejected=True, unavailable=True, message="no worker"))
+        gen.on_event(event("r#0", [], rejected=True, reject_code=scheduler_pb2.REJECT_CODE_UNAVAILABLE,
+                           message="no worker"))
     assert sorted(link.aborted) == ["r#0", "r#1"] and gen.done
 
 
