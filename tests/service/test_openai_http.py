@@ -262,3 +262,20 @@ def test_grpc_and_http_share_one_path_n_choices_and_seeds(serve, client):
     http = client.completions.create(model="tiny", prompt="if x:", max_tokens=10, temperature=1.0, seed=99, n=3,
                                      extra_body=IGNORE_EOS)
     assert texts == [c.text for c in sorted(http.choices, key=lambda c: c.index)]
+
+
+def test_penalties_and_logit_bias_over_http_equal_hf_processors(client, hf, tiny_tokenizer):  # noqa: F811
+    prompt = "def parse(line):\n"
+    ids = tiny_tokenizer.encode(prompt)
+    bias = {ids[-1]: 3.0, 100: -100.0}
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                    logit_bias={str(k): v for k, v in bias.items()},
+                                    extra_body={"repetition_penalty": 1.3, **IGNORE_EOS})
+    tokens, gaps = hf.generate(ids, 16, repetition_penalty=1.3, sequence_bias={(k,): v for k, v in bias.items()})
+    tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), len(tokens))
+    expected = (tiny_tokenizer.decode(tokens, skip_special_tokens=True),
+                tiny_tokenizer.decode(tokens[:tie], skip_special_tokens=True))
+    assert_hf_text(out.choices[0].text, expected)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                      extra_body=IGNORE_EOS)
+    assert plain.choices[0].text != out.choices[0].text
