@@ -19,11 +19,12 @@ from dataclasses import dataclass
 from jinja2 import TemplateError
 
 from gateway.metrics import GatewayMetrics
-from gateway.output import FinishReason, Output, OutputProcessor
+from gateway.output import Output, OutputProcessor
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec
-from stepahead.v1 import common_pb2, scheduler_pb2
+from stepahead.plan import FinishReason
+from stepahead.v1 import scheduler_pb2
 
 SEED_MODULUS = 2**64
 WAKE = object()  # put into a sink by `Generation.abort` so a waiting consumer sees `done`
@@ -46,12 +47,6 @@ class ChoiceOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""  # with FinishReason.ERROR: what failed
-
-
-def finish_from_proto(value: int) -> FinishReason | None:
-    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    return FinishReason[common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_")]
 
 
 def derived_seed(seed: int | None, index: int) -> int | None:
@@ -99,7 +94,7 @@ class Generation:
             self.abort()
             raise Rejected(event.message, event.reject_code)
         index = self._index[rid]
-        reason = finish_from_proto(event.finish_reason)
+        reason = codec.finish_reason_from_proto(event.finish_reason)
         out = self._processors[index].on_tokens(event.token_ids, reason)
         if out.token_ids and not self._first_token_seen:
             self._first_token_seen = True

@@ -24,7 +24,7 @@ from gateway.generation import ChoiceOutput, Frontend, Rejected
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import RawGenerateRequest, ValidationError
-from stepahead import daemon, logs
+from stepahead import codec, daemon, logs
 from stepahead import config as cfg
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -44,7 +44,7 @@ class GatewayConfig:
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50050, "port to listen on")
     http_port: int = cfg.field(8000, "OpenAI-compatible HTTP port (0 disables HTTP)")
-    model: str = cfg.field("tiny", "model directory (for the tokenizer) or a built-in model name")
+    model: str = cfg.field("tiny", "model directory (for the tokenizer) or an already built built-in model name")
     max_request_bytes: int = cfg.field(1 << 20, "largest accepted request message")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
     log_level: str = cfg.field("info", "log level")
@@ -129,7 +129,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             index=choice.index,
             text=out.text,
             token_ids=out.token_ids,
-            finish_reason=common_pb2.FinishReason.Value("FINISH_REASON_" + out.finish_reason.name),
+            finish_reason=codec.finish_reason_to_proto(out.finish_reason),
             stop_reason=out.stop_reason,
             error=choice.error,
             usage=common_pb2.Usage(
@@ -191,15 +191,14 @@ def worker_attached(channel) -> Callable[[], bool]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
-
+    from gateway.tokenizer import GatewayTokenizer
     from stepahead.builtin_models import resolve_model
 
     config = cfg.from_args(GatewayConfig, args)
     log = logs.configure("gateway", config.log_level)
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    tokenizer = GatewayTokenizer(resolve_model(config.model, build=False))  # no torch in the gateway
     channel = grpc.insecure_channel(config.scheduler)
     model = wait_for_model(channel, stop, log)  # the limits to validate against come from the worker
     if model is None:

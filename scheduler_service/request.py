@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from stepahead.plan import SamplingParams
+from stepahead.plan import FinishReason, SamplingParams
 
 
 class RequestRejected(ValueError):
@@ -45,12 +45,6 @@ class RequestStatus(Enum):
     def is_finished(self) -> bool:
         return self in _FINISHED
 
-
-class FinishReason(Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
 
 
 _FINISHED = {

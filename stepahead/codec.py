@@ -9,6 +9,7 @@ import dataclasses
 
 from stepahead.flight_recorder import StepRecord
 from stepahead.plan import (
+    FinishReason,
     NewRequest,
     RunningRequest,
     SamplingParams,
@@ -18,6 +19,28 @@ from stepahead.plan import (
     WorkerTiming,
 )
 from stepahead.v1 import common_pb2, scheduler_pb2
+
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """None for UNSPECIFIED (still running); ValueError for a value this build does not know."""
+    try:
+        return _FINISH_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"unknown finish_reason {value}") from None
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:

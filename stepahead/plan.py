@@ -29,7 +29,20 @@ Worker-side semantics (the contract both sides rely on):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a request (or one of its `n` sequences) ended: one type for scheduler and gateway.
+
+    The values are the OpenAI API's `finish_reason` strings.
+    """
+
+    STOP = "stop"  # an EOS token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's length
+    ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # the request failed on the server
 
 
 @dataclass(frozen=True)
