@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from stepahead import bench
+from stepahead.cli import bench
 from stepahead.builtin_models import resolve_model
 from stepahead.cli.launcher import ServeProcess
 

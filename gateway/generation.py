@@ -151,7 +151,7 @@ class Frontend:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, raw: RawGenerateRequest) -> ValidRequest:
-        return validate(raw, self.limits, self.tokenize)
+        return validate(raw, self.limits, self.tokenize, self.render_chat)
 
     def start(self, valid: ValidRequest, request_id: str, sink: Callable[[object], None],
               transport: str) -> Generation:

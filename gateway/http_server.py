@@ -142,7 +142,7 @@ class OpenAIServer:
         body, size = await self._parse(request, ChatCompletionRequest)
 
         def prepare():
-            return self.frontend.validate(chat_to_raw(body, size, self.frontend.render_chat))
+            return self.frontend.validate(chat_to_raw(body, size))
 
         valid = await self._validate(prepare, chat=True)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n)

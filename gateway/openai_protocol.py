@@ -11,7 +11,6 @@ with a 400 that names them, never silently ignored.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -162,10 +161,7 @@ def _message_dict(message: ChatMessage) -> dict[str, str]:
     return out
 
 
-def chat_to_raw(
-    body: ChatCompletionRequest, size_bytes: int, render: Callable[[list[dict[str, str]], bool], list[int]]
-) -> RawGenerateRequest:
-    """`render(messages, add_generation_prompt)` applies the model's chat template."""
+def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequest:
     if body.tools:
         raise ValidationError("tools", "tool calling is not supported")
     if body.top_logprobs is not None and not body.logprobs:
@@ -174,8 +170,10 @@ def chat_to_raw(
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise ValidationError("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    ids = render([_message_dict(m) for m in body.messages], body.add_generation_prompt)
-    return RawGenerateRequest(prompt_token_ids=ids, **_common(body, max_tokens, size_bytes))
+    return RawGenerateRequest(
+        chat_messages=[_message_dict(m) for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+        **_common(body, max_tokens, size_bytes),
+    )
 
 
 def openai_param(field: str, *, chat: bool) -> str | None:

@@ -58,6 +58,8 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         model=msg.model,
         prompt_text=msg.text if which == "text" else None,
         prompt_token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
+        chat_messages=[{"role": m.role, "content": m.content} for m in msg.chat.messages] if which == "chat" else None,
+        add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
         temperature=s.temperature if s.HasField("temperature") else None,
         top_k=s.top_k,
         top_p=s.top_p if s.HasField("top_p") else None,

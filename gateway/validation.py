@@ -27,6 +27,8 @@ class RawGenerateRequest:
     model: str = ""
     prompt_text: str | None = None
     prompt_token_ids: Sequence[int] | None = None
+    chat_messages: Sequence[Mapping[str, str]] | None = None  # rendered with the chat template
+    add_generation_prompt: bool = True
     temperature: float | None = None
     top_k: int = -1
     top_p: float | None = None
@@ -61,10 +63,12 @@ class ValidRequest:
 
 
 def validate(
-    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]]
+    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]],
+    render_chat: Callable[[list[dict[str, str]], bool], list[int]] | None = None,
 ) -> ValidRequest:
+    """`render_chat(messages, add_generation_prompt)` turns `chat_messages` into prompt ids."""
     _check_envelope(raw, model)
-    prompt, field = _prompt_ids(raw, model, tokenize)
+    prompt, field = _prompt_ids(raw, model, tokenize, render_chat)
     room = model.max_model_len - len(prompt)
     sampling = SamplingParams(
         temperature=1.0 if raw.temperature is None else raw.temperature,
@@ -111,8 +115,14 @@ def _check_envelope(raw: RawGenerateRequest, model: ModelLimits) -> None:
 
 
 def _prompt_ids(
-    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]]
+    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]], render_chat
 ) -> tuple[list[int], str]:
+    if raw.chat_messages is not None:
+        if not raw.chat_messages:
+            raise ValidationError("messages", "at least one message is required")
+        if render_chat is None:
+            raise ValidationError("messages", "chat prompts are not supported here")
+        return render_chat([dict(m) for m in raw.chat_messages], raw.add_generation_prompt), "messages"
     if raw.prompt_token_ids is not None:
         return list(raw.prompt_token_ids), "prompt.token_ids"
     if raw.prompt_text is not None:

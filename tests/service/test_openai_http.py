@@ -267,11 +267,12 @@ def test_grpc_and_http_share_one_path_n_choices_and_seeds(serve, client):
 def test_penalties_and_logit_bias_over_http_equal_hf_processors(client, hf, tiny_tokenizer):  # noqa: F811
     prompt = "def parse(line):\n"
     ids = tiny_tokenizer.encode(prompt)
-    bias = {ids[-1]: 3.0, 100: -100.0}
+    plain_tokens, _ = hf.generate(ids, 16)
+    bias = {plain_tokens[0]: -100.0, ids[-1]: 2.5}  # the plain first token is ruled out
     out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
                                     logit_bias={str(k): v for k, v in bias.items()},
-                                    extra_body={"repetition_penalty": 1.3, **IGNORE_EOS})
-    tokens, gaps = hf.generate(ids, 16, repetition_penalty=1.3, sequence_bias={(k,): v for k, v in bias.items()})
+                                    extra_body={"repetition_penalty": 1.8, **IGNORE_EOS})
+    tokens, gaps = hf.generate(ids, 16, repetition_penalty=1.8, sequence_bias={(k,): v for k, v in bias.items()})
     tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), len(tokens))
     expected = (tiny_tokenizer.decode(tokens, skip_special_tokens=True),
                 tiny_tokenizer.decode(tokens[:tie], skip_special_tokens=True))
@@ -279,3 +280,26 @@ def test_penalties_and_logit_bias_over_http_equal_hf_processors(client, hf, tiny
     plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
                                       extra_body=IGNORE_EOS)
     assert plain.choices[0].text != out.choices[0].text
+
+
+def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(serve, client, tiny_tokenizer):  # noqa: F811
+    import subprocess
+    import sys
+
+    from stepahead.v1 import common_pb2, generation_pb2
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a sort."}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    http = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body=IGNORE_EOS)
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(**m) for m in messages])
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    msgs = list(serve.gateway.Generate(generation_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+    assert msgs[-1].usage.prompt_tokens == len(ids) == http.usage.prompt_tokens
+    assert "".join(m.text for m in msgs) == http.choices[0].message.content
+    cli = subprocess.run(
+        [sys.executable, "-m", "stepahead.cli", "generate", "--target", serve.gateway_addr, "--chat",
+         "--system", "Be brief.", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "Write a sort."],
+        capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == http.choices[0].message.content + "\n"

@@ -113,8 +113,11 @@ def test_chat_maps_max_completion_tokens_and_renders_text_parts():
     body = ChatCompletionRequest.model_validate({
         "messages": [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}],
         "max_completion_tokens": 7, "add_generation_prompt": False, "stop": "x"})
-    raw = chat_to_raw(body, 10, render)
-    assert raw.prompt_token_ids == [1, 2, 3] and raw.max_tokens == 7 and raw.stop == ["x"]
+    raw = chat_to_raw(body, 10)
+    assert raw.max_tokens == 7 and raw.stop == ["x"]
+    front = frontend(FakeLink())
+    front.render_chat = render
+    assert front.validate(raw).prompt_token_ids == (1, 2, 3)
     assert seen == [([{"role": "user", "content": "ab"}], False)]
     assert openai_param("sampling.max_tokens", chat=True) == "max_completion_tokens"
     assert openai_param("prompt.token_ids", chat=True) == "messages"
