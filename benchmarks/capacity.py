@@ -26,8 +26,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from stepahead import bench
-from stepahead.launcher import ServeProcess
+from stepahead.cli import bench
+from stepahead.cli.launcher import ServeProcess
 
 TICK = os.sysconf("SC_CLK_TCK")
 # py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up)

@@ -20,9 +20,9 @@ from pathlib import Path
 
 import torch
 
-from stepahead import bench
+from stepahead.cli import bench
 from stepahead.builtin_models import resolve_model
-from stepahead.launcher import ServeProcess
+from stepahead.cli.launcher import ServeProcess
 
 ALL_CPUS = os.sched_getaffinity(0)
 
@@ -56,7 +56,7 @@ def client_off_device_cores():
     """The benchmark client runs on the control-plane core, as a client on another host
     would not take the device's cores (set only after the server started: children
     inherit affinity)."""
-    from stepahead.serve import cpu_split
+    from stepahead.cli.serve import cpu_split
 
     _, control = cpu_split("cpu")
     if control:

@@ -18,9 +18,9 @@ import random
 from pathlib import Path
 
 from scheduler_service.server import SchedulerDaemonConfig
-from stepahead import bench, simulate
+from stepahead.cli import bench, simulate
 from stepahead import config as cfg
-from stepahead.launcher import ServeProcess
+from stepahead.cli.launcher import ServeProcess
 
 KEYS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput")
 

@@ -1,22 +1,48 @@
-"""Prometheus metrics of the gateway (`--metrics-port`), named like vLLM's `vllm:*` where the
-concept is the same. Thread-safe (prometheus_client)."""
+"""Prometheus metrics of the gateway itself, served at `GET /metrics` on the HTTP port (and
+on `--metrics-port`), named `stepahead:gateway_*`.
+
+Labelled by transport (`grpc` or `http`) so the two front doors can be compared.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from gateway.output import Output
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
 
 
 class GatewayMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = registry if registry is not None else CollectorRegistry()
+    def __init__(self) -> None:
+        r = CollectorRegistry()
         self.registry = r
-        self.requests = Counter("stepahead:gateway_requests", "Generate calls by final gRPC status code",
-                                ["code"], registry=r)
-        self.finished = Counter("stepahead:request_success", "finished requests by finish reason",
-                                ["finished_reason"], registry=r)
-        self.prompt_tokens = Counter("stepahead:prompt_tokens", "prompt tokens of accepted requests", registry=r)
-        self.generation_tokens = Counter("stepahead:generation_tokens", "output tokens streamed to clients",
-                                         registry=r)
-        self.rejected = Counter("stepahead:gateway_rejected", "calls refused before reaching a scheduler",
-                                ["reason"], registry=r)
-        self.active = Gauge("stepahead:gateway_active_streams", "Generate streams open now", registry=r)
+        p = "stepahead:gateway_"
+        self.started = Counter(p + "requests_started", "requests accepted", ["transport"], registry=r)
+        self.rejected = Counter(p + "requests_rejected", "requests refused", ["transport", "status"], registry=r)
+        self.finished = Counter(p + "sequences_finished", "sequences ended", ["transport", "reason"], registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "prompt tokens submitted", ["transport"], registry=r)
+        self.output_tokens = Counter(p + "generation_tokens", "output tokens streamed", ["transport"], registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "accepted to first token", ["transport"],
+                              registry=r, buckets=_LATENCY_BUCKETS)
+        self.active = Gauge(p + "active_requests", "requests open now (both transports)", registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "accepted to finished", ["transport"],
+                             registry=r, buckets=_LATENCY_BUCKETS)
+
+    def observe_started(self, transport: str, num_prompt_tokens: int) -> None:
+        self.started.labels(transport).inc()
+        self.prompt_tokens.labels(transport).inc(num_prompt_tokens)
+
+    def observe_rejected(self, transport: str, status: int | str) -> None:
+        self.rejected.labels(transport, str(status)).inc()
+
+    def observe_first_token(self, transport: str, seconds: float) -> None:
+        self.ttft.labels(transport).observe(seconds)
+
+    def observe_finished(self, transport: str, out: Output, seconds: float) -> None:
+        self.finished.labels(transport, out.finish_reason.value).inc()
+        self.output_tokens.labels(transport).inc(out.num_output_tokens)
+        self.e2e.labels(transport).observe(seconds)
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -8,20 +8,13 @@ aborts it upstream.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.stop_strings import StopStringMatcher
 from gateway.validation import ValidRequest
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
+from stepahead.plan import FinishReason
 
 
 @dataclass(frozen=True)

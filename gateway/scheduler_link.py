@@ -1,8 +1,8 @@
 """The gateway's one multiplexed stream to the scheduler (`Scheduler.Connect`).
 
 All of a gateway's requests share one bidirectional stream: submissions and aborts go up,
-one `EventBatch` per scheduler step comes down and a reader thread routes each event to
-its request's queue. One message per step instead of one per request per step keeps the
+one `EventBatch` per scheduler step comes down and a reader thread hands each event to
+its request's sink (a queue for the gRPC servicer's threads, the event loop for HTTP). One message per step instead of one per request per step keeps the
 control plane's CPU cost flat in the number of streams. If the stream breaks, every open
 request fails with `LinkBroken` and the next submission opens a new stream.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 
 import grpc
 
@@ -27,19 +27,21 @@ class SchedulerLink:
         self._stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self._log = log
         self._lock = threading.Lock()
-        self._routes: dict[str, queue.Queue] = {}  # request id -> its events
+        self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its event sink
         self._outbox: queue.Queue | None = None  # messages for the current stream
 
-    def submit(self, msg: scheduler_pb2.SubmitRequest) -> Iterator[scheduler_pb2.TokenEvent]:
-        """Send one request; iterate its events up to (and including) the last one."""
-        events: queue.Queue = queue.Queue()
+    def submit(self, msg: scheduler_pb2.SubmitRequest, sink: Callable[[object], None]) -> None:
+        """Send one request; its events (then `LinkBroken` if the stream breaks) go to `sink`.
+
+        `sink` is called from the reader thread and must not block. Call `release` when
+        the request's last event was seen (or it was given up) to drop its route.
+        """
         with self._lock:
             if msg.request_id in self._routes:
                 raise ValueError(f"request_id {msg.request_id!r} is already in flight on this gateway")
             outbox = self._open_stream()
-            self._routes[msg.request_id] = events
+            self._routes[msg.request_id] = sink
             outbox.put(scheduler_pb2.GatewayMessage(submit=msg))
-        return self._events(msg.request_id, events)
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -47,23 +49,9 @@ class SchedulerLink:
                 abort = scheduler_pb2.AbortRequest(request_id=request_id)
                 self._outbox.put(scheduler_pb2.GatewayMessage(abort=abort))
 
-    def _events(self, request_id: str, events: queue.Queue) -> Iterator[scheduler_pb2.TokenEvent]:
-        """The request's events; those that queued up while the consumer was busy come merged
-        into one (so a client that falls behind gets fewer, larger messages)."""
-        try:
-            while True:
-                event = events.get()
-                if isinstance(event, LinkBroken):
-                    raise event
-                event, broken = _coalesce(event, events)
-                yield event
-                if event.finish_reason or event.rejected:
-                    return
-                if broken is not None:
-                    raise broken
-        finally:
-            with self._lock:
-                self._routes.pop(request_id, None)
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            self._routes.pop(request_id, None)
 
     def _open_stream(self) -> queue.Queue:
         """The current stream's outbox, opening a stream if there is none (lock held)."""
@@ -79,9 +67,9 @@ class SchedulerLink:
         try:
             for batch in responses:
                 for event in batch.events:
-                    events = self._routes.get(event.request_id)
-                    if events is not None:
-                        events.put(event)
+                    sink = self._routes.get(event.request_id)
+                    if sink is not None:
+                        sink(event)
         except grpc.RpcError as exc:
             reason = f"the scheduler stream failed: {exc.code().name} {exc.details()}"
         with self._lock:
@@ -90,22 +78,5 @@ class SchedulerLink:
             open_routes = list(self._routes.values())  # all of them belonged to this stream
         outbox.put(None)
         self._log.warning("scheduler_link_broken", reason=reason, open_requests=len(open_routes))
-        for events in open_routes:
-            events.put(LinkBroken(reason))
-
-
-def _coalesce(event: scheduler_pb2.TokenEvent, events: queue.Queue) -> tuple[scheduler_pb2.TokenEvent, LinkBroken | None]:
-    """Merge the events already queued behind `event`: their tokens in order, the last one's
-    finish reason and counts. Stops at a final event or a broken link (returned apart)."""
-    while not (event.finish_reason or event.rejected):
-        try:
-            more = events.get_nowait()
-        except queue.Empty:
-            break
-        if isinstance(more, LinkBroken):
-            return event, more
-        merged = scheduler_pb2.TokenEvent()
-        merged.CopyFrom(more)
-        merged.token_ids[:] = [*event.token_ids, *more.token_ids]
-        event = merged
-    return event, None
+        for sink in open_routes:
+            sink(LinkBroken(reason))

@@ -12,18 +12,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import queue
 import uuid
+from collections.abc import Callable
 from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
-from prometheus_client import REGISTRY, start_http_server
+from prometheus_client import start_http_server
 
-from gateway.output import FinishReason, OutputProcessor
-from gateway.scheduler_link import LinkBroken, SchedulerLink
-from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from gateway.admission import Draining, Overloaded, StreamGate
+from gateway.generation import ChoiceOutput, Frontend, Rejected
 from gateway.metrics import GatewayMetrics
+from gateway.scheduler_link import LinkBroken, SchedulerLink
+from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead import codec, daemon, logs, security
 from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
@@ -44,17 +46,18 @@ class GatewayConfig(SchedulerClientConfig):
     scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address")
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50050, "port to listen on")
-    model: str = cfg.field("tiny", "model directory (for the tokenizer) or a built-in model name")
+    http_port: int = cfg.field(8000, "OpenAI-compatible HTTP port (0 disables HTTP)")
+    model: str = cfg.field("tiny", "model directory (for the tokenizer) or an already built built-in model name")
     max_request_bytes: int = cfg.field(1 << 20, "largest accepted request message")
     max_concurrent_streams: int = cfg.field(
-        1024, "open Generate streams at most; more get RESOURCE_EXHAUSTED at once (one server thread each)"
+        1024, "open requests at most (gRPC and HTTP); more get RESOURCE_EXHAUSTED / 429 at once"
     )
-    drain_timeout: float = cfg.field(30.0, "on SIGTERM, seconds open streams get to finish before the exit")
+    drain_timeout: float = cfg.field(30.0, "on SIGTERM, seconds open requests get to finish before the exit")
     api_key: str | None = cfg.field(None, "API keys clients must send as 'authorization: Bearer KEY' (comma list)")
-    ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the public API")
+    ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the public API (gRPC and HTTP)")
     ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the public API")
     ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
-    metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
+    metrics_port: int | None = cfg.field(None, "also serve the gateway's Prometheus /metrics on this port")
     log_level: str = cfg.field("info", "log level")
 
 
@@ -66,6 +69,8 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         model=msg.model,
         prompt_text=msg.text if which == "text" else None,
         prompt_token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
+        chat_messages=[{"role": m.role, "content": m.content} for m in msg.chat.messages] if which == "chat" else None,
+        add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
         temperature=s.temperature if s.HasField("temperature") else None,
         top_k=s.top_k,
         top_p=s.top_p if s.HasField("top_p") else None,
@@ -79,101 +84,76 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else None,
         priority=msg.priority,
+        n=msg.n if msg.HasField("n") else 1,
+        logit_bias=dict(s.logit_bias),
+        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
         size_bytes=msg.ByteSize(),
     )
 
 
-def finish_from_proto(value: int) -> FinishReason | None:
-    if value == common_pb2.FINISH_REASON_UNSPECIFIED:
-        return None
-    return FinishReason[common_pb2.FinishReason.Name(value).removeprefix("FINISH_REASON_")]
-
-
-def submit_to_proto(valid: ValidRequest, request_id: str) -> scheduler_pb2.SubmitRequest:
-    return scheduler_pb2.SubmitRequest(
-        request_id=request_id,
-        prompt_token_ids=valid.prompt_token_ids,
-        sampling=codec.sampling_to_proto(valid.sampling),
-        priority=valid.priority,
-    )
-
-
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, scheduler_channel, config: GatewayConfig, log,
-                 metrics: GatewayMetrics | None = None):
-        self.tokenizer = tokenizer
-        self.model = model
-        self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, config.max_request_bytes)
-        self.link = SchedulerLink(scheduler_channel, log)
+    def __init__(self, frontend: Frontend, log):
+        self.frontend = frontend
+        self.model = frontend.model
         self.log = log
-        self.gate = StreamGate(config.max_concurrent_streams)
-        self.metrics = metrics or GatewayMetrics()
-
-    def _tokenize(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=True)
 
     def Generate(self, request, context):
-        """Admission (overload, drain), then the request; every call ends with a status."""
+        front = self.frontend
         try:
-            self.gate.enter()
-        except (Overloaded, Draining) as exc:
-            reason = "overloaded" if isinstance(exc, Overloaded) else "draining"
-            self.metrics.rejected.labels(reason).inc()
-            self.log.warning("stream_refused", reason=reason, active=self.gate.active)
-            code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "overloaded" else grpc.StatusCode.UNAVAILABLE
-            self.metrics.requests.labels(code.name).inc()
-            context.abort(code, str(exc))
-        self.metrics.active.inc()
-        try:
-            yield from self._generate(request, context)
-        finally:
-            self.gate.leave()
-            self.metrics.active.dec()
-            self.metrics.requests.labels((context.code() or grpc.StatusCode.OK).name).inc()
-
-    def _generate(self, request, context):
-        try:
-            valid = validate(raw_from_proto(request), self.limits, self._tokenize)
+            valid = front.validate(raw_from_proto(request))
         except ValidationError as exc:
+            front.metrics.observe_rejected("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = valid.request_id or f"gen-{uuid.uuid4().hex}"
+        events: queue.SimpleQueue = queue.SimpleQueue()
         try:
-            events = self.link.submit(submit_to_proto(valid, request_id))
+            gen = front.start(valid, request_id, events.put, "grpc")
         except ValueError as exc:  # the id is already in flight here
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
-        context.add_callback(lambda: self.link.abort(request_id))  # client gone or call over
-        processor = OutputProcessor(self.tokenizer, valid)
+        except Overloaded as exc:  # never a silent queue: the client hears it at once
+            self.log.warning("request_refused", reason="overloaded", open=front.gate.active)
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Draining as exc:
+            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        context.add_callback(gen.abort)  # client gone or call over
         try:
-            for event in events:
-                if event.rejected:
-                    context.abort(REJECT_STATUS[event.reject_code], event.message)
-                reason = finish_from_proto(event.finish_reason)
-                out = processor.on_tokens(event.token_ids, reason)
-                if out.finished:
-                    self.metrics.generation_tokens.inc(len(out.token_ids))
-                    self.metrics.finished.labels(out.finish_reason.name.lower()).inc()
-                    if reason is None:
-                        self.link.abort(request_id)  # a stop string ended it here
-                    yield self._final(request_id, out, event)
-                    return
-                self.metrics.generation_tokens.inc(len(out.token_ids))
-                if out.text or out.token_ids:
-                    yield generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
+            while not gen.done:
+                choice = gen.on_event(events.get())
+                if choice is not None:
+                    response = self._response(request_id, choice)
+                    if response is not None:
+                        yield response
+        except Rejected as exc:
+            context.abort(REJECT_STATUS[exc.code], str(exc))
         except LinkBroken as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
-    def _final(self, request_id: str, out, event) -> generation_pb2.GenerateResponse:
+    def _response(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse | None:
+        out = choice.output
+        if out.finished:
+            return self._final(request_id, choice)
+        if out.text or out.token_ids:
+            return generation_pb2.GenerateResponse(
+                request_id=request_id, text=out.text, token_ids=out.token_ids, index=choice.index
+            )
+        return None
+
+    def _final(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse:
+        out = choice.output
         return generation_pb2.GenerateResponse(
             request_id=request_id,
+            index=choice.index,
             text=out.text,
             token_ids=out.token_ids,
-            finish_reason=common_pb2.FinishReason.Value("FINISH_REASON_" + out.finish_reason.name),
+            finish_reason=codec.finish_reason_to_proto(out.finish_reason),
             stop_reason=out.stop_reason,
-            error=event.message if out.finish_reason is FinishReason.ERROR else "",
+            error=choice.error,
             usage=common_pb2.Usage(
-                prompt_tokens=event.num_prompt_tokens,
+                prompt_tokens=choice.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,
-                cached_tokens=event.num_cached_tokens,
+                cached_tokens=choice.num_cached_tokens,
             ),
         )
 
@@ -215,40 +195,57 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, GatewayConfig)
 
 
-def run(args: argparse.Namespace) -> int:
-    from transformers import AutoTokenizer
+def worker_attached(channel) -> Callable[[], bool]:
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
 
+    def ask() -> bool:
+        try:
+            stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=2)
+        except grpc.RpcError:
+            return False
+        return True
+
+    return ask
+
+
+def run(args: argparse.Namespace) -> int:
+    from gateway.tokenizer import GatewayTokenizer
     from stepahead.builtin_models import resolve_model
 
     config = cfg.from_args(GatewayConfig, args)
     log = logs.configure("gateway", config.log_level)
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
+    tokenizer = GatewayTokenizer(resolve_model(config.model, build=False))  # no torch in the gateway
     channel = config.scheduler_channel(config.scheduler)
     model = wait_for_model(channel, stop, log)  # the limits to validate against come from the worker
     if model is None:
         return 0
-    metrics = GatewayMetrics(REGISTRY)
-    server, servicer, health, port = build_server(config, tokenizer, model, channel, log, metrics)
+    gate = StreamGate(config.max_concurrent_streams)
+    frontend = Frontend(tokenizer, model, SchedulerLink(channel, log), config.max_request_bytes, GatewayMetrics(), gate)
+    server, health, port = build_server(config, frontend, log)
+    http = _start_http(frontend, channel, config, log)
     server.start()
     if config.metrics_port is not None:
-        start_http_server(config.metrics_port, addr=config.host, registry=REGISTRY)
+        start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
     health.set(True)
-    log.info("gateway_ready", address=f"{config.host}:{port}", model=model.model_name, pid=os.getpid())
+    log.info("gateway_ready", address=f"{config.host}:{port}", http_port=http.port if http else 0,
+             model=model.model_name, pid=os.getpid())
     stop.wait()
-    health.set(False)  # load balancers stop sending; open streams may finish
-    drained = servicer.gate.drain(config.drain_timeout)
-    log.info("gateway_drained" if drained else "gateway_drain_timeout", open_streams=servicer.gate.active)
+    health.set(False)  # probes and balancers stop sending; open requests may finish
+    drained = gate.drain(config.drain_timeout)
+    log.info("gateway_drained" if drained else "gateway_drain_timeout", open_requests=gate.active)
+    if http is not None:
+        http.stop()
     server.stop(2.0).wait()
     return 0
 
 
-def build_server(config: GatewayConfig, tokenizer, model, channel, log, metrics: GatewayMetrics):
-    """The public gRPC server: one thread per stream up to the limit, and past it
+def build_server(config: GatewayConfig, frontend: Frontend, log):
+    """The public gRPC server: a thread per open stream up to the limit, and past it
     RESOURCE_EXHAUSTED from grpc itself rather than a silent queue."""
     keys = security.split_keys(config.api_key)
-    interceptors = [security.api_key_interceptor(keys, lambda m: metrics.rejected.labels("unauthenticated").inc())
+    interceptors = [security.api_key_interceptor(keys, lambda m: frontend.metrics.observe_rejected("grpc", 401))
                     ] if keys else []
     threads = config.max_concurrent_streams + 64  # headroom for unary calls and health checks
     server = grpc.server(
@@ -257,9 +254,20 @@ def build_server(config: GatewayConfig, tokenizer, model, channel, log, metrics:
         options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes)],
         maximum_concurrent_rpcs=threads,
     )
-    servicer = GenerationServicer(tokenizer, model, channel, config, log, metrics)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, log), server)
     health = daemon.Health(server, [SERVICE_NAME])
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     port = security.add_port(server, f"{config.host}:{config.port}", tls)
-    return server, servicer, health, port
+    return server, health, port
+
+
+def _start_http(frontend: Frontend, channel, config: GatewayConfig, log):
+    if config.http_port == 0:
+        return None
+    from gateway.http_server import HttpThread, OpenAIServer
+
+    server = OpenAIServer(frontend, worker_attached(channel), log, security.split_keys(config.api_key))
+    http = HttpThread(server.app, config.host, config.http_port,
+                      ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs)
+    http.start()
+    return http

@@ -8,7 +8,7 @@ INVALID_ARGUMENT (gRPC) or HTTP 400.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stepahead import limits
@@ -27,6 +27,8 @@ class RawGenerateRequest:
     model: str = ""
     prompt_text: str | None = None
     prompt_token_ids: Sequence[int] | None = None
+    chat_messages: Sequence[Mapping[str, str]] | None = None  # rendered with the chat template
+    add_generation_prompt: bool = True
     temperature: float | None = None
     top_k: int = -1
     top_p: float | None = None
@@ -40,6 +42,11 @@ class RawGenerateRequest:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
     priority: int = 0
+    n: int = 1  # independent output sequences (choices) for the prompt
+    logit_bias: Mapping[int, float] | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     size_bytes: int = 0  # serialized size of the whole request
 
 
@@ -52,13 +59,16 @@ class ValidRequest:
     include_stop_str_in_output: bool
     skip_special_tokens: bool
     priority: int
+    n: int = 1
 
 
 def validate(
-    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]]
+    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]],
+    render_chat: Callable[[list[dict[str, str]], bool], list[int]] | None = None,
 ) -> ValidRequest:
+    """`render_chat(messages, add_generation_prompt)` turns `chat_messages` into prompt ids."""
     _check_envelope(raw, model)
-    prompt, field = _prompt_ids(raw, model, tokenize)
+    prompt, field = _prompt_ids(raw, model, tokenize, render_chat)
     room = model.max_model_len - len(prompt)
     sampling = SamplingParams(
         temperature=1.0 if raw.temperature is None else raw.temperature,
@@ -70,6 +80,10 @@ def validate(
         min_tokens=raw.min_tokens,
         stop_token_ids=tuple(raw.stop_token_ids),
         ignore_eos=raw.ignore_eos,
+        logit_bias=_logit_bias(raw.logit_bias),
+        repetition_penalty=1.0 if raw.repetition_penalty is None else raw.repetition_penalty,
+        presence_penalty=raw.presence_penalty,
+        frequency_penalty=raw.frequency_penalty,
     )
     sampling = limits.check_request(prompt, sampling, raw.priority, model, field)
     return ValidRequest(
@@ -80,7 +94,14 @@ def validate(
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
         priority=raw.priority,
+        n=limits.check_n(raw.n),
     )
+
+
+def _logit_bias(bias: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
+    if bias is not None and len(bias) > limits.MAX_LOGIT_BIAS_IDS:  # before sorting a huge map
+        raise ValidationError("sampling.logit_bias", f"at most {limits.MAX_LOGIT_BIAS_IDS} token ids, got {len(bias)}")
+    return tuple(sorted((bias or {}).items()))
 
 
 def _check_envelope(raw: RawGenerateRequest, model: ModelLimits) -> None:
@@ -94,8 +115,14 @@ def _check_envelope(raw: RawGenerateRequest, model: ModelLimits) -> None:
 
 
 def _prompt_ids(
-    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]]
+    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]], render_chat
 ) -> tuple[list[int], str]:
+    if raw.chat_messages is not None:
+        if not raw.chat_messages:
+            raise ValidationError("messages", "at least one message is required")
+        if render_chat is None:
+            raise ValidationError("messages", "chat prompts are not supported here")
+        return render_chat([dict(m) for m in raw.chat_messages], raw.add_generation_prompt), "messages"
     if raw.prompt_token_ids is not None:
         return list(raw.prompt_token_ids), "prompt.token_ids"
     if raw.prompt_text is not None:

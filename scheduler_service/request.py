@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from stepahead import limits
-from stepahead.plan import SamplingParams
+from stepahead.plan import FinishReason, SamplingParams
 
 
 class RequestRejected(ValueError):
@@ -46,12 +46,6 @@ class RequestStatus(Enum):
     def is_finished(self) -> bool:
         return self in _FINISHED
 
-
-class FinishReason(Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    ERROR = "error"
 
 
 _FINISHED = {

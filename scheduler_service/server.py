@@ -134,11 +134,7 @@ def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.Tok
     return scheduler_pb2.TokenEvent(
         request_id=event.request_id[scope_len:],
         token_ids=event.new_token_ids,
-        finish_reason=(
-            common_pb2.FinishReason.Value("FINISH_REASON_" + event.finish_reason.name)
-            if event.finish_reason is not None
-            else common_pb2.FINISH_REASON_UNSPECIFIED
-        ),
+        finish_reason=codec.finish_reason_to_proto(event.finish_reason),
         num_prompt_tokens=event.num_prompt_tokens,
         num_cached_tokens=event.num_cached_tokens,
         message=event.message,

@@ -213,10 +213,20 @@ def ensure_model(name: str) -> Path:
     return target
 
 
-def resolve_model(spec: str) -> Path:
-    """A built-in name (built into the cache on first use) or a checkpoint directory."""
+def resolve_model(spec: str, *, build: bool = True) -> Path:
+    """`tiny` / `100m` (built into the cache on first use) or a checkpoint directory.
+
+    With `build=False` (the gateway, which never imports torch) a built-in model that is
+    not in the cache yet is an error instead of a build.
+    """
     if spec in builtin_names():
-        return ensure_model(spec)
+        if build:
+            return ensure_model(spec)
+        cached = cache_dir() / "models" / spec
+        if not cached.is_dir():
+            raise ValueError(f"built-in model {spec!r} is not built yet: pass its directory, start it with"
+                             f" `stepahead serve`, or build it with `stepahead make-model`")
+        return cached
     path = Path(spec).expanduser()
     if not path.is_dir():
         known = ", ".join(builtin_names())

@@ -9,6 +9,7 @@ import dataclasses
 
 from stepahead.flight_recorder import StepRecord
 from stepahead.plan import (
+    FinishReason,
     NewRequest,
     RunningRequest,
     SamplingParams,
@@ -18,6 +19,28 @@ from stepahead.plan import (
     WorkerTiming,
 )
 from stepahead.v1 import common_pb2, scheduler_pb2
+
+
+_FINISH_TO_PROTO = {
+    None: common_pb2.FINISH_REASON_UNSPECIFIED,
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+    FinishReason.ERROR: common_pb2.FINISH_REASON_ERROR,
+}
+_FINISH_FROM_PROTO = {v: k for k, v in _FINISH_TO_PROTO.items()}
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PROTO[reason]
+
+
+def finish_reason_from_proto(value: int) -> FinishReason | None:
+    """None for UNSPECIFIED (still running); ValueError for a value this build does not know."""
+    try:
+        return _FINISH_FROM_PROTO[value]
+    except KeyError:
+        raise ValueError(f"unknown finish_reason {value}") from None
 
 
 def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
@@ -30,9 +53,14 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         min_tokens=p.min_tokens,
         stop_token_ids=p.stop_token_ids,
         ignore_eos=p.ignore_eos,
+        logit_bias=dict(p.logit_bias),
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
     )
     if p.seed is not None:
         msg.seed = p.seed
+    if p.repetition_penalty != 1.0:
+        msg.repetition_penalty = p.repetition_penalty
     return msg
 
 
@@ -48,6 +76,10 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         min_tokens=msg.min_tokens,
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
+        logit_bias=tuple(sorted(msg.logit_bias.items())),
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
     )
 
 

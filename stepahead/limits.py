@@ -20,6 +20,10 @@ The rules (each names its field in the error; `check_*` return the normalised va
 | stop_token_ids, prompt ids | 0 ≤ id < vocab_size; ≤ 64 stop ids | |
 | prompt | 1 ≤ len < max_model_len | |
 | priority | -1000 ≤ p ≤ 1000 | |
+| n | 1 ≤ n ≤ 16 (the gateway fans a request out into n sequences) | |
+| logit_bias | ≤ 1024 distinct ids below vocab_size, each bias finite in [-100, 100] | |
+| repetition_penalty | finite, 0 < p ≤ 10 | |
+| presence_penalty, frequency_penalty | finite, -2 ≤ p ≤ 2 | |
 | request_id, cache_salt | ≤ 256 characters | |
 """
 
@@ -45,6 +49,11 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_ID_CHARS = 256  # request ids and cache salts
 MAX_REQUEST_BYTES = 1 << 20
+MAX_N = 16
+MAX_LOGIT_BIAS_IDS = 1024
+LOGIT_BIAS_RANGE = (-100.0, 100.0)
+MAX_REPETITION_PENALTY = 10.0
+PRESENCE_FREQUENCY_RANGE = (-2.0, 2.0)
 
 
 class LimitError(ValueError):
@@ -53,6 +62,7 @@ class LimitError(ValueError):
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
+        self.reason = message  # the message without the field name
 
 
 @dataclass(frozen=True)
@@ -81,6 +91,10 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> SamplingParams:
         seed=check_seed(p.seed),
         min_tokens=check_output_budget(p.max_tokens, p.min_tokens),
         stop_token_ids=check_token_ids("sampling.stop_token_ids", p.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS),
+        logit_bias=check_logit_bias(p.logit_bias, vocab_size),
+        repetition_penalty=check_repetition_penalty(p.repetition_penalty),
+        presence_penalty=check_penalty("sampling.presence_penalty", p.presence_penalty),
+        frequency_penalty=check_penalty("sampling.frequency_penalty", p.frequency_penalty),
     )
 
 
@@ -179,6 +193,42 @@ def check_priority(value: int) -> int:
     lo, hi = PRIORITY_RANGE
     if not lo <= value <= hi:
         raise LimitError("priority", f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_n(value: int) -> int:
+    if not 1 <= value <= MAX_N:
+        raise LimitError("n", f"must be in [1, {MAX_N}], got {value}")
+    return value
+
+
+def check_logit_bias(bias: Sequence[tuple[int, float]], vocab_size: int) -> tuple[tuple[int, float], ...]:
+    field = "sampling.logit_bias"
+    if len(bias) > MAX_LOGIT_BIAS_IDS:
+        raise LimitError(field, f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(bias)}")
+    lo, hi = LOGIT_BIAS_RANGE
+    ids = check_token_ids(field, [t for t, _ in bias], vocab_size)
+    if len(set(ids)) != len(ids):
+        raise LimitError(field, "token ids must be distinct")
+    for token_id, value in bias:
+        value = _finite(field, value)
+        if not lo <= value <= hi:
+            raise LimitError(field, f"biases must be in [{lo:g}, {hi:g}], got {value!r} for token {token_id}")
+    return tuple((int(t), float(v)) for t, v in bias)
+
+
+def check_repetition_penalty(value: float) -> float:
+    value = _finite("sampling.repetition_penalty", value)
+    if not 0.0 < value <= MAX_REPETITION_PENALTY:
+        raise LimitError("sampling.repetition_penalty", f"must be in (0, {MAX_REPETITION_PENALTY:g}], got {value!r}")
+    return value
+
+
+def check_penalty(field: str, value: float) -> float:
+    value = _finite(field, value)
+    lo, hi = PRESENCE_FREQUENCY_RANGE
+    if not lo <= value <= hi:
+        raise LimitError(field, f"must be in [{lo:g}, {hi:g}], got {value!r}")
     return value
 
 

@@ -29,7 +29,20 @@ Worker-side semantics (the contract both sides rely on):
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
+
+
+class FinishReason(enum.Enum):
+    """Why a request (or one of its `n` sequences) ended: one type for scheduler and gateway.
+
+    The values are the OpenAI API's `finish_reason` strings.
+    """
+
+    STOP = "stop"  # an EOS token, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens or the model's length
+    ABORT = "abort"  # the client went away or the request was cancelled
+    ERROR = "error"  # the request failed on the server
 
 
 @dataclass(frozen=True)
@@ -45,10 +58,23 @@ class SamplingParams:
     min_tokens: int = 0  # EOS / stop tokens are ignored before this many outputs
     stop_token_ids: tuple[int, ...] = ()  # extra token ids that finish the request
     ignore_eos: bool = False  # keep generating past the model's EOS ids
+    # Applied on the worker to the raw logits, in this order, before temperature/truncation
+    # (vLLM's scopes): logit_bias; repetition over prompt + output tokens (HF/CTRL rule:
+    # positive logits divided, negative multiplied); frequency (times the count) and
+    # presence (once) over output tokens only.
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), ids distinct
+    repetition_penalty: float = 1.0  # 1 disables; > 1 discourages repeats
+    presence_penalty: float = 0.0  # 0 disables
+    frequency_penalty: float = 0.0  # 0 disables
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        """Needs the per-request token counts the worker keeps on the device."""
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 @dataclass(frozen=True)

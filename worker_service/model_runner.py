@@ -25,6 +25,7 @@ from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.input_batch import CachedRequest, ScheduledRequest, StepBuffers, StepInputs, build_inputs
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
+from worker_service.logits_processing import LogitsProcessing
 from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
@@ -77,6 +78,7 @@ class ModelRunner:
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, self.max_model_len, self.dtype, self.device)
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
+        self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
         self.requests: dict[str, CachedRequest] = {}
         self.buffers = StepBuffers(self.device)
         self.streams = DeviceStreams(self.device)
@@ -141,6 +143,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
         self.requests.clear()
+        self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
         self._failed_ids.clear()
         self._set_sampled([], torch.zeros(0, dtype=torch.int64, device=self.device))
         self.last_logits, self.last_logits_ids = None, ()
@@ -154,12 +157,14 @@ class ModelRunner:
     def _forget(self, ids: tuple[str, ...]) -> None:
         for rid in ids:  # forgetting an unknown id is a no-op (e.g. aborted before first step)
             self.requests.pop(rid, None)
+            self.logits_processing.forget(rid)
             self._failed_ids.discard(rid)
 
     def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
         """Requests that failed alone this step: forget them, skip their later deltas."""
         for rid in newly:
             self.requests.pop(rid, None)
+            self.logits_processing.forget(rid)
         self._failed_ids.update(newly)
         failed.update(newly)
 
@@ -171,6 +176,7 @@ class ModelRunner:
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
                                   r.num_computed_tokens, num_prompt)
             self.requests[r.request_id] = state
+            self.logits_processing.register(r.request_id, r.sampling, r.token_ids, num_prompt)
             sched.append(ScheduledRequest(state, r.num_scheduled_tokens, placeholder=False))
         for r in running:
             state = self.requests[r.request_id]
@@ -212,9 +218,13 @@ class ModelRunner:
             return self._sample_each_row(logits, reqs)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
-        meta = SamplingMetadata.build([r.sampling for r in reqs], [len(r.token_ids) for r in reqs],
-                                      self.vocab_size, self.device)
-        return self.sampler(logits, meta)
+        params = [r.sampling for r in reqs]
+        meta = SamplingMetadata.build(params, [len(r.token_ids) for r in reqs], self.vocab_size, self.device)
+        # bias and penalties (a new tensor, or `logits` itself when no row uses them)
+        processed = self.logits_processing.apply(logits, [r.request_id for r in reqs], params)
+        sampled = self.sampler(processed, meta)
+        self.logits_processing.record(sampled)  # penalty counts see this step's ids, on the device
+        return sampled
 
     def _sample_each_row(self, logits: torch.Tensor, reqs: list[CachedRequest]
                          ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:

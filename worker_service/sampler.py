@@ -61,10 +61,10 @@ def canonical_device(device: torch.device | str) -> torch.device:
     return torch.empty(0, device=device).device
 
 
-def _validate(params: SamplingParams, num_tokens: int, row: int) -> None:
+def _validate(params: SamplingParams, num_tokens: int, row: int, vocab_size: int) -> None:
     """The shared request limits (`stepahead.limits`), plus what only the sampler knows."""
     try:
-        checked = limits.check_sampling(params, vocab_size=2**62)  # token ids are checked by the plan
+        checked = limits.check_sampling(params, vocab_size=vocab_size)
     except limits.LimitError as exc:
         raise ValueError(f"row {row}: {exc}") from None
     if checked != params:
@@ -136,7 +136,7 @@ class SamplingMetadata:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         device = canonical_device(device)
         for row, (p, n) in enumerate(zip(params, num_tokens)):
-            _validate(p, n, row)
+            _validate(p, n, row, vocab_size)
         all_greedy = all(p.greedy for p in params)
         if all_greedy:
             return cls._greedy_only(len(params), vocab_size, device)

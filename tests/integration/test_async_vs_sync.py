@@ -155,3 +155,23 @@ def test_seeded_sampling_is_the_same_in_both_modes(model_dir):
     sync, asyn = run_both(model_dir, reqs)
     assert sync.outputs == asyn.outputs
     assert len({tuple(v) for v in asyn.outputs.values()}) > 1
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_penalties_and_bias_are_the_same_in_both_modes_with_preemption(model_dir, mode):
+    """The penalty counts are updated on the device, so a step planned before the previous
+    token reached the host still penalises it; preempted requests rebuild their counts."""
+    features = [
+        dict(repetition_penalty=1.4), dict(frequency_penalty=0.7), dict(presence_penalty=1.1),
+        dict(logit_bias=((3, 5.0), (17, -100.0))), {}, dict(repetition_penalty=0.8, frequency_penalty=0.3),
+    ]
+    reqs = [(p, SamplingParams(temperature=0.8, seed=7 + i, max_tokens=24, **features[i]))
+            for i, p in enumerate(prompts(6, seed=8, lo=10, hi=30))]
+    reqs += [(p, greedy(24, **f)) for p, f in zip(prompts(6, seed=9, lo=10, hi=30), features)]
+    sync_big, _ = run_both(model_dir, reqs)  # roomy pool: no preemption
+    sync, asyn = run_both(model_dir, reqs, num_blocks=40, preemption_mode=mode)
+    assert asyn.scheduler.stats().num_preemptions > 0
+    assert sum(r.input_is_placeholder for p in asyn.plans for r in p.running) > 0
+    assert sync.outputs == asyn.outputs == sync_big.outputs
+    plain, _ = run_both(model_dir, [(p, greedy(24)) for p, _ in reqs[6:]])
+    assert sum(plain.outputs[f"r{i}"] != sync_big.outputs[f"r{i + 6}"] for i in range(6)) >= 3

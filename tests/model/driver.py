@@ -139,7 +139,7 @@ class ToyScheduler:
             scheduled.append((r, n))
             if not r.sent:
                 new.append(NewRequest(r.request_id, tuple(r.tokens), r.sampling, tuple(r.blocks),
-                                      r.num_computed, n))
+                                      r.num_computed, n, len(r.prompt)))
                 r.sent = True
             else:
                 placeholder = n == 1 and r.sampled_last_step and self.step_id % 2 == 1

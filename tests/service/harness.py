@@ -1,5 +1,5 @@
-"""The service tests start real daemons through `stepahead.launcher`."""
+"""The service tests start real daemons through `stepahead.cli.launcher`."""
 
-from stepahead.launcher import ServeProcess as Serve
+from stepahead.cli.launcher import ServeProcess as Serve
 
 __all__ = ["Serve"]

@@ -20,16 +20,19 @@ class HFGreedy:
         self.model.generation_config.eos_token_id = None  # like ignore_eos: EOS is a token like any other
 
     @torch.inference_mode()
-    def generate(self, prompt: Sequence[int], max_new_tokens: int) -> tuple[list[int], list[float]]:
-        """(tokens, top-2 logit gap at each step), ignoring EOS."""
+    def generate(self, prompt: Sequence[int], max_new_tokens: int, **processors) -> tuple[list[int], list[float]]:
+        """(tokens, top-2 logit gap at each step), ignoring EOS. `processors`: HF generate
+        kwargs such as repetition_penalty / sequence_bias; gaps are then over the processed
+        scores."""
         ids = torch.tensor([list(prompt)])
         out = self.model.generate(
             ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            do_sample=False, output_logits=True, return_dict_in_generate=True, pad_token_id=0,
+            do_sample=False, output_logits=True, output_scores=True, return_dict_in_generate=True, pad_token_id=0,
+            **processors,
         )
         tokens = out.sequences[0, ids.shape[1]:].tolist()
         gaps = []
-        for step_logits in out.logits:
+        for step_logits in (out.scores if processors else out.logits):
             top2 = torch.topk(step_logits[0].float(), 2).values
             gaps.append(float(top2[0] - top2[1]))
         return tokens, gaps

@@ -18,7 +18,7 @@ from tests.service.hf_oracle import HFGreedy
 
 @pytest.fixture(scope="module")
 def metrics_port() -> int:
-    from stepahead.serve import free_port
+    from stepahead.cli.serve import free_port
 
     return free_port()
 

@@ -17,7 +17,7 @@ import sys
 import grpc
 import pytest
 
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.service.streams import ConnectSession, wait_health
 

@@ -18,7 +18,7 @@ import urllib.request
 
 import grpc
 
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
@@ -98,7 +98,7 @@ def test_gateway_metrics_and_json_logs(tiny_model_dir):  # noqa: F811
         env = dict(os.environ, STEPAHEAD_CLUSTER_TOKEN=serve.cluster_token, STEPAHEAD_LOG_LEVEL="info")
         gateway = subprocess.Popen(
             [sys.executable, "-m", "stepahead.cli", "gateway", "--scheduler", serve.scheduler_addr, "--port",
-             str(port), "--model", str(tiny_model_dir), "--metrics-port", str(metrics_port)],
+             str(port), "--model", str(tiny_model_dir), "--metrics-port", str(metrics_port), "--http-port", "0"],
             env=env, stderr=subprocess.PIPE, text=True)
         try:
             channel = grpc.insecure_channel(f"127.0.0.1:{port}")
@@ -111,10 +111,9 @@ def test_gateway_metrics_and_json_logs(tiny_model_dir):  # noqa: F811
             except grpc.RpcError:
                 pass
             text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-            assert 'stepahead:request_success_total{finished_reason="length"} 1.0' in text
-            assert "stepahead:generation_tokens_total 5.0" in text
-            assert 'stepahead:gateway_requests_total{code="OK"} 1.0' in text
-            assert "stepahead:gateway_active_streams 0.0" in text
+            assert 'stepahead:gateway_sequences_finished_total{reason="length",transport="grpc"} 1.0' in text
+            assert 'stepahead:gateway_generation_tokens_total{transport="grpc"} 5.0' in text
+            assert "stepahead:gateway_active_requests 0.0" in text
         finally:
             gateway.send_signal(signal.SIGTERM)
             _, err = gateway.communicate(timeout=60)

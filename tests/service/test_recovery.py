@@ -11,10 +11,11 @@ import threading
 import time
 
 import grpc
+import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 
@@ -39,20 +40,23 @@ def wait_serving(address: str, timeout_s: float = 120.0) -> None:
 
 @pytest.fixture
 def daemons(tiny_model_dir):  # noqa: F811
-    sched_port, gw_port = free_port(), free_port()
+    sched_port, gw_port, http_port = free_port(), free_port(), free_port()
     sched = f"127.0.0.1:{sched_port}"
     procs = {"scheduler": spawn("scheduler", "--port", str(sched_port))}
     procs["worker"] = spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
-    procs["gateway"] = spawn("gateway", "--scheduler", sched, "--port", str(gw_port), "--model", str(tiny_model_dir))
+    procs["gateway"] = spawn("gateway", "--scheduler", sched, "--port", str(gw_port), "--http-port", str(http_port),
+                             "--model", str(tiny_model_dir))
+    procs["http"] = f"http://127.0.0.1:{http_port}"
     try:
         wait_serving(sched)
         wait_serving(f"127.0.0.1:{gw_port}")
         yield procs, sched, f"127.0.0.1:{gw_port}"
     finally:
-        for p in procs.values():
+        daemons_ = [p for p in procs.values() if isinstance(p, subprocess.Popen)]
+        for p in daemons_:
             if p.poll() is None:
                 p.terminate()
-        for p in procs.values():
+        for p in daemons_:
             p.wait(timeout=30)
 
 
@@ -67,12 +71,15 @@ def test_worker_death_fails_its_requests_and_a_new_worker_takes_over(daemons, ti
     finals: list = []
     reader = threading.Thread(target=lambda: finals.extend(m for m in call if m.finish_reason), daemon=True)
     reader.start()
+    assert httpx.get(procs["http"] + "/health", timeout=10).status_code == 200
     procs["worker"].send_signal(signal.SIGKILL)
     reader.join(timeout=60)
     assert [m.finish_reason for m in finals] == [common_pb2.FINISH_REASON_ERROR]
+    assert httpx.get(procs["http"] + "/health", timeout=10).status_code == 503  # no worker attached
 
     procs["worker"] = spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
     wait_serving(sched)
+    assert httpx.get(procs["http"] + "/health", timeout=10).status_code == 200
     again = list(gw.Generate(generation_pb2.GenerateRequest(
         text="while True:", sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)),
         timeout=120))

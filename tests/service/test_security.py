@@ -16,7 +16,7 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stepahead import security
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.certs import make_certs

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 

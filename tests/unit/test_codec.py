@@ -20,6 +20,11 @@ sampling = st.builds(
     min_tokens=st.integers(0, 16),
     stop_token_ids=ids,
     ignore_eos=st.booleans(),
+    logit_bias=st.dictionaries(st.integers(0, 2**31 - 1), st.sampled_from([-100.0, -0.5, 2.25]), max_size=4).map(
+        lambda d: tuple(sorted(d.items()))),
+    repetition_penalty=st.sampled_from([1.0, 0.5, 1.25]),
+    presence_penalty=st.sampled_from([0.0, -2.0, 0.75]),
+    frequency_penalty=st.sampled_from([0.0, 2.0, -0.125]),
 )
 new_req = st.builds(
     NewRequest,

@@ -43,6 +43,7 @@ class ServeConfig:
     model: str = cfg.field("tiny", "model directory or built-in name (tiny, 100m)")
     host: str = cfg.field("127.0.0.1", "gateway listen address")
     port: int = cfg.field(50050, "gateway port (0 picks a free one)")
+    http_port: int = cfg.field(8000, "gateway's OpenAI-compatible HTTP port (0 disables HTTP)")
     scheduler_port: int = cfg.field(0, "scheduler port (0 picks a free one)")
     startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
     pin_cpus: bool = cfg.field(True, "CPU device: worker on all cores but the last, the rest on the last")
@@ -214,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         Child("worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
                          *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus, token),
         Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
-                          "--model", model_dir, *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],
+                          "--http-port", str(config.http_port), "--model", model_dir,
+                          *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],
               control_cpus, gateway_env),
     ]
     for child in children:
@@ -226,7 +228,8 @@ def run(args: argparse.Namespace) -> int:
                 if not stop.is_set():
                     print(f"stepahead: {address} did not become healthy", file=sys.stderr, flush=True)
                 return 0 if stop.is_set() else 1
-        print(f"stepahead ready: gateway at {config.host}:{port} (scheduler at {sched_addr})", flush=True)
+        http = f" http at http://{config.host}:{config.http_port}" if config.http_port else ""
+        print(f"stepahead ready: gateway at {config.host}:{port} (scheduler at {sched_addr}){http}", flush=True)
         return supervise(children, stop, config.max_restarts)
     finally:
         shutdown([c.proc for c in children], gateway_cfg.drain_timeout)

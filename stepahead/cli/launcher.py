@@ -17,9 +17,10 @@ from pathlib import Path
 import grpc
 
 from stepahead import security
+from stepahead.cli.serve import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
-READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)")
+READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)(?: http at (\S+))?")
 
 
 class ServeProcess:
@@ -29,6 +30,8 @@ class ServeProcess:
                  log_level: str = "warning", env: dict[str, str] | None = None, capture_stderr: bool = False) -> None:
         self.cluster_token = secrets.token_urlsafe(16)  # the internal plane's credential
         env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level, STEPAHEAD_CLUSTER_TOKEN=self.cluster_token, **(env or {}))
+        if "--http-port" not in flags:
+            flags = ("--http-port", str(free_port()), *flags)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stepahead.cli", "serve", "--model", str(model_dir), "--port", "0", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE if capture_stderr else None, text=True, env=env,
@@ -36,20 +39,20 @@ class ServeProcess:
         self.stderr_lines: list[str] = []  # every daemon's log lines, with capture_stderr
         if capture_stderr:
             threading.Thread(target=lambda: self.stderr_lines.extend(self.proc.stderr), daemon=True).start()
-        self.gateway_addr, self.scheduler_addr = self._wait_ready(startup_timeout_s)
+        self.gateway_addr, self.scheduler_addr, self.http_url = self._wait_ready(startup_timeout_s)
         self._channels = [grpc.insecure_channel(self.gateway_addr), self.scheduler_channel()]
         self.gateway = generation_pb2_grpc.GenerationStub(self._channels[0])
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channels[1])
 
-    def _wait_ready(self, timeout_s: float) -> tuple[str, str]:
-        found: list[tuple[str, str]] = []
+    def _wait_ready(self, timeout_s: float) -> tuple[str, str, str | None]:
+        found: list[tuple[str, str, str | None]] = []
         done = threading.Event()
 
         def read() -> None:
             for line in self.proc.stdout:
                 m = READY.search(line)
                 if m:
-                    found.append((m.group(1), m.group(2)))
+                    found.append((m.group(1), m.group(2), m.group(3)))
                     done.set()
             done.set()
 

@@ -2,6 +2,7 @@
 
     stepahead generate --target 127.0.0.1:50050 --max-tokens 32 "def fibonacci(n):"
     stepahead generate --json --temperature 0 "import os"   # one JSON object per message
+    stepahead generate --chat --system "Be brief." "Write a sort."  # the prompt is a user message
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--priority", type=int, default=0)
     parser.add_argument("--request-id", default="")
     parser.add_argument("--json", action="store_true", help="print each streamed message as JSON")
+    parser.add_argument("--chat", action="store_true",
+                        help="send the prompt as a user message, rendered with the model's chat template")
+    parser.add_argument("--system", default=None, help="with --chat: a system message before it")
+    parser.add_argument("--n", type=int, default=None, help="number of choices (--json tells them apart by index)")
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
 
 
 def build_request(args: argparse.Namespace):
@@ -38,15 +46,25 @@ def build_request(args: argparse.Namespace):
     sampling = common_pb2.SamplingParams(
         top_k=args.top_k, min_p=args.min_p, min_tokens=args.min_tokens,
         stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
+        presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
     )
-    for name in ("temperature", "top_p", "seed", "max_tokens"):
+    for name in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty"):
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
-    return generation_pb2.GenerateRequest(
-        request_id=args.request_id, model=args.model, text=args.prompt, sampling=sampling,
+    request = generation_pb2.GenerateRequest(
+        request_id=args.request_id, model=args.model, sampling=sampling,
         stop=args.stop, include_stop_str_in_output=args.include_stop_str_in_output, priority=args.priority,
     )
+    if args.n is not None:
+        request.n = args.n
+    if args.chat:
+        if args.system is not None:
+            request.chat.messages.add(role="system", content=args.system)
+        request.chat.messages.add(role="user", content=args.prompt)
+    else:
+        request.text = args.prompt
+    return request
 
 
 def run(args: argparse.Namespace) -> int:
@@ -59,10 +77,13 @@ def run(args: argparse.Namespace) -> int:
     from stepahead.v1 import common_pb2, generation_pb2_grpc
 
     last = None
+    finals: dict[int, object] = {}
     with security.channel(args.target, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for msg in stub.Generate(build_request(args)):
+                if msg.finish_reason:
+                    finals[msg.index] = msg
                 last = msg
                 if args.json:
                     print(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True)), flush=True)
@@ -74,6 +95,11 @@ def run(args: argparse.Namespace) -> int:
             return 1
     if not args.json:
         sys.stdout.write("\n")
+    if len(finals) == (args.n or 1):  # every choice ended: report the worst
+        last = next((m for m in finals.values() if m.finish_reason not in (
+            common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH)), last)
+    elif last is not None:
+        last = None  # some choice never got its final message
     reason = last.finish_reason if last is not None else common_pb2.FINISH_REASON_UNSPECIFIED
     if reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
         return 0

@@ -182,7 +182,7 @@ def scheduler_counters(scheduler: str, token: str | None) -> tuple[float, float,
 def device_report(scheduler: str, before: tuple[float, float, int], wall_start: float, token: str | None) -> dict:
     """Utilization = busy seconds / wall seconds; the device's ideal = tokens / busy seconds."""
     from stepahead.flight_recorder import device_idle_fraction
-    from stepahead.trace import fetch_records
+    from stepahead.cli.trace import fetch_records
 
     after = scheduler_counters(scheduler, token)
     wall, busy, tokens = after[0] - before[0], after[1] - before[1], after[2] - before[2]

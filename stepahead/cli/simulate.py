@@ -182,7 +182,7 @@ def summarize(logs: list[SimRequestLog], system: VirtualSystem, info, config: Si
 
 
 def request_latencies(logs: list[SimRequestLog]) -> dict:
-    from stepahead.bench import latency_stats
+    from stepahead.cli.bench import latency_stats
 
     ttft = [(log.token_times[0] - log.arrival) * 1e3 for log in logs if log.token_times]
     tpot = [(log.token_times[-1] - log.token_times[0]) / (len(log.token_times) - 1) * 1e3

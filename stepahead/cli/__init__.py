@@ -11,14 +11,14 @@ import sys
 
 # name -> (help, module exposing add_arguments(parser) and run(args) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("start gateway, scheduler and worker as one system", "stepahead.serve"),
-    "generate": ("stream a completion from a running gateway", "stepahead.client"),
+    "serve": ("start gateway, scheduler and worker as one system", "stepahead.cli.serve"),
+    "generate": ("stream a completion from a running gateway", "stepahead.cli.client"),
     "gateway": ("run the gateway daemon (public API)", "gateway.server"),
     "scheduler": ("run the scheduler daemon", "scheduler_service.server"),
     "worker": ("run a worker daemon", "worker_service.daemon"),
-    "bench": ("benchmark a running gateway (flags follow vllm bench serve)", "stepahead.bench"),
-    "simulate": ("replay a request trace offline on a virtual clock (sim cost model)", "stepahead.simulate"),
-    "trace": ("write the flight recorder as a Perfetto trace and a PNG timeline", "stepahead.trace"),
+    "bench": ("benchmark a running gateway (flags follow vllm bench serve)", "stepahead.cli.bench"),
+    "simulate": ("replay a request trace offline on a virtual clock (sim cost model)", "stepahead.cli.simulate"),
+    "trace": ("write the flight recorder as a Perfetto trace and a PNG timeline", "stepahead.cli.trace"),
     "make-model": ("build a built-in Hugging Face checkpoint offline", "stepahead.builtin_models"),
 }
 
@@ -46,6 +46,3 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(parser)
     return int(module.run(parser.parse_args(argv[1:])) or 0)
 
-
-if __name__ == "__main__":
-    sys.exit(main())

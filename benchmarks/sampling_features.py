@@ -1,0 +1,93 @@
+"""Throughput cost of penalties + logit bias on the worker, side by side in one run.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/sampling_features.py --model 100m --batch 32 \
+        --out benchmarks/results/sampling_features_100m.json
+
+A `ModelRunner` decodes `--batch` requests for `--steps` steps, three ways, interleaved
+(`--rounds` times, so drift on a shared machine hits all alike): plain seeded sampling;
+the same with repetition, presence and frequency penalties and an 8-id logit bias on
+every row; and half the rows with them (what a mixed batch pays). Reports decode tokens/s
+(median step time) and the cost relative to plain. Logprobs are not implemented yet.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from stepahead.builtin_models import resolve_model
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
+from worker_service.model_runner import ModelRunner
+
+FEATURES = dict(repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.5,
+                logit_bias=tuple((t, 2.0) for t in range(100, 108)))
+
+
+def sampling(i: int, with_features: bool, max_tokens: int) -> SamplingParams:
+    extra = FEATURES if with_features else {}
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=max_tokens, **extra)
+
+
+def decode_step_times(runner: ModelRunner, prompts, featured: set[int], steps: int, block: int) -> list[float]:
+    runner.reset()
+    blocks_per = -(-(len(prompts[0]) + steps + 1) // block)
+    new = tuple(
+        NewRequest(f"r{i}", tuple(p), sampling(i, i in featured, steps + 1),
+                   tuple(range(i * blocks_per, (i + 1) * blocks_per)), 0, len(p), len(p))
+        for i, p in enumerate(prompts)
+    )
+    runner.execute(StepPlan(0, new_requests=new))
+    times = []
+    for step in range(1, steps + 1):
+        plan = StepPlan(step, running=tuple(RunningRequest(f"r{i}", (), 1, True) for i in range(len(prompts))))
+        start = time.perf_counter()
+        runner.execute(plan)
+        times.append(time.perf_counter() - start)
+    runner.execute(StepPlan(steps + 1, finished_ids=tuple(f"r{i}" for i in range(len(prompts)))))
+    return times
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="100m")
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    model_dir = resolve_model(args.model)
+    blocks = args.batch * (-(-(args.prompt_len + args.steps + 1) // args.block_size))
+    runner = ModelRunner(model_dir, block_size=args.block_size, num_blocks=blocks)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, runner.vocab_size) for _ in range(args.prompt_len)] for _ in range(args.batch)]
+    configs = {"plain": set(), "all rows": set(range(args.batch)), "half the rows": set(range(0, args.batch, 2))}
+    samples: dict[str, list[float]] = {name: [] for name in configs}
+    decode_step_times(runner, prompts, set(), 4, args.block_size)  # warm-up
+    for _ in range(args.rounds):
+        for name, featured in configs.items():
+            samples[name] += decode_step_times(runner, prompts, featured, args.steps, args.block_size)
+    base = statistics.median(samples["plain"])
+    rows = []
+    for name, times in samples.items():
+        med = statistics.median(times)
+        rows.append({"penalties + logit_bias on": name, "median_step_ms": round(med * 1e3, 2),
+                     "decode_tokens_per_s": round(args.batch / med, 1), "cost_vs_plain_pct": round((med / base - 1) * 100, 1)})
+    print(f"{args.model}, batch {args.batch}, {args.steps} decode steps x {args.rounds} rounds, "
+          f"torch threads {torch.get_num_threads()}")
+    for r in rows:
+        print(f"  {r['penalties + logit_bias on']:<14} {r['median_step_ms']:>8} ms/step "
+              f"{r['decode_tokens_per_s']:>8} tok/s  {r['cost_vs_plain_pct']:+.1f}%")
+    if args.out:
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""The one code path below both transports: a validated request in, per-choice outputs out.
+
+The gRPC servicer and the HTTP (OpenAI) server both turn their wire format into a
+`RawGenerateRequest`, call `Frontend.validate`, then `Frontend.start`, and feed the
+scheduler's events to the returned `Generation` until it is done. A `Generation` is one
+client request: `n` upstream sequences (ids `<id>` for n == 1, `<id>#<i>` otherwise, seeds
+derived from the request's), each with its own `OutputProcessor`. Aborting it aborts all
+of them upstream. No grpc and no transport here; events arrive through a sink the caller
+chooses (a thread queue for gRPC, the event loop for HTTP).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from jinja2 import TemplateError
+
+from gateway.admission import StreamGate
+from gateway.metrics import GatewayMetrics
+from gateway.output import Output, OutputProcessor
+from gateway.scheduler_link import LinkBroken, SchedulerLink
+from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
+from stepahead import codec
+from stepahead.plan import FinishReason
+from stepahead.v1 import scheduler_pb2
+
+SEED_MODULUS = 2**64
+WAKE = object()  # put into a sink by `Generation.abort` so a waiting consumer sees `done`
+
+
+class Rejected(Exception):
+    """The scheduler refused the request; `code` is its `scheduler_pb2.RejectCode`."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class ChoiceOutput:
+    """One processed upstream event for choice `index` of a request."""
+
+    index: int
+    output: Output
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str = ""  # with FinishReason.ERROR: what failed
+
+
+def derived_seed(seed: int | None, index: int) -> int | None:
+    """Choice `index`'s seed: the request's own for choice 0, then seed + index (int64 wrap)."""
+    if seed is None:
+        return None
+    value = (seed + index) % SEED_MODULUS
+    return value - SEED_MODULUS if value >= 2**63 else value
+
+
+class Generation:
+    """One client request in flight: n upstream sequences and their output processors."""
+
+    def __init__(self, frontend: Frontend, valid: ValidRequest, request_id: str,
+                 sink: Callable[[object], None], transport: str) -> None:
+        self.request_id = request_id
+        self._sink = sink
+        self.valid = valid
+        n = valid.n
+        self.upstream_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        self._index = {rid: i for i, rid in enumerate(self.upstream_ids)}
+        self._processors = [OutputProcessor(frontend.tokenizer, valid) for _ in range(n)]
+        self._open = set(self.upstream_ids)  # upstream sequences not finished yet
+        self._link = frontend.link
+        self._metrics = frontend.metrics
+        self._transport = transport
+        self._start = time.monotonic()
+        self._first_token_seen = False
+        self._gate = frontend.gate
+        self._released = False
+
+    @property
+    def done(self) -> bool:
+        return not self._open
+
+    def on_event(self, event) -> ChoiceOutput | None:
+        """Process one upstream event (or `LinkBroken`); None when the choice already ended."""
+        if event is WAKE:
+            return None
+        if isinstance(event, LinkBroken):
+            self._open.clear()
+            self._release_if_done()
+            raise event
+        rid = event.request_id
+        if rid not in self._open:
+            return None  # an event after a stop string ended the choice here
+        if event.rejected:
+            self.abort()
+            raise Rejected(event.message, event.reject_code)
+        index = self._index[rid]
+        reason = codec.finish_reason_from_proto(event.finish_reason)
+        out = self._processors[index].on_tokens(event.token_ids, reason)
+        if out.token_ids and not self._first_token_seen:
+            self._first_token_seen = True
+            self._metrics.observe_first_token(self._transport, time.monotonic() - self._start)
+        if out.finished:
+            if reason is None:
+                self._link.abort(rid)  # a stop string ended it here
+            self._close(rid)
+            self._metrics.observe_finished(self._transport, out, time.monotonic() - self._start)
+        error = event.message if out.finish_reason is FinishReason.ERROR else ""
+        return ChoiceOutput(index, out, event.num_prompt_tokens, event.num_cached_tokens, error)
+
+    def abort(self, upstream_ids: list[str] | None = None) -> None:
+        """Abort every unfinished choice upstream (client gone, or an error)."""
+        for rid in list(self._open) if upstream_ids is None else upstream_ids:
+            self._link.abort(rid)
+            self._close(rid)
+        self._open.clear()
+        self._release_if_done()
+        self._sink(WAKE)
+
+    def _close(self, rid: str) -> None:
+        self._open.discard(rid)
+        self._link.release(rid)
+        self._release_if_done()
+
+    def _release_if_done(self) -> None:
+        """The request's slot in the gateway's stream limit, given back once."""
+        if not self._open and not self._released:
+            self._released = True
+            self._gate.leave()
+            self._metrics.active.dec()
+
+
+class Frontend:
+    """What both transports share: limits, tokenizer, the scheduler link, metrics."""
+
+    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, link: SchedulerLink,
+                 max_request_bytes: int, metrics: GatewayMetrics, gate: StreamGate | None = None) -> None:
+        self.tokenizer = tokenizer
+        self.model = model
+        self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes)
+        self.link = link
+        self.metrics = metrics
+        self.gate = gate or StreamGate(1 << 30)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=True)
+
+    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
+        """The prompt ids of a conversation, rendered with the model's chat template.
+
+        Same ids as the tokenizer's `apply_chat_template(..., tokenize=True)`: the rendered
+        text already holds the template's special tokens, so none are added.
+        """
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValidationError("messages", "this model has no chat template")
+        try:
+            text = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+            )
+        except TemplateError as exc:
+            raise ValidationError("messages", f"the chat template rejected the conversation: {exc}") from None
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def validate(self, raw: RawGenerateRequest) -> ValidRequest:
+        return validate(raw, self.limits, self.tokenize, self.render_chat)
+
+    def start(self, valid: ValidRequest, request_id: str, sink: Callable[[object], None],
+              transport: str) -> Generation:
+        """Submit every choice of `valid`; raises ValueError when an id is already in flight,
+        `admission.Overloaded` past the stream limit, `admission.Draining` while draining."""
+        try:
+            self.gate.enter()
+        except Exception as exc:
+            self.metrics.observe_rejected(transport, type(exc).__name__.lower())
+            raise
+        self.metrics.active.inc()
+        gen = Generation(self, valid, request_id, sink, transport)
+        submitted = 0
+        try:
+            for index, rid in enumerate(gen.upstream_ids):
+                sampling = dataclasses.replace(valid.sampling, seed=derived_seed(valid.sampling.seed, index))
+                self.link.submit(
+                    scheduler_pb2.SubmitRequest(
+                        request_id=rid,
+                        prompt_token_ids=valid.prompt_token_ids,
+                        sampling=codec.sampling_to_proto(sampling),
+                        priority=valid.priority,
+                    ),
+                    sink,
+                )
+                submitted += 1
+        except ValueError:
+            gen.abort(gen.upstream_ids[:submitted])  # never another request's id
+            raise
+        self.metrics.observe_started(transport, len(valid.prompt_token_ids))
+        return gen

@@ -1,0 +1,309 @@
+"""The gateway's OpenAI-compatible HTTP server (FastAPI + uvicorn, SSE via sse-starlette).
+
+A thin transport over `gateway.generation.Frontend`, exactly like the gRPC servicer:
+body → pydantic model → `RawGenerateRequest` → `Frontend.validate` → `Frontend.start`
+→ `ChoiceOutput`s → OpenAI JSON / SSE chunks. Scheduler events reach the event loop
+through `call_soon_threadsafe`; a client that disconnects (streaming or not) aborts every
+one of its `n` sequences upstream.
+
+Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
+value (param names the field), 404 for an unknown model or path, 413 for an oversized
+body, 422 for a body that does not match the schema, 503 when no worker is attached or
+the scheduler link is down. A failure after a stream has started is sent as one
+`{"error": ...}` event before `[DONE]`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import socket
+import ssl
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from importlib import metadata
+
+import pydantic
+import uvicorn
+from anyio import to_thread
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from gateway.admission import Draining, Overloaded
+from gateway.generation import ChoiceOutput, Frontend, Generation, Rejected
+from gateway.openai_format import ChatFormat, CompletionFormat, error_body
+from gateway.openai_protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_to_raw,
+    completion_to_raw,
+    openai_param,
+)
+from gateway.scheduler_link import LinkBroken
+from gateway.validation import ValidationError
+from stepahead.v1 import scheduler_pb2
+
+
+RETRY_AFTER_S = "1"  # what 429 / 503 tell a client to wait before trying again
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.param, self.type, self.code = status, param, type_, code
+
+    def response(self) -> JSONResponse:
+        headers = {"Retry-After": RETRY_AFTER_S} if self.status in (429, 503) else None
+        return JSONResponse(error_body(str(self), self.type, self.param, self.code or self.status), self.status,
+                            headers=headers)
+
+
+def _validation_api_error(exc: ValidationError, chat: bool) -> ApiError:
+    if exc.field == "model":
+        return ApiError(404, str(exc), "model", "not_found_error", "model_not_found")
+    param = openai_param(exc.field, chat=chat)
+    return ApiError(400, f"{param}: {exc.reason}" if param else exc.reason, param)
+
+
+def _schema_api_error(exc: pydantic.ValidationError) -> ApiError:
+    first = exc.errors()[0]
+    if first["type"] == "json_invalid":
+        return ApiError(400, f"the body is not valid JSON: {first['msg']}")
+    loc = ".".join(str(part) for part in first["loc"])
+    return ApiError(422, f"{loc or 'body'}: {first['msg']}", loc or None)
+
+
+def _upstream_api_error(exc: Exception) -> ApiError:
+    if isinstance(exc, Overloaded):
+        return ApiError(429, str(exc), type_="rate_limit_error")
+    if isinstance(exc, Draining):
+        return ApiError(503, str(exc), type_="service_unavailable")
+    code = exc.code if isinstance(exc, Rejected) else None
+    if code == scheduler_pb2.REJECT_CODE_INVALID:
+        return ApiError(400, str(exc))
+    if code == scheduler_pb2.REJECT_CODE_QUEUE_FULL:
+        return ApiError(429, str(exc), type_="rate_limit_error")
+    return ApiError(503, str(exc), type_="service_unavailable")
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request body, refused with 413 as soon as it passes `limit` bytes."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise ApiError(413, f"the body is {declared} bytes; the limit is {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise ApiError(413, f"the body is over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _choices(gen: Generation, events: asyncio.Queue) -> AsyncIterator[ChoiceOutput]:
+    while not gen.done:
+        choice = gen.on_event(await events.get())
+        if choice is not None:
+            yield choice
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+class OpenAIServer:
+    """The FastAPI app; `worker_attached()` answers /health (it may block: run in a thread)."""
+
+    def __init__(self, frontend: Frontend, worker_attached: Callable[[], bool], log,
+                 api_keys: tuple[str, ...] = ()) -> None:
+        self.frontend = frontend
+        self.worker_attached = worker_attached
+        self.log = log
+        self.app = FastAPI(title="stepahead", version=_version(), openapi_url=None, docs_url=None, redoc_url=None)
+        self._routes()
+        if api_keys:
+            self.app.middleware("http")(_api_key_check(api_keys, frontend))
+
+    def _routes(self) -> None:
+        app = self.app
+        app.add_exception_handler(ApiError, lambda _req, exc: exc.response())
+        app.add_exception_handler(StarletteHTTPException, _http_exception)
+        app.post("/v1/completions")(self.completions)
+        app.post("/v1/chat/completions")(self.chat_completions)
+        app.get("/v1/models")(self.models)
+        app.get("/health")(self.health)
+        app.get("/metrics")(self.metrics)
+        app.get("/version")(self.version)
+
+    async def completions(self, request: Request):
+        body, size = await self._parse(request, CompletionRequest)
+
+        def prepare():
+            return self.frontend.validate(completion_to_raw(body, size))
+
+        valid = await self._validate(prepare, chat=False)
+        echo = self._echo_text(body, valid) if body.echo else None
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n, echo)
+        return await self._respond(request, valid, fmt, body)
+
+    async def chat_completions(self, request: Request):
+        body, size = await self._parse(request, ChatCompletionRequest)
+
+        def prepare():
+            return self.frontend.validate(chat_to_raw(body, size))
+
+        valid = await self._validate(prepare, chat=True)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n)
+        return await self._respond(request, valid, fmt, body)
+
+    async def models(self):
+        m = self.frontend.model
+        card = {"id": m.model_name, "object": "model", "created": int(time.time()), "owned_by": "stepahead",
+                "root": m.model_name, "max_model_len": m.max_model_len}
+        return {"object": "list", "data": [card]}
+
+    async def health(self):
+        attached = await to_thread.run_sync(self.worker_attached)
+        return Response(status_code=200 if attached else 503)
+
+    async def metrics(self):
+        return Response(self.frontend.metrics.exposition(), media_type="text/plain; version=0.0.4")
+
+    async def version(self):
+        return {"version": _version()}
+
+    async def _parse(self, request: Request, model: type[pydantic.BaseModel]):
+        raw = await read_body(request, self.frontend.limits.max_request_bytes)
+        try:
+            body = model.model_validate_json(raw)
+        except pydantic.ValidationError as exc:
+            self.frontend.metrics.observe_rejected("http", 422)
+            raise _schema_api_error(exc) from None
+        return body, len(raw)
+
+    async def _validate(self, prepare, *, chat: bool):
+        try:
+            return await to_thread.run_sync(prepare)  # tokenizing / templating can take a while
+        except ValidationError as exc:
+            error = _validation_api_error(exc, chat)
+            self.frontend.metrics.observe_rejected("http", error.status)
+            raise error from None
+
+    def _echo_text(self, body: CompletionRequest, valid) -> str:
+        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
+            else body.prompt
+        if isinstance(prompt, str):
+            return prompt
+        return self.frontend.tokenizer.decode(list(valid.prompt_token_ids), skip_special_tokens=False)
+
+    async def _respond(self, request: Request, valid, fmt, body):
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+        try:
+            gen = self.frontend.start(valid, fmt.id, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
+                                      "http")
+        except (Overloaded, Draining) as exc:
+            raise _upstream_api_error(exc) from None
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return EventSourceResponse(self._stream(gen, events, fmt, usage), ping=15)
+        return await self._collect(request, gen, events, fmt)
+
+    async def _stream(self, gen: Generation, events: asyncio.Queue, fmt, include_usage: bool):
+        try:
+            try:
+                async for choice in _choices(gen, events):
+                    for chunk in fmt.chunk(choice):
+                        yield json.dumps(chunk)
+                if include_usage:
+                    yield json.dumps(fmt.usage_chunk())
+            except (Rejected, LinkBroken) as exc:
+                error = _upstream_api_error(exc)
+                yield json.dumps(error_body(str(error), error.type, error.param, error.status))
+            yield "[DONE]"
+        finally:
+            gen.abort()  # the client went away (cancellation) or we are done: a no-op then
+
+    async def _collect(self, request: Request, gen: Generation, events: asyncio.Queue, fmt):
+        async def accumulate():
+            async for choice in _choices(gen, events):
+                fmt.accumulate(choice)
+
+        work = asyncio.ensure_future(accumulate())
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        try:
+            await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not work.done():
+                work.cancel()
+                gen.abort()
+        if not work.done() or work.cancelled():
+            return Response(status_code=499)  # nobody is listening any more
+        try:
+            work.result()
+        except (Rejected, LinkBroken) as exc:
+            raise _upstream_api_error(exc) from None
+        return JSONResponse(fmt.full())
+
+
+def _api_key_check(keys: tuple[str, ...], frontend: Frontend):
+    """Every route but /health needs `Authorization: Bearer KEY` (401 otherwise)."""
+    secrets = tuple(k.encode() for k in keys)
+
+    async def check(request: Request, call_next):
+        if request.url.path != "/health":
+            given = request.headers.get("authorization", "")
+            token = given[7:].encode() if given.startswith("Bearer ") else b""
+            if not any(hmac.compare_digest(token, s) for s in secrets):
+                frontend.metrics.observe_rejected("http", 401)
+                return JSONResponse(error_body("missing or wrong API key", "authentication_error", None,
+                                               "invalid_api_key"), 401)
+        return await call_next(request)
+
+    return check
+
+
+async def _http_exception(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return JSONResponse(error_body(str(exc.detail), type_, None, exc.status_code), exc.status_code)
+
+
+def _version() -> str:
+    try:
+        return metadata.version("stepahead")
+    except metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
+class HttpThread:
+    """uvicorn serving `app` on its own thread and event loop, on a socket bound up front."""
+
+    def __init__(self, app, host: str, port: int, *, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+                 ssl_ca_certs: str | None = None) -> None:
+        self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._sock.bind((host, port))
+        self._sock.listen(1024)
+        self.port = self._sock.getsockname()[1]
+        tls = dict(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
+                   ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca_certs else ssl.CERT_NONE) if ssl_certfile else {}
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
+                                log_config=None, **tls)
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, args=([self._sock],), name="http", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._server.should_exit = True
+        self._thread.join(timeout_s)
+        self._sock.close()

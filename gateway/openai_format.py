@@ -1,0 +1,151 @@
+"""OpenAI response bodies (plain dicts: built per streamed token, so kept cheap).
+
+`CompletionFormat` and `ChatFormat` turn the gateway's `ChoiceOutput`s into the
+completions / chat completions objects and stream chunks, and accumulate the
+non-streaming response. Pure domain code, no transport.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from gateway.generation import ChoiceOutput
+
+
+def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@dataclass
+class _Choice:
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+    num_tokens: int = 0
+
+
+class _Format:
+    object_full = ""
+    object_chunk = ""
+
+    def __init__(self, response_id: str, model: str, n: int) -> None:
+        self.id = response_id
+        self.model = model
+        self.created = int(time.time())
+        self.choices = [_Choice() for _ in range(n)]
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+
+    def _record(self, choice: ChoiceOutput) -> _Choice:
+        state = self.choices[choice.index]
+        out = choice.output
+        state.num_tokens = out.num_output_tokens
+        if out.finished:
+            state.finish_reason = out.finish_reason.value
+            state.stop_reason = _stop_reason(out.stop_reason)
+            self.prompt_tokens = choice.num_prompt_tokens
+            self.cached_tokens = choice.num_cached_tokens
+        return state
+
+    def usage(self) -> dict:
+        completion = sum(c.num_tokens for c in self.choices)
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+    def _envelope(self, obj: str, choices: list[dict]) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}
+
+    def usage_chunk(self) -> dict:
+        body = self._envelope(self.object_chunk, [])
+        body["usage"] = self.usage()
+        return body
+
+
+def _stop_reason(value: str) -> str | int | None:
+    if not value:
+        return None
+    return int(value) if value.isdigit() else value
+
+
+class CompletionFormat(_Format):
+    object_full = "text_completion"
+    object_chunk = "text_completion"
+
+    def __init__(self, response_id: str, model: str, n: int, echo_text: str | None) -> None:
+        super().__init__(response_id, model, n)
+        self._echo_pending = [echo_text] * n if echo_text else [None] * n
+
+    def _text(self, choice: ChoiceOutput) -> str:
+        echo, self._echo_pending[choice.index] = self._echo_pending[choice.index], None
+        return (echo or "") + choice.output.text
+
+    def accumulate(self, choice: ChoiceOutput) -> None:
+        self._record(choice).text.append(self._text(choice))
+
+    def chunk(self, choice: ChoiceOutput) -> list[dict]:
+        """The chunks for one output (none when it carries no text and does not finish)."""
+        state = self._record(choice)
+        text = self._text(choice)
+        if not text and not choice.output.finished:
+            return []
+        entry = {"index": choice.index, "text": text, "logprobs": None, "finish_reason": state.finish_reason}
+        if choice.output.finished:
+            entry["stop_reason"] = state.stop_reason
+        return [self._envelope(self.object_chunk, [entry])]
+
+    def full(self) -> dict:
+        choices = [
+            {"index": i, "text": "".join(c.text), "logprobs": None, "finish_reason": c.finish_reason,
+             "stop_reason": c.stop_reason}
+            for i, c in enumerate(self.choices)
+        ]
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = self.usage()
+        return body
+
+
+class ChatFormat(_Format):
+    object_full = "chat.completion"
+    object_chunk = "chat.completion.chunk"
+
+    def __init__(self, response_id: str, model: str, n: int) -> None:
+        super().__init__(response_id, model, n)
+        self._role_sent = [False] * n
+
+    def accumulate(self, choice: ChoiceOutput) -> None:
+        self._record(choice).text.append(choice.output.text)
+
+    def chunk(self, choice: ChoiceOutput) -> list[dict]:
+        """The chunks for one output: the `role` delta first, once per choice."""
+        state = self._record(choice)
+        out = choice.output
+        chunks = []
+        if not self._role_sent[choice.index]:
+            self._role_sent[choice.index] = True
+            chunks.append(self._delta(choice.index, {"role": "assistant", "content": ""}, None))
+        if out.text:
+            chunks.append(self._delta(choice.index, {"content": out.text}, None))
+        if out.finished:
+            chunks.append(self._delta(choice.index, {}, state.finish_reason, state.stop_reason))
+        return chunks
+
+    def _delta(self, index: int, delta: dict, finish_reason: str | None, stop_reason=None) -> dict:
+        entry = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            entry["stop_reason"] = stop_reason
+        return self._envelope(self.object_chunk, [entry])
+
+    def full(self) -> dict:
+        choices = [
+            {"index": i, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
+            for i, c in enumerate(self.choices)
+        ]
+        body = self._envelope(self.object_full, choices)
+        body["usage"] = self.usage()
+        return body

@@ -1,0 +1,188 @@
+"""OpenAI-compatible request bodies and their mapping onto `RawGenerateRequest`.
+
+Pure domain code (pydantic, no transport). Field names, defaults and vLLM's extra sampling
+fields follow the OpenAI completions / chat completions APIs. Unknown fields are ignored
+(as vLLM does); known fields are type-checked strictly, so `"max_tokens": "5"` is an error
+naming the field rather than a silent conversion.
+
+Parameters this server accepts in the schema but cannot honour yet (logprobs) are refused
+with a 400 that names them, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from gateway.validation import RawGenerateRequest, ValidationError
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI completions default
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by both endpoints (OpenAI's plus vLLM's extras)."""
+
+    model: str | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+    # vLLM extras
+    top_k: int = -1
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    priority: int = 0
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    stop_token_ids: list[int] | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = DEFAULT_COMPLETION_MAX_TOKENS
+    echo: bool = False
+    logprobs: int | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: str = Field(min_length=1, max_length=64)
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    add_generation_prompt: bool = True
+    tools: list[Any] | None = None
+
+
+def _check_unsupported(logprobs_requested: bool) -> None:
+    """Refuse, by name, what the worker cannot do yet (never silently ignore it)."""
+    if logprobs_requested:
+        raise ValidationError("logprobs", "is not supported by this server yet")
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys (strings)."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise ValidationError("logit_bias", f"keys must be token ids, got {key!r}")
+        out[int(key)] = value
+    return out
+
+
+def _stop(stop: str | list[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    return [stop] if isinstance(stop, str) else list(stop)
+
+
+def _common(body: _SamplingFields, max_tokens: int | None, size_bytes: int) -> dict[str, Any]:
+    return dict(
+        model=body.model or "",
+        n=body.n,
+        seed=body.seed,
+        stop=_stop(body.stop),
+        temperature=body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        min_p=body.min_p,
+        max_tokens=max_tokens,
+        min_tokens=body.min_tokens,
+        ignore_eos=body.ignore_eos,
+        priority=body.priority,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        stop_token_ids=list(body.stop_token_ids or ()),
+        logit_bias=_logit_bias(body.logit_bias),
+        repetition_penalty=body.repetition_penalty,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        size_bytes=size_bytes,
+    )
+
+
+def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRequest:
+    if body.best_of is not None and body.best_of != body.n:
+        raise ValidationError("best_of", "is not supported (only best_of == n)")
+    if body.suffix:
+        raise ValidationError("suffix", "is not supported")
+    _check_unsupported(body.logprobs is not None)
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ValidationError("prompt", "batched prompts are not supported; send one prompt per request")
+        prompt = prompt[0]
+    text = prompt if isinstance(prompt, str) else None
+    ids = None if isinstance(prompt, str) else list(prompt)
+    return RawGenerateRequest(prompt_text=text, prompt_token_ids=ids, **_common(body, body.max_tokens, size_bytes))
+
+
+def _message_dict(message: ChatMessage) -> dict[str, str]:
+    content = message.content
+    if isinstance(content, list):
+        content = "".join(part.text for part in content)
+    out = {"role": message.role, "content": content or ""}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequest:
+    if body.tools:
+        raise ValidationError("tools", "tool calling is not supported")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ValidationError("top_logprobs", "requires logprobs to be true")
+    _check_unsupported(body.logprobs)
+    if body.max_tokens is not None and body.max_completion_tokens is not None:
+        raise ValidationError("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    return RawGenerateRequest(
+        chat_messages=[_message_dict(m) for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+        **_common(body, max_tokens, size_bytes),
+    )
+
+
+def openai_param(field: str, *, chat: bool) -> str | None:
+    """The request parameter a `ValidationError` field names, in OpenAI's vocabulary."""
+    if field.startswith("prompt"):
+        return "messages" if chat else "prompt"
+    if field == "request":
+        return None
+    name = field.removeprefix("sampling.")
+    if chat and name == "max_tokens":
+        return "max_completion_tokens"
+    return name

@@ -1,0 +1,67 @@
+"""The gateway's tokenizer: Hugging Face `tokenizers` plus the chat template, without torch.
+
+`transformers.AutoTokenizer` imports torch when it is installed; the gateway must not (it
+is a control-plane process). This reads the same files a Hugging Face checkpoint ships
+(`tokenizer.json`, `tokenizer_config.json`, `chat_template.jinja` or the config's
+`chat_template`) and offers the few methods the gateway uses, with the same results as
+the transformers tokenizer: `encode`, `decode`, `apply_chat_template` (rendered by
+transformers' own torch-free jinja renderer, with the special tokens as variables).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from tokenizers import Tokenizer
+from transformers.utils.chat_template_utils import render_jinja_template
+
+_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+_CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+             (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # transformers' clean_up_tokenization
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):  # an AddedToken as saved
+        return value["content"]
+    return None
+
+
+class GatewayTokenizer:
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+        config_path = model_dir / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        template_path = model_dir / "chat_template.jinja"
+        self.chat_template: str | None = (
+            template_path.read_text() if template_path.is_file() else config.get("chat_template")
+        )
+        self.special_tokens_map = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+        self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids, skip_special_tokens: bool = False) -> str:
+        text = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        if self._clean_up_spaces:
+            for before, after in _CLEANUPS:
+                text = text.replace(before, after)
+        return text
+
+    def get_vocab_size(self, with_added_tokens: bool = True) -> int:
+        return self._tokenizer.get_vocab_size(with_added_tokens=with_added_tokens)
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
+                            tokenize: bool = False) -> str | list[int]:
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        rendered, _ = render_jinja_template(
+            conversations=[messages], chat_template=self.chat_template,
+            add_generation_prompt=add_generation_prompt, **self.special_tokens_map,
+        )
+        text = rendered[0]
+        return self.encode(text, add_special_tokens=False) if tokenize else text

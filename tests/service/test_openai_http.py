@@ -1,0 +1,305 @@
+"""The official `openai` client, unchanged, against real daemons over the gateway's HTTP port."""
+
+from __future__ import annotations
+
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
+from tests.model.oracle import TIE_GAP
+from tests.service.harness import Serve
+from tests.service.hf_oracle import HFGreedy
+
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def serve(tiny_model_dir):  # noqa: F811
+    with Serve(tiny_model_dir, "--max-num-seqs", "32") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(serve) -> openai.OpenAI:
+    with openai.OpenAI(base_url=serve.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):  # noqa: F811
+    return HFGreedy(tiny_model_dir)
+
+
+def hf_text(hf: HFGreedy, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
+    """(HF's greedy text, the part of it before the first near-tie): ours must start with
+    the second and equal the first when there is no tie."""
+    tokens, gaps = hf.generate(prompt_ids, max_tokens)
+    tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), len(tokens))
+    return tokenizer.decode(tokens, skip_special_tokens=True), tokenizer.decode(tokens[:tie], skip_special_tokens=True)
+
+
+def assert_hf_text(got: str, expected: tuple[str, str]) -> None:
+    full, before_tie = expected
+    if full == before_tie:
+        assert got == full
+    else:
+        assert got.startswith(before_tie)
+
+
+def wait_idle(serve, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = serve.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            return stats
+        assert time.monotonic() < deadline, f"not idle within {timeout_s} s: {stats}"
+
+
+def test_models_health_version_metrics(serve, client):
+    models = client.models.list().data
+    assert [m.id for m in models] == ["tiny"]
+    assert httpx.get(serve.http_url + "/health").status_code == 200
+    assert httpx.get(serve.http_url + "/version").json()["version"]
+    client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    metrics = httpx.get(serve.http_url + "/metrics").text
+    assert 'stepahead:gateway_requests_started_total{transport="http"}' in metrics
+    assert 'stepahead:gateway_sequences_finished_total{reason="length",transport="http"}' in metrics
+
+
+def test_completion_greedy_equals_hf_streaming_or_not(client, hf, tiny_tokenizer):  # noqa: F811
+    prompt = "def fibonacci(n):\n"
+    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=IGNORE_EOS)
+    expected = hf_text(hf, tiny_tokenizer, tiny_tokenizer.encode(prompt), 24)
+    assert_hf_text(full.choices[0].text, expected)
+    assert full.choices[0].finish_reason == "length"
+    assert full.usage.completion_tokens == 24
+    assert full.usage.prompt_tokens == len(tiny_tokenizer.encode(prompt))
+
+    chunks = list(client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
+        stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.usage is not None for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 24
+    assert chunks[-2].choices[0].finish_reason == "length"
+
+
+def test_completion_token_prompt_and_echo(client, hf, tiny_tokenizer):  # noqa: F811
+    ids = tiny_tokenizer.encode("import numpy as np\n")
+    out = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, echo=True,
+                                    extra_body=IGNORE_EOS)
+    echoed = tiny_tokenizer.decode(ids)
+    assert out.choices[0].text.startswith(echoed)
+    assert_hf_text(out.choices[0].text[len(echoed):], hf_text(hf, tiny_tokenizer, ids, 10))
+
+
+def test_chat_prompt_is_the_chat_template_and_greedy_equals_hf(client, hf, tiny_tokenizer):  # noqa: F811
+    messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16,
+                                         temperature=0, extra_body=IGNORE_EOS)
+    assert out.usage.prompt_tokens == len(ids)
+    assert out.choices[0].message.role == "assistant"
+    assert_hf_text(out.choices[0].message.content, hf_text(hf, tiny_tokenizer, list(ids), 16))
+
+    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body=IGNORE_EOS))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.choices[0].delta.role is None for c in chunks[1:] if c.choices)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == out.choices[0].message.content
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 16
+
+
+def test_n_choices_are_distinct_and_reproducible_with_a_seed(client):
+    def run(stream: bool) -> list[str]:
+        kw = dict(model="tiny", prompt="class Stack:", max_tokens=12, temperature=1.0, seed=1234, n=4,
+                  extra_body=IGNORE_EOS)
+        if not stream:
+            out = client.completions.create(**kw)
+            assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
+            assert out.usage.completion_tokens == 48
+            return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
+        texts = [""] * 4
+        finished = set()
+        for chunk in client.completions.create(stream=True, **kw):
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                if c.finish_reason:
+                    finished.add(c.index)
+        assert finished == {0, 1, 2, 3}
+        return texts
+
+    first = run(stream=False)
+    assert len(set(first)) == 4  # distinct seeds: distinct samples
+    assert run(stream=False) == first
+    assert run(stream=True) == first
+    one = client.completions.create(model="tiny", prompt="class Stack:", max_tokens=12, temperature=1.0,
+                                    seed=1234, extra_body=IGNORE_EOS)
+    assert one.choices[0].text == first[0]  # choice 0 samples with the request's own seed
+
+
+def test_closing_an_n4_stream_aborts_all_and_frees_every_block(serve):
+    before = serve.stats()
+    body = {"model": "tiny", "prompt": "x = [", "max_tokens": 1500, "n": 4, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", serve.http_url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    stats = wait_idle(serve)
+    assert stats.num_aborted == before.num_aborted + 4
+
+
+def test_disconnect_before_a_non_streaming_answer_aborts_upstream(serve):
+    before = serve.stats()
+    body = {"model": "tiny", "prompt": "y = (", "max_tokens": 1500, "n": 2, "ignore_eos": True}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(serve.http_url + "/v1/completions", json=body, timeout=1.0)
+    stats = wait_idle(serve, timeout_s=10)
+    assert stats.num_aborted == before.num_aborted + 2
+
+
+C, CH = "/v1/completions", "/v1/chat/completions"
+USER = [{"role": "user", "content": "hi"}]
+BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
+    "invalid json": (C, b"{not json", 400, None),
+    "prompt missing": (C, {"max_tokens": 3}, 422, "prompt"),
+    "max_tokens as string": (C, {"prompt": "x", "max_tokens": "5"}, 422, "max_tokens"),
+    "max_tokens 0": (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens past the context": (C, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
+    "empty prompt": (C, {"prompt": ""}, 400, "prompt"),
+    "token id outside vocab": (C, {"prompt": [1, 10**6]}, 400, "prompt"),
+    "negative token id": (C, {"prompt": [1, -3]}, 400, "prompt"),
+    "batched prompts": (C, {"prompt": ["a", "b"]}, 400, "prompt"),
+    "temperature < 0": (C, {"prompt": "x", "temperature": -1}, 400, "temperature"),
+    "temperature NaN": (C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
+    "top_p > 1": (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    "top_k < -1": (C, {"prompt": "x", "top_k": -7}, 400, "top_k"),
+    "n = 0": (C, {"prompt": "x", "n": 0}, 400, "n"),
+    "n too large": (C, {"prompt": "x", "n": 1000}, 400, "n"),
+    "seed beyond int64": (C, {"prompt": "x", "seed": 2**70}, 400, "seed"),
+    "too many stop strings": (C, {"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    "empty stop string": (C, {"prompt": "x", "stop": [""]}, 400, "stop"),
+    "min_tokens > max_tokens": (C, {"prompt": "x", "max_tokens": 2, "min_tokens": 3}, 400, "min_tokens"),
+    "priority out of range": (C, {"prompt": "x", "priority": 10**6}, 400, "priority"),
+    "presence_penalty out of range": (C, {"prompt": "x", "presence_penalty": 5}, 400, "presence_penalty"),
+    "repetition_penalty 0": (C, {"prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
+    "logit_bias id outside vocab": (C, {"prompt": "x", "logit_bias": {"999999": 1}}, 400, "logit_bias"),
+    "logit_bias key not an id": (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    "logit_bias value out of range": (C, {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
+    "unknown model": (C, {"prompt": "x", "model": "gpt-9"}, 404, "model"),
+    "chat without messages": (CH, {"messages": []}, 422, "messages"),
+    "chat message without role": (CH, {"messages": [{"content": "x"}]}, 422, "messages.0.role"),
+    "chat non-text content part": (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
+                                   422, None),
+    "chat top_logprobs without logprobs": (CH, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
+    "chat both max token fields": (CH, {"messages": USER, "max_tokens": 2, "max_completion_tokens": 2}, 400,
+                                   "max_completion_tokens"),
+    "oversized body": (C, {"prompt": "x" * (2 << 20)}, 413, None),
+}
+
+
+def post(serve, path: str, body) -> httpx.Response:
+    if isinstance(body, bytes):
+        return httpx.post(serve.http_url + path, content=body, headers={"content-type": "application/json"},
+                          timeout=30)
+    return httpx.post(serve.http_url + path, json=body, timeout=30)
+
+
+def test_bad_http_inputs_get_openai_errors_while_good_requests_finish(serve, client, hf, tiny_tokenizer):  # noqa: F811
+    prompts = ["def add(a, b):", "for i in range(10):", "while x:", "import os\n"]
+
+    def good(prompt: str) -> str:
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+                                         extra_body=IGNORE_EOS).choices[0].text
+
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        futures = [pool.submit(good, p) for p in prompts]
+        for name, (path, body, status, param) in BAD_HTTP.items():
+            response = post(serve, path, body)
+            assert response.status_code == status, (name, response.text)
+            error = response.json()["error"]
+            assert set(error) == {"message", "type", "param", "code"}, name
+            assert len(error["message"]) > 10, name
+            if param is not None:
+                assert error["param"] == param, (name, error)
+        outputs = [f.result() for f in futures]
+    for prompt, text in zip(prompts, outputs):
+        assert_hf_text(text, hf_text(hf, tiny_tokenizer, tiny_tokenizer.encode(prompt), 20))
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-9", prompt="x")
+    wait_idle(serve)
+
+
+def test_sse_frames_are_json_and_end_with_done(serve):
+    body = {"model": "tiny", "messages": USER, "max_tokens": 4, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", serve.http_url + CH, json=body, timeout=60) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        data = [line[len("data:"):].strip() for line in response.iter_lines() if line.startswith("data:")]
+    assert data[-1] == "[DONE]"
+    chunks = [json.loads(d) for d in data[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_grpc_and_http_share_one_path_n_choices_and_seeds(serve, client):
+    from stepahead.v1 import common_pb2, generation_pb2
+
+    sampling = common_pb2.SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)
+    texts = ["", "", ""]
+    finals = []
+    for msg in serve.gateway.Generate(generation_pb2.GenerateRequest(text="if x:", sampling=sampling, n=3),
+                                      timeout=120):
+        texts[msg.index] += msg.text
+        if msg.finish_reason:
+            finals.append(msg.index)
+    assert sorted(finals) == [0, 1, 2]
+    http = client.completions.create(model="tiny", prompt="if x:", max_tokens=10, temperature=1.0, seed=99, n=3,
+                                     extra_body=IGNORE_EOS)
+    assert texts == [c.text for c in sorted(http.choices, key=lambda c: c.index)]
+
+
+def test_penalties_and_logit_bias_over_http_equal_hf_processors(client, hf, tiny_tokenizer):  # noqa: F811
+    prompt = "def parse(line):\n"
+    ids = tiny_tokenizer.encode(prompt)
+    plain_tokens, _ = hf.generate(ids, 16)
+    bias = {plain_tokens[0]: -100.0, ids[-1]: 2.5}  # the plain first token is ruled out
+    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                    logit_bias={str(k): v for k, v in bias.items()},
+                                    extra_body={"repetition_penalty": 1.8, **IGNORE_EOS})
+    tokens, gaps = hf.generate(ids, 16, repetition_penalty=1.8, sequence_bias={(k,): v for k, v in bias.items()})
+    tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), len(tokens))
+    expected = (tiny_tokenizer.decode(tokens, skip_special_tokens=True),
+                tiny_tokenizer.decode(tokens[:tie], skip_special_tokens=True))
+    assert_hf_text(out.choices[0].text, expected)
+    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                      extra_body=IGNORE_EOS)
+    assert plain.choices[0].text != out.choices[0].text
+
+
+def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(serve, client, tiny_tokenizer):  # noqa: F811
+    import subprocess
+    import sys
+
+    from stepahead.v1 import common_pb2, generation_pb2
+
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a sort."}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    http = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+                                          extra_body=IGNORE_EOS)
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(**m) for m in messages])
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    msgs = list(serve.gateway.Generate(generation_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+    assert msgs[-1].usage.prompt_tokens == len(ids) == http.usage.prompt_tokens
+    assert "".join(m.text for m in msgs) == http.choices[0].message.content
+    cli = subprocess.run(
+        [sys.executable, "-m", "stepahead.cli", "generate", "--target", serve.gateway_addr, "--chat",
+         "--system", "Be brief.", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "Write a sort."],
+        capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    assert cli.stdout == http.choices[0].message.content + "\n"

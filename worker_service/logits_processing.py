@@ -1,0 +1,140 @@
+"""Logit bias and repetition / presence / frequency penalties, on the device.
+
+Applied to the raw logits of the sampling rows, before temperature and truncation, in
+vLLM's order and scopes: `logit_bias` first; then repetition over the request's prompt and
+output tokens (positive logits divided by the penalty, negative ones multiplied: the
+Hugging Face / CTRL rule); then frequency (times the count) and presence (once) over the
+output tokens only.
+
+The token counts live on the device (`PenaltyState`: one row per request that uses
+penalties), and `record` adds each step's sampled ids to them *on the device*, right
+after sampling. A step launched before the previous step's ids reached the host (a
+placeholder decode under async scheduling) therefore already penalises the previous
+token: async and sync scheduling give identical tokens. A request that arrives (or comes
+back after preemption) with output tokens has its counts rebuilt from its token list.
+
+A batch where no row uses a feature pays nothing for it: `apply` returns before touching
+the device when no row has a bias or a penalty.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from stepahead.plan import SamplingParams
+
+
+class PenaltyState:
+    """Per-request prompt-token masks and output-token counts: `[slots, vocab]` on the device."""
+
+    def __init__(self, vocab_size: int, device: torch.device, initial_slots: int = 8) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.counts = torch.zeros(initial_slots, vocab_size, dtype=torch.int32, device=device)  # [slots, vocab]
+        self.in_prompt = torch.zeros(initial_slots, vocab_size, dtype=torch.bool, device=device)  # [slots, vocab]
+        self.slots: dict[str, int] = {}  # request id -> row
+        self._free: list[int] = list(range(initial_slots - 1, -1, -1))
+
+    def register(self, request_id: str, prompt_ids: Sequence[int], output_ids: Sequence[int]) -> None:
+        """Start (or restart, after preemption) tracking a request from its known tokens."""
+        self.forget(request_id)
+        if not self._free:
+            self._grow()
+        slot = self._free.pop()
+        self.slots[request_id] = slot
+        self.in_prompt[slot].zero_()
+        self.counts[slot].zero_()
+        if prompt_ids:
+            self.in_prompt[slot, torch.tensor(list(prompt_ids), device=self.device)] = True
+        if output_ids:
+            ids = torch.tensor(list(output_ids), device=self.device)
+            self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+
+    def forget(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self._free.append(slot)
+
+    def _grow(self) -> None:
+        old = self.counts.shape[0]
+        self.counts = torch.cat([self.counts, torch.zeros_like(self.counts)])  # [2 * slots, vocab]
+        self.in_prompt = torch.cat([self.in_prompt, torch.zeros_like(self.in_prompt)])
+        self._free.extend(range(2 * old - 1, old - 1, -1))
+
+    def record(self, rows: torch.Tensor, slots: torch.Tensor, sampled: torch.Tensor) -> None:
+        """counts[slots[i], sampled[rows[i]]] += 1, on the device (no host round trip).
+
+        rows, slots: [m] int64 on the device; sampled: [n] int64 this step's ids.
+        """
+        ids = sampled.index_select(0, rows)  # [m]
+        self.counts.index_put_((slots, ids), torch.ones_like(ids, dtype=torch.int32), accumulate=True)
+
+
+class LogitsProcessing:
+    """Applies bias and penalties to a step's sampling rows, and records sampled ids."""
+
+    def __init__(self, vocab_size: int, device: torch.device) -> None:
+        self.vocab_size = vocab_size
+        self.device = device
+        self.state = PenaltyState(vocab_size, device)
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None  # rows, slots of this step
+
+    def register(self, request_id: str, sampling: SamplingParams, token_ids: Sequence[int], num_prompt: int) -> None:
+        if sampling.uses_penalties:
+            self.state.register(request_id, token_ids[:num_prompt], token_ids[num_prompt:])
+
+    def forget(self, request_id: str) -> None:
+        self.state.forget(request_id)
+
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
+              ) -> torch.Tensor:
+        """logits [n, vocab] with bias and penalties applied: `logits` itself when no row uses
+        them, else a new tensor (the input stays intact, so a retry starts clean).
+        Remembers the penalty rows for `record`."""
+        self._pending = None
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        penalised = [i for i, p in enumerate(params) if p.uses_penalties]
+        if not (biased or penalised):
+            return logits
+        logits = logits.clone()  # [n, vocab]
+        if biased:
+            self._apply_bias(logits, biased, params)
+        if penalised:
+            self._apply_penalties(logits, penalised, [request_ids[i] for i in penalised], params)
+        return logits
+
+    def record(self, sampled: torch.Tensor) -> None:
+        """Add this step's sampled ids [n] to the counts of its penalty rows (device only)."""
+        if self._pending is not None:
+            self.state.record(*self._pending, sampled)
+            self._pending = None
+
+    def _apply_bias(self, logits: torch.Tensor, rows: list[int], params: Sequence[SamplingParams]) -> None:
+        index_rows, cols, values = [], [], []
+        for i in rows:
+            for token_id, bias in params[i].logit_bias:
+                index_rows.append(i)
+                cols.append(token_id)
+                values.append(bias)
+        index = (torch.tensor(index_rows, device=self.device), torch.tensor(cols, device=self.device))
+        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=self.device), accumulate=True)
+
+    def _apply_penalties(self, logits: torch.Tensor, rows: list[int], request_ids: list[str],
+                         params: Sequence[SamplingParams]) -> None:
+        slots_list = [self.state.slots[rid] for rid in request_ids]
+        host = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty]
+                             for i in rows], dtype=torch.float32)  # [m, 3]
+        rep, freq, pres = host.to(self.device).unbind(1)  # [m] each
+        rows_t = torch.tensor(rows, device=self.device)  # [m]
+        slots = torch.tensor(slots_list, device=self.device)  # [m]
+        counts = self.state.counts.index_select(0, slots)  # [m, vocab] int32
+        seen = counts > 0  # [m, vocab]
+        x = logits.index_select(0, rows_t)  # [m, vocab]
+        repeated = seen | self.state.in_prompt.index_select(0, slots)  # [m, vocab]
+        penalised = torch.where(x > 0, x / rep[:, None], x * rep[:, None])  # [m, vocab]
+        x = torch.where(repeated, penalised, x)
+        x = x - freq[:, None] * counts.to(x.dtype) - pres[:, None] * seen.to(x.dtype)
+        logits.index_copy_(0, rows_t, x)
+        self._pending = (rows_t, slots)
