@@ -26,7 +26,10 @@ _SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
+    "attention_backend",
 )
+# flags the scheduler declares; the worker sizes its step buffers with the same values
+_SHARED_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
         spawn(["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
                *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus),
         spawn(["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
-               *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus),
+               *cfg.to_flags(worker_cfg, _WORKER_FIELDS + _SHARED_FIELDS)], worker_cpus),
         spawn(["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                "--model", model_dir, *log], control_cpus),
     ]
