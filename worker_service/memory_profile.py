@@ -45,8 +45,8 @@ def split_memory(total: int, utilization: float, weights: int, peak_allocated: i
     return split
 
 
-def profile_kv_cache_bytes(runner, utilization: float) -> int:
-    """Run `profile_run` on the runner's device and return the KV cache budget in bytes."""
+def profile_memory(runner, utilization: float) -> MemorySplit:
+    """Run `profile_run` on the runner's device; the split says what the KV cache may take."""
     if not 0.0 < utilization <= 1.0:
         raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
     device = runner.device
@@ -68,7 +68,7 @@ def profile_kv_cache_bytes(runner, utilization: float) -> int:
     split = split_memory(total, utilization, weights, peak, non_torch)
     log.info("kv_cache_memory total=%d budget=%d weights=%d step_peak=%d non_torch=%d kv_cache=%d",
              split.total, split.budget, split.weights, split.step_peak, split.non_torch, split.kv_cache)
-    return split.kv_cache
+    return split
 
 
 @torch.inference_mode()

@@ -28,7 +28,7 @@ from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
-from worker_service.memory_profile import profile_kv_cache_bytes
+from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan
 from worker_service.rope import RotaryTable
@@ -108,8 +108,10 @@ class ModelRunner:
         self._num_launched = 0
         self.kv_cache = KVCache(cfg, num_blocks=0, num_host_blocks=0, block_size=block_size, dtype=self.dtype,
                                 device=self.device)  # the dummy block only, for the profiling run
+        self.memory_split: MemorySplit | None = None  # set when the KV cache was sized by profiling
         if num_blocks is None and kv_cache_bytes is None and self.streams.cuda:
-            kv_cache_bytes = profile_kv_cache_bytes(self, gpu_memory_utilization)
+            self.memory_split = profile_memory(self, gpu_memory_utilization)
+            kv_cache_bytes = self.memory_split.kv_cache
         self.num_blocks = plan_num_blocks(cfg, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
                                           num_blocks=num_blocks)
         self.num_host_blocks = num_host_blocks
@@ -120,7 +122,7 @@ class ModelRunner:
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
-        self.streams.compute_waits_for_current()  # W0
+        self.streams.wait_for_constructor()  # W0
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan to completion (launch, then wait for its sampled ids)."""

@@ -71,11 +71,13 @@ class DeviceStreams:
 
     # -- the cross-stream waits -----------------------------------------------------------
 
-    def compute_waits_for_current(self) -> None:
+    def wait_for_constructor(self) -> None:
         """W0: the weights, KV pool and buffers were initialised (asynchronously) on the
-        constructing thread's current stream; the first step must come after that."""
+        constructing thread's current stream; the first step's copies and compute come after."""
         if self.cuda:
-            self.compute.wait_stream(torch.cuda.current_stream(self.compute.device))
+            current = torch.cuda.current_stream(self.compute.device)
+            self.compute.wait_stream(current)
+            self.copy.wait_stream(current)
 
     def copy_waits_for_compute(self, compute_done: StepEvent) -> None:
         """W1: the device input buffers of a slot are overwritten only after the compute of
