@@ -39,7 +39,7 @@ class CachedRequest:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     state: CachedRequest
     num_scheduled: int
@@ -169,10 +169,10 @@ class BuildConfig:
     pad_decodes: bool  # pad decode-only steps to decode_bucket sizes (CUDA-graph shapes)
 
 
-def step_shape(sched: list[ScheduledRequest], pad_decodes: bool, max_reqs: int) -> tuple[int, int, int]:
-    """(num_tokens, num_rows, padding rows) of a step; decodes must come first in `sched`."""
-    num_tokens = sum(s.num_scheduled for s in sched)
-    rows = len(sched)
+def step_shape(q_lens: np.ndarray, pad_decodes: bool, max_reqs: int) -> tuple[int, int, int]:
+    """(num_tokens, num_rows, padding rows) of a step of real query lengths `q_lens`."""
+    num_tokens = int(q_lens.sum())
+    rows = len(q_lens)
     if pad_decodes and num_tokens == rows:
         padded = decode_bucket(rows, max_reqs)
         return num_tokens + padded - rows, padded, padded - rows
@@ -187,39 +187,46 @@ def build_inputs(buf: StepBuffers, table: RequestTable, sched: list[ScheduledReq
     """
     bs = cfg.block_size
     num_real = len(sched)
-    num_tokens, num_rows, pad = step_shape(sched, cfg.pad_decodes, buf.max_reqs)
+    states = [s.state for s in sched]
+    q_real = np.fromiter([s.num_scheduled for s in sched], np.int64, num_real)
+    num_tokens, num_rows, pad = step_shape(q_real, cfg.pad_decodes, buf.max_reqs)
     q_lens = np.ones(num_rows, dtype=np.int64)
+    q_lens[:num_real] = q_real
     starts = np.zeros(num_rows, dtype=np.int64)
-    rows = np.empty(num_real, dtype=np.int64)
-    for i, s in enumerate(sched):
-        q_lens[i], starts[i], rows[i] = s.num_scheduled, s.state.num_computed, s.state.row
+    starts[:num_real] = np.fromiter([st.num_computed for st in states], np.int64, num_real)
+    rows = np.fromiter([st.row for st in states], np.int64, num_real)
     width = _bucket_width(int(table.num_blocks[rows].max()), table.width)
-    tail_len = num_rows * width + _prefill_index_len(q_lens, num_real, pad)
+    tail_len = num_rows * width + _prefill_index_len(q_lens, num_real)
     buf.ensure(num_tokens, num_rows, tail_len)
     tables = buf.tail_view(0, num_rows, width)
-    tables[:num_real] = table.tables[rows, :width]
+    np.take(table.tables[:, :width], rows, axis=0, out=tables[:num_real])
     tables[num_real:] = cfg.dummy_block
     cu = np.zeros(num_rows + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu[1:])
     ids = buf.seg("input_ids", num_tokens)
+    ids[:] = 0  # placeholder and padding inputs
     _fill_ids(ids, sched, cu)
-    ids[cu[num_real] :] = 0
-    req_of_token = np.repeat(np.arange(num_rows), q_lens)  # [num_tokens]
     positions = buf.seg("positions", num_tokens)
-    positions[:] = np.arange(num_tokens) - cu[req_of_token] + starts[req_of_token]
     slots = buf.seg("slots", num_tokens)
-    slots[:] = tables[req_of_token, positions // bs] * bs + positions % bs
     seq_lens = buf.seg("seq_lens", num_rows)
     seq_lens[:] = starts + q_lens
-    sampling_rows = [i for i, s in enumerate(sched) if seq_lens[i] == len(s.state.token_ids)]
+    if num_tokens == num_rows:  # decode-only: one token per row
+        positions[:] = starts
+        slots[:] = tables[np.arange(num_rows), starts // bs] * bs + starts % bs
+    else:
+        req_of_token = np.repeat(np.arange(num_rows), q_lens)  # [num_tokens]
+        positions[:] = np.arange(num_tokens) - cu[req_of_token] + starts[req_of_token]
+        slots[:] = tables[req_of_token, positions // bs] * bs + positions % bs
+    known = np.fromiter([len(st.token_ids) for st in states], np.int64, num_real)
+    sampling_rows = np.flatnonzero(seq_lens[:num_real] == known)
     logits_idx = buf.seg("logits_idx", len(sampling_rows))
     logits_idx[:] = cu[1:][sampling_rows] - 1
-    ph_rows = [i for i, s in enumerate(sched) if s.placeholder]
+    ph_rows = np.flatnonzero(np.fromiter([s.placeholder for s in sched], np.bool_, num_real))
     ph_dst = buf.seg("ph_dst", len(ph_rows))
     ph_dst[:] = cu[ph_rows]
     ph_src = buf.seg("ph_src", len(ph_rows))
-    ph_src[:] = [prev_rows[sched[i].state.request_id] for i in ph_rows]
-    num_decodes = int(np.argmax(q_lens != 1)) if (q_lens != 1).any() else num_rows
+    ph_src[:] = np.fromiter([prev_rows[states[i].request_id] for i in ph_rows.tolist()], np.int64, len(ph_rows))
+    num_decodes = int(np.argmax(q_lens != 1)) if num_tokens != num_rows else num_rows
     pf_index, pf_rows, pf_shape = _prefill_index(buf, num_rows * width, cu, q_lens, num_decodes)
     buf.upload(buf.tail + tail_len)
     meta = AttentionMetadata(
@@ -238,7 +245,7 @@ def build_inputs(buf: StepBuffers, table: RequestTable, sched: list[ScheduledReq
         input_ids=buf.dev_seg("input_ids", num_tokens),
         meta=meta,
         logits_indices=buf.dev_seg("logits_idx", len(sampling_rows)),
-        sampling_reqs=[sched[i].state for i in sampling_rows],
+        sampling_reqs=[states[i] for i in sampling_rows.tolist()],
         placeholder_dst=buf.dev_seg("ph_dst", len(ph_rows)),
         placeholder_src=buf.dev_seg("ph_src", len(ph_rows)),
         num_padding=pad,
@@ -251,16 +258,23 @@ def _bucket_width(max_blocks: int, cap: int) -> int:
 
 
 def _fill_ids(ids: np.ndarray, sched: list[ScheduledRequest], cu: np.ndarray) -> None:
-    """Input token ids; one slice copy per prompt chunk, one item per decode."""
+    """Host-known input ids (placeholders stay 0): one slice copy per prompt chunk, one
+    vectorised scatter for the non-placeholder decodes."""
+    rows, toks = [], []
     for i, s in enumerate(sched):
+        if s.placeholder:
+            continue
         st = s.state
         if s.num_scheduled == 1:
-            ids[cu[i]] = 0 if s.placeholder else st.token_ids[st.num_computed]
+            rows.append(i)
+            toks.append(st.token_ids[st.num_computed])
         else:
             ids[cu[i] : cu[i + 1]] = st.token_ids[st.num_computed : st.num_computed + s.num_scheduled]
+    if rows:
+        ids[cu[rows]] = toks
 
 
-def _prefill_index_len(q_lens: np.ndarray, num_real: int, pad: int) -> int:
+def _prefill_index_len(q_lens: np.ndarray, num_real: int) -> int:
     pf = q_lens[:num_real][q_lens[:num_real] != 1]
     return len(pf) * int(pf.max()) if len(pf) else 0
 

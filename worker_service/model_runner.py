@@ -249,22 +249,24 @@ class ModelRunner:
 
     def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> list[ScheduledRequest]:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
-        sched = []
+        decodes, chunks = [], []
         for r in new:
             num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
                                   r.num_computed_tokens, num_prompt)
             state.row = self.table.add(state.block_ids)
             self.requests[r.request_id] = state
-            sched.append(ScheduledRequest(state, r.num_scheduled_tokens, placeholder=False))
+            n = r.num_scheduled_tokens
+            (decodes if n == 1 else chunks).append(ScheduledRequest(state, n, False))
+        requests = self.requests
         for r in running:
-            state = self.requests[r.request_id]
+            state = requests[r.request_id]
             if r.new_block_ids:
                 self.table.extend(state.row, r.new_block_ids)
                 state.block_ids.extend(r.new_block_ids)
-            sched.append(ScheduledRequest(state, r.num_scheduled_tokens, r.input_is_placeholder))
-        sched.sort(key=lambda s: s.num_scheduled != 1)  # stable: decodes first
-        return sched
+            n = r.num_scheduled_tokens
+            (decodes if n == 1 else chunks).append(ScheduledRequest(state, n, r.input_is_placeholder))
+        return decodes + chunks
 
     # -- device work --------------------------------------------------------------------
 
