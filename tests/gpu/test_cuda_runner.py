@@ -23,6 +23,10 @@ Which test breaks when a wait in `worker_service/streams.py` (W*) or a host guar
 | H1 `_inputs_copied[slot].synchronize()` | host rewrites the pinned arena after its previous H2D ran | `test_back_to_back_equals_synchronous[copy]` (a delayed H2D would upload the next-but-one step's inputs) |
 | H2 `_retire(slot)` (`PendingStep.ids()`) | reuse of the host and device sampled-ids slot after the host read it | `test_back_to_back_equals_synchronous[output]` (and, on CPU, `tests/model/test_cuda_readiness.py::test_launching_far_ahead_still_reports_each_steps_own_ids`) |
 
+`test_each_wait_is_needed[W*/H*]` checks this table on the device: it deletes one wait (a
+monkeypatch, in a subprocess, since a race may also end in a sticky device-side assert)
+and asserts that the scenario named above then diverges from the synchronous run.
+
 `test_launch_never_blocks_the_host` runs the workload under
 `torch.cuda.set_sync_debug_mode("error")` (findings 2 and 4: a pageable or blocking copy
 in the `min_tokens` mask or in a swap raises) and checks that `launch` returns while a
@@ -32,7 +36,10 @@ delayed compute stream still holds the step.
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -289,3 +296,13 @@ def test_kv_cache_is_sized_after_a_profiling_step(model_dir):
     step_peak = torch.cuda.max_memory_allocated() - before
     assert step_peak <= split.step_peak, "the profiling run under-estimated a real step at its shapes"
     assert torch.cuda.max_memory_allocated() <= split.budget - split.non_torch
+
+
+@pytest.mark.parametrize("wait", ["W0", "W1", "W2", "W3", "H1", "H2"])
+def test_each_wait_is_needed(model_dir, wait):
+    """Deleting the wait makes its scenario diverge (or fail on the device)."""
+    proc = subprocess.run([sys.executable, "-m", "tests.gpu.wait_mutations", str(model_dir), wait],
+                          capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
+    out = proc.stdout + proc.stderr
+    assert "control: equal" in out, f"the scenario fails even with every wait in place:\n{out[-3000:]}"
+    assert proc.returncode != 0 or "mutant: diverged" in out, f"{wait} removed, nothing broke:\n{out[-3000:]}"
