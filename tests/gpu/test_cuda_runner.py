@@ -35,9 +35,11 @@ delayed compute stream still holds the step.
 
 from __future__ import annotations
 
+import queue
 import random
 import subprocess
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -170,6 +172,31 @@ def test_back_to_back_equals_synchronous(model_dir, reference, slow_stream):
         delay(stream)
         pending.append(runner.launch(plan(t)))
     assert [p.wait().sampled_token_ids for p in pending] == want
+
+
+def test_steps_run_on_the_dedicated_stream_from_any_thread(model_dir, reference):
+    """Finding 7: the daemon launches on its execution thread and waits on its sender thread;
+    the forward must run on the runner's own non-default stream whichever thread launches."""
+    want, outputs = reference
+    runner = runner_for(model_dir)
+    streams_seen = []
+    forward = runner._forward
+    runner._forward = lambda inputs: (streams_seen.append(torch.cuda.current_stream()), forward(inputs))[1]
+    plan = plans(outputs)
+    launched: queue.Queue = queue.Queue()
+
+    def execute():
+        for t in range(STEPS):
+            delay(runner.streams.compute)
+            launched.put(runner.launch(plan(t)))
+
+    thread = threading.Thread(target=execute)
+    thread.start()
+    got = [launched.get(timeout=60).wait().sampled_token_ids for _ in range(STEPS)]
+    thread.join()
+    assert got == want
+    assert all(s == runner.streams.compute for s in streams_seen)
+    assert runner.streams.compute != torch.cuda.default_stream()
 
 
 def test_first_step_waits_for_the_constructor(model_dir, reference, monkeypatch):
