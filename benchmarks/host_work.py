@@ -3,14 +3,14 @@
     python benchmarks/host_work.py [--rows 64 256 1024] [--iters 200] [--out benchmarks/results/host_work.json]
 
 Every part of `ModelRunner.launch` that runs on the host before the device can start
-the step, timed alone (median of `--iters` runs, microseconds), with no device work:
+the step, timed alone (minimum of `--iters` runs, microseconds), with no device work:
 
 - `check_plan`: validation of the plan against the worker's state;
 - `inputs`: applying the plan (`_schedule`) and `build_inputs` (the persistent arena;
   on CPU the host arena *is* the device arena, so no copy is timed);
 - `sampling_greedy` / `sampling_mixed`: `SamplingMetadata.build` for all-greedy rows and
   for half greedy, half seeded top-p rows (its host packing; the H2D is not timed);
-- `min_tokens`: the stop-id mask indices when no row is below `min_tokens` (the usual case);
+- `min_tokens`: the stop-id mask when no live request has `min_tokens` (the usual case);
 - `total_greedy` / `total_mixed`: the sum.
 
 The plan is a decode step of `rows` running requests (placeholder inputs, ~256 tokens of
@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -49,30 +48,28 @@ def build_runner(max_rows: int):
 
 def setup(runner, rows: int) -> list[StepPlan]:
     """Registers `rows` requests as prefix hits; returns decode plans (each used once per iter)."""
-    from worker_service.input_batch import ScheduledRequest
-
     runner.reset()
     per = KV_TOKENS // BLOCK + 2
     new = [NewRequest(f"r{i}", tuple(range(KV_TOKENS)), GREEDY if i % 2 else SAMPLED,
                       tuple(range(i * per, i * per + per - 1)), KV_TOKENS - 1, 1) for i in range(rows)]
     sched = runner._schedule(tuple(new), ())
-    for s in sched:
-        s.state.token_ids.append(0)  # a sampled token, as after the first step
-        s.state.num_computed = KV_TOKENS
+    for state in sched.states:
+        state.token_ids.append(0)  # a sampled token, as after the first step
+        state.num_computed = KV_TOKENS
     runner._prev_rows = {f"r{i}": i for i in range(rows)}
     runner._prev_sampled = torch.zeros(rows, dtype=torch.int64)
-    del ScheduledRequest
     running = tuple(RunningRequest(f"r{i}", (), 1, True) for i in range(rows))
     return [StepPlan(1, running=running)]
 
 
 def time_us(fn, iters: int) -> float:
+    """The minimum over `iters` runs: on a shared machine the median mostly measures the load."""
     samples = []
     for _ in range(iters):
         t0 = time.perf_counter_ns()
         fn()
         samples.append((time.perf_counter_ns() - t0) / 1e3)
-    return statistics.median(samples)
+    return min(samples)
 
 
 def measure(runner, rows: int, iters: int) -> dict[str, float]:
@@ -123,7 +120,7 @@ def main() -> None:
     for rows in args.rows:
         results[rows] = measure(runner, rows, args.iters)
     cols = list(next(iter(results.values())))
-    print("rows  " + "  ".join(f"{c:>15}" for c in cols) + "   (median us per step)")
+    print("rows  " + "  ".join(f"{c:>15}" for c in cols) + "   (min us per step)")
     for rows, r in results.items():
         print(f"{rows:<5} " + "  ".join(f"{r[c]:15.1f}" for c in cols))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -13,7 +13,7 @@ prefix (the variable-size block table and prefill index sit at the end).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -39,11 +39,26 @@ class CachedRequest:
         return len(self.token_ids) - self.num_prompt_tokens
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    state: CachedRequest
-    num_scheduled: int
-    placeholder: bool  # input token comes from the previous step's device-side sampled ids
+@dataclass
+class ScheduledBatch:
+    """A step's requests as parallel lists (no per-request object on the hot path), decodes
+    (one-token queries) first."""
+
+    states: list[CachedRequest] = field(default_factory=list)
+    num_scheduled: list[int] = field(default_factory=list)
+    placeholder: list[bool] = field(default_factory=list)  # input id comes from the previous step's device ids
+
+    def add(self, state: CachedRequest, num_scheduled: int, placeholder: bool) -> None:
+        self.states.append(state)
+        self.num_scheduled.append(num_scheduled)
+        self.placeholder.append(placeholder)
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def __add__(self, other: ScheduledBatch) -> ScheduledBatch:
+        return ScheduledBatch(self.states + other.states, self.num_scheduled + other.num_scheduled,
+                              self.placeholder + other.placeholder)
 
 
 @dataclass
@@ -124,6 +139,7 @@ class StepBuffers:
         self.host_t = torch.zeros(capacity, dtype=torch.int64, pin_memory=cuda)
         self.host = self.host_t.numpy()
         self.dev = torch.zeros(capacity, dtype=torch.int64, device=self.device) if cuda else self.host_t
+        self._views: dict[tuple, torch.Tensor] = {}  # device views by (offset, shape): a torch op costs µs
 
     def ensure(self, num_tokens: int, num_rows: int, tail: int) -> None:
         """Reallocate for a step beyond capacity: rare (the capacity is the configured token and
@@ -154,12 +170,18 @@ class StepBuffers:
             self.dev[:end].copy_(self.host_t[:end], non_blocking=True)
 
     def dev_seg(self, name: str, n: int) -> torch.Tensor:
-        off = self.offsets[name]
-        return self.dev[off : off + n]
+        key = (self.offsets[name], n)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.dev[key[0] : key[0] + n]
+        return view
 
     def dev_tail(self, start: int, rows: int, cols: int) -> torch.Tensor:
-        off = self.tail + start
-        return self.dev[off : off + rows * cols].view(rows, cols)
+        key = (self.tail + start, rows, cols)
+        view = self._views.get(key)
+        if view is None:
+            view = self._views[key] = self.dev[key[0] : key[0] + rows * cols].view(rows, cols)
+        return view
 
 
 @dataclass
@@ -179,7 +201,7 @@ def step_shape(q_lens: np.ndarray, pad_decodes: bool, max_reqs: int) -> tuple[in
     return num_tokens, rows, 0
 
 
-def build_inputs(buf: StepBuffers, table: RequestTable, sched: list[ScheduledRequest], cfg: BuildConfig,
+def build_inputs(buf: StepBuffers, table: RequestTable, sched: ScheduledBatch, cfg: BuildConfig,
                  prev_rows: dict[str, int]) -> StepInputs:
     """Flatten `sched` (decodes, i.e. one-token queries, first) into the arena and upload it.
 
@@ -187,8 +209,8 @@ def build_inputs(buf: StepBuffers, table: RequestTable, sched: list[ScheduledReq
     """
     bs = cfg.block_size
     num_real = len(sched)
-    states = [s.state for s in sched]
-    q_real = np.fromiter([s.num_scheduled for s in sched], np.int64, num_real)
+    states = sched.states
+    q_real = np.fromiter(sched.num_scheduled, np.int64, num_real)
     num_tokens, num_rows, pad = step_shape(q_real, cfg.pad_decodes, buf.max_reqs)
     q_lens = np.ones(num_rows, dtype=np.int64)
     q_lens[:num_real] = q_real
@@ -221,7 +243,7 @@ def build_inputs(buf: StepBuffers, table: RequestTable, sched: list[ScheduledReq
     sampling_rows = np.flatnonzero(seq_lens[:num_real] == known)
     logits_idx = buf.seg("logits_idx", len(sampling_rows))
     logits_idx[:] = cu[1:][sampling_rows] - 1
-    ph_rows = np.flatnonzero(np.fromiter([s.placeholder for s in sched], np.bool_, num_real))
+    ph_rows = np.flatnonzero(np.fromiter(sched.placeholder, np.bool_, num_real))
     ph_dst = buf.seg("ph_dst", len(ph_rows))
     ph_dst[:] = cu[ph_rows]
     ph_src = buf.seg("ph_src", len(ph_rows))
@@ -257,19 +279,18 @@ def _bucket_width(max_blocks: int, cap: int) -> int:
     return min(1 << max(max_blocks - 1, 0).bit_length(), cap) if max_blocks else 1
 
 
-def _fill_ids(ids: np.ndarray, sched: list[ScheduledRequest], cu: np.ndarray) -> None:
+def _fill_ids(ids: np.ndarray, sched: ScheduledBatch, cu: np.ndarray) -> None:
     """Host-known input ids (placeholders stay 0): one slice copy per prompt chunk, one
     vectorised scatter for the non-placeholder decodes."""
     rows, toks = [], []
-    for i, s in enumerate(sched):
-        if s.placeholder:
+    for i, (st, n, ph) in enumerate(zip(sched.states, sched.num_scheduled, sched.placeholder)):
+        if ph:
             continue
-        st = s.state
-        if s.num_scheduled == 1:
+        if n == 1:
             rows.append(i)
             toks.append(st.token_ids[st.num_computed])
         else:
-            ids[cu[i] : cu[i + 1]] = st.token_ids[st.num_computed : st.num_computed + s.num_scheduled]
+            ids[cu[i] : cu[i + 1]] = st.token_ids[st.num_computed : st.num_computed + n]
     if rows:
         ids[cu[rows]] = toks
 

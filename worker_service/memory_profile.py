@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from stepahead.plan import SamplingParams
-from worker_service.input_batch import CachedRequest, RequestTable, ScheduledRequest
+from worker_service.input_batch import CachedRequest, RequestTable, ScheduledBatch
 
 log = logging.getLogger(__name__)
 
@@ -89,11 +89,11 @@ def profile_run(runner) -> None:
     with runner.streams.on_compute_stream():
         for shape in (prefill, decode):
             table = RequestTable(width, dummy, rows=len(shape))
-            sched = []
+            sched = ScheduledBatch()
             for i, (known, computed, scheduled) in enumerate(shape):
                 state = CachedRequest(f"profile-{i}", [0] * known, sampling, [], computed, known)
                 state.row = table.add([dummy] * width)
-                sched.append(ScheduledRequest(state, scheduled, placeholder=False))
+                sched.add(state, scheduled, False)
             saved, runner.table = runner.table, table
             try:
                 inputs = runner._copy_inputs(sched, 0)

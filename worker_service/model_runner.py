@@ -24,7 +24,7 @@ import torch
 
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
-from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledRequest, StepBuffers,
+from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
@@ -97,6 +97,7 @@ class ModelRunner:
         self.streams = DeviceStreams(self.device)
         self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
         self.requests: dict[str, CachedRequest] = {}
+        self._num_min_tokens = 0  # live requests with min_tokens > 0 (the stop-id mask is skipped without)
         # two of everything a step writes and a later step reuses, indexed by step parity
         self.buffers = [StepBuffers(self.device, max_num_batched_tokens, max_num_seqs, self.max_blocks_per_req)
                         for _ in range(2)]
@@ -153,8 +154,8 @@ class ModelRunner:
             slot = self._num_launched & 1
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
-            for s in sched:
-                s.state.num_computed += s.num_scheduled
+            for state, n in zip(sched.states, sched.num_scheduled):
+                state.num_computed += n
             forward_start = time.time()
             sampled = self._device_step(inputs, slot)
             slots = self._reserve_slots(inputs.sampling_reqs)
@@ -163,7 +164,7 @@ class ModelRunner:
         pending.timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
         return pending
 
-    def _copy_inputs(self, sched: list[ScheduledRequest], slot: int) -> StepInputs:
+    def _copy_inputs(self, sched: ScheduledBatch, slot: int) -> StepInputs:
         """Fill the slot's pinned arena and copy it to the device on the copy stream."""
         # The copy of step t-2 read this slot's pinned arena. With at most two steps in flight
         # (the scheduler's window) its result was already reported, so this never blocks.
@@ -246,27 +247,34 @@ class ModelRunner:
             state = self.requests.pop(rid, None)
             if state is not None:
                 self.table.free(state.row)
+                self._num_min_tokens -= state.sampling.min_tokens > 0
 
-    def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> list[ScheduledRequest]:
+    def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> ScheduledBatch:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
-        decodes, chunks = [], []
+        decodes, chunks = ScheduledBatch(), ScheduledBatch()
         for r in new:
             num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
                                   r.num_computed_tokens, num_prompt)
             state.row = self.table.add(state.block_ids)
             self.requests[r.request_id] = state
+            self._num_min_tokens += r.sampling.min_tokens > 0
             n = r.num_scheduled_tokens
-            (decodes if n == 1 else chunks).append(ScheduledRequest(state, n, False))
+            (decodes if n == 1 else chunks).add(state, n, False)
         requests = self.requests
+        d_states, d_placeholder = decodes.states, decodes.placeholder
         for r in running:
             state = requests[r.request_id]
             if r.new_block_ids:
                 self.table.extend(state.row, r.new_block_ids)
                 state.block_ids.extend(r.new_block_ids)
-            n = r.num_scheduled_tokens
-            (decodes if n == 1 else chunks).append(ScheduledRequest(state, n, r.input_is_placeholder))
-        return decodes + chunks
+            if r.num_scheduled_tokens == 1:
+                d_states.append(state)
+                d_placeholder.append(r.input_is_placeholder)
+            else:
+                chunks.add(state, r.num_scheduled_tokens, r.input_is_placeholder)
+        decodes.num_scheduled = [1] * len(d_states)
+        return decodes + chunks if len(chunks) else decodes
 
     # -- device work --------------------------------------------------------------------
 
@@ -298,6 +306,8 @@ class ModelRunner:
         The flat indices go up from pinned memory without blocking: a pageable
         `torch.tensor(..., device=cuda)` would make the host wait for the running step.
         """
+        if not self._num_min_tokens:
+            return
         vocab = logits.shape[1]
         flat = []
         for i, r in enumerate(reqs):
