@@ -27,6 +27,13 @@ from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, schedu
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 
+# How a scheduler's refusal reaches the client.
+REJECT_STATUS = {
+    scheduler_pb2.REJECT_CODE_INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    scheduler_pb2.REJECT_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    scheduler_pb2.REJECT_CODE_QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
 
 @dataclass(frozen=True)
 class GatewayConfig:
@@ -105,8 +112,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             for event in events:
                 if event.rejected:
-                    code = grpc.StatusCode.UNAVAILABLE if event.unavailable else grpc.StatusCode.INVALID_ARGUMENT
-                    context.abort(code, event.message)
+                    context.abort(REJECT_STATUS[event.reject_code], event.message)
                 reason = finish_from_proto(event.finish_reason)
                 out = processor.on_tokens(event.token_ids, reason)
                 if out.finished:
@@ -126,6 +132,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             token_ids=out.token_ids,
             finish_reason=common_pb2.FinishReason.Value("FINISH_REASON_" + out.finish_reason.name),
             stop_reason=out.stop_reason,
+            error=event.message if out.finish_reason is FinishReason.ERROR else "",
             usage=common_pb2.Usage(
                 prompt_tokens=event.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,

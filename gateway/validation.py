@@ -1,44 +1,22 @@
 """Validation of public generation requests (pure domain code, no grpc).
 
 `validate()` turns what a client asked (`RawGenerateRequest`) into a `ValidRequest` or
-raises `ValidationError` naming the offending field. The servicer maps that error to
+raises `ValidationError` naming the offending field. The rules are `stepahead.limits`, the
+same ones the scheduler applies again to every submission. The servicer maps the error to
 INVALID_ARGUMENT (gRPC) or HTTP 400.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from stepahead import limits
+from stepahead.limits import LimitError as ValidationError
+from stepahead.limits import ModelLimits
 from stepahead.plan import SamplingParams
 
-MAX_STOP_STRINGS = 16
-MAX_STOP_STRING_CHARS = 256
-MAX_STOP_TOKEN_IDS = 64
-MAX_REQUEST_ID_CHARS = 256
-PRIORITY_RANGE = (-1000, 1000)
-MAX_TEMPERATURE = 100.0
-GREEDY_BELOW = 1e-5
-SEED_RANGE = (-(2**63), 2**63 - 1)
-
-
-class ValidationError(ValueError):
-    """A request field holds a value the server cannot accept."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the served model accepts."""
-
-    name: str
-    max_model_len: int
-    vocab_size: int
-    max_request_bytes: int = 1 << 20
+__all__ = ["ModelLimits", "RawGenerateRequest", "ValidRequest", "ValidationError", "validate"]
 
 
 @dataclass(frozen=True)
@@ -77,157 +55,49 @@ class ValidRequest:
 
 
 def validate(
-    raw: RawGenerateRequest, limits: ModelLimits, tokenize: Callable[[str], list[int]]
+    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]]
 ) -> ValidRequest:
-    _check_envelope(raw, limits)
-    prompt = _prompt_ids(raw, limits, tokenize)
-    max_tokens = _max_tokens(raw, limits, len(prompt))
+    _check_envelope(raw, model)
+    prompt, field = _prompt_ids(raw, model, tokenize)
+    room = model.max_model_len - len(prompt)
     sampling = SamplingParams(
-        temperature=_temperature(raw.temperature),
-        top_k=_top_k(raw.top_k),
-        top_p=_top_p(raw.top_p),
-        min_p=_min_p(raw.min_p),
-        seed=_seed(raw.seed),
-        max_tokens=max_tokens,
-        min_tokens=_min_tokens(raw.min_tokens, max_tokens),
-        stop_token_ids=_stop_token_ids(raw.stop_token_ids, limits),
+        temperature=1.0 if raw.temperature is None else raw.temperature,
+        top_k=raw.top_k,
+        top_p=1.0 if raw.top_p is None else raw.top_p,
+        min_p=raw.min_p,
+        seed=raw.seed,
+        max_tokens=max(room, 1) if raw.max_tokens is None else raw.max_tokens,
+        min_tokens=raw.min_tokens,
+        stop_token_ids=tuple(raw.stop_token_ids),
         ignore_eos=raw.ignore_eos,
     )
+    sampling = limits.check_request(prompt, sampling, raw.priority, model, field)
     return ValidRequest(
         request_id=raw.request_id,
         prompt_token_ids=tuple(prompt),
         sampling=sampling,
-        stop=_stop_strings(raw.stop),
+        stop=limits.check_stop_strings(raw.stop),
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
-        priority=_priority(raw.priority),
+        priority=raw.priority,
     )
 
 
-def _check_envelope(raw: RawGenerateRequest, limits: ModelLimits) -> None:
-    if raw.size_bytes > limits.max_request_bytes:
+def _check_envelope(raw: RawGenerateRequest, model: ModelLimits) -> None:
+    if raw.size_bytes > model.max_request_bytes:
         raise ValidationError(
-            "request", f"message is {raw.size_bytes} bytes; the limit is {limits.max_request_bytes}"
+            "request", f"message is {raw.size_bytes} bytes; the limit is {model.max_request_bytes}"
         )
-    if raw.model and raw.model != limits.name:
-        raise ValidationError("model", f"unknown model {raw.model!r}; this server serves {limits.name!r}")
-    if len(raw.request_id) > MAX_REQUEST_ID_CHARS:
-        raise ValidationError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
+    if raw.model and raw.model != model.name:
+        raise ValidationError("model", f"unknown model {raw.model!r}; this server serves {model.name!r}")
+    limits.check_id("request_id", raw.request_id)
 
 
-def _prompt_ids(raw: RawGenerateRequest, limits: ModelLimits, tokenize: Callable[[str], list[int]]) -> list[int]:
+def _prompt_ids(
+    raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]]
+) -> tuple[list[int], str]:
     if raw.prompt_token_ids is not None:
-        ids = list(raw.prompt_token_ids)
-        field = "prompt.token_ids"
-        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
-        if bad:
-            raise ValidationError(field, f"token id {bad[0]} is outside the vocabulary [0, {limits.vocab_size})")
-    elif raw.prompt_text is not None:
-        field = "prompt.text"
-        ids = tokenize(raw.prompt_text) if raw.prompt_text else []
-    else:
-        raise ValidationError("prompt", "set prompt.text or prompt.token_ids")
-    if not ids:
-        raise ValidationError(field, "the prompt is empty")
-    if len(ids) >= limits.max_model_len:
-        raise ValidationError(
-            field,
-            f"the prompt has {len(ids)} tokens; the model's maximum length is {limits.max_model_len}"
-            " (prompt + at least one output token)",
-        )
-    return ids
-
-
-def _max_tokens(raw: RawGenerateRequest, limits: ModelLimits, prompt_len: int) -> int:
-    room = limits.max_model_len - prompt_len
-    if raw.max_tokens is None:
-        return room
-    if raw.max_tokens < 1:
-        raise ValidationError("sampling.max_tokens", f"must be at least 1, got {raw.max_tokens}")
-    if raw.max_tokens > room:
-        raise ValidationError(
-            "sampling.max_tokens",
-            f"{raw.max_tokens} output tokens + {prompt_len} prompt tokens exceed the model's"
-            f" maximum length {limits.max_model_len}",
-        )
-    return raw.max_tokens
-
-
-def _finite(field: str, value: float) -> float:
-    if not math.isfinite(value):
-        raise ValidationError(field, f"must be a finite number, got {value}")
-    return value
-
-
-def _temperature(value: float | None) -> float:
-    if value is None:
-        return 1.0
-    _finite("sampling.temperature", value)
-    if not 0.0 <= value <= MAX_TEMPERATURE:
-        raise ValidationError("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE}], got {value}")
-    return 0.0 if value < GREEDY_BELOW else value  # as vLLM: a vanishing temperature is greedy
-
-
-def _top_k(value: int) -> int:
-    if value < -1:
-        raise ValidationError("sampling.top_k", f"must be -1 (disabled), 0 (disabled) or positive, got {value}")
-    return value
-
-
-def _top_p(value: float | None) -> float:
-    if value is None:
-        return 1.0
-    _finite("sampling.top_p", value)
-    if not 0.0 < value <= 1.0:
-        raise ValidationError("sampling.top_p", f"must be in (0, 1], got {value}")
-    return value
-
-
-def _min_p(value: float) -> float:
-    _finite("sampling.min_p", value)
-    if not 0.0 <= value <= 1.0:
-        raise ValidationError("sampling.min_p", f"must be in [0, 1], got {value}")
-    return value
-
-
-def _seed(value: int | None) -> int | None:
-    if value is not None and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
-        raise ValidationError("sampling.seed", "must fit in a signed 64-bit integer")
-    return value
-
-
-def _min_tokens(value: int, max_tokens: int) -> int:
-    if value < 0:
-        raise ValidationError("sampling.min_tokens", f"must be >= 0, got {value}")
-    if value > max_tokens:
-        raise ValidationError("sampling.min_tokens", f"{value} is more than max_tokens ({max_tokens})")
-    return value
-
-
-def _stop_token_ids(ids: Sequence[int], limits: ModelLimits) -> tuple[int, ...]:
-    if len(ids) > MAX_STOP_TOKEN_IDS:
-        raise ValidationError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
-    for t in ids:
-        if not 0 <= t < limits.vocab_size:
-            raise ValidationError(
-                "sampling.stop_token_ids", f"token id {t} is outside the vocabulary [0, {limits.vocab_size})"
-            )
-    return tuple(ids)
-
-
-def _stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
-    if len(stop) > MAX_STOP_STRINGS:
-        raise ValidationError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
-    for s in stop:
-        if not s:
-            raise ValidationError("stop", "stop strings must not be empty")
-        if len(s) > MAX_STOP_STRING_CHARS:
-            raise ValidationError("stop", f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters")
-    return tuple(stop)
-
-
-def _priority(value: int) -> int:
-    lo, hi = PRIORITY_RANGE
-    if not lo <= value <= hi:
-        raise ValidationError("priority", f"must be in [{lo}, {hi}], got {value}")
-    return value
+        return list(raw.prompt_token_ids), "prompt.token_ids"
+    if raw.prompt_text is not None:
+        return (tokenize(raw.prompt_text) if raw.prompt_text else []), "prompt.text"
+    raise ValidationError("prompt", "set prompt.text or prompt.token_ids")

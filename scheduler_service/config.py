@@ -40,6 +40,8 @@ class SchedulerConfig:
     async_scheduling: bool = True
     max_concurrent_batches: int = 2
     eos_token_ids: tuple[int, ...] = ()
+    vocab_size: int | None = None  # token ids in submissions and results are checked against it
+    max_queued_requests: int | None = None  # waiting requests at most; None = unbounded
     # score policy: score = w_priority * priority + w_length * remaining tokens
     #                       - w_wait * seconds waited; lowest score first.
     score_priority_weight: float = 1.0
@@ -53,6 +55,8 @@ class SchedulerConfig:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.long_prefill_token_threshold < 0:

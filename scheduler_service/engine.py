@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import enum
+import math
 import queue
 import threading
 import time
@@ -37,25 +39,41 @@ class _Abort:
     request_id: str
 
 
+class WorkerRefused(Exception):
+    """Why the scheduler closed (or would not open) a worker's stream."""
+
+    class Kind(enum.Enum):
+        INVALID = "invalid"  # the worker sent something the protocol does not allow
+        ALREADY_ATTACHED = "already_attached"  # another worker holds this scheduler
+
+    def __init__(self, kind: WorkerRefused.Kind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
 class PlanOutbox:
     """Plans from the engine thread to the thread that writes the worker's stream.
 
     `send` returns once the stream asked for the message after the plan (i.e. the plan was
     written), or after `handoff_timeout_s`: the engine serves clients only after the
     device's next step is on its way, instead of racing 64 client threads for the GIL.
+    `close(error)` ends the stream; `error` (a `WorkerRefused`) is what the writer reports.
     """
 
     def __init__(self, handoff_timeout_s: float = 0.05) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._timeout = handoff_timeout_s
+        self.error: WorkerRefused | None = None
 
-    def send(self, plan: StepPlan | None) -> None:
-        if plan is None:
-            self._queue.put(None)  # closes the stream
-            return
+    def send(self, plan: StepPlan) -> None:
         written = threading.Event()
         self._queue.put((plan, written))
         written.wait(self._timeout)
+
+    def close(self, error: WorkerRefused | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self._queue.put(None)
 
     def __iter__(self):
         while (item := self._queue.get()) is not None:
@@ -65,16 +83,16 @@ class PlanOutbox:
 
 
 class WorkerHandle:
-    """One attached worker's link: plans go out through `send`; `send(None)` closes it."""
+    """One attached worker's link: plans go out through `outbox.send`; `outbox.close` ends it."""
 
-    def __init__(self, engine: Engine, info: WorkerInfo, send: Callable[[StepPlan | None], None]) -> None:
-        self.engine, self.info, self.send = engine, info, send
+    def __init__(self, engine: Engine, info: WorkerInfo, outbox: PlanOutbox) -> None:
+        self.engine, self.info, self.outbox = engine, info, outbox
 
     def on_result(self, result: StepResult) -> None:
         self.engine._inbox.put(_Result(self, result))
 
-    def on_lost(self, reason: str) -> None:
-        self.engine._inbox.put(_WorkerLost(self, reason))
+    def on_lost(self, reason: str, error: WorkerRefused | None = None) -> None:
+        self.engine._inbox.put(_WorkerLost(self, reason, error))
 
 
 @dataclass(frozen=True)
@@ -92,6 +110,7 @@ class _Result:
 class _WorkerLost:
     handle: WorkerHandle
     reason: str
+    error: WorkerRefused | None = None
 
 
 @dataclass(frozen=True)
@@ -109,13 +128,19 @@ class _Stop:
     pass
 
 
+class RejectCode(enum.Enum):
+    INVALID = "invalid"  # the request can never be served
+    UNAVAILABLE = "unavailable"  # no worker attached yet: retry later
+    QUEUE_FULL = "queue_full"  # --max-queued-requests reached: retry later
+
+
 @dataclass(frozen=True)
 class Rejected:
     """A submission on a gateway session that the scheduler refused."""
 
     request_id: str
     message: str
-    unavailable: bool = False  # no worker yet: the caller may retry
+    code: RejectCode = RejectCode.INVALID
 
 
 class GatewaySession:
@@ -195,8 +220,8 @@ class Engine:
     def abort(self, request_id: str) -> None:
         self._inbox.put(_Abort(request_id))
 
-    def attach_worker(self, info: WorkerInfo, send: Callable[[StepPlan | None], None]) -> WorkerHandle:
-        handle = WorkerHandle(self, info, send)
+    def attach_worker(self, info: WorkerInfo, outbox: PlanOutbox) -> WorkerHandle:
+        handle = WorkerHandle(self, info, outbox)
         self._inbox.put(_Attach(handle))
         return handle
 
@@ -244,13 +269,13 @@ class Engine:
             case _Abort(request_id):
                 self._abort(request_id)
             case _Result(handle, result):
-                if handle is self._worker:  # late results of a replaced worker mean nothing
+                if handle is self._worker:  # late results of a dropped worker mean nothing
                     self._commit(result)
             case _Attach(handle):
                 self._attach(handle)
-            case _WorkerLost(handle, reason):
+            case _WorkerLost(handle, reason, error):
                 if handle is self._worker:
-                    self._lose_worker(reason)
+                    self._lose_worker(reason, error)
             case _CloseSession(session):
                 for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
                     self._abort(request_id)
@@ -282,23 +307,32 @@ class Engine:
             self._dispatch([event])
 
     def _attach(self, handle: WorkerHandle) -> None:
+        """One worker at a time: a second one is refused (it retries), never swapped in, so
+        two workers cannot evict each other and a copied hello cannot take over."""
         if self._worker is not None:
-            self._log.warning("worker_replaced", old=self._worker.info.worker_id, new=handle.info.worker_id)
-            self._lose_worker("replaced by a new worker")
-        self._scheduler = Scheduler(self._make_config(handle.info))
-        self._worker = handle
+            self._log.warning("worker_refused", attached=self._worker.info.worker_id, new=handle.info.worker_id)
+            handle.outbox.close(WorkerRefused(WorkerRefused.Kind.ALREADY_ATTACHED, (
+                f"worker {self._worker.info.worker_id!r} is attached; this scheduler drives one worker")))
+            return
+        try:
+            scheduler = Scheduler(self._make_config(handle.info))
+        except ValueError as exc:  # the hello's geometry does not fit the scheduler's flags
+            handle.outbox.close(WorkerRefused(WorkerRefused.Kind.INVALID, f"hello: {exc}"))
+            return
+        self._scheduler, self._worker = scheduler, handle
         self._log.info("worker_attached", **dataclasses.asdict(handle.info))
         self._on_ready_change(True)
 
-    def _lose_worker(self, reason: str) -> None:
-        """Fail every request: their KV lived on the lost worker."""
+    def _lose_worker(self, reason: str, error: WorkerRefused | None = None) -> None:
+        """Fail every request (their KV lived on the lost worker) and close its stream."""
         assert self._worker is not None
         self._log.error("worker_lost", reason=reason, requests=len(self._streams))
-        self._dispatch([RequestEvent(rid, (), FinishReason.ERROR, 0, 0) for rid in self._streams])
+        self._on_ready_change(False)  # not serving before anyone hears of the loss
+        worker, self._scheduler, self._worker = self._worker, None, None
         self._in_flight.clear()
-        self._worker.send(None)
-        self._scheduler = self._worker = None
-        self._on_ready_change(False)
+        worker.outbox.close(error)
+        message = f"the worker was lost: {reason}"
+        self._dispatch([RequestEvent(rid, (), FinishReason.ERROR, 0, 0, message) for rid in self._streams])
 
     def _pump(self) -> None:
         """Plan and send steps while the in-flight window has room."""
@@ -310,7 +344,7 @@ class Engine:
                 return
             record = self._record(plan, start)
             self._in_flight.append(plan)
-            self._worker.send(plan)
+            self._worker.outbox.send(plan)
             record.plan_sent = time.time()
 
     def _record(self, plan: StepPlan, start: float) -> StepRecord:
@@ -324,12 +358,24 @@ class Engine:
         return record
 
     def _commit(self, result: StepResult) -> None:
+        """Commit the oldest in-flight plan's result. A result that does not fit it (unknown,
+        duplicated or out-of-order step, ids it did not schedule, tokens outside the
+        vocabulary, nonsense timings) drops the worker with the reason; nothing is committed."""
         if self._scheduler is None:
             return  # the worker was lost; its late results are meaningless
         start = time.time()
-        plan = self._in_flight.popleft()
-        assert plan.step_id == result.step_id, f"result {result.step_id} for plan {plan.step_id}"
-        events = self._scheduler.update_from_output(plan, result)
+        try:
+            if not self._in_flight:
+                raise ValueError(f"result for step {result.step_id}, but no step is in flight")
+            plan = self._in_flight[0]
+            if plan.step_id != result.step_id:
+                raise ValueError(f"result for step {result.step_id}, but step {plan.step_id} is the oldest in flight")
+            _check_timing(result)
+            events = self._scheduler.update_from_output(plan, result)
+        except ValueError as exc:
+            self._lose_worker(f"invalid step result: {exc}", WorkerRefused(WorkerRefused.Kind.INVALID, str(exc)))
+            return
+        self._in_flight.popleft()
         self._pump()  # the next plan leaves before clients are served: the device waits for it
         self.metrics.on_events(events, self._scheduler.get_request)
         self._dispatch(events)
@@ -350,3 +396,10 @@ class Engine:
                 del self._streams[event.request_id]
         for sink, batch in batches.values():
             sink.put_many(batch)
+
+
+def _check_timing(result: StepResult) -> None:
+    """Worker timings feed metrics and the flight recorder: finite, non-negative seconds."""
+    for name, value in dataclasses.asdict(result.timing).items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"result {result.step_id}: timing.{name} is {value!r}")

@@ -27,6 +27,10 @@ class RequestRejected(ValueError):
     """A request that can never be served (bad input): raised by `Scheduler.add_request`."""
 
 
+class QueueFull(RequestRejected):
+    """The waiting queue is at `max_queued_requests`: the request may be retried later."""
+
+
 class RequestStatus(Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -73,6 +77,7 @@ class RequestEvent:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    message: str = ""  # with FinishReason.ERROR: what failed
 
 
 class Request:

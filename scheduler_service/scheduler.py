@@ -15,6 +15,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from enum import Enum, auto
 
+from scheduler_service.admission import check_submission
 from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 from scheduler_service.integrity import check_queues, check_request
@@ -23,6 +24,7 @@ from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.request import (
     FINISHED_STATUS,
     FinishReason,
+    QueueFull,
     Request,
     RequestEvent,
     RequestRejected,
@@ -32,7 +34,7 @@ from scheduler_service.stats import SchedulerStats, build_stats
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
 from stepahead.plan import StepPlan, StepResult
 
-__all__ = ["FinishReason", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
+__all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
 
 
 def _run_key(request: Request) -> tuple:
@@ -76,28 +78,13 @@ class Scheduler:
             raise RequestRejected(f"duplicate request id {rid!r}: a request with this id is still active")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens or request.epoch:
             raise RequestRejected(f"request {rid!r} was already used by a scheduler")
-        self._check_fits(request)
+        check_submission(self.config, request, len(self._waiting))
         now = self._clock()
         if request.arrival_time is None:
             request.arrival_time = now
         request.queued_time = now
         self._requests[rid] = request
         self._waiting.push(request)
-
-    def _check_fits(self, request: Request) -> None:
-        cfg, rid, n = self.config, request.request_id, request.num_prompt_tokens
-        if n >= cfg.max_model_len:
-            raise RequestRejected(
-                f"request {rid!r}: prompt has {n} tokens but max_model_len is {cfg.max_model_len} "
-                f"(the prompt must be shorter to leave room for output)"
-            )
-        final_len = min(n + request.sampling.max_tokens, cfg.max_model_len)
-        blocks = cdiv(final_len - 1, cfg.block_size)  # the last sampled token is never computed
-        if blocks > cfg.num_gpu_blocks:
-            raise RequestRejected(
-                f"request {rid!r}: needs up to {blocks} KV blocks ({final_len} tokens) but the device "
-                f"pool has only {cfg.num_gpu_blocks}"
-            )
 
     def abort(self, request_id: str) -> RequestEvent | None:
         request = self._requests.get(request_id)
@@ -336,16 +323,20 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result for step {result.step_id} given with plan {plan.step_id}")
         record = self._in_flight[0]
-        record.check_result(result)
+        record.check_result(result, self.config.vocab_size)
         self._in_flight.popleft()
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
         self._counts["num_steps"] += 1
-        events, tokens = [], result.sampled_token_ids
+        events, tokens, failed = [], result.sampled_token_ids, result.failed
         caching, bs = self.config.enable_prefix_caching, self.config.block_size
         for req, epoch, num_tokens, samples in record.entries:
             if req.epoch != epoch:
                 continue  # preempted, finished or aborted since the plan was built: stale
+            if failed and req.request_id in failed:
+                self._finish(req, FinishReason.ERROR)
+                events.append(self._event(req, (), FinishReason.ERROR, f"worker: {failed[req.request_id]}"))
+                continue
             req.num_computed_tokens += num_tokens
             if samples:
                 req.num_output_placeholders -= 1
@@ -372,8 +363,8 @@ class Scheduler:
         return None
 
     @staticmethod
-    def _event(req: Request, tokens: tuple[int, ...], reason: FinishReason | None) -> RequestEvent:
-        return RequestEvent(req.request_id, tokens, reason, req.num_prompt_tokens, req.num_cached_tokens)
+    def _event(req: Request, tokens: tuple[int, ...], reason: FinishReason | None, message: str = "") -> RequestEvent:
+        return RequestEvent(req.request_id, tokens, reason, req.num_prompt_tokens, req.num_cached_tokens, message)
 
     # ---- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> Request | None:

@@ -18,11 +18,20 @@ import grpc
 from prometheus_client import REGISTRY, start_http_server
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from scheduler_service.engine import Engine, GatewaySession, NoWorker, PlanOutbox, Rejected, WorkerHandle
+from scheduler_service.engine import (
+    Engine,
+    GatewaySession,
+    NoWorker,
+    PlanOutbox,
+    RejectCode,
+    Rejected,
+    WorkerHandle,
+    WorkerRefused,
+)
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
-from scheduler_service.scheduler import RequestEvent, RequestRejected
-from stepahead import codec, daemon, logs
+from scheduler_service.scheduler import QueueFull, RequestEvent, RequestRejected
+from stepahead import codec, daemon, limits, logs
 from stepahead import config as cfg
 from stepahead.flight_recorder import FlightRecorder
 from stepahead.plan import WorkerInfo
@@ -44,6 +53,9 @@ class SchedulerDaemonConfig:
     preemption_mode: PreemptionMode = cfg.field(PreemptionMode.RECOMPUTE, "what preemption does to KV")
     async_scheduling: bool = cfg.field(True, "plan step t+1 while step t runs")
     max_concurrent_batches: int = cfg.field(2, "plans in flight at most in async mode")
+    max_queued_requests: int | None = cfg.field(
+        4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name)"
+    )
     score_priority_weight: float = cfg.field(1.0, "score policy: weight of the priority value")
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.01, "score policy: weight of remaining tokens")
@@ -69,6 +81,8 @@ class SchedulerDaemonConfig:
             async_scheduling=self.async_scheduling,
             max_concurrent_batches=self.max_concurrent_batches,
             eos_token_ids=info.eos_token_ids,
+            vocab_size=info.vocab_size,
+            max_queued_requests=self.max_queued_requests,
             score_priority_weight=self.score_priority_weight,
             score_wait_weight=self.score_wait_weight,
             score_length_weight=self.score_length_weight,
@@ -102,13 +116,26 @@ def event_to_proto(event: RequestEvent) -> scheduler_pb2.TokenEvent:
         ),
         num_prompt_tokens=event.num_prompt_tokens,
         num_cached_tokens=event.num_cached_tokens,
+        message=event.message,
     )
+
+
+REJECT_CODES = {
+    RejectCode.INVALID: scheduler_pb2.REJECT_CODE_INVALID,
+    RejectCode.UNAVAILABLE: scheduler_pb2.REJECT_CODE_UNAVAILABLE,
+    RejectCode.QUEUE_FULL: scheduler_pb2.REJECT_CODE_QUEUE_FULL,
+}
+
+REFUSAL_STATUS = {
+    WorkerRefused.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    WorkerRefused.Kind.ALREADY_ATTACHED: grpc.StatusCode.ALREADY_EXISTS,
+}
 
 
 def rejection_to_proto(r: Rejected) -> scheduler_pb2.TokenEvent:
     return scheduler_pb2.TokenEvent(
         request_id=r.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, rejected=True,
-        message=r.message, unavailable=r.unavailable,
+        message=r.message, reject_code=REJECT_CODES[r.code],
     )
 
 
@@ -148,15 +175,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.engine.close_session(session)
 
     def _submit_on(self, session: GatewaySession, msg: scheduler_pb2.SubmitRequest) -> None:
+        """Submit one request; whatever is wrong with it is answered to it alone."""
         info = self.engine.worker
         try:
             if info is None:
                 raise NoWorker("no worker attached yet")
             self.engine.submit(request_from_proto(msg, info), session)
-        except RequestRejected as exc:
+        except QueueFull as exc:
+            session.put_many([Rejected(msg.request_id, str(exc), RejectCode.QUEUE_FULL)])
+        except RequestRejected as exc:  # the scheduler's own check of the shared limits
             session.put_many([Rejected(msg.request_id, str(exc))])
         except NoWorker as exc:
-            session.put_many([Rejected(msg.request_id, str(exc), unavailable=True)])
+            session.put_many([Rejected(msg.request_id, str(exc), RejectCode.UNAVAILABLE)])
 
     def GetStats(self, request, context):
         stats = self.engine.stats()
@@ -181,24 +211,36 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         first = next(request_iterator, None)
         if first is None or not first.HasField("hello"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
+        info = codec.worker_info_from_proto(first.hello)
+        try:
+            limits.check_worker_info(info)
+        except limits.LimitError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
         outbox = PlanOutbox()
-        context.add_callback(lambda: outbox.send(None))  # call over: end the writer
-        handle = self.engine.attach_worker(codec.worker_info_from_proto(first.hello), outbox.send)
+        context.add_callback(outbox.close)  # call over: end the writer
+        handle = self.engine.attach_worker(info, outbox)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
         for plan in outbox:
             yield scheduler_pb2.SchedulerMessage(plan=codec.plan_to_proto(plan))
+        if outbox.error is not None:  # refused or dropped: the worker learns why
+            self.log.warning("worker_stream_closed", worker_id=info.worker_id, error=str(outbox.error))
+            context.abort(REFUSAL_STATUS[outbox.error.kind], str(outbox.error))
 
     def _read_results(self, request_iterator, handle: WorkerHandle) -> None:
-        reason = "worker closed its stream"
+        reason, error = "worker closed its stream", None
         try:
             for msg in request_iterator:
+                if msg.HasField("fatal_error"):
+                    reason = f"the worker failed: {msg.fatal_error[:1000]}"
+                    break
                 if not msg.HasField("result"):
-                    reason = "worker sent something other than a result"
+                    reason = "the worker sent something other than a result after its hello"
+                    error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
                     break
                 handle.on_result(codec.result_from_proto(msg.result))
         except grpc.RpcError as exc:  # the server side raises a bare RpcError (no code) on reset
             reason = f"attach stream failed: {exc!r}"
-        handle.on_lost(reason)
+        handle.on_lost(reason, error)
 
 
 def build_server(

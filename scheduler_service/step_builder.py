@@ -27,17 +27,34 @@ class InFlightPlan:
     entries: tuple[InFlightEntry, ...]
     sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
 
-    def check_result(self, result: StepResult) -> None:
-        """Tokens exactly for the requests that sample (stale ones may be missing)."""
-        tokens = result.sampled_token_ids
+    def check_result(self, result: StepResult, vocab_size: int | None = None) -> None:
+        """Tokens exactly for the requests that sample (stale or failed ones may be missing),
+        each inside the vocabulary; failures only for requests of this plan. A result is a
+        network message: raises ValueError naming what is wrong, before anything changes."""
+        tokens, failed = result.sampled_token_ids, result.failed
         extra = tokens.keys() - self.sampling_ids
         if extra:
-            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)}")
-        missing = self.sampling_ids - tokens.keys()
+            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)[:8]}")
+        if vocab_size is not None:
+            bad = [t for t in tokens.values() if not 0 <= t < vocab_size]
+            if bad:
+                raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
+        if failed:
+            self._check_failed(result)
+        missing = self.sampling_ids - tokens.keys() - failed.keys()
         if missing:  # only fresh entries must have a token
             missing = {req.request_id for req, epoch, _, _ in self.entries if req.request_id in missing and req.epoch == epoch}
         if missing:
-            raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)}")
+            raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)[:8]}")
+
+    def _check_failed(self, result: StepResult) -> None:
+        failed = result.failed
+        both = failed.keys() & result.sampled_token_ids.keys()
+        if both:
+            raise ValueError(f"result {result.step_id} has both a token and a failure for {sorted(both)[:8]}")
+        unknown = failed.keys() - {req.request_id for req, _, _, _ in self.entries}
+        if unknown:
+            raise ValueError(f"result {result.step_id} reports failures of requests it did not run: {sorted(unknown)[:8]}")
 
 
 @dataclass

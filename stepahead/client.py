@@ -49,15 +49,19 @@ def build_request(args: argparse.Namespace):
 
 
 def run(args: argparse.Namespace) -> int:
+    """Exit 0 only when the stream ended with a final message that finished normally
+    (STOP or LENGTH); otherwise print why to stderr and exit 1."""
     import grpc
     from google.protobuf import json_format
 
-    from stepahead.v1 import generation_pb2_grpc
+    from stepahead.v1 import common_pb2, generation_pb2_grpc
 
+    last = None
     with grpc.insecure_channel(args.target) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for msg in stub.Generate(build_request(args)):
+                last = msg
                 if args.json:
                     print(json.dumps(json_format.MessageToDict(msg, preserving_proto_field_name=True)), flush=True)
                 else:
@@ -68,4 +72,12 @@ def run(args: argparse.Namespace) -> int:
             return 1
     if not args.json:
         sys.stdout.write("\n")
-    return 0
+    reason = last.finish_reason if last is not None else common_pb2.FINISH_REASON_UNSPECIFIED
+    if reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH):
+        return 0
+    if reason == common_pb2.FINISH_REASON_UNSPECIFIED:
+        print("error: the stream ended without a final message (cut short)", file=sys.stderr)
+    else:
+        detail = f": {last.error}" if last.error else ""
+        print(f"error: the request ended with {common_pb2.FinishReason.Name(reason)}{detail}", file=sys.stderr)
+    return 1

@@ -123,13 +123,15 @@ def timing_from_proto(msg: scheduler_pb2.WorkerTiming) -> WorkerTiming:
 
 def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
     return scheduler_pb2.StepResult(
-        step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing)
+        step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing),
+        failed=result.failed,
     )
 
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
     return StepResult(
-        step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing)
+        step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing),
+        failed=dict(msg.failed),
     )
 
 

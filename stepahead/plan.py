@@ -19,6 +19,10 @@ Worker-side semantics (the contract both sides rely on):
   Partial prefill chunks sample nothing.
 - Until a request has `min_tokens` outputs, its EOS ids (unless `ignore_eos`) and its
   `stop_token_ids` are masked out of the logits, so they cannot be sampled (vLLM semantics).
+- A request whose sampling row fails the shared limits (`stepahead.limits`), or whose
+  sampling still fails, fails alone: it is listed in `StepResult.failed` with a reason,
+  samples nothing and is forgotten; later deltas for it (planned before the scheduler
+  saw the failure) are skipped. The rest of the step runs as if it had not been there.
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
 """
@@ -115,6 +119,9 @@ class StepResult:
     step_id: int
     sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> token
     timing: WorkerTiming = field(default_factory=WorkerTiming)
+    # request id -> reason: requests that failed alone on the worker (bad sampling row,
+    # sampling error); they sampled nothing and the worker forgot them.
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

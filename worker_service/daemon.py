@@ -110,13 +110,19 @@ class _Pipeline:
     The execution thread launches each step as soon as it arrives (a placeholder decode
     reads the previous step's ids on the device); the sender thread waits for each step's
     sampled ids to reach the host (the one sync per step) and streams the result.
+
+    Any exception on either thread (a plan the worker cannot run, an asynchronous device
+    error surfacing in `wait()`) ends the session the same way: a `fatal_error` message
+    tells the scheduler why (it fails the requests the worker held), the request stream
+    closes, `on_fatal` cancels the response stream, and `error` is set for the caller.
     """
 
-    def __init__(self, runner, outbox: queue.Queue, log) -> None:
-        self.runner, self.outbox, self.log = runner, outbox, log
+    def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None) -> None:
+        self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
         self.plans: queue.Queue = queue.Queue()
         self.launched: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self._failed = threading.Event()
         self._threads = [
             threading.Thread(target=self._execute, name="execute", daemon=True),
             threading.Thread(target=self._send, name="send", daemon=True),
@@ -132,45 +138,94 @@ class _Pipeline:
         for t in self._threads:
             t.join()
 
+    def _fail(self, exc: BaseException, where: str) -> None:
+        """First failure wins: tell the scheduler, close the stream, stop the session."""
+        if self._failed.is_set():
+            return
+        self._failed.set()
+        self.error = exc
+        self.log.error("step_failed", where=where, error=repr(exc)[:500], exc_info=exc)
+        from stepahead.v1 import scheduler_pb2
+
+        self.outbox.put(scheduler_pb2.WorkerMessage(fatal_error=f"{where}: {exc!r}"[:1000]))
+        self.outbox.put(None)
+        self._on_fatal()
+
     def _execute(self) -> None:
         try:
-            while (item := self.plans.get()) is not None:
+            while (item := self.plans.get()) is not None and not self._failed.is_set():
                 plan_msg, received = item
                 self.launched.put(self.runner.launch(codec.plan_from_proto(plan_msg), received))
-        except BaseException as exc:  # reported by serve(): the attach session ends
-            self.error = exc
-            self.log.exception("step_failed")
+        except Exception as exc:  # reported to the scheduler; the session ends
+            self._fail(exc, "launch")
         finally:
             self.launched.put(None)
 
     def _send(self) -> None:
         from stepahead.v1 import scheduler_pb2
 
-        while (pending := self.launched.get()) is not None:
-            result = pending.wait()
-            result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
-            self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
-        self.outbox.put(None)  # ends the request stream: the scheduler sees the worker leave
+        try:
+            while (pending := self.launched.get()) is not None:
+                if self._failed.is_set():
+                    continue  # drain: nothing more goes out after a failure
+                result = pending.wait()
+                for rid, reason in result.failed.items():
+                    self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
+                result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
+                self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
+        except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
+            self._fail(exc, "wait")
+            while self.launched.get() is not None:  # let the execution thread finish
+                pass
+        if not self._failed.is_set():
+            self.outbox.put(None)  # ends the request stream: the scheduler sees the worker leave
 
 
-def attach_once(channel, runner, info: WorkerInfo, stop: threading.Event, log) -> None:
+class _StopWatch:
+    """Cancels the current attach call when the daemon is told to stop: one thread for the
+    daemon's whole life, not one per attach (re-attaching must not leak threads)."""
+
+    def __init__(self, stop: threading.Event) -> None:
+        self._lock = threading.Lock()
+        self._call = None
+        self._stopped = False
+        threading.Thread(target=self._watch, args=(stop,), name="stop-watch", daemon=True).start()
+
+    def _watch(self, stop: threading.Event) -> None:
+        stop.wait()
+        with self._lock:
+            self._stopped = True
+            if self._call is not None:
+                self._call.cancel()
+
+    def track(self, call) -> None:
+        with self._lock:
+            self._call = call
+            if self._stopped and call is not None:
+                call.cancel()
+
+
+def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log) -> None:
     """One attach session: hello, then execute plans until the stream ends."""
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     outbox: queue.Queue = queue.Queue()
     outbox.put(scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info)))
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
-    threading.Thread(target=lambda: (stop.wait(), responses.cancel()), daemon=True).start()
+    watch.track(responses)
     log.info("attached", worker_id=info.worker_id)
-    pipeline = _Pipeline(runner, outbox, log)
+    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel)
     try:
         for msg in responses:
             pipeline.submit(msg.plan, time.time())
-            if pipeline.error is not None:
-                break
+    except Exception:
+        if pipeline.error is None:
+            raise  # the stream broke (scheduler gone or refused us): the caller logs it
     finally:
+        watch.track(None)
         pipeline.close()
         responses.cancel()
+        outbox.put(None)  # the request iterator ends whatever happened
     if pipeline.error is not None:
         raise pipeline.error
 
@@ -181,18 +236,19 @@ def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
     runner, model_dir = build_runner(config)
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
+    watch = _StopWatch(stop)
     backoff = 0.05
     while not stop.is_set():
         with grpc.insecure_channel(config.scheduler) as channel:
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
                 backoff = 0.05
-                attach_once(channel, runner, info, stop, log)
+                attach_once(channel, runner, info, watch, log)
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
                 if not stop.is_set():
-                    log.warning("attach_failed", scheduler=config.scheduler, error=repr(exc)[:200])
-            except Exception:  # a failed step: the scheduler fails its requests; start clean
-                log.exception("attach_session_failed")
+                    log.warning("attach_failed", scheduler=config.scheduler, error=repr(exc)[:300])
+            except Exception as exc:  # a failed step: already reported to the scheduler; start clean
+                log.warning("attach_session_failed", error=repr(exc)[:300])
         runner.reset()  # the scheduler forgot our requests; so do we
         stop.wait(backoff)  # reconnect backoff, interrupted by SIGTERM
         backoff = min(backoff * 2, config.reconnect_max_backoff_s)

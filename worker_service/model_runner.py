@@ -30,7 +30,7 @@ from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
 from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.models.llama import ForwardContext
-from worker_service.plan_checks import check_plan
+from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
 from worker_service.streams import DeviceStreams, StepEvent
@@ -48,6 +48,7 @@ class PendingStep:
     host_ids: torch.Tensor  # [num_sampling] int64 view of a pinned buffer, valid once `done` completed
     done: StepEvent
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
     _ids: list[int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -66,7 +67,7 @@ class PendingStep:
         ids = self.ids()
         for r, slot, t in zip(self.reqs, self.slots, ids):
             r.token_ids[slot] = t
-        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing)
+        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed)
 
 
 class ModelRunner:
@@ -121,6 +122,7 @@ class ModelRunner:
         self.table = RequestTable(self.max_blocks_per_req, self.kv_cache.dummy_block)
         self._prev_sampled = self._sampled[0, :0]  # [n] last step's ids (a view of one slot)
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
+        self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
         self.streams.wait_for_constructor()  # W0
@@ -140,6 +142,7 @@ class ModelRunner:
         prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         with self.streams.on_compute_stream():
@@ -150,16 +153,17 @@ class ModelRunner:
                 self._set_sampled([], self._sampled[0, :0])
                 now = time.time()
                 return PendingStep(plan.step_id, [], [], self._host_ids[0, :0], StepEvent(),
-                                   WorkerTiming(received or prep_start, prep_start, now, now))
+                                   WorkerTiming(received or prep_start, prep_start, now, now), failed=failed)
             slot = self._num_launched & 1
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
             for state, n in zip(sched.states, sched.num_scheduled):
                 state.num_computed += n
             forward_start = time.time()
-            sampled = self._device_step(inputs, slot)
-            slots = self._reserve_slots(inputs.sampling_reqs)
-            pending = self._to_host(sampled, slot, plan.step_id, inputs.sampling_reqs, slots)
+            sampled, reqs = self._device_step(inputs, slot, failed)
+            slots = self._reserve_slots(reqs)
+            pending = self._to_host(sampled, slot, plan.step_id, reqs, slots)
+            pending.failed = failed
         forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
         pending.timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
         return pending
@@ -181,18 +185,21 @@ class ModelRunner:
         self.streams.compute_waits_for_copies()  # W2
         return inputs
 
-    def _device_step(self, inputs: StepInputs, slot: int) -> torch.Tensor:
-        """Forward + sampling on the compute stream; returns the slot's sampled ids `[n]`."""
+    def _device_step(self, inputs: StepInputs, slot: int, failed: dict[str, str]
+                     ) -> tuple[torch.Tensor, list[CachedRequest]]:
+        """Forward + sampling on the compute stream; returns the slot's sampled ids `[n]` and
+        the n requests that sampled (a request whose sampling fails alone is added to `failed`)."""
         self._fill_placeholders(inputs)
         logits = self._forward(inputs)  # [num_sampling, vocab] float32
-        sampled = self._sample(logits, inputs.sampling_reqs)  # [num_sampling] int64 on device
+        sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
+        self._fail(sample_failed, failed)
         self._retire(slot)  # H2: also orders the write below after that step's D2H
         self._ensure_sampled_capacity(len(sampled))
         out = self._sampled[slot, : len(sampled)]
         out.copy_(sampled)
         self._compute_done[slot] = self.streams.record("compute")
-        self._set_sampled(inputs.sampling_reqs, out)
-        return out
+        self._set_sampled(reqs, out)
+        return out, reqs
 
     def _ensure_sampled_capacity(self, rows: int) -> None:
         """Grow the sampled-ids buffers for a plan beyond max_num_seqs (rare; addresses change)."""
@@ -232,6 +239,7 @@ class ModelRunner:
         """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
         for rid in list(self.requests):
             self._forget((rid,))
+        self._failed_ids.clear()
         self._pending = [None, None]
         self._set_sampled([], self._sampled[0, :0])
         self.last_logits, self.last_logits_ids = None, ()
@@ -248,6 +256,13 @@ class ModelRunner:
             if state is not None:
                 self.table.free(state.row)
                 self._num_min_tokens -= state.sampling.min_tokens > 0
+            self._failed_ids.discard(rid)
+
+    def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
+        """Requests that failed alone this step: forget them, skip their later deltas."""
+        self._forget(tuple(newly))
+        self._failed_ids.update(newly)
+        failed.update(newly)
 
     def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> ScheduledBatch:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
@@ -290,15 +305,40 @@ class ModelRunner:
         hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
-    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]
+                ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:
+        """logits [n, vocab] → (ids [m] int64 on the device, the m requests that sampled, failures).
+
+        Sampling is one batched pass; should it raise (no valid row can make it: the rows
+        were checked against the shared limits), the rows are sampled one by one and only
+        those that fail again fail, each alone with its reason.
+        """
         self.last_logits = logits
         self.last_logits_ids = tuple(r.request_id for r in reqs)
         if not reqs:
-            return torch.zeros(0, dtype=torch.int64, device=self.device)
+            return torch.zeros(0, dtype=torch.int64, device=self.device), [], {}
         self._mask_stops_before_min_tokens(logits, reqs)
+        try:
+            return self._sample_rows(logits, reqs), reqs, {}
+        except Exception:  # isolated below, row by row; each failure is reported with its reason
+            return self._sample_each_row(logits, reqs)
+
+    def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
         meta = SamplingMetadata.build([r.sampling for r in reqs], [len(r.token_ids) for r in reqs],
                                       self.vocab_size, self.device)
         return self.sampler(logits, meta)
+
+    def _sample_each_row(self, logits: torch.Tensor, reqs: list[CachedRequest]
+                         ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:
+        good, ids, failed = [], [], {}
+        for i, r in enumerate(reqs):
+            try:
+                ids.append(self._sample_rows(logits[i : i + 1], [r]))  # [1]
+                good.append(r)
+            except Exception as exc:  # this row alone fails: its request ends with the reason
+                failed[r.request_id] = f"sampling failed: {exc!r}"[:500]
+        sampled = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)
+        return sampled, good, failed
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
         """logits[row, stop ids] = -inf for rows still short of min_tokens (usually none).

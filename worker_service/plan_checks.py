@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+
+from stepahead import limits
 from stepahead.plan import StepPlan
 from worker_service.input_batch import CachedRequest
 
@@ -91,3 +94,26 @@ def _check_span(rid: str, known: int, computed: int, scheduled: int, blocks: int
     if blocks * block_size < end:
         raise PlanError(f"request {rid!r}: block table of {blocks} blocks (block size {block_size}) is too "
                         f"short for {end} tokens")
+
+
+def split_bad_sampling_rows(plan: StepPlan, vocab_size: int, failed_ids: set[str]) -> tuple[StepPlan, dict[str, str]]:
+    """Take out of `plan` the new requests whose sampling rows break the shared limits
+    (`stepahead.limits`), and deltas of requests that already failed here; returns the plan
+    that runs and {request id: reason} for the newly failed ones (added to `failed_ids`).
+
+    Rows that pass are normalised by the same rules, so the sampler sees exactly what the
+    gateway and the scheduler accepted. One bad row never fails its step.
+    """
+    new, failed = [], {}
+    for r in plan.new_requests:
+        try:
+            sampling = limits.check_sampling(r.sampling, vocab_size)
+        except limits.LimitError as exc:
+            failed[r.request_id] = f"invalid sampling row: {exc}"
+            continue
+        new.append(r if sampling == r.sampling else dataclasses.replace(r, sampling=sampling))
+    failed_ids.update(failed)
+    running = [r for r in plan.running if r.request_id not in failed_ids]
+    if not failed and len(running) == len(plan.running) and all(a is b for a, b in zip(new, plan.new_requests)):
+        return plan, failed
+    return dataclasses.replace(plan, new_requests=tuple(new), running=tuple(running)), failed

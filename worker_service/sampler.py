@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from stepahead import limits
 from stepahead.plan import SamplingParams
 
 _MASK64 = (1 << 64) - 1
@@ -61,14 +62,13 @@ def canonical_device(device: torch.device | str) -> torch.device:
 
 
 def _validate(params: SamplingParams, num_tokens: int, row: int) -> None:
-    if not params.temperature >= 0.0 or math.isinf(params.temperature):
-        raise ValueError(f"row {row}: temperature must be finite and >= 0, got {params.temperature}")
-    if params.top_k < -1:
-        raise ValueError(f"row {row}: top_k must be -1, 0 (disabled) or positive, got {params.top_k}")
-    if not 0.0 < params.top_p <= 1.0:
-        raise ValueError(f"row {row}: top_p must be in (0, 1], got {params.top_p}")
-    if not 0.0 <= params.min_p <= 1.0:
-        raise ValueError(f"row {row}: min_p must be in [0, 1], got {params.min_p}")
+    """The shared request limits (`stepahead.limits`), plus what only the sampler knows."""
+    try:
+        checked = limits.check_sampling(params, vocab_size=2**62)  # token ids are checked by the plan
+    except limits.LimitError as exc:
+        raise ValueError(f"row {row}: {exc}") from None
+    if checked != params:
+        raise ValueError(f"row {row}: sampling params are not normalised by stepahead.limits: {params}")
     if num_tokens < 0:
         raise ValueError(f"row {row}: num_tokens must be >= 0, got {num_tokens}")
 
@@ -327,7 +327,7 @@ def _prefix_cutoff(
     probs = (masked - log_norm[:, None]).exp()  # [n, m] renormalised over the top-k set
     cumulative = probs.cumsum(dim=-1)  # [n, m]
     keep &= cumulative - probs < top_p[:, None]  # mass strictly above < p; position 0 always kept
-    num_kept = keep.sum(dim=-1)  # [n] >= 1
+    num_kept = keep.sum(dim=-1).clamp_(min=1)  # [n] >= 1 even if top_p were 0 in float32
     return desc.gather(-1, (num_kept - 1)[:, None]).squeeze(-1), cumulative[:, -1]
 
 

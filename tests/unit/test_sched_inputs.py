@@ -16,7 +16,7 @@ CONFIG = SchedulerConfig(num_gpu_blocks=4, max_model_len=32, block_size=4)
 
 def test_prompt_longer_than_max_model_len_is_rejected():
     sched = Scheduler(CONFIG)
-    with pytest.raises(RequestRejected, match="32 tokens but max_model_len is 32"):
+    with pytest.raises(RequestRejected, match="prompt has 32 tokens; the model's maximum length is 32"):
         sched.add_request(Request("a", range(1, 33), SamplingParams(max_tokens=1)))
     assert not sched.has_unfinished_requests() and sched.schedule() is None
 

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, validate
+from stepahead import limits
 
 LIMITS = ModelLimits(name="tiny", max_model_len=64, vocab_size=100, max_request_bytes=1000)
 
@@ -76,3 +77,58 @@ def test_edges_are_accepted() -> None:
 
 def test_vanishing_temperature_is_greedy() -> None:
     assert validate(dataclasses.replace(GOOD, temperature=1e-7), LIMITS, tokenize).sampling.greedy
+
+
+# The float32 class (issue: top_p = 1e-46 passed as a float64 but is 0 on the device and
+# crashed every request of the step). Each value is either rejected naming the field, or
+# normalised to a value that is representable, non-zero where it must be, and finite in
+# float32 — the dtype the worker samples in.
+F32_SUBNORMAL_MIN = 2.0**-149
+FLOAT32_CASES = {
+    "top_p below float32's smallest subnormal": (dict(top_p=1e-46), ("top_p", limits.MIN_TOP_P)),
+    "top_p float32 subnormal": (dict(top_p=F32_SUBNORMAL_MIN), ("top_p", limits.MIN_TOP_P)),
+    "top_p just below 1 rounds to 1 in float32": (dict(top_p=1 - 1e-12), ("top_p", 1.0)),
+    "top_p -0.0": (dict(top_p=-0.0), "sampling.top_p"),
+    "top_p inf": (dict(top_p=float("inf")), "sampling.top_p"),
+    "top_p nan": (dict(top_p=float("nan")), "sampling.top_p"),
+    "temperature denormal": (dict(temperature=5e-324), ("temperature", 0.0)),
+    "temperature below float32 subnormal": (dict(temperature=1e-46), ("temperature", 0.0)),
+    "temperature -0.0": (dict(temperature=-0.0), ("temperature", 0.0)),
+    "temperature overflows float32": (dict(temperature=1e39), "sampling.temperature"),
+    "temperature -inf": (dict(temperature=float("-inf")), "sampling.temperature"),
+    "min_p denormal": (dict(min_p=5e-324), ("min_p", 0.0)),
+    "min_p float32 subnormal": (dict(min_p=1e-40), ("min_p", 0.0)),
+    "min_p nan": (dict(min_p=float("nan")), "sampling.min_p"),
+    "min_p -inf": (dict(min_p=float("-inf")), "sampling.min_p"),
+    "top_k int32 overflow": (dict(top_k=2**31), "sampling.top_k"),
+    "top_k -7": (dict(top_k=-7), "sampling.top_k"),
+    "seed beyond int64": (dict(seed=2**63), "sampling.seed"),
+    "huge max_tokens": (dict(max_tokens=2**40), "sampling.max_tokens"),
+    "huge token id": (dict(prompt_text=None, prompt_token_ids=[10**6]), "prompt.token_ids"),
+    "negative token id": (dict(prompt_text=None, prompt_token_ids=[-1]), "prompt.token_ids"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(FLOAT32_CASES))
+def test_float32_class_is_rejected_or_normalised(case: str) -> None:
+    changes, expect = FLOAT32_CASES[case]
+    raw = dataclasses.replace(GOOD, **changes)
+    if isinstance(expect, str):
+        with pytest.raises(ValidationError) as info:
+            validate(raw, LIMITS, tokenize)
+        assert info.value.field == expect
+        return
+    name, value = expect
+    got = getattr(validate(raw, LIMITS, tokenize).sampling, name)
+    assert got == value
+    assert got == limits.as_float32(got) or 0 < limits.as_float32(got)  # representable, not vanished
+    assert not (got and limits.as_float32(got) == 0.0)
+
+
+def test_normalisation_is_idempotent() -> None:
+    """The scheduler and the worker apply the same rules again: a checked request passes unchanged."""
+    for changes, expect in FLOAT32_CASES.values():
+        if isinstance(expect, str):
+            continue
+        once = validate(dataclasses.replace(GOOD, **changes), LIMITS, tokenize).sampling
+        assert limits.check_sampling(once, LIMITS.vocab_size) == once

@@ -1,0 +1,219 @@
+"""The one set of request limits, shared by every daemon (pure Python, no torch, no grpc).
+
+The gateway checks a public request with it, the scheduler checks every submission again
+(a gateway is just a network peer), and the worker checks each plan's sampling rows before
+launching. Floats are judged in the dtype the worker samples in, float32: a value that
+is fine as a float64 but vanishes, overflows or turns NaN in float32 is caught here, not
+in a device kernel that would fail every request of the step.
+
+The rules (each names its field in the error; `check_*` return the normalised value):
+
+| field | accepted | normalised |
+|---|---|---|
+| temperature | finite, 0 ≤ t ≤ 100 | t < 1e-5 (incl. -0.0, subnormals, values that are 0 in float32) → 0, greedy (vLLM's rule) |
+| top_p | finite, 0 < p ≤ 1 | p < 1e-6 → 1e-6 (keeps only the most likely token, as any p ≤ 1/vocab does); p that rounds to 1 in float32 → 1 (off) |
+| min_p | finite, 0 ≤ p ≤ 1 | p below float32's smallest normal number → 0 (off) |
+| top_k | -1 ≤ k < 2^31 | 0 and k ≥ vocab mean off |
+| seed | signed 64-bit | |
+| max_tokens | 1 ≤ n, prompt + n ≤ max_model_len | unset → what the model has room for |
+| min_tokens | 0 ≤ n ≤ max_tokens | |
+| stop_token_ids, prompt ids | 0 ≤ id < vocab_size; ≤ 64 stop ids | |
+| prompt | 1 ≤ len < max_model_len | |
+| priority | -1000 ≤ p ≤ 1000 | |
+| request_id, cache_salt | ≤ 256 characters | |
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from stepahead.plan import SamplingParams
+
+MAX_TEMPERATURE = 100.0
+GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
+MIN_TOP_P = 1e-6
+FLOAT32_TINY = 2.0**-126  # smallest normal float32
+INT32_MAX = 2**31 - 1
+SEED_RANGE = (-(2**63), 2**63 - 1)
+PRIORITY_RANGE = (-1000, 1000)
+MAX_STOP_TOKEN_IDS = 64
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_ID_CHARS = 256  # request ids and cache salts
+MAX_REQUEST_BYTES = 1 << 20
+
+
+class LimitError(ValueError):
+    """A field holds a value no daemon accepts; `field` names it as the public API does."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the served model accepts (from the worker's hello)."""
+
+    name: str
+    max_model_len: int
+    vocab_size: int
+    max_request_bytes: int = MAX_REQUEST_BYTES
+
+
+def as_float32(value: float) -> float:
+    """`value` rounded to float32 as the device will hold it (±inf on overflow)."""
+    return ctypes.c_float(value).value
+
+
+def check_sampling(p: SamplingParams, vocab_size: int) -> SamplingParams:
+    """Every sampling field except the length budget; returns the normalised params."""
+    return dataclasses.replace(
+        p,
+        temperature=check_temperature(p.temperature),
+        top_k=check_top_k(p.top_k),
+        top_p=check_top_p(p.top_p),
+        min_p=check_min_p(p.min_p),
+        seed=check_seed(p.seed),
+        min_tokens=check_min_tokens(p.min_tokens, p.max_tokens),
+        stop_token_ids=check_token_ids("sampling.stop_token_ids", p.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS),
+    )
+
+
+def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, priority: int, model: ModelLimits,
+                  prompt_field: str = "prompt.token_ids") -> SamplingParams:
+    """A whole submission: prompt, length budget, sampling and priority."""
+    check_prompt(prompt_ids, model, prompt_field)
+    check_max_tokens(sampling.max_tokens, len(prompt_ids), model.max_model_len)
+    check_priority(priority)
+    return check_sampling(sampling, model.vocab_size)
+
+
+def _finite(field: str, value: float) -> float:
+    if not isinstance(value, (int, float)) or not math.isfinite(value) or math.isinf(as_float32(value)):
+        raise LimitError(field, f"must be a finite float32 number, got {value!r}")
+    return float(value)
+
+
+def check_temperature(value: float) -> float:
+    value = _finite("sampling.temperature", value)
+    if not 0.0 <= value <= MAX_TEMPERATURE:
+        raise LimitError("sampling.temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {value!r}")
+    return 0.0 if value < GREEDY_BELOW else value
+
+
+def check_top_p(value: float) -> float:
+    value = _finite("sampling.top_p", value)
+    if not 0.0 < value <= 1.0:
+        raise LimitError("sampling.top_p", f"must be in (0, 1], got {value!r}")
+    if as_float32(value) == 1.0:
+        return 1.0
+    return max(value, MIN_TOP_P)
+
+
+def check_min_p(value: float) -> float:
+    value = _finite("sampling.min_p", value)
+    if not 0.0 <= value <= 1.0:
+        raise LimitError("sampling.min_p", f"must be in [0, 1], got {value!r}")
+    return 0.0 if value < FLOAT32_TINY else value
+
+
+def check_top_k(value: int) -> int:
+    if not -1 <= value <= INT32_MAX:
+        raise LimitError("sampling.top_k", f"must be -1 or 0 (disabled) or in [1, {INT32_MAX}], got {value}")
+    return value
+
+
+def check_seed(value: int | None) -> int | None:
+    if value is not None and not SEED_RANGE[0] <= value <= SEED_RANGE[1]:
+        raise LimitError("sampling.seed", f"must fit in a signed 64-bit integer, got {value}")
+    return value
+
+
+def check_max_tokens(value: int, prompt_len: int, max_model_len: int) -> int:
+    if value < 1:
+        raise LimitError("sampling.max_tokens", f"must be at least 1, got {value}")
+    if prompt_len + value > max_model_len:
+        raise LimitError(
+            "sampling.max_tokens",
+            f"{value} output tokens + {prompt_len} prompt tokens exceed the model's maximum length {max_model_len}",
+        )
+    return value
+
+
+def check_min_tokens(value: int, max_tokens: int) -> int:
+    if not 0 <= value <= max_tokens:
+        raise LimitError("sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {value}")
+    return value
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int, max_count: int | None = None) -> tuple[int, ...]:
+    if max_count is not None and len(ids) > max_count:
+        raise LimitError(field, f"at most {max_count} ids, got {len(ids)}")
+    for t in ids:
+        if not 0 <= t < vocab_size:
+            raise LimitError(field, f"token id {t} is outside the vocabulary [0, {vocab_size})")
+    return tuple(ids)
+
+
+def check_prompt(ids: Sequence[int], model: ModelLimits, field: str = "prompt.token_ids") -> None:
+    if not ids:
+        raise LimitError(field, "the prompt is empty")
+    if len(ids) >= model.max_model_len:
+        raise LimitError(
+            field,
+            f"the prompt has {len(ids)} tokens; the model's maximum length is {model.max_model_len}"
+            " (prompt + at least one output token)",
+        )
+    check_token_ids(field, ids, model.vocab_size)
+
+
+def check_priority(value: int) -> int:
+    lo, hi = PRIORITY_RANGE
+    if not lo <= value <= hi:
+        raise LimitError("priority", f"must be in [{lo}, {hi}], got {value}")
+    return value
+
+
+def check_id(field: str, value: str) -> str:
+    if len(value) > MAX_ID_CHARS:
+        raise LimitError(field, f"longer than {MAX_ID_CHARS} characters")
+    return value
+
+
+def check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise LimitError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for s in stop:
+        if not s:
+            raise LimitError("stop", "stop strings must not be empty")
+        if len(s) > MAX_STOP_STRING_CHARS:
+            raise LimitError("stop", f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters")
+    return tuple(stop)
+
+
+MAX_BLOCK_SIZE = 1024
+MAX_MODEL_LEN = 1 << 24
+MAX_VOCAB_SIZE = 1 << 24
+MAX_BLOCKS = 1 << 26
+
+
+def check_worker_info(info) -> None:
+    """A worker's hello (`stepahead.plan.WorkerInfo`): geometry a scheduler can plan for."""
+    for name, lo, hi in (
+        ("block_size", 1, MAX_BLOCK_SIZE),
+        ("num_device_blocks", 1, MAX_BLOCKS),
+        ("num_host_blocks", 0, MAX_BLOCKS),
+        ("max_model_len", 2, MAX_MODEL_LEN),
+        ("vocab_size", 1, MAX_VOCAB_SIZE),
+    ):
+        value = getattr(info, name)
+        if not lo <= value <= hi:
+            raise LimitError(name, f"must be in [{lo}, {hi}], got {value}")
+    for name in ("worker_id", "model_name", "model_type", "dtype", "device"):
+        check_id(name, getattr(info, name))
+    check_token_ids("eos_token_ids", info.eos_token_ids, info.vocab_size, MAX_STOP_TOKEN_IDS)
