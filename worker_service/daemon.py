@@ -104,6 +104,9 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
     )
 
 
+FATAL_CANCEL_GRACE_S = 5.0
+
+
 class _Pipeline:
     """Plans in → execution thread → sender thread → results out, in plan order.
 
@@ -114,7 +117,8 @@ class _Pipeline:
     Any exception on either thread (a plan the worker cannot run, an asynchronous device
     error surfacing in `wait()`) ends the session the same way: a `fatal_error` message
     tells the scheduler why (it fails the requests the worker held), the request stream
-    closes, `on_fatal` cancels the response stream, and `error` is set for the caller.
+    closes (the scheduler then ends the attach call; `on_fatal` cancels it only if it has
+    not after `FATAL_CANCEL_GRACE_S`), and `error` is set for the caller.
     """
 
     def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None) -> None:
@@ -123,6 +127,7 @@ class _Pipeline:
         self.launched: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self._failed = threading.Event()
+        self._cancel_timer: threading.Timer | None = None
         self._threads = [
             threading.Thread(target=self._execute, name="execute", daemon=True),
             threading.Thread(target=self._send, name="send", daemon=True),
@@ -137,6 +142,9 @@ class _Pipeline:
         self.plans.put(None)
         for t in self._threads:
             t.join()
+        if self._cancel_timer is not None:
+            self._cancel_timer.cancel()
+            self._cancel_timer.join()
 
     def _fail(self, exc: BaseException, where: str) -> None:
         """First failure wins: tell the scheduler, close the stream, stop the session."""
@@ -149,7 +157,12 @@ class _Pipeline:
 
         self.outbox.put(scheduler_pb2.WorkerMessage(fatal_error=f"{where}: {exc!r}"[:1000]))
         self.outbox.put(None)
-        self._on_fatal()
+        # The scheduler ends the stream when it reads fatal_error; cancelling at once could
+        # reset the stream before the message is delivered (the reason would be lost), so
+        # the cancel is only a fallback for a scheduler that never ends it.
+        self._cancel_timer = threading.Timer(FATAL_CANCEL_GRACE_S, self._on_fatal)
+        self._cancel_timer.daemon = True
+        self._cancel_timer.start()
 
     def _execute(self) -> None:
         try:
