@@ -9,7 +9,8 @@ the step, timed alone (minimum of `--iters` runs, microseconds), with no device 
 - `inputs`: applying the plan (`_schedule`) and `build_inputs` (the persistent arena;
   on CPU the host arena *is* the device arena, so no copy is timed);
 - `sampling_greedy` / `sampling_mixed`: `SamplingMetadata.build` for all-greedy rows and
-  for half greedy, half seeded top-p rows (its host packing; the H2D is not timed);
+  for half greedy, half seeded top-p rows, as the runner calls it (rows validated at
+  admission; its host packing; the H2D is not timed);
 - `min_tokens`: the stop-id mask when no live request has `min_tokens` (the usual case);
 - `total_greedy` / `total_mixed`: the sum.
 
@@ -97,9 +98,9 @@ def measure(runner, rows: int, iters: int) -> dict[str, float]:
         "check_plan": time_us(check, iters),
         "inputs": time_us(inputs, iters),
         "sampling_greedy": time_us(lambda: SamplingMetadata.build(greedy, counts, runner.vocab_size,
-                                                                  runner.device), iters),
+                                                                  runner.device, validated=True), iters),
         "sampling_mixed": time_us(lambda: SamplingMetadata.build(mixed, counts, runner.vocab_size,
-                                                                 runner.device), iters),
+                                                                 runner.device, validated=True), iters),
         "min_tokens": time_us(lambda: runner._mask_stops_before_min_tokens(logits, reqs), iters),
     }
     base = out["check_plan"] + out["inputs"] + out["min_tokens"]

@@ -324,8 +324,9 @@ class ModelRunner:
             return self._sample_each_row(logits, reqs)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
+        # each row passed stepahead.limits when its request was admitted (split_bad_sampling_rows)
         meta = SamplingMetadata.build([r.sampling for r in reqs], [len(r.token_ids) for r in reqs],
-                                      self.vocab_size, self.device)
+                                      self.vocab_size, self.device, validated=True)
         return self.sampler(logits, meta)
 
     def _sample_each_row(self, logits: torch.Tensor, reqs: list[CachedRequest]
