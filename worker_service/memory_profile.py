@@ -90,8 +90,9 @@ def profile_run(runner) -> None:
         for shape in (prefill, decode):
             table = RequestTable(width, dummy, rows=len(shape))
             sched = ScheduledBatch()
+            tokens = {known: [0] * known for known, _, _ in set(shape)}  # shared: max_model_len can be 128k
             for i, (known, computed, scheduled) in enumerate(shape):
-                state = CachedRequest(f"profile-{i}", [0] * known, sampling, [], computed, known)
+                state = CachedRequest(f"profile-{i}", tokens[known], sampling, [], computed, known)
                 state.row = table.add([dummy] * width)
                 sched.add(state, scheduled, False)
             saved, runner.table = runner.table, table

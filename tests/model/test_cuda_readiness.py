@@ -154,3 +154,21 @@ def test_memory_split_leaves_the_rest_to_the_kv_cache():
         split_memory(total=10 * gib, utilization=0.5, weights=4 * gib, peak_allocated=5 * gib, non_torch=0)
     with pytest.raises(ValueError, match="gpu_memory_utilization"):
         split_memory(total=gib, utilization=1.5, weights=0, peak_allocated=0, non_torch=0)
+
+
+def test_attention_backend_flag_builds_the_paged_backend(checkpoint, monkeypatch):
+    import argparse
+
+    from stepahead import config as cfg
+    from worker_service.daemon import WorkerConfig, add_arguments, build_runner
+
+    path, _, _ = checkpoint
+    parser = argparse.ArgumentParser()
+    monkeypatch.setenv("STEPAHEAD_MAX_NUM_SEQS", "8")
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(path), "--attention-backend", "paged", "--num-gpu-blocks-override", "16"])
+    runner, _ = build_runner(cfg.from_args(WorkerConfig, args))
+    assert isinstance(runner.backend, PagedDecodeBackend) and runner.backend.kernel == "torch"
+    assert runner.max_num_seqs == 8 and runner.buffers[0].max_reqs == 8
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--attention-backend", "flashy"])
