@@ -6,13 +6,17 @@ Every part of `ModelRunner.launch` that runs on the host before the device can s
 the step, timed alone (minimum of `--iters` runs, microseconds), with no device work:
 
 - `check_plan`: validation of the plan against the worker's state;
-- `inputs`: applying the plan (`_schedule`) and `build_inputs` (the persistent arena;
-  on CPU the host arena *is* the device arena, so no copy is timed);
+- `schedule`: applying the plan's deltas (`_schedule`);
+- `build_inputs`: filling the persistent arena (on CPU the host arena *is* the device
+  arena, so no copy is timed);
 - `sampling_greedy` / `sampling_mixed`: `SamplingMetadata.build` for all-greedy rows and
   for half greedy, half seeded top-p rows, as the runner calls it (rows validated at
   admission; its host packing; the H2D is not timed);
 - `min_tokens`: the stop-id mask when no live request has `min_tokens` (the usual case);
 - `total_greedy` / `total_mixed`: the sum.
+
+`calibration_us` (in the JSON and the last line) times `sum(range(10_000))` the same way, so
+numbers from machines of different speed or load can be compared.
 
 The plan is a decode step of `rows` running requests (placeholder inputs, ~256 tokens of
 KV each, 1 in 16 getting a new block), as in steady-state serving. Target: total <= 300 us
@@ -86,8 +90,9 @@ def measure(runner, rows: int, iters: int) -> dict[str, float]:
         check_plan(plan, runner.requests, runner._prev_rows, num_blocks=runner.num_blocks,
                    block_size=runner.block_size, max_model_len=runner.max_model_len, vocab_size=runner.vocab_size)
 
-    def inputs():
-        sched = runner._schedule((), plan.running)
+    sched = runner._schedule((), plan.running)
+
+    def build():
         build_inputs(runner.buffers[0], runner.table, sched, cfg, runner._prev_rows)
 
     greedy = [GREEDY] * rows
@@ -96,14 +101,15 @@ def measure(runner, rows: int, iters: int) -> dict[str, float]:
     logits = torch.zeros(rows, runner.vocab_size)
     out = {
         "check_plan": time_us(check, iters),
-        "inputs": time_us(inputs, iters),
+        "schedule": time_us(lambda: runner._schedule((), plan.running), iters),
+        "build_inputs": time_us(build, iters),
         "sampling_greedy": time_us(lambda: SamplingMetadata.build(greedy, counts, runner.vocab_size,
                                                                   runner.device, validated=True), iters),
         "sampling_mixed": time_us(lambda: SamplingMetadata.build(mixed, counts, runner.vocab_size,
                                                                  runner.device, validated=True), iters),
         "min_tokens": time_us(lambda: runner._mask_stops_before_min_tokens(logits, reqs), iters),
     }
-    base = out["check_plan"] + out["inputs"] + out["min_tokens"]
+    base = out["check_plan"] + out["schedule"] + out["build_inputs"] + out["min_tokens"]
     out["total_greedy"] = base + out["sampling_greedy"]
     out["total_mixed"] = base + out["sampling_mixed"]
     return out
@@ -120,12 +126,15 @@ def main() -> None:
     results = {}
     for rows in args.rows:
         results[rows] = measure(runner, rows, args.iters)
+    calibration = time_us(lambda: sum(range(10_000)), args.iters)
     cols = list(next(iter(results.values())))
     print("rows  " + "  ".join(f"{c:>15}" for c in cols) + "   (min us per step)")
     for rows, r in results.items():
         print(f"{rows:<5} " + "  ".join(f"{r[c]:15.1f}" for c in cols))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"iters": args.iters, "kv_tokens": KV_TOKENS, "rows": results}, indent=1))
+    print(f"calibration: sum(range(10_000)) takes {calibration:.1f} us here")
+    Path(args.out).write_text(json.dumps({"iters": args.iters, "kv_tokens": KV_TOKENS, "calibration_us": calibration,
+                                          "rows": results}, indent=1))
     print(f"wrote {args.out}")
 
 
