@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from worker_service.model_config import ModelConfig
+from worker_service.streams import host_to_device
 
 DEFAULT_CPU_KV_BYTES = 512 * 1024**2
 
@@ -80,9 +81,7 @@ class KVCache:
             self.device_pool.index_copy_(2, self._to_device(dst), staged.movedim(0, 2))
 
     def _to_device(self, index: torch.Tensor) -> torch.Tensor:
-        if not self._pin:
-            return index
-        return index.pin_memory().to(self.device_pool.device, non_blocking=True)
+        return host_to_device(index, torch.int64, self.device_pool.device)
 
     @staticmethod
     def _indices(pairs, src_limit: int, dst_limit: int, what: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -33,7 +33,7 @@ from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
-from worker_service.streams import DeviceStreams, StepEvent
+from worker_service.streams import DeviceStreams, StepEvent, host_to_device
 
 log = logging.getLogger(__name__)
 
@@ -358,9 +358,7 @@ class ModelRunner:
                     stops.update(self.eos_token_ids)
                 flat += [i * vocab + t for t in stops if 0 <= t < vocab]
         if flat:
-            index = torch.tensor(flat, dtype=torch.int64)  # [num_masked] row * vocab + token
-            if self.streams.cuda:
-                index = index.pin_memory().to(logits.device, non_blocking=True)
+            index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
             logits.view(-1).index_fill_(0, index, float("-inf"))  # logits: [n, vocab] contiguous
 
     def _set_sampled(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> None:

@@ -28,6 +28,20 @@ import contextlib
 import torch
 
 
+def host_to_device(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of `values` (a list or a CPU tensor) on `device`, without a host wait.
+
+    On CUDA the values go through pinned memory with a non-blocking copy on the current
+    stream (the caching host allocator keeps the pinned block until the copy ran). A plain
+    `torch.tensor(values, device=cuda)` is a pageable, blocking copy: the host would wait
+    for every step queued before it.
+    """
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device=device, dtype=dtype)
+    return host.to(dtype=dtype).pin_memory().to(device, non_blocking=True)
+
+
 class StepEvent:
     """A recorded CUDA event, or an always-complete stand-in on CPU."""
 

@@ -172,3 +172,27 @@ def test_attention_backend_flag_builds_the_paged_backend(checkpoint, monkeypatch
     assert runner.max_num_seqs == 8 and runner.buffers[0].max_reqs == 8
     with pytest.raises(SystemExit):
         parser.parse_args(["--attention-backend", "flashy"])
+
+
+def _splitmix64_reference(x: int) -> int:
+    mask = (1 << 64) - 1
+    x = (x + 0x9E3779B97F4A7C15) & mask
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & mask
+    return x ^ (x >> 31)
+
+
+def test_vectorised_seeded_uniforms_equal_python_splitmix64():
+    """The host packs seeded uniforms with numpy uint64 arithmetic (one pass per step); they
+    must be bit-identical to SplitMix64 in Python integers, for any seed a client can send."""
+    import random
+
+    from worker_service.sampler import seeded_uniforms
+
+    rng = random.Random(3)
+    seeds = [0, 1, -1, 2**63, 2**64 - 1, -(2**63)] + [rng.randrange(-(10**30), 10**30) for _ in range(500)]
+    counts = [rng.randrange(0, 1 << 40) for _ in seeds]
+    mask = (1 << 64) - 1
+    want = [((_splitmix64_reference(_splitmix64_reference(s & mask) ^ (n & mask)) >> 11) + 1) * 2.0**-53
+            for s, n in zip(seeds, counts)]
+    assert seeded_uniforms(seeds, counts).tolist() == want
