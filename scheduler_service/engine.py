@@ -91,8 +91,8 @@ class WorkerHandle:
     def on_result(self, result: StepResult) -> None:
         self.engine._inbox.put(_Result(self, result))
 
-    def on_lost(self, reason: str, error: WorkerRefused | None = None) -> None:
-        self.engine._inbox.put(_WorkerLost(self, reason, error))
+    def on_lost(self, reason: str, error: WorkerRefused | None = None, clean: bool = False) -> None:
+        self.engine._inbox.put(_WorkerLost(self, reason, error, clean))
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class _WorkerLost:
     handle: WorkerHandle
     reason: str
     error: WorkerRefused | None = None
+    clean: bool = False  # the worker closed its stream itself (e.g. it is shutting down)
 
 
 @dataclass(frozen=True)
@@ -194,6 +195,7 @@ class Engine:
         self._worker: WorkerHandle | None = None
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
+        self._carried_counts: collections.Counter = collections.Counter()  # of cores of lost workers
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- thread-safe entry points -------------------------------------------------
@@ -224,6 +226,11 @@ class Engine:
         handle = WorkerHandle(self, info, outbox)
         self._inbox.put(_Attach(handle))
         return handle
+
+    @property
+    def carried_counts(self) -> collections.Counter:
+        """Counters of the cores of workers lost so far (they continue in the next core)."""
+        return self._carried_counts
 
     def stats(self):
         """The core's stats, read on the engine thread (None until a worker attached)."""
@@ -273,9 +280,9 @@ class Engine:
                     self._commit(result)
             case _Attach(handle):
                 self._attach(handle)
-            case _WorkerLost(handle, reason, error):
+            case _WorkerLost(handle, reason, error, clean):
                 if handle is self._worker:
-                    self._lose_worker(reason, error)
+                    self._lose_worker(reason, error, clean)
             case _CloseSession(session):
                 for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
                     self._abort(request_id)
@@ -293,7 +300,7 @@ class Engine:
         if self._scheduler is None:
             raise NoWorker("no worker attached yet")
         if request.request_id in self._streams:
-            raise RequestRejected(f"request_id {request.request_id!r} is already in flight")
+            raise RequestRejected("request_id: a request with this id is already in flight on this stream")
         self._scheduler.add_request(request)
         self._streams[request.request_id] = stream
         self.metrics.on_submit(request.request_id)
@@ -303,7 +310,7 @@ class Engine:
             return
         event = self._scheduler.abort(request_id)
         if event is not None:
-            self.metrics.on_events([event], self._scheduler.get_request)
+            self.metrics.on_events([event])
             self._dispatch([event])
 
     def _attach(self, handle: WorkerHandle) -> None:
@@ -315,24 +322,30 @@ class Engine:
                 f"worker {self._worker.info.worker_id!r} is attached; this scheduler drives one worker")))
             return
         try:
-            scheduler = Scheduler(self._make_config(handle.info))
+            scheduler = Scheduler(self._make_config(handle.info), counters=self._carried_counts)
         except ValueError as exc:  # the hello's geometry does not fit the scheduler's flags
             handle.outbox.close(WorkerRefused(WorkerRefused.Kind.INVALID, f"hello: {exc}"))
             return
         self._scheduler, self._worker = scheduler, handle
+        self.metrics.on_worker(attached=True)
         self._log.info("worker_attached", **dataclasses.asdict(handle.info))
         self._on_ready_change(True)
 
-    def _lose_worker(self, reason: str, error: WorkerRefused | None = None) -> None:
+    def _lose_worker(self, reason: str, error: WorkerRefused | None = None, clean: bool = False) -> None:
         """Fail every request (their KV lived on the lost worker) and close its stream."""
         assert self._worker is not None
-        self._log.error("worker_lost", reason=reason, requests=len(self._streams))
+        log = self._log.info if clean and not self._streams else self._log.error
+        log("worker_detached" if clean else "worker_lost", reason=reason, requests=len(self._streams))
         self._on_ready_change(False)  # not serving before anyone hears of the loss
+        self._carried_counts = self._scheduler.counters()  # totals go on with the next worker
         worker, self._scheduler, self._worker = self._worker, None, None
         self._in_flight.clear()
         worker.outbox.close(error)
+        self.metrics.on_worker(attached=False, lost=not clean)
         message = f"the worker was lost: {reason}"
-        self._dispatch([RequestEvent(rid, (), FinishReason.ERROR, 0, 0, message) for rid in self._streams])
+        events = [RequestEvent(rid, (), FinishReason.ERROR, 0, 0, message) for rid in self._streams]
+        self.metrics.on_events(events)  # counted, and forgotten by the metrics too
+        self._dispatch(events)
 
     def _pump(self) -> None:
         """Plan and send steps while the in-flight window has room."""
@@ -377,7 +390,7 @@ class Engine:
             return
         self._in_flight.popleft()
         self._pump()  # the next plan leaves before clients are served: the device waits for it
-        self.metrics.on_events(events, self._scheduler.get_request)
+        self.metrics.on_events(events)
         self._dispatch(events)
         record = self.recorder.get(plan.step_id)
         if record is not None:

@@ -1,57 +1,63 @@
 """Prometheus metrics of the scheduler daemon (served on --metrics-port at /metrics).
 
-The engine calls these hooks from its own thread; prometheus_client is thread-safe.
+Names follow vLLM's `vllm:*` set under `stepahead:` where the concept is the same; gauges
+carry no `_total`; counters are fed from the core's monotonic counters, which the engine
+carries over when a worker re-attaches, so they never go back. The engine calls these
+hooks from its own thread; prometheus_client is thread-safe.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, SchedulerStats
 from stepahead.flight_recorder import StepRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
 _STEP_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+P = "stepahead:"
+
+# stats field -> (gauge name, help)
+_GAUGES = {
+    "num_running": ("num_requests_running", "requests running"),
+    "num_waiting": ("num_requests_waiting", "requests waiting (incl. preempted)"),
+    "num_swapped": ("num_requests_swapped", "requests whose KV is in host memory"),
+    "kv_usage": ("kv_cache_usage_perc", "fraction of device KV blocks in use"),
+    "num_in_flight": ("scheduler_plans_in_flight", "plans sent whose result has not arrived"),
+}
+# stats field -> (counter name without _total, help)
+_COUNTERS = {
+    "prefix_hit_tokens": ("prefix_cache_hits", "prompt tokens served from the prefix cache"),
+    "prefix_query_tokens": ("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
+    "num_preemptions": ("num_preemptions", "preemptions"),
+    "num_steps": ("scheduler_steps", "steps committed"),
+}
 
 
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = registry or CollectorRegistry()
+        r = registry if registry is not None else CollectorRegistry()
         self.registry = r
-        p = "stepahead_scheduler_"
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "submit to first committed token", registry=r,
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "submit to first committed token", registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "between committed tokens", registry=r,
+        self.itl = Histogram(P + "inter_token_latency_seconds", "between committed tokens", registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "submit to finish", registry=r,
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "submit to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.queue = Histogram(p + "queue_time_seconds", "submit to first scheduled", registry=r,
+        self.queue = Histogram(P + "request_queue_time_seconds", "submit to first scheduled", registry=r,
                                buckets=_LATENCY_BUCKETS)
-        self.schedule_time = Histogram(p + "schedule_seconds", "CPU time to plan one step", registry=r,
+        self.schedule_time = Histogram(P + "scheduler_schedule_seconds", "CPU time to plan one step", registry=r,
                                        buckets=_STEP_BUCKETS)
-        self.idle_gap = Histogram(p + "device_idle_gap_seconds", "device idle between two steps", registry=r,
+        self.idle_gap = Histogram(P + "device_idle_gap_seconds", "device idle between two steps", registry=r,
                                   buckets=_STEP_BUCKETS)
-        self.finished = Counter(p + "requests_finished", "finished requests", ["reason"], registry=r)
-        self.gauges = {
-            name: Gauge(p + name, doc, registry=r)
-            for name, doc in (
-                ("num_running", "requests running"), ("num_waiting", "requests waiting"),
-                ("num_swapped", "requests swapped to host"), ("kv_usage", "fraction of device KV blocks in use"),
-                ("num_in_flight", "plans in flight"),
-            )
-        }
-        self.totals = {
-            name: Gauge(p + name + "_total", doc, registry=r)
-            for name, doc in (
-                ("prefix_hit_tokens", "prompt tokens served from the prefix cache"),
-                ("prefix_query_tokens", "prompt tokens looked up in the prefix cache"),
-                ("num_preemptions", "preemptions"), ("num_steps", "steps"),
-            )
-        }
+        self.finished = Counter(P + "request_finished", "finished requests", ["finished_reason"], registry=r)
+        self.workers_lost = Counter(P + "workers_lost", "workers lost (stream broken, failed, dropped)", registry=r)
+        self.worker_attached = Gauge(P + "worker_attached", "1 while a worker is attached", registry=r)
+        self.gauges = {f: Gauge(P + name, doc, registry=r) for f, (name, doc) in _GAUGES.items()}
+        self.counters = {f: Counter(P + name, doc, registry=r) for f, (name, doc) in _COUNTERS.items()}
+        self._seen = dict.fromkeys(_COUNTERS, 0)  # last value of each monotonic stat
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
         self._last_forward_end = 0.0
@@ -59,7 +65,7 @@ class SchedulerMetrics:
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
 
-    def on_events(self, events: list[RequestEvent], lookup: Callable[[str], Request | None]) -> None:
+    def on_events(self, events: list[RequestEvent]) -> None:
         now = time.monotonic()
         for e in events:
             arrival = self._arrival.get(e.request_id)
@@ -69,19 +75,16 @@ class SchedulerMetrics:
                 last = self._last_token.get(e.request_id)
                 if last is None:
                     self.ttft.observe(now - arrival)
-                    self._observe_queue_time(lookup(e.request_id))
                 else:
                     self.itl.observe((now - last) / len(e.new_token_ids))
                 self._last_token[e.request_id] = now
+            if e.queue_time is not None:
+                self.queue.observe(e.queue_time)
             if e.finish_reason is not None:
                 self.e2e.observe(now - arrival)
                 self.finished.labels(e.finish_reason.name.lower()).inc()
                 self._arrival.pop(e.request_id, None)
                 self._last_token.pop(e.request_id, None)
-
-    def _observe_queue_time(self, request: Request | None) -> None:
-        if request is not None and request.first_scheduled_time is not None and request.arrival_time is not None:
-            self.queue.observe(request.first_scheduled_time - request.arrival_time)
 
     def on_step(self, record: StepRecord, stats: SchedulerStats) -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
@@ -90,5 +93,15 @@ class SchedulerMetrics:
         self._last_forward_end = record.worker.forward_end or self._last_forward_end
         for name, gauge in self.gauges.items():
             gauge.set(getattr(stats, name))
-        for name, gauge in self.totals.items():
-            gauge.set(getattr(stats, name))
+        for name, counter in self.counters.items():
+            value = getattr(stats, name)
+            if value > self._seen[name]:
+                counter.inc(value - self._seen[name])
+            self._seen[name] = value
+
+    def on_worker(self, attached: bool, lost: bool = False) -> None:
+        self.worker_attached.set(1 if attached else 0)
+        if lost:
+            self.workers_lost.inc()
+        if not attached:
+            self._last_forward_end = 0.0

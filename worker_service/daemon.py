@@ -23,15 +23,20 @@ from stepahead import codec, daemon, logs
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
 from worker_service.attention_names import AttentionBackendName
+from stepahead.security import SchedulerClientConfig
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(SchedulerClientConfig):
     scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address to attach to")
     model: str = cfg.field("tiny", "model directory, or a built-in model name (tiny, 100m)")
     served_model_name: str | None = cfg.field(None, "name clients use (default: the model's directory name)")
-    dtype: str = cfg.field("float32", "weight dtype: float32, bfloat16, float16")
-    device: str = cfg.field("cpu", "torch device: cpu, cuda, cuda:1")
+    dtype: str | None = cfg.field(
+        None, "weight dtype: float32, bfloat16, float16 (default: float32; sim: the checkpoint's torch_dtype)")
+    device: str = cfg.field("cpu", "torch device: cpu, cuda, cuda:1, or sim (a simulated accelerator, no torch)")
+    sim_profile: str = cfg.field("h100", "--device sim: accelerator profile h100, h200, a100 or a JSON file")
+    sim_num_devices: int = cfg.field(1, "--device sim: accelerators per replica (ideal tensor parallelism)")
+    sim_eos_probability: float = cfg.field(0.01, "--device sim: chance that a sampled token is EOS")
     block_size: int = cfg.field(16, "tokens per KV block")
     kv_cache_memory_bytes: int | None = cfg.field(None, "KV cache size in bytes (CPU default 512 MiB)")
     gpu_memory_utilization: float = cfg.field(
@@ -54,6 +59,10 @@ class WorkerConfig:
 
 
 def build_runner(config: WorkerConfig):
+    if config.device == "sim":
+        from worker_service.sim.build import build_sim_runner
+
+        return build_sim_runner(config)
     import torch
 
     from stepahead.builtin_models import resolve_model
@@ -67,11 +76,11 @@ def build_runner(config: WorkerConfig):
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model(config.model)
     model_cfg = ModelConfig.from_dir(model_dir)
-    dtype = parse_dtype(config.dtype)
-    host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, dtype)
+    dtype = config.dtype or "float32"
+    host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(dtype))
     runner = ModelRunner(
         model_dir,
-        dtype=config.dtype,
+        dtype=dtype,
         device=config.device,
         block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_memory_bytes,
@@ -82,7 +91,7 @@ def build_runner(config: WorkerConfig):
         seed=config.seed,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
-        attention_backend=make_backend(config.attention_backend, torch.device(config.device), dtype,
+        attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
                                        config.block_size),
     )
     return runner, model_dir
@@ -93,7 +102,7 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
         worker_id=f"{socket.gethostname()}:{os.getpid()}",
         model_name=config.served_model_name or model_dir.name,
         model_type=runner.model_type,
-        dtype=config.dtype,
+        dtype=str(runner.dtype).removeprefix("torch."),
         device=str(runner.device),
         block_size=runner.block_size,
         num_device_blocks=runner.num_blocks,
@@ -102,9 +111,6 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
         vocab_size=runner.vocab_size,
         eos_token_ids=tuple(runner.eos_token_ids),
     )
-
-
-FATAL_CANCEL_GRACE_S = 5.0
 
 
 class _Pipeline:
@@ -117,9 +123,11 @@ class _Pipeline:
     Any exception on either thread (a plan the worker cannot run, an asynchronous device
     error surfacing in `wait()`) ends the session the same way: a `fatal_error` message
     tells the scheduler why (it fails the requests the worker held), the request stream
-    closes (the scheduler then ends the attach call; `on_fatal` cancels it only if it has
-    not after `FATAL_CANCEL_GRACE_S`), and `error` is set for the caller.
+    closes (the scheduler then ends the plan stream), `on_fatal` cancels the call should
+    the scheduler not do so within `FATAL_GRACE_S`, and `error` is set for the caller.
     """
+
+    FATAL_GRACE_S = 5.0
 
     def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None) -> None:
         self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
@@ -127,7 +135,7 @@ class _Pipeline:
         self.launched: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self._failed = threading.Event()
-        self._cancel_timer: threading.Timer | None = None
+        self._fatal_timer: threading.Timer | None = None
         self._threads = [
             threading.Thread(target=self._execute, name="execute", daemon=True),
             threading.Thread(target=self._send, name="send", daemon=True),
@@ -142,9 +150,8 @@ class _Pipeline:
         self.plans.put(None)
         for t in self._threads:
             t.join()
-        if self._cancel_timer is not None:
-            self._cancel_timer.cancel()
-            self._cancel_timer.join()
+        if self._fatal_timer is not None:
+            self._fatal_timer.cancel()
 
     def _fail(self, exc: BaseException, where: str) -> None:
         """First failure wins: tell the scheduler, close the stream, stop the session."""
@@ -157,12 +164,9 @@ class _Pipeline:
 
         self.outbox.put(scheduler_pb2.WorkerMessage(fatal_error=f"{where}: {exc!r}"[:1000]))
         self.outbox.put(None)
-        # The scheduler ends the stream when it reads fatal_error; cancelling at once could
-        # reset the stream before the message is delivered (the reason would be lost), so
-        # the cancel is only a fallback for a scheduler that never ends it.
-        self._cancel_timer = threading.Timer(FATAL_CANCEL_GRACE_S, self._on_fatal)
-        self._cancel_timer.daemon = True
-        self._cancel_timer.start()
+        self._fatal_timer = threading.Timer(self.FATAL_GRACE_S, self._on_fatal)
+        self._fatal_timer.daemon = True
+        self._fatal_timer.start()
 
     def _execute(self) -> None:
         try:
@@ -195,12 +199,18 @@ class _Pipeline:
 
 
 class _StopWatch:
-    """Cancels the current attach call when the daemon is told to stop: one thread for the
-    daemon's whole life, not one per attach (re-attaching must not leak threads)."""
+    """Ends the current attach session when the daemon is told to stop: one thread for the
+    daemon's whole life, not one per attach (re-attaching must not leak threads).
+
+    The worker detaches cleanly (it closes its request stream; the scheduler then closes
+    the plan stream); the call is cancelled only if that has not happened in `GRACE_S`.
+    """
+
+    GRACE_S = 2.0
 
     def __init__(self, stop: threading.Event) -> None:
         self._lock = threading.Lock()
-        self._call = None
+        self._session = None
         self._stopped = False
         threading.Thread(target=self._watch, args=(stop,), name="stop-watch", daemon=True).start()
 
@@ -208,14 +218,20 @@ class _StopWatch:
         stop.wait()
         with self._lock:
             self._stopped = True
-            if self._call is not None:
-                self._call.cancel()
+            if self._session is not None:
+                self._detach(*self._session)
 
-    def track(self, call) -> None:
+    def _detach(self, call, outbox: queue.Queue) -> None:
+        outbox.put(None)
+        timer = threading.Timer(self.GRACE_S, call.cancel)
+        timer.daemon = True
+        timer.start()
+
+    def track(self, call, outbox: queue.Queue | None = None) -> None:
         with self._lock:
-            self._call = call
+            self._session = (call, outbox) if call is not None else None
             if self._stopped and call is not None:
-                call.cancel()
+                self._detach(call, outbox)
 
 
 def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log) -> None:
@@ -225,7 +241,7 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log) -> No
     outbox: queue.Queue = queue.Queue()
     outbox.put(scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info)))
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
-    watch.track(responses)
+    watch.track(responses, outbox)
     log.info("attached", worker_id=info.worker_id)
     pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel)
     try:
@@ -250,16 +266,19 @@ def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     watch = _StopWatch(stop)
-    backoff = 0.05
+    backoff, failures = 0.05, 0
     while not stop.is_set():
-        with grpc.insecure_channel(config.scheduler) as channel:
+        with config.scheduler_channel(config.scheduler) as channel:
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
                 backoff = 0.05
                 attach_once(channel, runner, info, watch, log)
+                failures = 0
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
-                if not stop.is_set():
-                    log.warning("attach_failed", scheduler=config.scheduler, error=repr(exc)[:300])
+                failures += 1
+                if not stop.is_set():  # a scheduler restarting is normal; one gone for long is not
+                    (log.warning if failures > 5 else log.info)(
+                        "attach_failed", scheduler=config.scheduler, attempts=failures, error=repr(exc)[:300])
             except Exception as exc:  # a failed step: already reported to the scheduler; start clean
                 log.warning("attach_session_failed", error=repr(exc)[:300])
         runner.reset()  # the scheduler forgot our requests; so do we

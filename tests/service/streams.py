@@ -72,7 +72,14 @@ class ConnectSession:
         self._outbox.put(scheduler_pb2.GatewayMessage(submit=msg))
 
     def _read(self) -> None:
-        for batch in self._responses:
+        try:
+            self._route(self._responses)
+        except grpc.RpcError as exc:  # closed by close(), or the scheduler went away
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                raise
+
+    def _route(self, responses) -> None:
+        for batch in responses:
             for event in batch.events:
                 with self._lock:
                     self._events.setdefault(event.request_id, []).append(event)

@@ -52,6 +52,8 @@ class FakeWorker:
         self.outbox: queue.Queue = queue.Queue()
         self.outbox.put(scheduler_pb2.WorkerMessage(hello=hello))
         self.plans = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(self.outbox.get, None))
+        if address:
+            wait_health(address, serving=True)  # attached (or another worker is): submissions find one
 
     def next_plan(self) -> scheduler_pb2.StepPlan:
         return next(self.plans).plan
@@ -149,7 +151,6 @@ def test_second_worker_is_refused_and_protocol_violations_close_the_stream(sched
     channel = grpc.insecure_channel(address)
     first = FakeWorker(channel, address=address)
     try:
-        wait_health(address, serving=True)  # the first worker is attached
         second = FakeWorker(channel, address=address)
         error = second.closed_with()
         assert error.code() == grpc.StatusCode.ALREADY_EXISTS, error
