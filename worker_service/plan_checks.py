@@ -17,10 +17,11 @@ class PlanError(ValueError):
 
 
 def check_plan(plan: StepPlan, requests: dict[str, CachedRequest], prev_rows: dict[str, int], *,
-               num_blocks: int, block_size: int, max_model_len: int, vocab_size: int) -> None:
+               num_blocks: int, block_size: int, max_model_len: int, vocab_size: int | None = None) -> None:
     """Raises PlanError for anything that would index out of range on the device (a sticky
     device-side assert on CUDA) or read a token id the host does not have yet.
 
+    `vocab_size=None` skips the token-id range check (for callers without an embedding).
     Running requests take a fast path (one expression per request, on the host's critical
     path every step); only a request that fails it, or brings new blocks, is checked in
     detail, which names the problem.
@@ -29,7 +30,7 @@ def check_plan(plan: StepPlan, requests: dict[str, CachedRequest], prev_rows: di
         if r.request_id in requests:
             raise PlanError(f"new request {r.request_id!r} is already known to the worker")
         _check_blocks(r.request_id, r.block_ids, num_blocks)
-        if r.token_ids and not (0 <= min(r.token_ids) and max(r.token_ids) < vocab_size):
+        if vocab_size is not None and r.token_ids and not (0 <= min(r.token_ids) and max(r.token_ids) < vocab_size):
             raise PlanError(f"new request {r.request_id!r}: token ids outside the vocabulary [0, {vocab_size})")
         _check_span(r.request_id, len(r.token_ids), r.num_computed_tokens, r.num_scheduled_tokens,
                     len(r.block_ids), block_size, max_model_len)
