@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
+from worker_service.attention_names import AttentionBackendName
 from stepahead.security import SchedulerClientConfig
 
 
@@ -38,10 +39,17 @@ class WorkerConfig(SchedulerClientConfig):
     sim_eos_probability: float = cfg.field(0.01, "--device sim: chance that a sampled token is EOS")
     block_size: int = cfg.field(16, "tokens per KV block")
     kv_cache_memory_bytes: int | None = cfg.field(None, "KV cache size in bytes (CPU default 512 MiB)")
-    gpu_memory_utilization: float = cfg.field(0.9, "fraction of free CUDA memory for the KV cache")
+    gpu_memory_utilization: float = cfg.field(
+        0.9, "fraction of the CUDA device's total memory this worker may use; the KV cache gets what a "
+        "profiling step at max_num_seqs / max_num_batched_tokens leaves of it")
     num_gpu_blocks_override: int | None = cfg.field(None, "exact number of device KV blocks (tests)")
     swap_space: float = cfg.field(1.0, "host memory for swapped-out KV blocks, GiB")
     max_model_len: int | None = cfg.field(None, "maximum prompt + output tokens (default: the model's)")
+    max_num_seqs: int = cfg.field(256, "requests per step the input buffers are sized (and profiled) for")
+    max_num_batched_tokens: int = cfg.field(2048, "tokens per step the input buffers are sized (and profiled) for")
+    attention_backend: AttentionBackendName = cfg.field(
+        AttentionBackendName.TORCH, "paged attention: torch (reference) or paged (device-side decode "
+        "metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
     num_threads: int | None = cfg.field(
         None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
@@ -62,6 +70,7 @@ def build_runner(config: WorkerConfig):
     from worker_service.loader import parse_dtype
     from worker_service.model_config import ModelConfig
     from worker_service.model_runner import ModelRunner
+    from worker_service.paged_attention import make_backend
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
@@ -80,6 +89,10 @@ def build_runner(config: WorkerConfig):
         num_host_blocks=host_blocks,
         max_model_len=config.max_model_len,
         seed=config.seed,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
+                                       config.block_size),
     )
     return runner, model_dir
 

@@ -14,6 +14,8 @@ sampling rows, `last_logits_ids` the matching request ids (`logits_of(request_id
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -22,15 +24,19 @@ import torch
 
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
-from worker_service.input_batch import CachedRequest, ScheduledRequest, StepBuffers, StepInputs, build_inputs
+from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
+                                        StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing
+from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
-from worker_service.streams import DeviceStreams, StepEvent
+from worker_service.streams import DeviceStreams, StepEvent, host_to_device
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -40,19 +46,29 @@ class PendingStep:
     step_id: int
     reqs: list[CachedRequest]  # sampling requests, in row order
     slots: list[int]  # index in each request's token_ids reserved for its sampled id
-    host_ids: torch.Tensor  # [num_sampling] int64, valid once `done` completed
+    host_ids: torch.Tensor  # [num_sampling] int64 view of a pinned buffer, valid once `done` completed
     done: StepEvent
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+    _ids: list[int] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def ids(self) -> list[int]:
+        """The sampled ids, read from the host buffer once (before the runner reuses it)."""
+        with self._lock:
+            if self._ids is None:
+                self.done.synchronize()  # the step's one host synchronisation
+                self._ids = self.host_ids.tolist()
+                if not self.timing.forward_end:
+                    self.timing = replace(self.timing, forward_end=time.time())
+            return self._ids
 
     def wait(self) -> StepResult:
-        """Block until the ids are on the host (the step's one sync); fill the token lists."""
-        self.done.synchronize()
-        timing = self.timing if self.timing.forward_end else replace(self.timing, forward_end=time.time())
-        ids = self.host_ids.tolist()
+        """Block until the ids are on the host; fill the reserved slots of the token lists."""
+        ids = self.ids()
         for r, slot, t in zip(self.reqs, self.slots, ids):
             r.token_ids[slot] = t
-        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, timing, self.failed)
+        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed)
 
 
 class ModelRunner:
@@ -60,9 +76,14 @@ class ModelRunner:
                  block_size: int = 16, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
                  num_host_blocks: int = 0, max_model_len: int | None = None,
-                 attention_backend: AttentionBackend | None = None, seed: int = 0):
+                 attention_backend: AttentionBackend | None = None, seed: int = 0,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 pad_decode_batches: bool | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
+        if max_num_seqs < 1 or max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_seqs ({max_num_seqs}) and max_num_batched_tokens "
+                             f"({max_num_batched_tokens}) must be positive")
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
         self.model, cfg = load_model(model_dir, self.dtype, self.device)
@@ -70,24 +91,43 @@ class ModelRunner:
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
         self.max_model_len = _max_model_len(cfg, max_model_len)
         self.block_size = block_size
-        self.num_blocks = plan_num_blocks(cfg, block_size, self.dtype, self.device, kv_cache_bytes=kv_cache_bytes,
-                                          gpu_memory_utilization=gpu_memory_utilization, num_blocks=num_blocks)
-        self.num_host_blocks = num_host_blocks
-        self.kv_cache = KVCache(cfg, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
-                                block_size=block_size, dtype=self.dtype, device=self.device)
+        self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
+        self.max_blocks_per_req = -(-self.max_model_len // block_size)
         self.rotary = RotaryTable(cfg.rope, cfg.head_dim, self.max_model_len, self.dtype, self.device)
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
-        self.requests: dict[str, CachedRequest] = {}
-        self.buffers = StepBuffers(self.device)
         self.streams = DeviceStreams(self.device)
-        self._inputs_copied = StepEvent()  # guards the pinned host input buffers
-        self._prev_sampled = torch.zeros(0, dtype=torch.int64, device=self.device)  # [n] last step's ids
+        self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
+        self.requests: dict[str, CachedRequest] = {}
+        self._num_min_tokens = 0  # live requests with min_tokens > 0 (the stop-id mask is skipped without)
+        # two of everything a step writes and a later step reuses, indexed by step parity
+        self.buffers = [StepBuffers(self.device, max_num_batched_tokens, max_num_seqs, self.max_blocks_per_req)
+                        for _ in range(2)]
+        self._sampled = torch.zeros(2, max_num_seqs, dtype=torch.int64, device=self.device)
+        self._host_ids = torch.zeros(2, max_num_seqs, dtype=torch.int64, pin_memory=self.streams.cuda)
+        self._compute_done = [StepEvent(), StepEvent()]  # W1: the slot's device inputs are free
+        self._inputs_copied = [StepEvent(), StepEvent()]  # H1: the slot's pinned host inputs are free
+        self._pending: list[PendingStep | None] = [None, None]  # H2: the slot's sampled ids' reader
+        self._num_launched = 0
+        self.kv_cache = KVCache(cfg, num_blocks=0, num_host_blocks=0, block_size=block_size, dtype=self.dtype,
+                                device=self.device)  # the dummy block only, for the profiling run
+        self.memory_split: MemorySplit | None = None  # set when the KV cache was sized by profiling
+        if num_blocks is None and kv_cache_bytes is None and self.streams.cuda:
+            self.memory_split = profile_memory(self, gpu_memory_utilization)
+            kv_cache_bytes = self.memory_split.kv_cache
+        self.num_blocks = plan_num_blocks(cfg, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
+                                          num_blocks=num_blocks)
+        self.num_host_blocks = num_host_blocks
+        self.kv_cache = KVCache(cfg, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
+                                block_size=block_size, dtype=self.dtype, device=self.device)
+        self.table = RequestTable(self.max_blocks_per_req, self.kv_cache.dummy_block)
+        self._prev_sampled = self._sampled[0, :0]  # [n] last step's ids (a view of one slot)
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
         self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
+        self.streams.wait_for_constructor()  # W0
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan to completion (launch, then wait for its sampled ids)."""
@@ -98,54 +138,113 @@ class ModelRunner:
         """Queue a step's device work; returns before its sampled ids reach the host on CUDA.
 
         Steps must be launched in plan order. The next step may be launched at once: a
-        placeholder decode reads the sampled ids this step left on the device.
+        placeholder decode reads the sampled ids this step left on the device. Everything
+        runs on the runner's compute stream, whichever thread calls this.
         """
         prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
-        check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
-                   block_size=self.block_size, max_model_len=self.max_model_len)
-        self.kv_cache.swap_out(plan.swap_out)
-        self.kv_cache.swap_in(plan.swap_in)
-        sched = self._schedule(plan.new_requests, plan.running)
-        if not sched:
-            empty = torch.zeros(0, dtype=torch.int64, device=self.device)
-            self._set_sampled([], empty)
-            now = time.time()
-            return PendingStep(plan.step_id, [], [], empty.cpu(), StepEvent(),
-                               WorkerTiming(received or prep_start, prep_start, now, now), failed)
-        inputs = self._copy_inputs(sched)
-        for s in sched:
-            s.state.num_computed += s.num_scheduled
-        forward_start = time.time()
+        check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
+                   max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        with self.streams.on_compute_stream():
+            self.kv_cache.swap_out(plan.swap_out)
+            self.kv_cache.swap_in(plan.swap_in)
+            sched = self._schedule(plan.new_requests, plan.running)
+            if not sched:
+                self._set_sampled([], self._sampled[0, :0])
+                now = time.time()
+                return PendingStep(plan.step_id, [], [], self._host_ids[0, :0], StepEvent(),
+                                   WorkerTiming(received or prep_start, prep_start, now, now), failed=failed)
+            slot = self._num_launched & 1
+            self._num_launched += 1
+            inputs = self._copy_inputs(sched, slot)
+            for state, n in zip(sched.states, sched.num_scheduled):
+                state.num_computed += n
+            forward_start = time.time()
+            sampled, reqs = self._device_step(inputs, slot, failed)
+            slots = self._reserve_slots(reqs)
+            pending = self._to_host(sampled, slot, plan.step_id, reqs, slots)
+            pending.failed = failed
+        forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
+        pending.timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
+        return pending
+
+    def _copy_inputs(self, sched: ScheduledBatch, slot: int) -> StepInputs:
+        """Fill the slot's pinned arena and copy it to the device on the copy stream."""
+        # The copy of step t-2 read this slot's pinned arena. With at most two steps in flight
+        # (the scheduler's window) its result was already reported, so this never blocks.
+        self._inputs_copied[slot].synchronize()  # H1
+        with self.streams.on_copy_stream():
+            self.streams.copy_waits_for_compute(self._compute_done[slot])  # W1
+            regrown = self.buffers[slot].regrown
+            cfg = BuildConfig(self.block_size, self.kv_cache.dummy_block, self.pad_decode_batches)
+            inputs = build_inputs(self.buffers[slot], self.table, sched, cfg, self._prev_rows)
+            if self.buffers[slot].regrown != regrown:
+                log.warning("step input buffers regrown beyond max_num_seqs / max_num_batched_tokens; "
+                            "their addresses changed (slot %d)", slot)
+            self._inputs_copied[slot] = self.streams.record("copy")
+        self.streams.compute_waits_for_copies()  # W2
+        return inputs
+
+    def _device_step(self, inputs: StepInputs, slot: int, failed: dict[str, str]
+                     ) -> tuple[torch.Tensor, list[CachedRequest]]:
+        """Forward + sampling on the compute stream; returns the slot's sampled ids `[n]` and
+        the n requests that sampled (a request whose sampling fails alone is added to `failed`)."""
         self._fill_placeholders(inputs)
         logits = self._forward(inputs)  # [num_sampling, vocab] float32
         sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
         self._fail(sample_failed, failed)
-        self._set_sampled(reqs, sampled)
-        slots = self._reserve_slots(reqs)
-        host_ids, done = self.streams.to_host(sampled)
-        forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
-        timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
-        return PendingStep(plan.step_id, reqs, slots, host_ids, done, timing, failed)
+        self._retire(slot)  # H2: also orders the write below after that step's D2H
+        self._ensure_sampled_capacity(len(sampled))
+        out = self._sampled[slot, : len(sampled)]
+        out.copy_(sampled)
+        self._compute_done[slot] = self.streams.record("compute")
+        self._set_sampled(reqs, out)
+        return out, reqs
 
-    def _copy_inputs(self, sched: list[ScheduledRequest]) -> StepInputs:
-        """Fill the pinned host buffers and copy them to the device on the copy stream."""
-        self._inputs_copied.synchronize()  # the previous step's H2D copies read these buffers
-        self.streams.copy_waits_for_main()  # device buffers: the previous step's compute is done
-        with self.streams.on_copy_stream():
-            inputs = build_inputs(self.buffers, sched, self.block_size, self._prev_rows)
-        self._inputs_copied = self.streams.record("copy")
-        self.streams.main_waits_for_copies()
-        return inputs
+    def _ensure_sampled_capacity(self, rows: int) -> None:
+        """Grow the sampled-ids buffers for a plan beyond max_num_seqs (rare; addresses change)."""
+        if rows <= self._sampled.shape[1]:
+            return
+        log.warning("sampled-ids buffers regrown to %d rows (beyond max_num_seqs)", rows)
+        if self.streams.cuda:
+            torch.cuda.synchronize(self.device)  # in-flight copies still read the old buffers
+        prev = self._sampled  # kept alive by _prev_sampled, which this step still reads
+        self._sampled = torch.zeros(2, 2 * rows, dtype=torch.int64, device=self.device)
+        self._host_ids = torch.zeros(2, 2 * rows, dtype=torch.int64, pin_memory=self.streams.cuda)
+        del prev
+
+    def _retire(self, slot: int) -> None:
+        """The step two back must have read its host ids before this one reuses the buffers
+        (never blocks under the scheduler's window of two; callers running further ahead wait)."""
+        old, self._pending[slot] = self._pending[slot], None
+        if old is not None:
+            old.ids()
+
+    def _to_host(self, sampled: torch.Tensor, slot: int, step_id: int, reqs, slots) -> PendingStep:
+        """D2H of the sampled ids into the slot's pinned buffer on the output stream."""
+        host = self._host_ids[slot, : len(sampled)]
+        if self.streams.cuda:
+            self.streams.output_waits_for_compute()  # W3
+            with self.streams.on_output_stream():
+                host.copy_(sampled, non_blocking=True)
+            done = self.streams.record("output")
+        else:
+            host.copy_(sampled)
+            done = StepEvent()
+        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0))
+        self._pending[slot] = pending
+        return pending
 
     def reset(self) -> None:
         """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
-        self.requests.clear()
+        for rid in list(self.requests):
+            self._forget((rid,))
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
         self._failed_ids.clear()
-        self._set_sampled([], torch.zeros(0, dtype=torch.int64, device=self.device))
+        self._pending = [None, None]
+        self._set_sampled([], self._sampled[0, :0])
         self.last_logits, self.last_logits_ids = None, ()
 
     def logits_of(self, request_id: str) -> torch.Tensor:
@@ -156,34 +255,46 @@ class ModelRunner:
 
     def _forget(self, ids: tuple[str, ...]) -> None:
         for rid in ids:  # forgetting an unknown id is a no-op (e.g. aborted before first step)
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                self.table.free(state.row)
+                self._num_min_tokens -= state.sampling.min_tokens > 0
             self.logits_processing.forget(rid)
             self._failed_ids.discard(rid)
 
     def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
         """Requests that failed alone this step: forget them, skip their later deltas."""
-        for rid in newly:
-            self.requests.pop(rid, None)
-            self.logits_processing.forget(rid)
+        self._forget(tuple(newly))
         self._failed_ids.update(newly)
         failed.update(newly)
 
-    def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> list[ScheduledRequest]:
+    def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> ScheduledBatch:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
-        sched = []
+        decodes, chunks = ScheduledBatch(), ScheduledBatch()
         for r in new:
             num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
                                   r.num_computed_tokens, num_prompt)
+            state.row = self.table.add(state.block_ids)
             self.requests[r.request_id] = state
             self.logits_processing.register(r.request_id, r.sampling, r.token_ids, num_prompt)
-            sched.append(ScheduledRequest(state, r.num_scheduled_tokens, placeholder=False))
+            self._num_min_tokens += r.sampling.min_tokens > 0
+            n = r.num_scheduled_tokens
+            (decodes if n == 1 else chunks).add(state, n, False)
+        requests = self.requests
+        d_states, d_placeholder = decodes.states, decodes.placeholder
         for r in running:
-            state = self.requests[r.request_id]
-            state.block_ids.extend(r.new_block_ids)
-            sched.append(ScheduledRequest(state, r.num_scheduled_tokens, r.input_is_placeholder))
-        sched.sort(key=lambda s: s.num_scheduled != 1)  # stable: decodes first
-        return sched
+            state = requests[r.request_id]
+            if r.new_block_ids:
+                self.table.extend(state.row, r.new_block_ids)
+                state.block_ids.extend(r.new_block_ids)
+            if r.num_scheduled_tokens == 1:
+                d_states.append(state)
+                d_placeholder.append(r.input_is_placeholder)
+            else:
+                chunks.add(state, r.num_scheduled_tokens, r.input_is_placeholder)
+        decodes.num_scheduled = [1] * len(d_states)
+        return decodes + chunks if len(chunks) else decodes
 
     # -- device work --------------------------------------------------------------------
 
@@ -218,8 +329,10 @@ class ModelRunner:
             return self._sample_each_row(logits, reqs)
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
+        # each row passed stepahead.limits when its request was admitted (split_bad_sampling_rows)
         params = [r.sampling for r in reqs]
-        meta = SamplingMetadata.build(params, [len(r.token_ids) for r in reqs], self.vocab_size, self.device)
+        meta = SamplingMetadata.build(params, [len(r.token_ids) for r in reqs], self.vocab_size, self.device,
+                                      validated=True)
         # bias and penalties (a new tensor, or `logits` itself when no row uses them)
         processed = self.logits_processing.apply(logits, [r.request_id for r in reqs], params)
         sampled = self.sampler(processed, meta)
@@ -239,21 +352,27 @@ class ModelRunner:
         return sampled, good, failed
 
     def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
-        """logits[row, stop ids] = -inf for rows still short of min_tokens (usually none)."""
-        rows, cols = [], []
+        """logits[row, stop ids] = -inf for rows still short of min_tokens (usually none).
+
+        The flat indices go up from pinned memory without blocking: a pageable
+        `torch.tensor(..., device=cuda)` would make the host wait for the running step.
+        """
+        if not self._num_min_tokens:
+            return
+        vocab = logits.shape[1]
+        flat = []
         for i, r in enumerate(reqs):
             if r.num_output_tokens < r.sampling.min_tokens:
                 stops = set(r.sampling.stop_token_ids)
                 if not r.sampling.ignore_eos:
                     stops.update(self.eos_token_ids)
-                ids = [t for t in stops if t < logits.shape[1]]
-                rows += [i] * len(ids)
-                cols += ids
-        if rows:
-            index = (torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device))
-            logits.index_put_(index, torch.tensor(float("-inf"), device=logits.device))
+                flat += [i * vocab + t for t in stops if 0 <= t < vocab]
+        if flat:
+            index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
+            logits.view(-1).index_fill_(0, index, float("-inf"))  # logits: [n, vocab] contiguous
 
     def _set_sampled(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> None:
+        """sampled: [len(reqs)] a view of one slot of the persistent sampled-ids buffer."""
         self._prev_sampled = sampled
         self._prev_rows = {r.request_id: i for i, r in enumerate(reqs)}
 

@@ -17,28 +17,67 @@ class PlanError(ValueError):
 
 
 def check_plan(plan: StepPlan, requests: dict[str, CachedRequest], prev_rows: dict[str, int], *,
-               num_blocks: int, block_size: int, max_model_len: int) -> None:
-    seen: set[str] = set()
+               num_blocks: int, block_size: int, max_model_len: int, vocab_size: int | None = None) -> None:
+    """Raises PlanError for anything that would index out of range on the device (a sticky
+    device-side assert on CUDA) or read a token id the host does not have yet.
+
+    `vocab_size=None` skips the token-id range check (for callers without an embedding).
+    Running requests take a fast path (one expression per request, on the host's critical
+    path every step); only a request that fails it, or brings new blocks, is checked in
+    detail, which names the problem.
+    """
     for r in plan.new_requests:
-        if r.request_id in requests or r.request_id in seen:
+        if r.request_id in requests:
             raise PlanError(f"new request {r.request_id!r} is already known to the worker")
-        seen.add(r.request_id)
         _check_blocks(r.request_id, r.block_ids, num_blocks)
+        if vocab_size is not None and r.token_ids and not (0 <= min(r.token_ids) and max(r.token_ids) < vocab_size):
+            raise PlanError(f"new request {r.request_id!r}: token ids outside the vocabulary [0, {vocab_size})")
         _check_span(r.request_id, len(r.token_ids), r.num_computed_tokens, r.num_scheduled_tokens,
                     len(r.block_ids), block_size, max_model_len)
     for r in plan.running:
         state = requests.get(r.request_id)
         if state is None:
             raise PlanError(f"running request {r.request_id!r} is unknown to the worker")
-        if r.request_id in seen:
-            raise PlanError(f"request {r.request_id!r} appears twice in the plan")
-        seen.add(r.request_id)
-        _check_blocks(r.request_id, r.new_block_ids, num_blocks)
-        if r.input_is_placeholder and (r.num_scheduled_tokens != 1 or r.request_id not in prev_rows):
+        n = r.num_scheduled_tokens
+        end = state.num_computed + n
+        tokens = state.token_ids
+        if r.new_block_ids or not (
+            0 < n and end <= max_model_len and len(state.block_ids) * block_size >= end
+            and ((n == 1 and end == len(tokens) and r.request_id in prev_rows) if r.input_is_placeholder
+                 else (end <= len(tokens) and tokens[end - 1] >= 0))
+        ):
+            _check_running(r, state, prev_rows, num_blocks, block_size, max_model_len)
+    _check_unique(plan)
+
+
+def _check_running(r, state: CachedRequest, prev_rows: dict[str, int], num_blocks: int, block_size: int,
+                   max_model_len: int) -> None:
+    _check_blocks(r.request_id, r.new_block_ids, num_blocks)
+    if r.input_is_placeholder:
+        if r.num_scheduled_tokens != 1 or r.request_id not in prev_rows \
+                or state.num_computed + 1 != len(state.token_ids):
             raise PlanError(f"request {r.request_id!r}: placeholder input needs a one-token decode "
-                            "of a request that sampled in the previous step")
-        _check_span(r.request_id, len(state.token_ids), state.num_computed, r.num_scheduled_tokens,
-                    len(state.block_ids) + len(r.new_block_ids), block_size, max_model_len)
+                            "of the token its request sampled in the previous step")
+    _check_span(r.request_id, len(state.token_ids), state.num_computed, r.num_scheduled_tokens,
+                len(state.block_ids) + len(r.new_block_ids), block_size, max_model_len)
+    end = state.num_computed + r.num_scheduled_tokens
+    # a reserved slot (-1) is filled only when its step's ids reach the host
+    if not r.input_is_placeholder and state.token_ids[end - 1] < 0:
+        raise PlanError(f"request {r.request_id!r}: input token {end - 1} was sampled by a step still "
+                        "in flight; only a placeholder decode may read it")
+
+
+def _check_unique(plan: StepPlan) -> None:
+    ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.running]
+    if len(set(ids)) == len(ids):
+        return
+    seen: set[str] = set()
+    for i, rid in enumerate(ids):
+        if rid in seen:
+            if i < len(plan.new_requests):
+                raise PlanError(f"new request {rid!r} is already known to the worker")
+            raise PlanError(f"request {rid!r} appears twice in the plan")
+        seen.add(rid)
 
 
 def _check_blocks(rid: str, block_ids, num_blocks: int) -> None:

@@ -26,6 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from stepahead import limits
@@ -42,18 +43,27 @@ _NUM_FIELDS = 7
 CPU_TOP_P_CANDIDATES = 256
 
 
-def _splitmix64(x: int) -> int:
-    """One SplitMix64 step: a bijective 64-bit mixer with full avalanche."""
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """One SplitMix64 step on uint64 arrays (wrapping arithmetic): a bijective 64-bit mixer
+    with full avalanche."""
+    x = x + np.uint64(0x9E3779B97F4A7C15)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniforms(seeds: Sequence[int], num_tokens: Sequence[int]) -> np.ndarray:
+    """[n] float64: the uniform in (0, 1] each seeded row draws when its request holds
+    `num_tokens` tokens (one vectorised pass; the host packs these every step)."""
+    s = np.array([x & _MASK64 for x in seeds], dtype=np.uint64)
+    t = np.array([x & _MASK64 for x in num_tokens], dtype=np.uint64)
+    mixed = _splitmix64(_splitmix64(s) ^ t)
+    return ((mixed >> np.uint64(11)) + np.uint64(1)).astype(np.float64) * 2.0**-53  # exact: < 2^53 + 1
 
 
 def seeded_uniform(seed: int, num_tokens: int) -> float:
     """The uniform in (0, 1] a seeded request draws when it holds `num_tokens` tokens."""
-    mixed = _splitmix64(_splitmix64(seed & _MASK64) ^ (num_tokens & _MASK64))
-    return ((mixed >> 11) + 1) * 2.0**-53
+    return float(seeded_uniforms([seed], [num_tokens])[0])
 
 
 def canonical_device(device: torch.device | str) -> torch.device:
@@ -73,30 +83,31 @@ def _validate(params: SamplingParams, num_tokens: int, row: int, vocab_size: int
         raise ValueError(f"row {row}: num_tokens must be >= 0, got {num_tokens}")
 
 
-def _row_fields(params: SamplingParams, num_tokens: int, vocab_size: int) -> list[float]:
-    """The packed float64 fields of one row (see the `_TEMPERATURE`... indices).
+def _columns(params: Sequence[SamplingParams], num_tokens: Sequence[int], vocab_size: int) -> np.ndarray:
+    """The packed float64 fields `[fields, n]` (see the `_TEMPERATURE`... indices), column by column.
 
     Greedy rows get temperature 1 and no truncation: their answer is the argmax of x.
+    Disabled stages: top_k = vocab, top_p = +inf (not 1: rounding in a cumulative sum
+    cannot reach it), log_min_p = -inf.
     """
-    fields = [0.0] * _NUM_FIELDS
-    fields[_TEMPERATURE] = 1.0
-    fields[_TOP_K] = float(vocab_size)
-    fields[_TOP_P] = math.inf  # +inf, not 1: rounding in a cumulative sum cannot reach it
-    fields[_LOG_MIN_P] = -math.inf
-    if params.greedy:
-        fields[_GREEDY] = 1.0
-        return fields
-    fields[_TEMPERATURE] = params.temperature
-    if 0 < params.top_k < vocab_size:
-        fields[_TOP_K] = float(params.top_k)
-    if params.top_p < 1.0:
-        fields[_TOP_P] = params.top_p
-    if params.min_p > 0.0:
-        fields[_LOG_MIN_P] = math.log(params.min_p)
-    if params.seed is not None:
-        fields[_SEEDED_U] = seeded_uniform(params.seed, num_tokens)
-        fields[_SEEDED] = 1.0
-    return fields
+    n = len(params)
+    out = np.zeros((_NUM_FIELDS, n), dtype=np.float64)
+    greedy = np.fromiter([p.greedy for p in params], np.bool_, n)
+    sampled = ~greedy
+    temperature = np.fromiter([p.temperature for p in params], np.float64, n)
+    top_k = np.fromiter([p.top_k for p in params], np.float64, n)
+    top_p = np.fromiter([p.top_p for p in params], np.float64, n)
+    out[_TEMPERATURE] = np.where(greedy, 1.0, temperature)
+    out[_TOP_K] = np.where(sampled & (top_k > 0) & (top_k < vocab_size), top_k, float(vocab_size))
+    out[_TOP_P] = np.where(sampled & (top_p < 1.0), top_p, math.inf)
+    out[_LOG_MIN_P] = [math.log(p.min_p) if p.min_p > 0.0 and not p.greedy else -math.inf for p in params]
+    seeded_rows = [i for i, p in enumerate(params) if p.seed is not None and not p.greedy]
+    if seeded_rows:
+        out[_SEEDED_U, seeded_rows] = seeded_uniforms([params[i].seed for i in seeded_rows],
+                                                      [num_tokens[i] for i in seeded_rows])
+        out[_SEEDED, seeded_rows] = 1.0
+    out[_GREEDY] = greedy
+    return out
 
 
 @dataclass(frozen=True)
@@ -128,36 +139,44 @@ class SamplingMetadata:
         num_tokens: Sequence[int],
         vocab_size: int,
         device: torch.device,
+        validated: bool = False,
     ) -> SamplingMetadata:
-        """Pack every row's params into one host tensor and copy it to `device` once."""
+        """Pack every row's params into one host tensor and copy it to `device` once.
+
+        `validated=True`: every row already passed `stepahead.limits` (the runner checks each
+        request's row once, when it is admitted) and the per-row check is skipped: at 256
+        rows it would cost milliseconds of host time per step.
+        """
         if len(params) != len(num_tokens):
             raise ValueError(f"{len(params)} sampling params but {len(num_tokens)} num_tokens")
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         device = canonical_device(device)
-        for row, (p, n) in enumerate(zip(params, num_tokens)):
-            _validate(p, n, row, vocab_size)
+        if not validated:
+            for row, (p, n) in enumerate(zip(params, num_tokens)):
+                _validate(p, n, row, vocab_size)
         all_greedy = all(p.greedy for p in params)
         if all_greedy:
             return cls._greedy_only(len(params), vocab_size, device)
-        sampled = [p for p in params if not p.greedy]
-        top_ks = [p.top_k for p in sampled if 0 < p.top_k < vocab_size]
-        packed = cls._pack(params, num_tokens, vocab_size, device)  # [fields, n] float64
-        any_seeded = any(p.seed is not None for p in sampled)
+        cols = _columns(params, num_tokens, vocab_size)  # [fields, n] float64, host
+        sampled = cols[_GREEDY] == 0.0  # [n]
+        top_k_on = sampled & (cols[_TOP_K] < vocab_size)
+        any_seeded = bool(cols[_SEEDED].any())
+        packed = cls._pack(cols, device)  # [fields, n] float64 on the device
         return cls(
             num_rows=len(params),
             vocab_size=vocab_size,
             device=device,
             all_greedy=False,
             temperature=packed[_TEMPERATURE].float(),
-            greedy=packed[_GREEDY].bool() if len(sampled) < len(params) else None,
-            top_k=packed[_TOP_K].long() if top_ks else None,
-            top_k_max=max(top_ks, default=0),
-            top_p=packed[_TOP_P].float() if any(p.top_p < 1.0 for p in sampled) else None,
-            log_min_p=packed[_LOG_MIN_P].float() if any(p.min_p > 0.0 for p in sampled) else None,
+            greedy=packed[_GREEDY].bool() if not sampled.all() else None,
+            top_k=packed[_TOP_K].long() if top_k_on.any() else None,
+            top_k_max=int(cols[_TOP_K][top_k_on].max()) if top_k_on.any() else 0,
+            top_p=packed[_TOP_P].float() if (sampled & (cols[_TOP_P] < math.inf)).any() else None,
+            log_min_p=packed[_LOG_MIN_P].float() if (sampled & (cols[_LOG_MIN_P] > -math.inf)).any() else None,
             seeded_u=packed[_SEEDED_U] if any_seeded else None,
             seeded=packed[_SEEDED].bool() if any_seeded else None,
-            needs_generator=any(p.seed is None for p in sampled),
+            needs_generator=bool((sampled & (cols[_SEEDED] == 0.0)).any()),
         )
 
     @classmethod
@@ -169,11 +188,8 @@ class SamplingMetadata:
         )
 
     @staticmethod
-    def _pack(
-        params: Sequence[SamplingParams], num_tokens: Sequence[int], vocab_size: int, device: torch.device
-    ) -> torch.Tensor:
-        rows = [_row_fields(p, n, vocab_size) for p, n in zip(params, num_tokens)]
-        host = torch.tensor(rows, dtype=torch.float64).T.contiguous()  # [fields, n]
+    def _pack(cols: np.ndarray, device: torch.device) -> torch.Tensor:
+        host = torch.from_numpy(cols)  # [fields, n] float64
         if device.type != "cuda":
             return host.to(device)
         # pinned + non_blocking: one asynchronous H2D copy, no wait on the in-flight step

@@ -34,8 +34,11 @@ _GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
+    "attention_backend",
     "sim_profile", "sim_num_devices", "sim_eos_probability",
 )
+# flags the scheduler declares; the worker sizes its step buffers with the same values
+_SHARED_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
         Child("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
                             *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus, token),
         Child("worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
-                         *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus, token),
+                         *cfg.to_flags(worker_cfg, _WORKER_FIELDS + _SHARED_FIELDS)], worker_cpus, token),
         Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                           "--http-port", str(config.http_port), "--model", model_dir,
                           *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],

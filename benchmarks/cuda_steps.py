@@ -1,0 +1,108 @@
+"""Decode-step time on a device: synchronous vs pipelined launches, per attention backend.
+
+    python benchmarks/cuda_steps.py [--device cuda] [--models tiny 100m] [--batches 64 256]
+                                    [--backends torch paged] [--steps 50] [--out benchmarks/results/cuda_steps.json]
+
+`sync`: launch step t, wait for its ids, launch t+1 (the device idles while the host
+prepares each step). `pipelined`: launch t+1, then wait for t (the worker's window of
+two): the host prepares step t+1 while the device runs step t, so the step time should
+approach max(device time, host time). Both run the same placeholder decodes (~256 tokens
+of KV per request), side by side in one process; the table shows ms per step and the
+ratio sync / pipelined. Also runs on CPU (`--device cpu`) as a smoke test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
+
+KV_TOKENS = 256
+BLOCK = 16
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
+
+
+def make_runner(model: str, device: str, backend: str, batch: int, dtype: str):
+    from stepahead.builtin_models import resolve_model
+    from worker_service.attention_names import AttentionBackendName
+    from worker_service.loader import parse_dtype
+    from worker_service.model_runner import ModelRunner
+    from worker_service.paged_attention import make_backend
+
+    per = KV_TOKENS // BLOCK + 8
+    return ModelRunner(resolve_model(model), device=device, dtype=dtype, block_size=BLOCK,
+                       num_blocks=batch * per, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
+                       attention_backend=make_backend(AttentionBackendName(backend), torch.device(device),
+                                                      parse_dtype(dtype), BLOCK))
+
+
+def prime(runner, batch: int) -> int:
+    """Registers `batch` requests as prefix hits and runs their first sampling step."""
+    runner.reset()
+    per = KV_TOKENS // BLOCK + 8
+    new = tuple(NewRequest(f"r{i}", tuple(range(1, KV_TOKENS + 1)), GREEDY, tuple(range(i * per, (i + 1) * per)),
+                           KV_TOKENS - 1, 1) for i in range(batch))
+    runner.execute(StepPlan(0, new_requests=new))
+    return 1
+
+
+def decode(step: int, batch: int) -> StepPlan:
+    return StepPlan(step, running=tuple(RunningRequest(f"r{i}", (), 1, True) for i in range(batch)))
+
+
+def run(runner, batch: int, steps: int, pipelined: bool) -> float:
+    step = prime(runner, batch)
+    sync = (lambda: torch.cuda.synchronize()) if runner.device.type == "cuda" else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    pending = None
+    for _ in range(steps):
+        launched = runner.launch(decode(step, batch))
+        step += 1
+        if pipelined:
+            if pending is not None:
+                pending.wait()
+            pending = launched
+        else:
+            launched.wait()
+    if pending is not None:
+        pending.wait()
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--models", nargs="+", default=["tiny", "100m"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[64, 256])
+    ap.add_argument("--backends", nargs="+", default=["torch", "paged"])
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--out", default="benchmarks/results/cuda_steps.json")
+    args = ap.parse_args()
+    rows = []
+    print(f"{'model':6} {'backend':8} {'batch':>5} {'sync ms':>9} {'pipelined ms':>13} {'ratio':>6}")
+    for model in args.models:
+        for backend in args.backends:
+            for batch in args.batches:
+                runner = make_runner(model, args.device, backend, batch, args.dtype)
+                run(runner, batch, 5, pipelined=True)  # warm-up
+                sync_ms = run(runner, batch, args.steps, pipelined=False)
+                pipe_ms = run(runner, batch, args.steps, pipelined=True)
+                rows.append(dict(model=model, backend=backend, batch=batch, sync_ms=sync_ms, pipelined_ms=pipe_ms))
+                print(f"{model:6} {backend:8} {batch:5d} {sync_ms:9.3f} {pipe_ms:13.3f} {sync_ms / pipe_ms:6.2f}")
+                del runner
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(device=args.device, dtype=args.dtype, kv_tokens=KV_TOKENS,
+                                              steps=args.steps, rows=rows), indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

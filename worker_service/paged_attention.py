@@ -1,0 +1,77 @@
+"""A paged decode-attention backend whose decode reads only device tensors, and the
+`--attention-backend` registry.
+
+`PagedDecodeBackend` attends each decode over its block table and sequence length *on the
+device*: the shapes of its kernels depend only on the batch rows and the block-table width
+(both bucketed by the input builder), never on host scalars such as the longest sequence
+of the step, so a decode step can be captured into a CUDA graph and replayed with new
+tables and lengths. Prompt chunks use the torch reference path.
+
+Kernel: flash-attn's paged KV path (`flash_attn_with_kvcache` with `block_table`) when the
+package is installed, the device is CUDA, the dtype half precision and the block size a
+multiple of 256 (flash-attn 2's page-size rule); the torch path (gather the table's
+blocks, mask keys at or beyond `seq_len`, SDPA) otherwise. The cache layout
+`[blocks, block_size, kv_heads, head_dim]` is the one flash-attn expects.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from worker_service.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from worker_service.attention_names import AttentionBackendName
+
+log = logging.getLogger(__name__)
+
+FLASH_ATTN_PAGE_MULTIPLE = 256
+
+
+class PagedDecodeBackend(TorchAttentionBackend):
+    """Decode from `block_tables` and `seq_lens` on the device (see the module docstring)."""
+
+    def __init__(self, use_flash_attn: bool = False):
+        super().__init__()
+        self._flash = None
+        if use_flash_attn:
+            from flash_attn import flash_attn_with_kvcache  # checked by flash_attn_usable()
+
+            self._flash = flash_attn_with_kvcache
+
+    @property
+    def kernel(self) -> str:
+        return "flash-attn" if self._flash is not None else "torch"
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+        # q: [nd, heads, d]; tables [nd, W] and seq_lens [nd] are device tensors
+        nd = q.shape[0]
+        tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
+        if self._flash is not None:
+            out = self._flash(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens.to(torch.int32),
+                              block_table=tables.to(torch.int32), softmax_scale=scale, causal=True)
+            return out.squeeze(1)  # [nd, heads, d]
+        width = tables.shape[1]
+        s_len = width * k_cache.shape[1]
+        k, v = self._buffer.gather_blocks(k_cache, v_cache, tables.reshape(-1), nd, s_len)  # [nd, kvh, S, d]
+        key_idx = torch.arange(s_len, device=q.device)  # [S]
+        mask = (key_idx[None, :] < seq_lens[:, None])[:, None, None, :]  # [nd, 1, 1, S]
+        qg = q.view(nd, k.shape[1], -1, q.shape[-1])  # [nd, kvh, group, d]
+        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(q.shape)
+
+
+def flash_attn_usable(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
+    return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
+            and block_size % FLASH_ATTN_PAGE_MULTIPLE == 0
+            and importlib.util.find_spec("flash_attn") is not None)
+
+
+def make_backend(name: AttentionBackendName, device: torch.device, dtype: torch.dtype,
+                 block_size: int) -> AttentionBackend:
+    if name is AttentionBackendName.TORCH:
+        return TorchAttentionBackend()
+    backend = PagedDecodeBackend(use_flash_attn=flash_attn_usable(device, dtype, block_size))
+    log.info("attention backend paged, decode kernel %s", backend.kernel)
+    return backend
