@@ -34,23 +34,25 @@ def process_usage(pid: int) -> dict[str, float]:
 
 class LocalCluster:
     def __init__(self, model_dir: Path | str, sim_profile: Path | str, *, workers: int, gateways: int,
-                 worker_flags: list[str] = (), log_level: str = "error") -> None:
+                 worker_flags: list[str] = (), gateway_flags: list[str] = (), gateway_env: dict[str, str] | None = None,
+                 log_level: str = "error") -> None:
         self.model_dir, self.profile = str(model_dir), str(sim_profile)
         self.token = secrets.token_urlsafe(16)
         self.env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level, STEPAHEAD_CLUSTER_TOKEN=self.token)
         self.scheduler_address = f"127.0.0.1:{free_port()}"
         self.gateway_addresses = [f"127.0.0.1:{free_port()}" for _ in range(gateways)]
-        self.worker_flags = list(worker_flags)
+        self.worker_flags, self.gateway_flags = list(worker_flags), list(gateway_flags)
+        self.gateway_env = dict(self.env, **(gateway_env or {}))
         self.everything: list[subprocess.Popen] = []  # every process ever started
         self.members: dict[str, subprocess.Popen] = {"scheduler": self._spawn(
             ["scheduler", "--port", self.scheduler_address.rsplit(":", 1)[1]])}
         for i in range(workers):
             self.members[f"worker{i}"] = self._spawn(self._worker_args())
         for i, address in enumerate(self.gateway_addresses):
-            self.members[f"gateway{i}"] = self._spawn(self._gateway_args(address))
+            self.members[f"gateway{i}"] = self._spawn(self._gateway_args(address), self.gateway_env)
 
-    def _spawn(self, args: list[str]) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=self.env)
+    def _spawn(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env or self.env)
         self.everything.append(proc)
         return proc
 
@@ -59,18 +61,22 @@ class LocalCluster:
                 "--sim-profile", self.profile, *self.worker_flags]
 
     def _gateway_args(self, address: str) -> list[str]:
+        flags = self.gateway_flags if "--http-port" in self.gateway_flags else [*self.gateway_flags, "--http-port", "0"]
         return ["gateway", "--scheduler", self.scheduler_address, "--port", address.rsplit(":", 1)[1],
-                "--http-port", "0", "--model", self.model_dir]
+                "--model", self.model_dir, *flags]
 
     def channel(self):
         return security.channel(self.scheduler_address, cluster_token=self.token)
 
-    def wait_ready(self, timeout_s: float = 300.0) -> None:
-        from stepahead.cli.serve import wait_healthy
+    def wait_ready(self, timeout_s: float = 300.0, gateways: bool = True) -> None:
+        """Until the scheduler (a worker attached) and, unless told otherwise, every gateway
+        report SERVING (a TLS gateway is checked by its caller)."""
         import threading
 
+        from stepahead.cli.serve import wait_healthy
+
         deadline = time.monotonic() + timeout_s
-        for address in (self.scheduler_address, *self.gateway_addresses):
+        for address in (self.scheduler_address, *(self.gateway_addresses if gateways else ())):
             if not wait_healthy(address, list(self.members.values()), deadline, threading.Event()):
                 raise RuntimeError(f"{address} did not become healthy")
 
@@ -83,7 +89,8 @@ class LocalCluster:
         if kind == "worker":
             self.members[name] = self._spawn(self._worker_args())
         else:
-            self.members[name] = self._spawn(self._gateway_args(self.gateway_addresses[int(name[len(kind):])]))
+            address = self.gateway_addresses[int(name[len(kind):])]
+            self.members[name] = self._spawn(self._gateway_args(address), self.gateway_env)
         return name
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
