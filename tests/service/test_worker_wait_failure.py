@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from stepahead import logs
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from worker_service import daemon, model_runner
