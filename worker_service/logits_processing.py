@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from stepahead.plan import SamplingParams
+from worker_service.streams import host_to_device  # no blocking H2D: the host never waits for the device
 
 
 class PenaltyState:
@@ -47,9 +48,9 @@ class PenaltyState:
         self.in_prompt[slot].zero_()
         self.counts[slot].zero_()
         if prompt_ids:
-            self.in_prompt[slot, torch.tensor(list(prompt_ids), device=self.device)] = True
+            self.in_prompt[slot, host_to_device(list(prompt_ids), torch.int64, self.device)] = True
         if output_ids:
-            ids = torch.tensor(list(output_ids), device=self.device)
+            ids = host_to_device(list(output_ids), torch.int64, self.device)
             self.counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
     def forget(self, request_id: str) -> None:
@@ -118,17 +119,17 @@ class LogitsProcessing:
                 index_rows.append(i)
                 cols.append(token_id)
                 values.append(bias)
-        index = (torch.tensor(index_rows, device=self.device), torch.tensor(cols, device=self.device))
-        logits.index_put_(index, torch.tensor(values, dtype=logits.dtype, device=self.device), accumulate=True)
+        index = (host_to_device(index_rows, torch.int64, self.device), host_to_device(cols, torch.int64, self.device))
+        logits.index_put_(index, host_to_device(values, logits.dtype, self.device), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int], request_ids: list[str],
                          params: Sequence[SamplingParams]) -> None:
         slots_list = [self.state.slots[rid] for rid in request_ids]
         host = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty]
                              for i in rows], dtype=torch.float32)  # [m, 3]
-        rep, freq, pres = host.to(self.device).unbind(1)  # [m] each
-        rows_t = torch.tensor(rows, device=self.device)  # [m]
-        slots = torch.tensor(slots_list, device=self.device)  # [m]
+        rep, freq, pres = host_to_device(host, torch.float32, self.device).unbind(1)  # [m] each
+        rows_t = host_to_device(rows, torch.int64, self.device)  # [m]
+        slots = host_to_device(slots_list, torch.int64, self.device)  # [m]
         counts = self.state.counts.index_select(0, slots)  # [m, vocab] int32
         seen = counts > 0  # [m, vocab]
         x = logits.index_select(0, rows_t)  # [m, vocab]

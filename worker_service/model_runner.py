@@ -241,7 +241,8 @@ class ModelRunner:
         """Forget every request and the device-side sampled ids (e.g. after a scheduler reconnect)."""
         for rid in list(self.requests):
             self._forget((rid,))
-        self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
+        with self.streams.on_compute_stream():  # its buffers are zeroed where the steps use them
+            self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
         self._failed_ids.clear()
         self._pending = [None, None]
         self._set_sampled([], self._sampled[0, :0])

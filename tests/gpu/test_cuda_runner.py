@@ -7,7 +7,8 @@ workload back to back (nothing waits between launches), and compare every step's
 ids with the same workload run synchronously on the same device (same kernels, same
 shapes, so the same bits). The workload (`plans`) has permuted block ids, placeholder
 decodes whose source rows are permuted every step, prompt chunks mixed with placeholder
-decodes, seeded sampling (top-k/top-p, min-p), a `min_tokens` request with stop ids, and
+decodes, seeded sampling (top-k/top-p, min-p), logit bias and penalties, a `min_tokens`
+request with stop ids, and
 a swap out (whose freed device blocks a new request overwrites in the same step) and a
 swap in of a preempted request.
 
@@ -59,12 +60,13 @@ BLOCK = 16
 STEPS = 20
 DELAY_CYCLES = 50_000_000  # ~25 ms at 2 GHz: far longer than a step of this model
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
-STOPS = tuple(range(0, 512, 3))
+STOPS = tuple(range(0, 512, 8))  # 64 ids: the most stepahead.limits allows
 SAMPLING = {
-    "r0": GREEDY,
+    "r0": SamplingParams(temperature=0.0, max_tokens=64, logit_bias=((5, 1.5), (77, -3.0))),
     "r1": SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=1, max_tokens=64),
     "r2": SamplingParams(temperature=0.0, min_tokens=8, stop_token_ids=STOPS, max_tokens=64),
-    "r3": SamplingParams(temperature=1.0, min_p=0.05, seed=3, max_tokens=64),
+    "r3": SamplingParams(temperature=1.0, min_p=0.05, seed=3, max_tokens=64, repetition_penalty=1.3,
+                         presence_penalty=0.4),
     "r4": GREEDY,
 }
 PROMPT_LENS = {"r0": 11, "r1": 7, "r2": 9, "r3": 19, "r4": 30}
