@@ -12,6 +12,7 @@ chooses (a thread queue for gRPC, the event loop for HTTP).
 from __future__ import annotations
 
 import dataclasses
+import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -131,6 +132,41 @@ class Generation:
             self._released = True
             self._gate.leave()
             self._metrics.active.dec()
+
+
+class EventMerger:
+    """A request's events as the consumer can take them: token events of one upstream
+    sequence that queued up while the consumer was busy come merged into one (their tokens
+    in order, the last one's finish reason and counts), so a client that falls behind gets
+    fewer, larger messages instead of one per scheduler step."""
+
+    def __init__(self, events) -> None:
+        self._events = events  # a queue.SimpleQueue filled by the scheduler link
+        self._held = None  # an event taken while merging that belongs after the merged one
+
+    def next(self):
+        event, self._held = (self._held, None) if self._held is not None else (self._events.get(), None)
+        while _mergeable(event):
+            try:
+                more = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if not _mergeable_into(event, more):
+                self._held = more
+                break
+            merged = scheduler_pb2.TokenEvent()
+            merged.CopyFrom(more)
+            merged.token_ids[:] = [*event.token_ids, *more.token_ids]
+            event = merged
+        return event
+
+
+def _mergeable(event) -> bool:
+    return isinstance(event, scheduler_pb2.TokenEvent) and not (event.finish_reason or event.rejected)
+
+
+def _mergeable_into(event, more) -> bool:
+    return isinstance(more, scheduler_pb2.TokenEvent) and more.request_id == event.request_id and not more.rejected
 
 
 class Frontend:

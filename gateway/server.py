@@ -22,7 +22,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from gateway.admission import Draining, Overloaded, StreamGate
-from gateway.generation import ChoiceOutput, Frontend, Rejected
+from gateway.generation import ChoiceOutput, EventMerger, Frontend, Rejected
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import RawGenerateRequest, ValidationError
@@ -119,8 +119,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         context.add_callback(gen.abort)  # client gone or call over
         try:
+            pending = EventMerger(events)
             while not gen.done:
-                choice = gen.on_event(events.get())
+                choice = gen.on_event(pending.next())
                 if choice is not None:
                     response = self._response(request_id, choice)
                     if response is not None:

@@ -127,7 +127,7 @@ class _Pipeline:
     the scheduler not do so within `FATAL_GRACE_S`, and `error` is set for the caller.
     """
 
-    FATAL_GRACE_S = 5.0
+    FATAL_GRACE_S = 30.0  # generous: under load a scheduler may take seconds to read the reason
 
     def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None) -> None:
         self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
