@@ -53,6 +53,37 @@ def decode_step_times(runner: ModelRunner, prompts, featured: set[int], steps: i
     return times
 
 
+def processing_cost(vocab_size: int, batch: int, reps: int) -> dict:
+    """The added work alone, on random logits [batch, vocab]: bias + penalties + count update
+    vs. the sampler itself (median ms over `reps`, interleaved); load-robust, unlike steps."""
+    from worker_service.logits_processing import LogitsProcessing
+    from worker_service.sampler import Sampler, SamplingMetadata
+
+    device = torch.device("cpu")
+    rng = random.Random(1)
+    processing = LogitsProcessing(vocab_size, device)
+    featured = [sampling(i, True, 64) for i in range(batch)]
+    for i in range(batch):
+        processing.register(f"r{i}", featured[i], [rng.randrange(vocab_size) for _ in range(40)], 32)
+    sampler = Sampler(device)
+    meta = SamplingMetadata.build(featured, [40] * batch, vocab_size, device)
+    ids = [f"r{i}" for i in range(batch)]
+    added, sampling_ms = [], []
+    for _ in range(reps):
+        logits = torch.randn(batch, vocab_size)
+        t0 = time.perf_counter()
+        processed = processing.apply(logits, ids, featured)
+        t1 = time.perf_counter()
+        sampled = sampler(processed, meta)
+        t2 = time.perf_counter()
+        processing.record(sampled)
+        t3 = time.perf_counter()
+        added.append((t1 - t0) + (t3 - t2))
+        sampling_ms.append(t2 - t1)
+    return {"bias_penalties_record_ms": round(statistics.median(added) * 1e3, 3),
+            "sampler_ms": round(statistics.median(sampling_ms) * 1e3, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="100m")
@@ -62,8 +93,18 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--micro-only", action="store_true", help="only the per-step added work, no model steps")
     args = parser.parse_args()
     model_dir = resolve_model(args.model)
+    if args.micro_only:
+        from worker_service.model_config import ModelConfig
+
+        micro = processing_cost(ModelConfig.from_dir(model_dir).vocab_size, args.batch, reps=50)
+        print(f"{args.model} vocab, batch {args.batch}: {micro}")
+        if args.out:
+            args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "micro": micro},
+                                           indent=2))
+        return
     blocks = args.batch * (-(-(args.prompt_len + args.steps + 1) // args.block_size))
     runner = ModelRunner(model_dir, block_size=args.block_size, num_blocks=blocks)
     rng = random.Random(0)
@@ -73,7 +114,9 @@ def main() -> None:
     decode_step_times(runner, prompts, set(), 4, args.block_size)  # warm-up
     for _ in range(args.rounds):
         for name, featured in configs.items():
-            samples[name] += decode_step_times(runner, prompts, featured, args.steps, args.block_size)
+            times = decode_step_times(runner, prompts, featured, args.steps, args.block_size)
+            samples[name] += times
+            print(f"  round: {name:<14} median {statistics.median(times) * 1e3:.1f} ms/step", flush=True)
     base = statistics.median(samples["plain"])
     rows = []
     for name, times in samples.items():
