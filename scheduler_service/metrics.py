@@ -36,8 +36,12 @@ class SchedulerMetrics:
         self.idle_gap = Histogram(p + "device_idle_gap_seconds", "device idle between two steps", registry=r,
                                   buckets=_STEP_BUCKETS)
         self.finished = Counter(p + "requests_finished", "finished requests", ["reason"], registry=r)
+        self.workers_attached = Gauge(p + "workers_attached", "replicas attached now", registry=r)
+        self.workers_lost = Counter(p + "workers_lost", "replicas dropped (stream broke, bad result, timeout)",
+                                    registry=r)
+        self.requests_migrated = Counter(p + "requests_migrated", "requests moved off a lost replica", registry=r)
         self.gauges = {
-            name: Gauge(p + name, doc, registry=r)
+            name: Gauge(p + name, doc, ["replica"], registry=r)
             for name, doc in (
                 ("num_running", "requests running"), ("num_waiting", "requests waiting"),
                 ("num_swapped", "requests swapped to host"), ("kv_usage", "fraction of device KV blocks in use"),
@@ -45,7 +49,7 @@ class SchedulerMetrics:
             )
         }
         self.totals = {
-            name: Gauge(p + name + "_total", doc, registry=r)
+            name: Gauge(p + name + "_total", doc, ["replica"], registry=r)
             for name, doc in (
                 ("prefix_hit_tokens", "prompt tokens served from the prefix cache"),
                 ("prefix_query_tokens", "prompt tokens looked up in the prefix cache"),
@@ -54,10 +58,26 @@ class SchedulerMetrics:
         }
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
-        self._last_forward_end = 0.0
+        self._last_forward_end: dict[str, float] = {}  # per replica
 
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
+
+    def forget(self, request_id: str) -> None:
+        """The request ended without an event the metrics see (refused after waiting)."""
+        self._arrival.pop(request_id, None)
+        self._last_token.pop(request_id, None)
+
+    def on_replica_lost(self, replica: str, num_moved: int, num_left: int) -> None:
+        self.workers_lost.inc()
+        self.requests_migrated.inc(num_moved)
+        self.workers_attached.set(num_left)
+        self._last_forward_end.pop(replica, None)
+        for gauge in (*self.gauges.values(), *self.totals.values()):
+            try:
+                gauge.remove(replica)
+            except KeyError:  # that replica never finished a step
+                pass
 
     def on_events(self, events: list[RequestEvent], lookup: Callable[[str], Request | None]) -> None:
         now = time.monotonic()
@@ -83,12 +103,13 @@ class SchedulerMetrics:
         if request is not None and request.first_scheduled_time is not None and request.arrival_time is not None:
             self.queue.observe(request.first_scheduled_time - request.arrival_time)
 
-    def on_step(self, record: StepRecord, stats: SchedulerStats) -> None:
+    def on_step(self, record: StepRecord, stats: SchedulerStats, replica: str = "") -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
-        if record.worker.forward_start and self._last_forward_end:
-            self.idle_gap.observe(max(0.0, record.worker.forward_start - self._last_forward_end))
-        self._last_forward_end = record.worker.forward_end or self._last_forward_end
+        last_end = self._last_forward_end.get(replica, 0.0)
+        if record.worker.forward_start and last_end:
+            self.idle_gap.observe(max(0.0, record.worker.forward_start - last_end))
+        self._last_forward_end[replica] = record.worker.forward_end or last_end
         for name, gauge in self.gauges.items():
-            gauge.set(getattr(stats, name))
+            gauge.labels(replica).set(getattr(stats, name))
         for name, gauge in self.totals.items():
-            gauge.set(getattr(stats, name))
+            gauge.labels(replica).set(getattr(stats, name))

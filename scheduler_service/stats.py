@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from scheduler_service.kv_manager import KVCacheManager
 
@@ -51,3 +51,13 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         num_aborted=counts["num_aborted"],
         num_in_flight=num_in_flight,
     )
+
+
+def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats | None:
+    """Replicas' stats added up (kv_usage recomputed over all blocks); None for no replica."""
+    if not stats:
+        return None
+    total = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(SchedulerStats)}
+    used = sum(s.kv_usage * s.num_total_blocks for s in stats)
+    total["kv_usage"] = used / total["num_total_blocks"]
+    return SchedulerStats(**total)

@@ -72,6 +72,13 @@ class ConnectSession:
         self._outbox.put(scheduler_pb2.GatewayMessage(submit=msg))
 
     def _read(self) -> None:
+        try:
+            self._read_all()
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:  # close() cancels: the normal end
+                raise
+
+    def _read_all(self) -> None:
         for batch in self._responses:
             for event in batch.events:
                 with self._lock:
