@@ -22,7 +22,7 @@ import pytest
 
 from stepahead.serve import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.service.streams import ConnectSession, wait_health
+from tests.service.streams import ConnectSession
 
 VOCAB = 4096
 HELLO = scheduler_pb2.WorkerHello(
