@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from stepahead import limits
 from stepahead.plan import SamplingParams
 
 
@@ -121,17 +122,14 @@ class Request:
         if not isinstance(request_id, str) or not request_id:
             raise RequestRejected(f"request_id must be a non-empty string, got {request_id!r}")
         prompt = tuple(prompt_token_ids)
-        if not prompt:
-            raise RequestRejected(f"request {request_id!r}: prompt_token_ids is empty")
-        if any(not isinstance(t, int) or t < 0 for t in prompt):
-            raise RequestRejected(f"request {request_id!r}: prompt token ids must be non-negative ints")
-        if sampling.max_tokens < 1:
-            raise RequestRejected(f"request {request_id!r}: max_tokens must be >= 1, got {sampling.max_tokens}")
-        if not 0 <= sampling.min_tokens <= sampling.max_tokens:
-            raise RequestRejected(
-                f"request {request_id!r}: min_tokens ({sampling.min_tokens}) must be in [0, max_tokens "
-                f"({sampling.max_tokens})]"
-            )
+        try:  # the shape of a request; the full limits are checked when it is submitted
+            if not prompt:
+                raise limits.LimitError("prompt.token_ids", "the prompt is empty")
+            if any(not isinstance(t, int) or t < 0 for t in prompt):
+                raise limits.LimitError("prompt.token_ids", "token ids must be non-negative ints")
+            limits.check_output_budget(sampling.max_tokens, sampling.min_tokens)
+        except limits.LimitError as exc:
+            raise RequestRejected(f"request {request_id!r}: {exc}") from None
         self.request_id = request_id
         self.prompt_token_ids = prompt
         self.sampling = sampling

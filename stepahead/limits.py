@@ -79,7 +79,7 @@ def check_sampling(p: SamplingParams, vocab_size: int) -> SamplingParams:
         top_p=check_top_p(p.top_p),
         min_p=check_min_p(p.min_p),
         seed=check_seed(p.seed),
-        min_tokens=check_min_tokens(p.min_tokens, p.max_tokens),
+        min_tokens=check_output_budget(p.max_tokens, p.min_tokens),
         stop_token_ids=check_token_ids("sampling.stop_token_ids", p.stop_token_ids, vocab_size, MAX_STOP_TOKEN_IDS),
     )
 
@@ -145,10 +145,13 @@ def check_max_tokens(value: int, prompt_len: int, max_model_len: int) -> int:
     return value
 
 
-def check_min_tokens(value: int, max_tokens: int) -> int:
-    if not 0 <= value <= max_tokens:
-        raise LimitError("sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {value}")
-    return value
+def check_output_budget(max_tokens: int, min_tokens: int) -> int:
+    """max_tokens >= 1 and 0 <= min_tokens <= max_tokens; returns min_tokens."""
+    if max_tokens < 1:
+        raise LimitError("sampling.max_tokens", f"must be at least 1, got {max_tokens}")
+    if not 0 <= min_tokens <= max_tokens:
+        raise LimitError("sampling.min_tokens", f"must be in [0, max_tokens={max_tokens}], got {min_tokens}")
+    return min_tokens
 
 
 def check_token_ids(field: str, ids: Sequence[int], vocab_size: int, max_count: int | None = None) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ def test_aborting_an_unknown_id_is_a_no_op():
     ("kwargs", "message"),
     [
         ({"request_id": "", "prompt_token_ids": [1]}, "non-empty string"),
-        ({"request_id": "a", "prompt_token_ids": []}, "prompt_token_ids is empty"),
+        ({"request_id": "a", "prompt_token_ids": []}, "the prompt is empty"),
         ({"request_id": "a", "prompt_token_ids": [1, -2]}, "non-negative"),
         ({"request_id": "a", "prompt_token_ids": [1], "sampling": SamplingParams(max_tokens=0)}, "max_tokens"),
         ({"request_id": "a", "prompt_token_ids": [1], "sampling": SamplingParams(max_tokens=2, min_tokens=3)},
