@@ -1,6 +1,7 @@
-"""`stepahead serve`: scheduler, worker and gateway as three OS processes, one command.
+"""`stepahead serve`: scheduler, worker(s) and gateway as OS processes, one command.
 
-Starts the scheduler, then a worker that attaches to it, then the gateway; waits until
+Starts the scheduler, then `--data-parallel-size` workers that attach to it (one replica
+each), then the gateway; waits until
 the scheduler (worker attached) and the gateway report SERVING on gRPC health; prints
 the endpoint; forwards SIGINT/SIGTERM and stops every child. Children also get SIGTERM
 from the kernel if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
@@ -35,6 +36,7 @@ class ServeConfig:
     host: str = cfg.field("127.0.0.1", "gateway listen address")
     port: int = cfg.field(50050, "gateway port (0 picks a free one)")
     scheduler_port: int = cfg.field(0, "scheduler port (0 picks a free one)")
+    data_parallel_size: int = cfg.field(1, "workers to start: each attaches as a replica with its own KV pool")
     startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
     pin_cpus: bool = cfg.field(True, "CPU device: worker on all cores but the last, the rest on the last")
     log_level: str = cfg.field("info", "log level of every daemon")
@@ -130,7 +132,11 @@ def run(args: argparse.Namespace) -> int:
     if worker_cfg.device == "cpu" and worker_cfg.num_threads is None:
         # The CPU is the device here: leave a core to the scheduler and the gateway so that
         # planning and streaming overlap with the forward pass instead of preempting it.
-        worker_cfg = dataclasses.replace(worker_cfg, num_threads=max(1, (os.cpu_count() or 2) - 1))
+        # Each replica gets its share.
+        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size, 1))
+        worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
+    if config.data_parallel_size < 1:
+        raise SystemExit(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     model_dir = str(resolve_model(config.model))  # build a built-in model once, here
     port = config.port or free_port(config.host)
     sched_addr = f"127.0.0.1:{config.scheduler_port or free_port()}"
@@ -141,8 +147,8 @@ def run(args: argparse.Namespace) -> int:
     procs = [
         spawn(["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
                *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus),
-        spawn(["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
-               *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus),
+        *(spawn(["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
+                 *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus) for _ in range(config.data_parallel_size)),
         spawn(["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                "--model", model_dir, *log], control_cpus),
     ]

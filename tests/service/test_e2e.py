@@ -192,7 +192,8 @@ def test_prometheus_metrics_follow_the_traffic(serve, metrics_port):
     assert after[itl] - before.get(itl, 0) >= 1
     done = 'stepahead_scheduler_requests_finished_total{reason="length"}'
     assert after[done] == before.get(done, 0) + 1
-    assert after["stepahead_scheduler_num_running"] == 0
+    running = [v for k, v in after.items() if k.startswith("stepahead_scheduler_num_running{replica=")]
+    assert running == [0.0], running  # one replica, labelled by its worker id
 
 
 def test_sync_and_async_daemons_give_the_same_tokens(serve, tiny_model_dir, tiny_tokenizer):  # noqa: F811
