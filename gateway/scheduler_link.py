@@ -4,7 +4,8 @@ All of a gateway's requests share one bidirectional stream: submissions and abor
 one `EventBatch` per scheduler step comes down and a reader thread routes each event to
 its request's queue. One message per step instead of one per request per step keeps the
 control plane's CPU cost flat in the number of streams. If the stream breaks, every open
-request fails with `LinkBroken` and the next submission opens a new stream.
+request fails with `LinkBroken` and the next submission opens a new stream
+(`scheduler_pool.py` resubmits them elsewhere).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class SchedulerLink:
         self._lock = threading.Lock()
         self._routes: dict[str, queue.Queue] = {}  # request id -> its events
         self._outbox: queue.Queue | None = None  # messages for the current stream
+
+    @property
+    def num_open(self) -> int:
+        """Requests open on this link (its load, as the gateway sees it)."""
+        return len(self._routes)
 
     def submit(self, msg: scheduler_pb2.SubmitRequest) -> Iterator[scheduler_pb2.TokenEvent]:
         """Send one request; iterate its events up to (and including) the last one."""

@@ -20,6 +20,7 @@ import grpc
 
 from gateway.output import FinishReason, OutputProcessor
 from gateway.scheduler_link import LinkBroken, SchedulerLink
+from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
@@ -37,7 +38,10 @@ REJECT_STATUS = {
 
 @dataclass(frozen=True)
 class GatewayConfig:
-    scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address")
+    scheduler: tuple[str, ...] = cfg.field(
+        ("127.0.0.1:50051",), "scheduler address; repeat the flag or give a comma list for several")
+    failover_timeout: float = cfg.field(
+        60.0, "seconds a request whose scheduler died may take to find another one (then UNAVAILABLE)")
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50050, "port to listen on")
     model: str = cfg.field("tiny", "model directory (for the tokenizer) or a built-in model name")
@@ -87,11 +91,12 @@ def submit_to_proto(valid: ValidRequest, request_id: str) -> scheduler_pb2.Submi
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, scheduler_channel, config: GatewayConfig, log):
+    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, scheduler_channels, config: GatewayConfig, log):
         self.tokenizer = tokenizer
         self.model = model
         self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, config.max_request_bytes)
-        self.link = SchedulerLink(scheduler_channel, log)
+        self.link = SchedulerPool([SchedulerLink(ch, log) for ch in scheduler_channels], config.scheduler, log,
+                                  config.failover_timeout)
         self.log = log
 
     def _tokenize(self, text: str) -> list[int]:
@@ -160,13 +165,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
-def wait_for_model(channel, stop, log) -> scheduler_pb2.WorkerHello | None:
-    """Ask the scheduler for its model until a worker has attached (or we are stopped)."""
-    stub = scheduler_pb2_grpc.SchedulerStub(channel)
-    backoff = 0.05
+def wait_for_model(channels, stop, log) -> scheduler_pb2.WorkerHello | None:
+    """Ask the schedulers in turn for their model until one has a worker (or we are stopped)."""
+    stubs = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in channels]
+    backoff, turn = 0.05, 0
     while not stop.is_set():
+        stub, turn = stubs[turn % len(stubs)], turn + 1
         try:
-            return stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=5, wait_for_ready=True)
+            return stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=5, wait_for_ready=len(stubs) == 1)
         except grpc.RpcError as exc:
             log.info("waiting_for_model", code=exc.code().name)
         stop.wait(backoff)  # retry backoff, interrupted by SIGTERM
@@ -188,15 +194,17 @@ def run(args: argparse.Namespace) -> int:
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
-    channel = grpc.insecure_channel(config.scheduler)
-    model = wait_for_model(channel, stop, log)  # the limits to validate against come from the worker
+    if not config.scheduler:
+        raise SystemExit("--scheduler: give at least one scheduler address")
+    channels = [grpc.insecure_channel(address) for address in config.scheduler]
+    model = wait_for_model(channels, stop, log)  # the limits to validate against come from the worker
     if model is None:
         return 0
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=config.max_workers),
         options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes)],
     )
-    servicer = GenerationServicer(tokenizer, model, channel, config, log)
+    servicer = GenerationServicer(tokenizer, model, channels, config, log)
     generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
     health = daemon.Health(server, [SERVICE_NAME])
     port = server.add_insecure_port(f"{config.host}:{config.port}")
