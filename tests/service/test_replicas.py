@@ -2,7 +2,9 @@
 torch workers and two gateways as separate processes. Requests spread over both replicas;
 a worker killed with SIGKILL mid-stream loses nothing: its requests move to the other
 replica as recompute and every stream continues, token for token Hugging Face's, none
-twice; the scheduler's metrics count the loss and the migrations; all blocks end free."""
+twice; the scheduler's metrics count the loss and the migrations; all blocks end free. A
+worker that joins takes requests at once; one drained with SIGTERM under load hands its
+requests over the same way and exits 0."""
 
 from __future__ import annotations
 
@@ -168,7 +170,14 @@ def test_requests_spread_over_replicas_and_survive_a_killed_worker(cluster, hf, 
 
     cluster.start_worker("worker2")  # a new worker takes requests at once
     cluster.wait_metric("stepahead_scheduler_workers_attached", 2)
-    check_streams(hf, run_streams(cluster, prompts[:8], 16))
+    migrated = cluster.metrics()["stepahead_scheduler_requests_migrated_total"]
+
+    def drain_worker1() -> None:  # SIGTERM under load: its requests move, none is lost
+        cluster.procs["worker1"].send_signal(signal.SIGTERM)
+
+    check_streams(hf, run_streams(cluster, prompts[:8], 48, during=drain_worker1))
+    assert cluster.procs["worker1"].wait(timeout=60) == 0
+    assert cluster.metrics()["stepahead_scheduler_requests_migrated_total"] > migrated
     check_no_leaks(cluster)
 
 
