@@ -240,6 +240,7 @@ class Engine:
                 self._dispatch([event])
         elif request_id in self._parked:
             request, _ = self._parked.pop(request_id)
+            self.metrics.forget(request_id)
             self._dispatch([RequestEvent(request_id, (), FinishReason.ABORT, request.num_prompt_tokens, 0)])
 
     def _commit(self, replica: Replica, result) -> None:
