@@ -73,13 +73,13 @@ class ConnectSession:
 
     def _read(self) -> None:
         try:
-            self._read_all()
-        except grpc.RpcError as exc:
-            if exc.code() != grpc.StatusCode.CANCELLED:  # close() cancels: the normal end
+            self._route(self._responses)
+        except grpc.RpcError as exc:  # closed by close(), or the scheduler went away
+            if exc.code() != grpc.StatusCode.CANCELLED:
                 raise
 
-    def _read_all(self) -> None:
-        for batch in self._responses:
+    def _route(self, responses) -> None:
+        for batch in responses:
             for event in batch.events:
                 with self._lock:
                     self._events.setdefault(event.request_id, []).append(event)
