@@ -160,7 +160,7 @@ def test_requests_spread_over_replicas_and_survive_a_killed_worker(cluster, hf, 
         assert len(running) == 2 and all(v > 0 for v in running.values()), f"not spread over both: {running}"
         cluster.procs["worker0"].send_signal(signal.SIGKILL)
 
-    streams = run_streams(cluster, prompts, 48, during=kill_one_worker)
+    streams = run_streams(cluster, prompts, 32, during=kill_one_worker)
     check_streams(hf, streams)
     after = cluster.metrics()
     assert after["stepahead_scheduler_workers_lost_total"] == before["stepahead_scheduler_workers_lost_total"] + 1
@@ -175,7 +175,7 @@ def test_requests_spread_over_replicas_and_survive_a_killed_worker(cluster, hf, 
     def drain_worker1() -> None:  # SIGTERM under load: its requests move, none is lost
         cluster.procs["worker1"].send_signal(signal.SIGTERM)
 
-    check_streams(hf, run_streams(cluster, prompts[:8], 48, during=drain_worker1))
+    check_streams(hf, run_streams(cluster, prompts[:8], 32, during=drain_worker1))
     assert cluster.procs["worker1"].wait(timeout=60) == 0
     assert cluster.metrics()["stepahead_scheduler_requests_migrated_total"] > migrated
     check_no_leaks(cluster)
