@@ -46,6 +46,7 @@ def run_stepahead(args, label: str, *flags: str) -> dict:
     extra = args.serve_args.split()
     with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.num_prompts), *extra,
                       *flags) as s:
+        os.environ["STEPAHEAD_CLUSTER_TOKEN"] = s.cluster_token  # bench reads the flight record
         with client_off_device_cores():
             return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr))
 

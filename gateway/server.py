@@ -17,12 +17,16 @@ from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
+from prometheus_client import REGISTRY, start_http_server
 
 from gateway.output import FinishReason, OutputProcessor
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
-from stepahead import codec, daemon, logs
+from gateway.admission import Draining, Overloaded, StreamGate
+from gateway.metrics import GatewayMetrics
+from stepahead import codec, daemon, logs, security
+from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -37,7 +41,7 @@ REJECT_STATUS = {
 
 
 @dataclass(frozen=True)
-class GatewayConfig:
+class GatewayConfig(SchedulerClientConfig):
     scheduler: tuple[str, ...] = cfg.field(
         ("127.0.0.1:50051",), "scheduler address; repeat the flag or give a comma list for several")
     failover_timeout: float = cfg.field(
@@ -46,7 +50,15 @@ class GatewayConfig:
     port: int = cfg.field(50050, "port to listen on")
     model: str = cfg.field("tiny", "model directory (for the tokenizer) or a built-in model name")
     max_request_bytes: int = cfg.field(1 << 20, "largest accepted request message")
-    max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
+    max_concurrent_streams: int = cfg.field(
+        1024, "open Generate streams at most; more get RESOURCE_EXHAUSTED at once (one server thread each)"
+    )
+    drain_timeout: float = cfg.field(30.0, "on SIGTERM, seconds open streams get to finish before the exit")
+    api_key: str | None = cfg.field(None, "API keys clients must send as 'authorization: Bearer KEY' (comma list)")
+    ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the public API")
+    ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the public API")
+    ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
+    metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     log_level: str = cfg.field("info", "log level")
 
 
@@ -91,18 +103,40 @@ def submit_to_proto(valid: ValidRequest, request_id: str) -> scheduler_pb2.Submi
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, scheduler_channels, config: GatewayConfig, log):
+    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, scheduler_channels, config: GatewayConfig, log,
+                 metrics: GatewayMetrics | None = None):
         self.tokenizer = tokenizer
         self.model = model
         self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, config.max_request_bytes)
         self.link = SchedulerPool([SchedulerLink(ch, log) for ch in scheduler_channels], config.scheduler, log,
                                   config.failover_timeout)
         self.log = log
+        self.gate = StreamGate(config.max_concurrent_streams)
+        self.metrics = metrics or GatewayMetrics()
 
     def _tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
     def Generate(self, request, context):
+        """Admission (overload, drain), then the request; every call ends with a status."""
+        try:
+            self.gate.enter()
+        except (Overloaded, Draining) as exc:
+            reason = "overloaded" if isinstance(exc, Overloaded) else "draining"
+            self.metrics.rejected.labels(reason).inc()
+            self.log.warning("stream_refused", reason=reason, active=self.gate.active)
+            code = grpc.StatusCode.RESOURCE_EXHAUSTED if reason == "overloaded" else grpc.StatusCode.UNAVAILABLE
+            self.metrics.requests.labels(code.name).inc()
+            context.abort(code, str(exc))
+        self.metrics.active.inc()
+        try:
+            yield from self._generate(request, context)
+        finally:
+            self.gate.leave()
+            self.metrics.active.dec()
+            self.metrics.requests.labels((context.code() or grpc.StatusCode.OK).name).inc()
+
+    def _generate(self, request, context):
         try:
             valid = validate(raw_from_proto(request), self.limits, self._tokenize)
         except ValidationError as exc:
@@ -121,10 +155,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 reason = finish_from_proto(event.finish_reason)
                 out = processor.on_tokens(event.token_ids, reason)
                 if out.finished:
+                    self.metrics.generation_tokens.inc(len(out.token_ids))
+                    self.metrics.finished.labels(out.finish_reason.name.lower()).inc()
                     if reason is None:
                         self.link.abort(request_id)  # a stop string ended it here
                     yield self._final(request_id, out, event)
                     return
+                self.metrics.generation_tokens.inc(len(out.token_ids))
                 if out.text or out.token_ids:
                     yield generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids)
         except LinkBroken as exc:
@@ -196,20 +233,41 @@ def run(args: argparse.Namespace) -> int:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model(config.model))
     if not config.scheduler:
         raise SystemExit("--scheduler: give at least one scheduler address")
-    channels = [grpc.insecure_channel(address) for address in config.scheduler]
+    channels = [config.scheduler_channel(address) for address in config.scheduler]
     model = wait_for_model(channels, stop, log)  # the limits to validate against come from the worker
     if model is None:
         return 0
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=config.max_workers),
-        options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes)],
-    )
-    servicer = GenerationServicer(tokenizer, model, channels, config, log)
-    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
-    health = daemon.Health(server, [SERVICE_NAME])
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    metrics = GatewayMetrics(REGISTRY)
+    server, servicer, health, port = build_server(config, tokenizer, model, channels, log, metrics)
     server.start()
+    if config.metrics_port is not None:
+        start_http_server(config.metrics_port, addr=config.host, registry=REGISTRY)
     health.set(True)
     log.info("gateway_ready", address=f"{config.host}:{port}", model=model.model_name, pid=os.getpid())
-    daemon.serve_until_stopped(server, stop)
+    stop.wait()
+    health.set(False)  # load balancers stop sending; open streams may finish
+    drained = servicer.gate.drain(config.drain_timeout)
+    log.info("gateway_drained" if drained else "gateway_drain_timeout", open_streams=servicer.gate.active)
+    server.stop(2.0).wait()
     return 0
+
+
+def build_server(config: GatewayConfig, tokenizer, model, channels, log, metrics: GatewayMetrics):
+    """The public gRPC server: one thread per stream up to the limit, and past it
+    RESOURCE_EXHAUSTED from grpc itself rather than a silent queue."""
+    keys = security.split_keys(config.api_key)
+    interceptors = [security.api_key_interceptor(keys, lambda m: metrics.rejected.labels("unauthenticated").inc())
+                    ] if keys else []
+    threads = config.max_concurrent_streams + 64  # headroom for unary calls and health checks
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=threads),
+        interceptors=interceptors,
+        options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes)],
+        maximum_concurrent_rpcs=threads,
+    )
+    servicer = GenerationServicer(tokenizer, model, channels, config, log, metrics)
+    generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+    health = daemon.Health(server, [SERVICE_NAME])
+    tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+    port = security.add_port(server, f"{config.host}:{config.port}", tls)
+    return server, servicer, health, port

@@ -29,8 +29,7 @@ def check_limits(config: SchedulerConfig, request: Request) -> None:
     vocab = config.vocab_size if config.vocab_size is not None else UNCHECKED_VOCAB
     model = limits.ModelLimits("", config.max_model_len, vocab)
     try:
-        limits.check_id("request_id", request.request_id)
-        limits.check_id("cache_salt", request.cache_salt or "")
+        limits.check_id("cache_salt", request.cache_salt or "")  # the id is checked where it is scoped
         limits.check_prompt(request.prompt_token_ids, model)
         limits.check_priority(request.priority)
         # max_tokens past the model's room is runnable: the request ends LENGTH there

@@ -16,6 +16,7 @@ no replica left they wait up to `worker_wait_timeout_s`, then end UNAVAILABLE.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import queue
 import threading
@@ -102,6 +103,7 @@ class Engine:
         self._owner: dict[str, Replica] = {}  # request id -> the replica holding it
         self._parked: dict[str, tuple[Request, float]] = {}  # no replica: request, monotonic deadline
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
+        self._carried_counts: collections.Counter = collections.Counter()  # monotonic counters of lost replicas
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- thread-safe entry points -------------------------------------------------
@@ -133,9 +135,16 @@ class Engine:
         self._inbox.put(_Attach(handle))
         return handle
 
+    @property
+    def carried_counts(self) -> collections.Counter:
+        """Monotonic counters of the replicas lost so far (added to the live ones' totals)."""
+        return self._carried_counts
+
     def stats(self) -> SchedulerStats | None:
-        """Every replica's stats summed (None while none is attached)."""
-        return self._call(lambda: sum_stats([r.scheduler.stats() for r in self._replicas.values()]))
+        """Every replica's stats summed, counters including lost replicas' (None while none
+        is attached)."""
+        return self._call(lambda: sum_stats([r.scheduler.stats() for r in self._replicas.values()],
+                                            self._carried_counts))
 
     def replica_stats(self) -> dict[str, SchedulerStats]:
         return self._call(lambda: {r.name: r.scheduler.stats() for r in self._replicas.values()})
@@ -191,10 +200,10 @@ class Engine:
                     self._commit(replica, result)
             case _Attach(handle):
                 self._attach(handle)
-            case WorkerLost(handle, reason, error):
+            case WorkerLost(handle, reason, error, clean):
                 replica = self._replicas.get(handle)
                 if replica is not None:
-                    self._lose(replica, reason, error)
+                    self._lose(replica, reason, error, clean)
             case _CloseSession(session):
                 for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
                     self._abort(request_id)
@@ -213,7 +222,7 @@ class Engine:
         if self._model is None:
             raise NoWorker("no worker attached yet")
         if request.request_id in self._streams:
-            raise RequestRejected(f"request_id {request.request_id!r} is already in flight")
+            raise RequestRejected("request_id: a request with this id is already in flight on this stream")
         if self._replicas:
             replica = self._place(request)
             replica.scheduler.add_request(request)
@@ -236,7 +245,7 @@ class Engine:
         if replica is not None:
             event = replica.scheduler.abort(request_id)
             if event is not None:
-                self.metrics.on_events([event], replica.scheduler.get_request)
+                self.metrics.on_events([event])
                 self._dispatch([event])
         elif request_id in self._parked:
             request, _ = self._parked.pop(request_id)
@@ -250,7 +259,7 @@ class Engine:
         except ValueError as exc:
             self._lose(replica, f"invalid step result: {exc}", WorkerRefused(WorkerRefused.Kind.INVALID, str(exc)))
             return
-        self.metrics.on_events(events, replica.scheduler.get_request)
+        self.metrics.on_events(events)
         self._dispatch(events)
 
     def _dispatch(self, events: list[RequestEvent | Rejected]) -> None:
@@ -287,24 +296,27 @@ class Engine:
             self._router = Router(self.options.routing, info.block_size)
         self._replicas[handle] = Replica(handle, scheduler, self.options.recorder_steps)
         self._log.info("worker_attached", replicas=len(self._replicas), **dataclasses.asdict(info))
-        self.metrics.workers_attached.set(len(self._replicas))
+        self.metrics.on_replica_attached(len(self._replicas))
         parked, self._parked = self._parked, {}
         for request, _ in parked.values():
             self._adopt(request)
         if len(self._replicas) == 1:
             self._on_ready_change(True)
 
-    def _lose(self, replica: Replica, reason: str, error: WorkerRefused | None = None) -> None:
-        """Drop the replica and close its stream; its unfinished requests move (recompute)."""
+    def _lose(self, replica: Replica, reason: str, error: WorkerRefused | None = None, clean: bool = False) -> None:
+        """Drop the replica and close its stream; its unfinished requests move (recompute).
+        `clean`: the worker closed its stream itself (leaving, e.g. SIGTERM): info, not a loss."""
         moving = replica.scheduler.unfinished_requests()
         del self._replicas[replica.handle]
         self._router.forget(replica.handle)
-        self._log.warning("worker_lost", worker_id=replica.name, reason=reason, requests_moved=len(moving),
-                          replicas=len(self._replicas))
+        self._carried_counts += replica.scheduler.counters()  # totals go on without it
+        log = self._log.info if clean and not moving else self._log.warning
+        log("worker_detached" if clean else "worker_lost", worker_id=replica.name, reason=reason,
+            requests_moved=len(moving), replicas=len(self._replicas))
         if not self._replicas:
             self._on_ready_change(False)
         replica.handle.outbox.close(error)
-        self.metrics.on_replica_lost(replica.name, len(moving), len(self._replicas))
+        self.metrics.on_replica_lost(replica.name, len(moving), len(self._replicas), lost=not clean)
         for request in moving:
             self._adopt(request)
 

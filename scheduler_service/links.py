@@ -72,8 +72,8 @@ class WorkerHandle:
     def on_result(self, result: StepResult) -> None:
         self._deliver(WorkerResult(self, result))
 
-    def on_lost(self, reason: str, error: WorkerRefused | None = None) -> None:
-        self._deliver(WorkerLost(self, reason, error))
+    def on_lost(self, reason: str, error: WorkerRefused | None = None, clean: bool = False) -> None:
+        self._deliver(WorkerLost(self, reason, error, clean))
 
 
 @dataclass(frozen=True)
@@ -87,6 +87,7 @@ class WorkerLost:
     handle: WorkerHandle
     reason: str
     error: WorkerRefused | None = None
+    clean: bool = False  # the worker closed its stream itself (e.g. it is shutting down)
 
 
 class RejectCode(enum.Enum):

@@ -1,61 +1,66 @@
 """Prometheus metrics of the scheduler daemon (served on --metrics-port at /metrics).
 
-The engine calls these hooks from its own thread; prometheus_client is thread-safe.
+Names follow vLLM's `vllm:*` set under `stepahead:` where the concept is the same; gauges
+carry no `_total`. Per-replica gauges carry a `replica` label (the worker id); counters are
+fed from each replica core's monotonic counters (deltas per replica), so their totals never
+go back when a replica is lost. The engine calls these hooks from its own thread;
+prometheus_client is thread-safe.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, SchedulerStats
 from stepahead.flight_recorder import StepRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
 _STEP_BUCKETS = (0.0001, 0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5)
+P = "stepahead:"
+
+# stats field -> (gauge name, help)
+_GAUGES = {
+    "num_running": ("num_requests_running", "requests running"),
+    "num_waiting": ("num_requests_waiting", "requests waiting (incl. preempted)"),
+    "num_swapped": ("num_requests_swapped", "requests whose KV is in host memory"),
+    "kv_usage": ("kv_cache_usage_perc", "fraction of device KV blocks in use"),
+    "num_in_flight": ("scheduler_plans_in_flight", "plans sent whose result has not arrived"),
+}
+# stats field -> (counter name without _total, help)
+_COUNTERS = {
+    "prefix_hit_tokens": ("prefix_cache_hits", "prompt tokens served from the prefix cache"),
+    "prefix_query_tokens": ("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
+    "num_preemptions": ("num_preemptions", "preemptions"),
+    "num_steps": ("scheduler_steps", "steps committed"),
+}
 
 
 class SchedulerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
-        r = registry or CollectorRegistry()
+        r = registry if registry is not None else CollectorRegistry()
         self.registry = r
-        p = "stepahead_scheduler_"
-        self.ttft = Histogram(p + "time_to_first_token_seconds", "submit to first committed token", registry=r,
+        self.ttft = Histogram(P + "time_to_first_token_seconds", "submit to first committed token", registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram(p + "inter_token_latency_seconds", "between committed tokens", registry=r,
+        self.itl = Histogram(P + "inter_token_latency_seconds", "between committed tokens", registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.e2e = Histogram(p + "e2e_request_latency_seconds", "submit to finish", registry=r,
+        self.e2e = Histogram(P + "e2e_request_latency_seconds", "submit to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
-        self.queue = Histogram(p + "queue_time_seconds", "submit to first scheduled", registry=r,
+        self.queue = Histogram(P + "request_queue_time_seconds", "submit to first scheduled", registry=r,
                                buckets=_LATENCY_BUCKETS)
-        self.schedule_time = Histogram(p + "schedule_seconds", "CPU time to plan one step", registry=r,
+        self.schedule_time = Histogram(P + "scheduler_schedule_seconds", "CPU time to plan one step", registry=r,
                                        buckets=_STEP_BUCKETS)
-        self.idle_gap = Histogram(p + "device_idle_gap_seconds", "device idle between two steps", registry=r,
+        self.idle_gap = Histogram(P + "device_idle_gap_seconds", "device idle between two steps", registry=r,
                                   buckets=_STEP_BUCKETS)
-        self.finished = Counter(p + "requests_finished", "finished requests", ["reason"], registry=r)
-        self.workers_attached = Gauge(p + "workers_attached", "replicas attached now", registry=r)
-        self.workers_lost = Counter(p + "workers_lost", "replicas dropped (stream broke, bad result, timeout)",
-                                    registry=r)
-        self.requests_migrated = Counter(p + "requests_migrated", "requests moved off a lost replica", registry=r)
-        self.gauges = {
-            name: Gauge(p + name, doc, ["replica"], registry=r)
-            for name, doc in (
-                ("num_running", "requests running"), ("num_waiting", "requests waiting"),
-                ("num_swapped", "requests swapped to host"), ("kv_usage", "fraction of device KV blocks in use"),
-                ("num_in_flight", "plans in flight"),
-            )
-        }
-        self.totals = {
-            name: Gauge(p + name + "_total", doc, ["replica"], registry=r)
-            for name, doc in (
-                ("prefix_hit_tokens", "prompt tokens served from the prefix cache"),
-                ("prefix_query_tokens", "prompt tokens looked up in the prefix cache"),
-                ("num_preemptions", "preemptions"), ("num_steps", "steps"),
-            )
-        }
+        self.finished = Counter(P + "request_finished", "finished requests", ["finished_reason"], registry=r)
+        self.workers_lost = Counter(P + "workers_lost", "workers lost (stream broken, failed, dropped)", registry=r)
+        self.workers_attached = Gauge(P + "workers_attached", "replicas (workers) attached now", registry=r)
+        self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
+                                         registry=r)
+        self.gauges = {f: Gauge(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _GAUGES.items()}
+        self.counters = {f: Counter(P + name, doc, registry=r) for f, (name, doc) in _COUNTERS.items()}
+        self._seen: dict[str, dict[str, int]] = {}  # replica -> last value of each monotonic stat
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
         self._last_forward_end: dict[str, float] = {}  # per replica
@@ -63,23 +68,7 @@ class SchedulerMetrics:
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
 
-    def forget(self, request_id: str) -> None:
-        """The request ended without an event the metrics see (refused after waiting)."""
-        self._arrival.pop(request_id, None)
-        self._last_token.pop(request_id, None)
-
-    def on_replica_lost(self, replica: str, num_moved: int, num_left: int) -> None:
-        self.workers_lost.inc()
-        self.requests_migrated.inc(num_moved)
-        self.workers_attached.set(num_left)
-        self._last_forward_end.pop(replica, None)
-        for gauge in (*self.gauges.values(), *self.totals.values()):
-            try:
-                gauge.remove(replica)
-            except KeyError:  # that replica never finished a step
-                pass
-
-    def on_events(self, events: list[RequestEvent], lookup: Callable[[str], Request | None]) -> None:
+    def on_events(self, events: list[RequestEvent]) -> None:
         now = time.monotonic()
         for e in events:
             arrival = self._arrival.get(e.request_id)
@@ -89,19 +78,21 @@ class SchedulerMetrics:
                 last = self._last_token.get(e.request_id)
                 if last is None:
                     self.ttft.observe(now - arrival)
-                    self._observe_queue_time(lookup(e.request_id))
                 else:
                     self.itl.observe((now - last) / len(e.new_token_ids))
                 self._last_token[e.request_id] = now
+            if e.queue_time is not None:
+                self.queue.observe(e.queue_time)
             if e.finish_reason is not None:
                 self.e2e.observe(now - arrival)
                 self.finished.labels(e.finish_reason.name.lower()).inc()
                 self._arrival.pop(e.request_id, None)
                 self._last_token.pop(e.request_id, None)
 
-    def _observe_queue_time(self, request: Request | None) -> None:
-        if request is not None and request.first_scheduled_time is not None and request.arrival_time is not None:
-            self.queue.observe(request.first_scheduled_time - request.arrival_time)
+    def forget(self, request_id: str) -> None:
+        """The request ended without an event the metrics see (refused after waiting)."""
+        self._arrival.pop(request_id, None)
+        self._last_token.pop(request_id, None)
 
     def on_step(self, record: StepRecord, stats: SchedulerStats, replica: str = "") -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
@@ -111,5 +102,26 @@ class SchedulerMetrics:
         self._last_forward_end[replica] = record.worker.forward_end or last_end
         for name, gauge in self.gauges.items():
             gauge.labels(replica).set(getattr(stats, name))
-        for name, gauge in self.totals.items():
-            gauge.labels(replica).set(getattr(stats, name))
+        seen = self._seen.setdefault(replica, dict.fromkeys(_COUNTERS, 0))
+        for name, counter in self.counters.items():
+            value = getattr(stats, name)
+            if value > seen[name]:
+                counter.inc(value - seen[name])
+            seen[name] = value
+
+    def on_replica_attached(self, num_replicas: int) -> None:
+        self.workers_attached.set(num_replicas)
+
+    def on_replica_lost(self, replica: str, num_moved: int, num_left: int, lost: bool = True) -> None:
+        """`lost`: it failed (not a worker leaving by itself)."""
+        if lost:
+            self.workers_lost.inc()
+        self.requests_migrated.inc(num_moved)
+        self.workers_attached.set(num_left)
+        self._last_forward_end.pop(replica, None)
+        self._seen.pop(replica, None)
+        for gauge in self.gauges.values():
+            try:
+                gauge.remove(replica)
+            except KeyError:  # that replica never finished a step
+                pass

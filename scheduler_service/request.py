@@ -79,6 +79,7 @@ class RequestEvent:
     num_prompt_tokens: int
     num_cached_tokens: int
     message: str = ""  # with FinishReason.ERROR: what failed
+    queue_time: float | None = None  # on the first token's event: arrival to first scheduled
 
 
 class Request:
@@ -162,6 +163,12 @@ class Request:
         self.num_tokens += 1
 
     # ---- lengths -------------------------------------------------------------------
+    @property
+    def queue_time(self) -> float | None:
+        if self.first_scheduled_time is None or self.arrival_time is None:
+            return None
+        return self.first_scheduled_time - self.arrival_time
+
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)

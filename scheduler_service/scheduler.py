@@ -52,7 +52,7 @@ class _Admission(Enum):
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
-        hash_fn: BlockHashFn = default_block_hash,
+        hash_fn: BlockHashFn = default_block_hash, *, counters: Counter | None = None,
     ) -> None:
         self.config = config
         self._clock = clock
@@ -69,7 +69,11 @@ class Scheduler:
         self._next_step_id = 0
         self._pending_finished: list[str] = []
         self._pending_preempted: list[str] = []
-        self._counts = Counter()
+        self._counts = Counter(counters or {})  # carried over from an earlier core: totals survive re-attach
+
+    def counters(self) -> Counter:
+        """A copy of the monotonic counters (steps, finishes, preemptions, prefix tokens)."""
+        return Counter(self._counts)
 
     # ---- requests in and out ---------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -373,7 +377,8 @@ class Scheduler:
                 if reason is not None:
                     self._finish(req, reason)
                 events.append(
-                    RequestEvent(req.request_id, (token,), reason, len(req.prompt_token_ids), req.num_cached_tokens)
+                    RequestEvent(req.request_id, (token,), reason, len(req.prompt_token_ids), req.num_cached_tokens,
+                                 queue_time=req.queue_time if req.num_output_tokens == 1 else None)
                 )
         return events
 

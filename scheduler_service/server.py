@@ -9,6 +9,7 @@ objects here and nowhere else in scheduler_service.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import threading
 from concurrent import futures
@@ -32,7 +33,7 @@ from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import QueueFull, RequestEvent, RequestRejected
-from stepahead import codec, daemon, limits, logs
+from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
@@ -71,6 +72,14 @@ class SchedulerDaemonConfig:
     flight_recorder_steps: int = cfg.field(1000, "steps kept by the flight recorder, per replica")
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
+    cluster_token: str | None = cfg.field(
+        None, "shared secret every internal call must carry (required off loopback unless --insecure)"
+    )
+    insecure: bool = cfg.field(False, "allow listening off loopback without a cluster token")
+    ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the internal plane")
+    ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the internal plane")
+    ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
+    enable_reflection: bool = cfg.field(False, "serve gRPC reflection of the internal services")
     log_level: str = cfg.field("info", "log level")
 
     def engine_options(self) -> EngineOptions:
@@ -80,6 +89,14 @@ class SchedulerDaemonConfig:
         routing = RouterConfig(RoutingPolicy(self.routing_policy), self.balance_abs_threshold,
                                self.balance_rel_threshold)
         return EngineOptions(routing, self.worker_step_timeout, self.worker_wait_timeout, self.flight_recorder_steps)
+
+    def check_exposure(self) -> None:
+        """No open internal plane off loopback: a token, or an explicit --insecure."""
+        if not self.cluster_token and not self.insecure and not security.is_loopback(self.host):
+            raise cfg.ConfigError(
+                f"refusing to listen on {self.host} without --cluster-token (or STEPAHEAD_CLUSTER_TOKEN); "
+                "pass --insecure to allow it"
+            )
 
     def core_config(self, info: WorkerInfo) -> SchedulerConfig:
         return SchedulerConfig(
@@ -106,14 +123,22 @@ class SchedulerDaemonConfig:
         )
 
 
-def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo) -> Request:
+def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo, scope: str = "") -> Request:
+    """The domain request; its id is the gateway's id inside the session's `scope`, so a
+    gateway can neither collide with, probe nor abort another gateway's requests."""
     if not msg.prompt_token_ids:
         raise RequestRejected("prompt_token_ids is empty")
+    if not msg.request_id:
+        raise RequestRejected("request_id is empty")
+    try:
+        limits.check_id("request_id", msg.request_id)
+    except limits.LimitError as exc:
+        raise RequestRejected(str(exc)) from None
     sampling = codec.sampling_from_proto(
         msg.sampling, default_max_tokens=max(info.max_model_len - len(msg.prompt_token_ids), 1)
     )
     return Request(
-        msg.request_id,
+        scope + msg.request_id,
         list(msg.prompt_token_ids),
         sampling,
         priority=msg.priority,
@@ -121,9 +146,9 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo) -> Re
     )
 
 
-def event_to_proto(event: RequestEvent) -> scheduler_pb2.TokenEvent:
+def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.TokenEvent:
     return scheduler_pb2.TokenEvent(
-        request_id=event.request_id,
+        request_id=event.request_id[scope_len:],
         token_ids=event.new_token_ids,
         finish_reason=(
             common_pb2.FinishReason.Value("FINISH_REASON_" + event.finish_reason.name)
@@ -155,48 +180,51 @@ def rejection_to_proto(r: Rejected) -> scheduler_pb2.TokenEvent:
     )
 
 
-def batch_to_proto(batch: list[RequestEvent | Rejected]) -> scheduler_pb2.EventBatch:
+def batch_to_proto(batch: list[RequestEvent | Rejected], scope_len: int = 0) -> scheduler_pb2.EventBatch:
+    """Rejections carry the gateway's own id; events the scoped one (the scope is cut off)."""
     return scheduler_pb2.EventBatch(
-        events=[rejection_to_proto(e) if isinstance(e, Rejected) else event_to_proto(e) for e in batch]
+        events=[rejection_to_proto(e) if isinstance(e, Rejected) else event_to_proto(e, scope_len) for e in batch]
     )
 
 
 def stats_to_proto(stats) -> scheduler_pb2.SchedulerStats:
     fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
-    return scheduler_pb2.SchedulerStats(**{k: v for k, v in vars(stats).items() if k in fields})
+    return scheduler_pb2.SchedulerStats(worker_attached=True, **{k: v for k, v in vars(stats).items() if k in fields})
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def __init__(self, engine: Engine, log) -> None:
         self.engine = engine
         self.log = log
+        self._sessions = itertools.count(1)
 
     def Connect(self, request_iterator, context):
         session = GatewaySession()
+        scope = f"{next(self._sessions):x}/"  # this stream's request-id namespace
         context.add_callback(session.close)  # call over (client gone, server stopping): end the writer
-        threading.Thread(target=self._read_gateway, args=(request_iterator, session), daemon=True).start()
+        threading.Thread(target=self._read_gateway, args=(request_iterator, session, scope), daemon=True).start()
         for batch in session:
-            yield batch_to_proto(batch)
+            yield batch_to_proto(batch, len(scope))
 
-    def _read_gateway(self, request_iterator, session: GatewaySession) -> None:
+    def _read_gateway(self, request_iterator, session: GatewaySession, scope: str) -> None:
         try:
             for msg in request_iterator:
                 if msg.HasField("submit"):
-                    self._submit_on(session, msg.submit)
+                    self._submit_on(session, msg.submit, scope)
                 elif msg.HasField("abort"):
-                    self.engine.abort(msg.abort.request_id)
+                    self.engine.abort(scope + msg.abort.request_id)  # only this stream's requests
         except grpc.RpcError as exc:  # the gateway went away: its requests are aborted below
-            self.log.warning("gateway_stream_failed", error=repr(exc)[:200])
+            self.log.info("gateway_disconnected", error=repr(exc)[:200])
         finally:
             self.engine.close_session(session)
 
-    def _submit_on(self, session: GatewaySession, msg: scheduler_pb2.SubmitRequest) -> None:
+    def _submit_on(self, session: GatewaySession, msg: scheduler_pb2.SubmitRequest, scope: str) -> None:
         """Submit one request; whatever is wrong with it is answered to it alone."""
         info = self.engine.worker
         try:
             if info is None:
                 raise NoWorker("no worker attached yet")
-            self.engine.submit(request_from_proto(msg, info), session)
+            self.engine.submit(request_from_proto(msg, info, scope), session)
         except QueueFull as exc:
             session.put_many([Rejected(msg.request_id, str(exc), RejectCode.QUEUE_FULL)])
         except RequestRejected as exc:  # the scheduler's own check of the shared limits
@@ -207,7 +235,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     def GetStats(self, request, context):
         stats = self.engine.stats()
         if stats is None:
-            return scheduler_pb2.SchedulerStats()
+            fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
+            totals = {k: v for k, v in self.engine.carried_counts.items() if k in fields}
+            return scheduler_pb2.SchedulerStats(worker_attached=False, **totals)
         return stats_to_proto(stats)
 
     def GetModel(self, request, context):
@@ -243,7 +273,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             context.abort(REFUSAL_STATUS[outbox.error.kind], str(outbox.error))
 
     def _read_results(self, request_iterator, handle: WorkerHandle) -> None:
-        reason, error = "worker closed its stream", None
+        """Results up to the engine; a clean end of the stream is a worker leaving (info),
+        anything else a loss (error)."""
+        reason, error, clean = "the worker detached", None, False
         try:
             for msg in request_iterator:
                 if msg.HasField("fatal_error"):
@@ -254,21 +286,26 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
                     break
                 handle.on_result(codec.result_from_proto(msg.result))
+            else:
+                clean = True
         except grpc.RpcError as exc:  # the server side raises a bare RpcError (no code) on reset
             reason = f"attach stream failed: {exc!r}"
-        handle.on_lost(reason, error)
+        handle.on_lost(reason, error, clean)
 
 
 def build_server(
     config: SchedulerDaemonConfig, log, on_fatal=lambda: None
 ) -> tuple[grpc.Server, Engine, int]:
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers))
-    health = daemon.Health(server, [SERVICE_NAME])
+    config.check_exposure()
+    interceptors = [security.cluster_interceptor(config.cluster_token)] if config.cluster_token else []
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), interceptors=interceptors)
+    health = daemon.Health(server, [SERVICE_NAME], reflect=config.enable_reflection)
     metrics = SchedulerMetrics(REGISTRY)
     # serving once a worker attached
     engine = Engine(config.core_config, log, health.set, config.engine_options(), on_fatal, metrics)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
-    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+    port = security.add_port(server, f"{config.host}:{config.port}", tls)
     return server, engine, port
 
 
@@ -281,7 +318,11 @@ def run(args: argparse.Namespace) -> int:
     log = logs.configure("scheduler", config.log_level)
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
-    server, engine, port = build_server(config, log, on_fatal=stop.set)  # a dead engine ends the daemon
+    try:
+        server, engine, port = build_server(config, log, on_fatal=stop.set)  # a dead engine ends the daemon
+    except cfg.ConfigError as exc:
+        log.error("bad_configuration", error=str(exc))
+        return 2
     engine.start()
     server.start()
     if config.metrics_port is not None:

@@ -178,11 +178,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def bench(args: argparse.Namespace) -> dict:
-    import grpc
+    """The API key (if the gateway wants one) comes from STEPAHEAD_API_KEY."""
+    import os
 
+    from stepahead import security
     from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    with security.channel(args.target, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
         workload = make_workload(args, info.vocab_size)

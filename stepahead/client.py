@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 
@@ -54,10 +55,11 @@ def run(args: argparse.Namespace) -> int:
     import grpc
     from google.protobuf import json_format
 
+    from stepahead import security
     from stepahead.v1 import common_pb2, generation_pb2_grpc
 
     last = None
-    with grpc.insecure_channel(args.target) as channel:
+    with security.channel(args.target, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         try:
             for msg in stub.Generate(build_request(args)):

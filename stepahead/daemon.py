@@ -15,13 +15,15 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 
 
 class Health:
-    """gRPC health for the overall server ("") and each named service."""
+    """gRPC health for the overall server ("") and each named service; server reflection of
+    them too when `reflect` (public services; internal ones only when asked for)."""
 
-    def __init__(self, server: grpc.Server, services: Iterable[str]) -> None:
+    def __init__(self, server: grpc.Server, services: Iterable[str], reflect: bool = True) -> None:
         self.servicer = health.HealthServicer()
         self.services = ("", *services)
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
-        reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+        if reflect:
+            reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
         self.set(False)
 
     def set(self, serving: bool) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import subprocess
 import sys
 import threading
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import grpc
 
+from stepahead import security
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)")
@@ -24,14 +26,18 @@ class ServeProcess:
     """`stepahead serve` with the given flags; `.gateway` / `.scheduler` are gRPC stubs."""
 
     def __init__(self, model_dir: Path | str, *flags: str, startup_timeout_s: float = 300.0,
-                 log_level: str = "warning") -> None:
-        env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level)
+                 log_level: str = "warning", env: dict[str, str] | None = None, capture_stderr: bool = False) -> None:
+        self.cluster_token = secrets.token_urlsafe(16)  # the internal plane's credential
+        env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level, STEPAHEAD_CLUSTER_TOKEN=self.cluster_token, **(env or {}))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stepahead.cli", "serve", "--model", str(model_dir), "--port", "0", *flags],
-            stdout=subprocess.PIPE, text=True, env=env,
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE if capture_stderr else None, text=True, env=env,
         )
+        self.stderr_lines: list[str] = []  # every daemon's log lines, with capture_stderr
+        if capture_stderr:
+            threading.Thread(target=lambda: self.stderr_lines.extend(self.proc.stderr), daemon=True).start()
         self.gateway_addr, self.scheduler_addr = self._wait_ready(startup_timeout_s)
-        self._channels = [grpc.insecure_channel(self.gateway_addr), grpc.insecure_channel(self.scheduler_addr)]
+        self._channels = [grpc.insecure_channel(self.gateway_addr), self.scheduler_channel()]
         self.gateway = generation_pb2_grpc.GenerationStub(self._channels[0])
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channels[1])
 
@@ -52,6 +58,10 @@ class ServeProcess:
             self.close()
             raise RuntimeError(f"stepahead serve did not become ready (exit code {self.proc.poll()})")
         return found[0]
+
+    def scheduler_channel(self) -> grpc.Channel:
+        """A channel to the scheduler carrying this system's cluster token."""
+        return security.channel(self.scheduler_addr, cluster_token=self.cluster_token)
 
     def stats(self) -> scheduler_pb2.SchedulerStats:
         return self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)

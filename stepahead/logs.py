@@ -1,4 +1,9 @@
-"""structlog set-up shared by the daemons: JSON lines on stderr, one logger per daemon."""
+"""structlog set-up shared by the daemons: JSON lines on stderr, one logger per daemon.
+
+Everything ends up as one JSON object per line: structlog's own events, and records of the
+standard `logging` module (grpc's, transformers', Python warnings), which are routed through
+the same renderer with the daemon's name added.
+"""
 
 from __future__ import annotations
 
@@ -9,17 +14,41 @@ import structlog
 
 
 def configure(daemon: str, level: str = "info") -> structlog.stdlib.BoundLogger:
-    logging.basicConfig(stream=sys.stderr, level=getattr(logging, level.upper()), format="%(message)s")
+    numeric = getattr(logging, level.upper())
+    timestamper = structlog.processors.TimeStamper(fmt="iso", utc=True)
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
-            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            timestamper,
             structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
         cache_logger_on_first_use=True,
     )
+    _route_stdlib_logging(daemon, numeric, timestamper)
     return structlog.get_logger(daemon=daemon)
+
+
+def _route_stdlib_logging(daemon: str, level: int, timestamper) -> None:
+    def add_daemon(_, __, event: dict) -> dict:
+        event.setdefault("daemon", daemon)
+        return event
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(
+        foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, timestamper, add_daemon],
+        processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,
+                    structlog.processors.JSONRenderer()],
+    ))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level)
+    logging.captureWarnings(True)
+    if "transformers" in sys.modules:  # it installs its own plain-text handler
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_default_handler()
+        hf_logging.enable_propagation()

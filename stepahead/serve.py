@@ -3,8 +3,13 @@
 Starts the scheduler, then `--data-parallel-size` workers that attach to it (one replica
 each), then the gateway; waits until
 the scheduler (worker attached) and the gateway report SERVING on gRPC health; prints
-the endpoint; forwards SIGINT/SIGTERM and stops every child. Children also get SIGTERM
-from the kernel if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
+the endpoint. The internal plane stays on loopback and carries a cluster token made for
+this run (or STEPAHEAD_CLUSTER_TOKEN), handed to the children in their environment.
+
+A child that dies unexpectedly is restarted with exponential backoff (workers re-attach,
+gateways reconnect by themselves). SIGINT/SIGTERM drains: the gateway first (its open
+streams finish, up to --drain-timeout), then the scheduler and the worker. Children also
+get SIGTERM from the kernel if this process dies (PR_SET_PDEATHSIG), so nothing is orphaned.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ import argparse
 import ctypes
 import dataclasses
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -23,7 +29,9 @@ from dataclasses import dataclass
 
 from stepahead import config as cfg
 
-_SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level")
+_SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level", "cluster_token", "insecure", "ssl_certfile",
+                      "ssl_keyfile", "ssl_ca_certs", "enable_reflection")
+_GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
@@ -39,6 +47,8 @@ class ServeConfig:
     data_parallel_size: int = cfg.field(1, "workers to start: each attaches as a replica with its own KV pool")
     startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
     pin_cpus: bool = cfg.field(True, "CPU device: worker on all cores but the last, the rest on the last")
+    api_key: str | None = cfg.field(None, "API keys the gateway requires (comma list; env recommended)")
+    max_restarts: int = cfg.field(10, "restarts of a crashed daemon before serve gives up")
     log_level: str = cfg.field("info", "log level of every daemon")
 
 
@@ -56,13 +66,33 @@ def _die_with_parent() -> None:
         pass  # not Linux: serve's own signal handling still stops the children
 
 
-def spawn(args: list[str], cpus: set[int] | None = None) -> subprocess.Popen:
+def spawn(args: list[str], cpus: set[int] | None = None, env: dict[str, str] | None = None) -> subprocess.Popen:
     def setup() -> None:  # runs in the child before exec
         _die_with_parent()
         if cpus:
             os.sched_setaffinity(0, cpus)
 
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], preexec_fn=setup)
+    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], preexec_fn=setup,
+                            env=dict(os.environ, **(env or {})))
+
+
+@dataclasses.dataclass
+class Child:
+    """One supervised daemon: how to start it, and its restarts so far."""
+
+    name: str
+    args: list[str]
+    cpus: set[int] | None
+    env: dict[str, str]
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    next_start: float = 0.0
+
+    def start(self) -> None:
+        self.proc = spawn(self.args, self.cpus, self.env)
+
+    def exited(self) -> bool:
+        return self.proc is not None and self.proc.poll() is not None
 
 
 def cpu_split(device: str) -> tuple[set[int] | None, set[int] | None]:
@@ -96,21 +126,54 @@ def wait_healthy(address: str, procs: list[subprocess.Popen], deadline: float, s
     return False
 
 
-def shutdown(procs: list[subprocess.Popen], timeout_s: float = 10.0) -> None:
-    """SIGTERM every child (gateway first), then SIGKILL what is left after timeout_s."""
-    for p in reversed(procs):
+def stop_one(p: subprocess.Popen, timeout_s: float) -> None:
+    """SIGTERM, then SIGKILL after timeout_s."""
+    if p.poll() is None:
+        p.terminate()
+    try:
+        p.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+
+
+def shutdown(procs: list[subprocess.Popen], drain_timeout_s: float = 30.0, timeout_s: float = 10.0) -> None:
+    """Gateway first (it drains its open streams), then the others together."""
+    *rest, gateway = procs
+    stop_one(gateway, drain_timeout_s + timeout_s)
+    for p in rest:
         if p.poll() is None:
             p.terminate()
-    deadline = time.monotonic() + timeout_s
-    for p in procs:
-        try:
-            p.wait(max(deadline - time.monotonic(), 0.01))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
+    for p in rest:
+        stop_one(p, timeout_s)
+
+
+def supervise(children: list[Child], stop: threading.Event, max_restarts: int) -> int:
+    """Restart children that die, with exponential backoff; 0 when stopped, 1 when a child
+    keeps dying (more than max_restarts)."""
+    while not stop.wait(0.2):
+        now = time.monotonic()
+        for child in children:
+            if not child.exited():
+                continue
+            if child.next_start == 0.0:  # just noticed
+                if child.restarts >= max_restarts:
+                    print(f"stepahead: {child.name} died {child.restarts + 1} times; shutting down",
+                          file=sys.stderr, flush=True)
+                    return 1
+                delay = min(0.5 * 2**child.restarts, 30.0)
+                print(f"stepahead: {child.name} exited (code {child.proc.returncode}); restarting in {delay:.1f}s",
+                      file=sys.stderr, flush=True)
+                child.next_start = now + delay
+            elif now >= child.next_start:
+                child.restarts += 1
+                child.next_start = 0.0
+                child.start()
+    return 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from gateway.server import GatewayConfig
     from scheduler_service.server import SchedulerDaemonConfig
     from worker_service.daemon import WorkerConfig
 
@@ -118,14 +181,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, SchedulerDaemonConfig, exclude=_SCHEDULER_EXCLUDE)
     worker_exclude = tuple(f.name for f in dataclasses.fields(WorkerConfig) if f.name not in _WORKER_FIELDS)
     cfg.add_arguments(parser, WorkerConfig, exclude=worker_exclude)
+    gateway_exclude = tuple(f.name for f in dataclasses.fields(GatewayConfig) if f.name not in _GATEWAY_FIELDS)
+    cfg.add_arguments(parser, GatewayConfig, exclude=gateway_exclude)
 
 
 def run(args: argparse.Namespace) -> int:
+    from gateway.server import GatewayConfig
     from scheduler_service.server import SchedulerDaemonConfig
     from stepahead.builtin_models import resolve_model
     from worker_service.daemon import WorkerConfig
 
     config = cfg.from_args(ServeConfig, args)
+    gateway_cfg = cfg.from_args(GatewayConfig, args)
     sched_cfg = cfg.from_args(SchedulerDaemonConfig, args)
     worker_cfg = cfg.from_args(WorkerConfig, args)
     worker_cpus, control_cpus = cpu_split(worker_cfg.device) if config.pin_cpus else (None, None)
@@ -144,29 +211,31 @@ def run(args: argparse.Namespace) -> int:
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    procs = [
-        spawn(["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
-               *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus),
-        *(spawn(["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
-                 *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus) for _ in range(config.data_parallel_size)),
-        spawn(["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
-               "--model", model_dir, *log], control_cpus),
+    token = {"STEPAHEAD_CLUSTER_TOKEN": os.environ.get("STEPAHEAD_CLUSTER_TOKEN") or secrets.token_urlsafe(32)}
+    gateway_env = dict(token, **({"STEPAHEAD_API_KEY": config.api_key} if config.api_key else {}))
+    children = [
+        Child("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
+                            *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus, token),
+        *(Child(f"worker{i}" if i else "worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
+                                                   *cfg.to_flags(worker_cfg, _WORKER_FIELDS)], worker_cpus, token)
+          for i in range(config.data_parallel_size)),
+        Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
+                          "--model", model_dir, *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],
+              control_cpus, gateway_env),
     ]
+    for child in children:
+        child.start()
     try:
         deadline = time.monotonic() + config.startup_timeout_s
         for address in (sched_addr, f"{config.host}:{port}"):
-            if not wait_healthy(address, procs, deadline, stop):
+            if not wait_healthy(address, [c.proc for c in children], deadline, stop):
                 if not stop.is_set():
                     print(f"stepahead: {address} did not become healthy", file=sys.stderr, flush=True)
                 return 0 if stop.is_set() else 1
         print(f"stepahead ready: gateway at {config.host}:{port} (scheduler at {sched_addr})", flush=True)
-        while not stop.wait(0.2):  # supervise: any child exiting ends the whole system
-            if any(p.poll() is not None for p in procs):
-                print("stepahead: a daemon exited; shutting down", file=sys.stderr, flush=True)
-                return 1
-        return 0
+        return supervise(children, stop, config.max_restarts)
     finally:
-        shutdown(procs)
+        shutdown([c.proc for c in children], gateway_cfg.drain_timeout)
 
 
 def _sched_fields() -> list[str]:

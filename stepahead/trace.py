@@ -18,12 +18,13 @@ from stepahead.flight_recorder import StepRecord, device_idle_fraction, to_chrom
 
 
 def fetch_records(target: str) -> tuple[str, list[StepRecord]]:
-    import grpc
+    """The scheduler's flight record; the cluster token comes from STEPAHEAD_CLUSTER_TOKEN."""
+    import os
 
-    from stepahead import codec
+    from stepahead import codec, security
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with grpc.insecure_channel(target) as channel:
+    with security.channel(target, cluster_token=os.environ.get("STEPAHEAD_CLUSTER_TOKEN")) as channel:
         record = scheduler_pb2_grpc.SchedulerStub(channel).GetFlightRecord(
             scheduler_pb2.GetFlightRecordRequest(), timeout=30
         )

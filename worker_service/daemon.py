@@ -22,10 +22,11 @@ from dataclasses import dataclass
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
+from stepahead.security import SchedulerClientConfig
 
 
 @dataclass(frozen=True)
-class WorkerConfig:
+class WorkerConfig(SchedulerClientConfig):
     scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address to attach to")
     model: str = cfg.field("tiny", "model directory, or a built-in model name (tiny, 100m)")
     served_model_name: str | None = cfg.field(None, "name clients use (default: the model's directory name)")
@@ -100,8 +101,11 @@ class _Pipeline:
     Any exception on either thread (a plan the worker cannot run, an asynchronous device
     error surfacing in `wait()`) ends the session the same way: a `fatal_error` message
     tells the scheduler why (it fails the requests the worker held), the request stream
-    closes, `on_fatal` cancels the response stream, and `error` is set for the caller.
+    closes (the scheduler then ends the plan stream), `on_fatal` cancels the call should
+    the scheduler not do so within `FATAL_GRACE_S`, and `error` is set for the caller.
     """
+
+    FATAL_GRACE_S = 5.0
 
     def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None) -> None:
         self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
@@ -109,6 +113,7 @@ class _Pipeline:
         self.launched: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self._failed = threading.Event()
+        self._fatal_timer: threading.Timer | None = None
         self._threads = [
             threading.Thread(target=self._execute, name="execute", daemon=True),
             threading.Thread(target=self._send, name="send", daemon=True),
@@ -123,6 +128,8 @@ class _Pipeline:
         self.plans.put(None)
         for t in self._threads:
             t.join()
+        if self._fatal_timer is not None:
+            self._fatal_timer.cancel()
 
     def _fail(self, exc: BaseException, where: str) -> None:
         """First failure wins: tell the scheduler, close the stream, stop the session."""
@@ -135,7 +142,9 @@ class _Pipeline:
 
         self.outbox.put(scheduler_pb2.WorkerMessage(fatal_error=f"{where}: {exc!r}"[:1000]))
         self.outbox.put(None)
-        self._on_fatal()
+        self._fatal_timer = threading.Timer(self.FATAL_GRACE_S, self._on_fatal)
+        self._fatal_timer.daemon = True
+        self._fatal_timer.start()
 
     def _execute(self) -> None:
         try:
@@ -168,12 +177,18 @@ class _Pipeline:
 
 
 class _StopWatch:
-    """Cancels the current attach call when the daemon is told to stop: one thread for the
-    daemon's whole life, not one per attach (re-attaching must not leak threads)."""
+    """Ends the current attach session when the daemon is told to stop: one thread for the
+    daemon's whole life, not one per attach (re-attaching must not leak threads).
+
+    The worker detaches cleanly (it closes its request stream; the scheduler then closes
+    the plan stream); the call is cancelled only if that has not happened in `GRACE_S`.
+    """
+
+    GRACE_S = 2.0
 
     def __init__(self, stop: threading.Event) -> None:
         self._lock = threading.Lock()
-        self._call = None
+        self._session = None
         self._stopped = False
         threading.Thread(target=self._watch, args=(stop,), name="stop-watch", daemon=True).start()
 
@@ -181,14 +196,20 @@ class _StopWatch:
         stop.wait()
         with self._lock:
             self._stopped = True
-            if self._call is not None:
-                self._call.cancel()
+            if self._session is not None:
+                self._detach(*self._session)
 
-    def track(self, call) -> None:
+    def _detach(self, call, outbox: queue.Queue) -> None:
+        outbox.put(None)
+        timer = threading.Timer(self.GRACE_S, call.cancel)
+        timer.daemon = True
+        timer.start()
+
+    def track(self, call, outbox: queue.Queue | None = None) -> None:
         with self._lock:
-            self._call = call
+            self._session = (call, outbox) if call is not None else None
             if self._stopped and call is not None:
-                call.cancel()
+                self._detach(call, outbox)
 
 
 def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log) -> None:
@@ -198,7 +219,7 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log) -> No
     outbox: queue.Queue = queue.Queue()
     outbox.put(scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info)))
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
-    watch.track(responses)
+    watch.track(responses, outbox)
     log.info("attached", worker_id=info.worker_id)
     pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel)
     try:
@@ -223,16 +244,19 @@ def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     watch = _StopWatch(stop)
-    backoff = 0.05
+    backoff, failures = 0.05, 0
     while not stop.is_set():
-        with grpc.insecure_channel(config.scheduler) as channel:
+        with config.scheduler_channel(config.scheduler) as channel:
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
                 backoff = 0.05
                 attach_once(channel, runner, info, watch, log)
+                failures = 0
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
-                if not stop.is_set():
-                    log.warning("attach_failed", scheduler=config.scheduler, error=repr(exc)[:300])
+                failures += 1
+                if not stop.is_set():  # a scheduler restarting is normal; one gone for long is not
+                    (log.warning if failures > 5 else log.info)(
+                        "attach_failed", scheduler=config.scheduler, attempts=failures, error=repr(exc)[:300])
             except Exception as exc:  # a failed step: already reported to the scheduler; start clean
                 log.warning("attach_session_failed", error=repr(exc)[:300])
         runner.reset()  # the scheduler forgot our requests; so do we

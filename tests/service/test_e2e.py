@@ -186,14 +186,28 @@ def test_prometheus_metrics_follow_the_traffic(serve, metrics_port):
     before = scrape()
     collect(serve.gateway, greedy_request([7, 8, 9], 5))
     after = scrape()
-    key = "stepahead_scheduler_time_to_first_token_seconds_count"
-    assert after[key] == before.get(key, 0) + 1
-    itl = "stepahead_scheduler_inter_token_latency_seconds_count"
+    for key in ("stepahead:time_to_first_token_seconds_count", "stepahead:request_queue_time_seconds_count",
+                'stepahead:request_finished_total{finished_reason="length"}'):
+        assert after[key] == before.get(key, 0) + 1, key
+    itl = "stepahead:inter_token_latency_seconds_count"
     assert after[itl] - before.get(itl, 0) >= 1
-    done = 'stepahead_scheduler_requests_finished_total{reason="length"}'
-    assert after[done] == before.get(done, 0) + 1
-    running = [v for k, v in after.items() if k.startswith("stepahead_scheduler_num_running{replica=")]
-    assert running == [0.0], running  # one replica, labelled by its worker id
+    running = [v for k, v in after.items() if k.startswith("stepahead:num_requests_running{replica=")]
+    assert running == [0.0] and after["stepahead:workers_attached"] == 1, running  # one replica, by worker id
+    assert after["stepahead:scheduler_steps_total"] > before.get("stepahead:scheduler_steps_total", 0)
+    assert not [k for k in after if k.startswith("stepahead:num_requests") and k.endswith("_total")]
+
+
+def test_a_request_finishing_on_its_first_token_records_its_queue_time(serve, metrics_port):
+    import urllib.request
+
+    def count() -> float:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        return float(next(line.rsplit(" ", 1)[1] for line in text.splitlines()
+                          if line.startswith("stepahead:request_queue_time_seconds_count")))
+
+    before = count()
+    collect(serve.gateway, greedy_request([7, 8, 9], 1))
+    assert count() == before + 1
 
 
 def test_sync_and_async_daemons_give_the_same_tokens(serve, tiny_model_dir, tiny_tokenizer):  # noqa: F811

@@ -76,7 +76,7 @@ BAD_SUBMISSIONS = {
 
 def test_scheduler_revalidates_every_submission(serve, hf):
     long = LongStream(serve.gateway)
-    session = ConnectSession(grpc.insecure_channel(serve.scheduler_addr))
+    session = ConnectSession(serve.scheduler_channel())
     try:
         for rid, (fields, field) in BAD_SUBMISSIONS.items():
             session.submit(_submit(rid, **fields))
@@ -101,7 +101,7 @@ def test_waiting_queue_is_bounded(tiny_model_dir):  # noqa: F811
     """One running request (max_num_seqs 1) and a queue of 4: the rest of a burst is refused
     with QUEUE_FULL at the scheduler and RESOURCE_EXHAUSTED at the gateway."""
     with Serve(tiny_model_dir, "--max-num-seqs", "1", "--max-queued-requests", "4") as s:
-        session = ConnectSession(grpc.insecure_channel(s.scheduler_addr))
+        session = ConnectSession(s.scheduler_channel())
         try:
             session.submit(_submit("q0", temperature=0.0, ignore_eos=True, max_tokens=1500))
             session.first_event("q0")  # q0 runs (max_num_seqs 1) for 1500 steps

@@ -59,7 +59,7 @@ class Cluster:
     def wait_ready(self, num_replicas: int) -> None:
         for address in [self.sched, *self.gateways]:
             wait_health(address, serving=True)
-        self.wait_metric("stepahead_scheduler_workers_attached", num_replicas)
+        self.wait_metric("stepahead:workers_attached", num_replicas)
 
     def metrics(self) -> dict[str, float]:
         text = urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).read().decode()
@@ -156,28 +156,28 @@ def test_requests_spread_over_replicas_and_survive_a_killed_worker(cluster, hf, 
 
     def kill_one_worker() -> None:
         m = cluster.metrics()
-        running = {k: v for k, v in m.items() if k.startswith("stepahead_scheduler_num_running{")}
+        running = {k: v for k, v in m.items() if k.startswith("stepahead:num_requests_running{")}
         assert len(running) == 2 and all(v > 0 for v in running.values()), f"not spread over both: {running}"
         cluster.procs["worker0"].send_signal(signal.SIGKILL)
 
     streams = run_streams(cluster, prompts, 32, during=kill_one_worker)
     check_streams(hf, streams)
     after = cluster.metrics()
-    assert after["stepahead_scheduler_workers_lost_total"] == before["stepahead_scheduler_workers_lost_total"] + 1
-    assert after["stepahead_scheduler_requests_migrated_total"] >= 1
-    assert after["stepahead_scheduler_workers_attached"] == 1
+    assert after["stepahead:workers_lost_total"] == before["stepahead:workers_lost_total"] + 1
+    assert after["stepahead:requests_migrated_total"] >= 1
+    assert after["stepahead:workers_attached"] == 1
     check_no_leaks(cluster)
 
     cluster.start_worker("worker2")  # a new worker takes requests at once
-    cluster.wait_metric("stepahead_scheduler_workers_attached", 2)
-    migrated = cluster.metrics()["stepahead_scheduler_requests_migrated_total"]
+    cluster.wait_metric("stepahead:workers_attached", 2)
+    migrated = cluster.metrics()["stepahead:requests_migrated_total"]
 
     def drain_worker1() -> None:  # SIGTERM under load: its requests move, none is lost
         cluster.procs["worker1"].send_signal(signal.SIGTERM)
 
     check_streams(hf, run_streams(cluster, prompts[:8], 32, during=drain_worker1))
     assert cluster.procs["worker1"].wait(timeout=60) == 0
-    assert cluster.metrics()["stepahead_scheduler_requests_migrated_total"] > migrated
+    assert cluster.metrics()["stepahead:requests_migrated_total"] > migrated
     check_no_leaks(cluster)
 
 
@@ -190,7 +190,7 @@ def test_without_any_replica_requests_wait_then_resume_or_end_unavailable(tiny_m
 
         def kill_and_replace() -> None:
             c.procs["worker0"].send_signal(signal.SIGKILL)
-            c.wait_metric("stepahead_scheduler_workers_attached", 0)
+            c.wait_metric("stepahead:workers_attached", 0)
             c.start_worker("worker1")
 
         check_streams(hf, run_streams(c, [prompt], 64, during=kill_and_replace))

@@ -9,8 +9,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import grpc
+
+from stepahead.v1 import common_pb2
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.service.harness import Serve
+from tests.service.streams import greedy, wait_health
 
 
 def _alive(pid: int) -> bool:
@@ -44,9 +48,20 @@ def test_generate_cli_json_and_sigterm_leaves_no_process(tiny_model_dir, tiny_to
     assert [pid for pid in children if _alive(pid)] == [], "daemons survived SIGTERM"
 
 
-def test_serve_exits_when_a_daemon_dies(tiny_model_dir):  # noqa: F811
+def test_serve_restarts_a_daemon_that_dies(tiny_model_dir):  # noqa: F811
+    """kill -9 of the scheduler: serve restarts it, the worker re-attaches, the gateway
+    reconnects, and the system serves again (instead of the whole system stopping)."""
     with Serve(tiny_model_dir) as serve:
         scheduler_pid = serve.child_pids()[0]
         os.kill(scheduler_pid, signal.SIGKILL)
-        assert serve.proc.wait(timeout=60) == 1
-        assert [pid for pid in serve.child_pids() if _alive(pid)] == []
+        wait_health(serve.scheduler_addr, serving=False)
+        wait_health(serve.scheduler_addr, serving=True)  # restarted, and a worker attached again
+        request = greedy([5, 6, 7], 4)
+        for attempt in range(50):  # the gateway's stream to the old scheduler may break once
+            try:
+                messages = list(serve.gateway.Generate(request, timeout=60))
+                break
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+        assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert serve.proc.poll() is None and scheduler_pid not in serve.child_pids()

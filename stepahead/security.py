@@ -1,0 +1,192 @@
+"""Credentials on the wire: the cluster token of the internal plane, API keys of the public
+API, and TLS / mTLS for both (grpc plumbing shared by every daemon and tool).
+
+- Internal plane: every call to the scheduler (AttachWorker, Connect, stats, flight record)
+  carries `stepahead-cluster-token: <token>`; a server interceptor refuses anything else
+  with UNAUTHENTICATED before the servicer runs, so no worker attaches and no plan is seen
+  without it. Health checks stay open (probes carry no credentials).
+- Public API: with API keys set, every gateway call carries `authorization: Bearer <key>`.
+- TLS: `TLSFiles` names PEM files; with `ca_certs` a server requires client certificates
+  (mTLS) and a client verifies the server against it.
+Tokens are compared in constant time.
+"""
+
+from __future__ import annotations
+
+import collections
+import hmac
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+
+from stepahead.config import field as config_field
+
+CLUSTER_TOKEN_HEADER = "stepahead-cluster-token"
+API_KEY_HEADER = "authorization"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+@dataclass(frozen=True)
+class TLSFiles:
+    """PEM files: a certificate and its key (server, or client for mTLS), and the CA bundle
+    that verifies the peer (on a server it turns client certificates on)."""
+
+    certfile: str | None = None
+    keyfile: str | None = None
+    ca_certs: str | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.certfile or self.ca_certs)
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        if not (self.certfile and self.keyfile):
+            raise ValueError("TLS on a server needs both --ssl-certfile and --ssl-keyfile")
+        pair = (_read(self.keyfile), _read(self.certfile))
+        ca = _read(self.ca_certs) if self.ca_certs else None
+        return grpc.ssl_server_credentials([pair], root_certificates=ca, require_client_auth=ca is not None)
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(
+            root_certificates=_read(self.ca_certs) if self.ca_certs else None,
+            private_key=_read(self.keyfile) if self.keyfile else None,
+            certificate_chain=_read(self.certfile) if self.certfile else None,
+        )
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+def split_keys(value: str | None) -> tuple[str, ...]:
+    """`a,b` (flag or env) → ("a", "b"); empty parts dropped."""
+    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+
+
+def is_loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+# ---- server side ------------------------------------------------------------------------------
+
+class CredentialInterceptor(grpc.ServerInterceptor):
+    """Refuses (UNAUTHENTICATED) every call whose `header` does not hold one of `secrets`
+    (with `scheme` before it), except methods under `exempt` prefixes."""
+
+    def __init__(self, header: str, secrets: Iterable[str], *, scheme: str = "", exempt: Sequence[str] = (),
+                 what: str = "credential", on_reject: Callable[[str], None] = lambda method: None) -> None:
+        self._header, self._scheme = header, scheme
+        self._secrets = tuple(s.encode() for s in secrets)
+        if not self._secrets:
+            raise ValueError(f"no {what} given")
+        self._exempt = tuple(exempt)
+        self._what = what
+        self._on_reject = on_reject
+
+    def _allowed(self, metadata) -> bool:
+        for key, value in metadata or ():
+            if key == self._header and isinstance(value, str) and value.startswith(self._scheme):
+                given = value[len(self._scheme):].encode()
+                if any(hmac.compare_digest(given, s) for s in self._secrets):
+                    return True
+        return False
+
+    def intercept_service(self, continuation, handler_call_details):
+        method = handler_call_details.method
+        if method.startswith(self._exempt) or self._allowed(handler_call_details.invocation_metadata):
+            return continuation(handler_call_details)
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        self._on_reject(method)
+        return _refusing(handler, f"missing or wrong {self._what}")
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that refuses with UNAUTHENTICATED."""
+
+    def refuse(request, context):
+        context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    kinds = {
+        (False, False): grpc.unary_unary_rpc_method_handler,
+        (False, True): grpc.unary_stream_rpc_method_handler,
+        (True, False): grpc.stream_unary_rpc_method_handler,
+        (True, True): grpc.stream_stream_rpc_method_handler,
+    }
+    make = kinds[(handler.request_streaming, handler.response_streaming)]
+    return make(refuse, request_deserializer=None, response_serializer=None)
+
+
+def cluster_interceptor(token: str) -> CredentialInterceptor:
+    return CredentialInterceptor(CLUSTER_TOKEN_HEADER, [token], exempt=(HEALTH_PREFIX,), what="cluster token")
+
+
+def api_key_interceptor(keys: Sequence[str], on_reject=lambda method: None) -> CredentialInterceptor:
+    return CredentialInterceptor(API_KEY_HEADER, keys, scheme="Bearer ", exempt=(HEALTH_PREFIX,), what="API key",
+                                 on_reject=on_reject)
+
+
+def add_port(server: grpc.Server, address: str, tls: TLSFiles | None) -> int:
+    if tls is not None and tls.enabled:
+        return server.add_secure_port(address, tls.server_credentials())
+    return server.add_insecure_port(address)
+
+
+# ---- client side ------------------------------------------------------------------------------
+
+_Details = collections.namedtuple(
+    "_Details", ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression")
+)
+
+
+class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                   grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    def __init__(self, pairs: Sequence[tuple[str, str]]) -> None:
+        self._pairs = tuple(pairs)
+
+    def _details(self, d):
+        metadata = tuple(d.metadata or ()) + self._pairs
+        return _Details(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready, d.compression)
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def channel(target: str, *, cluster_token: str | None = None, api_key: str | None = None,
+            tls: TLSFiles | None = None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A channel that presents the given credentials on every call."""
+    base = (grpc.secure_channel(target, tls.channel_credentials(), options=list(options))
+            if tls is not None and tls.enabled else grpc.insecure_channel(target, options=list(options)))
+    pairs = []
+    if cluster_token:
+        pairs.append((CLUSTER_TOKEN_HEADER, cluster_token))
+    if api_key:
+        pairs.append((API_KEY_HEADER, f"Bearer {api_key}"))
+    return grpc.intercept_channel(base, _AddMetadata(pairs)) if pairs else base
+
+
+@dataclass(frozen=True)
+class SchedulerClientConfig:
+    """How a daemon (gateway, worker) reaches the scheduler: the config base class both use."""
+
+    cluster_token: str | None = config_field(None, "cluster token the scheduler requires (env recommended)")
+    scheduler_ssl_ca_certs: str | None = config_field(None, "CA bundle to verify the scheduler's TLS certificate")
+    scheduler_ssl_certfile: str | None = config_field(None, "client certificate for the scheduler (mTLS)")
+    scheduler_ssl_keyfile: str | None = config_field(None, "client key for the scheduler (mTLS)")
+
+    def scheduler_channel(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+        tls = TLSFiles(self.scheduler_ssl_certfile, self.scheduler_ssl_keyfile, self.scheduler_ssl_ca_certs)
+        return channel(target, cluster_token=self.cluster_token, tls=tls, options=options)

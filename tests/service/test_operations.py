@@ -1,0 +1,126 @@
+"""Operating the system as an operator would: SIGTERM drains, overload and deadlines get a
+status a client can act on, metrics on the gateway, quiet JSON logs on a normal shutdown.
+
+Findings covered: SIGTERM on `serve` cut every stream (16/16 FINISH_REASON_ERROR within
+0.13 s); a 3,000-stream burst got streams CANCELLED with no status; a normal shutdown
+logged `level=error worker_lost`; a garbage-bytes request printed a non-JSON traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import urllib.request
+
+import grpc
+
+from stepahead.serve import free_port
+from stepahead.v1 import common_pb2, generation_pb2_grpc
+from tests.fixtures_models import tiny_model_dir  # noqa: F401
+from tests.service.harness import Serve
+from tests.service.streams import greedy
+
+
+class Stream:
+    """A greedy stream in the background; `started` once its first tokens arrived."""
+
+    def __init__(self, stub, max_tokens: int, prompt=(5, 6, 7)) -> None:
+        self.started = threading.Event()
+        self.tokens: list[int] = []
+        self.final = None
+        self.error: grpc.RpcError | None = None
+        self.call = stub.Generate(greedy(list(prompt), max_tokens), timeout=300)
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            for msg in self.call:
+                self.tokens += msg.token_ids
+                self.final = msg
+                self.started.set()
+        except grpc.RpcError as exc:
+            self.error = exc
+        self.started.set()
+
+
+def test_sigterm_drains_open_streams_and_logs_quietly(tiny_model_dir):  # noqa: F811
+    serve = Serve(tiny_model_dir, log_level="info", capture_stderr=True)
+    streams = [Stream(serve.gateway, 120, prompt=(5, 6, 7 + i)) for i in range(6)]
+    for s in streams:
+        assert s.started.wait(120)
+    logged_before = len(serve.stderr_lines)
+    serve.proc.send_signal(signal.SIGTERM)
+    for s in streams:
+        s.thread.join(120)
+    assert serve.proc.wait(timeout=120) == 0
+    for s in streams:
+        assert s.error is None, s.error
+        assert s.final.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(s.tokens) == 120
+    records = [json.loads(line) for line in serve.stderr_lines if line.strip()]  # JSON only
+    loud = [r for r in records[logged_before:] if r["level"] not in ("debug", "info")]
+    assert not loud, loud
+
+
+def test_overload_and_deadlines_get_a_status(tiny_model_dir):  # noqa: F811
+    with Serve(tiny_model_dir, "--max-concurrent-streams", "3") as serve:
+        streams = [Stream(serve.gateway, 1500, prompt=(5, 6, 7 + i)) for i in range(3)]
+        for s in streams:
+            assert s.started.wait(120) and s.error is None
+        try:
+            list(serve.gateway.Generate(greedy([9], 2), timeout=30))
+            raise AssertionError("a 4th stream was accepted past --max-concurrent-streams 3")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-concurrent-streams" in exc.details()
+        for s in streams:
+            s.call.cancel()
+            s.thread.join(60)
+        try:  # a client deadline aborts the request upstream
+            list(serve.gateway.Generate(greedy([5, 6], 1500), timeout=1.0))
+            raise AssertionError("1500 tokens within a 1 s deadline")
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        messages = list(serve.gateway.Generate(greedy([8], 3), timeout=60))  # after the aborts on the same link
+        assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+        stats = serve.stats()
+        assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+
+def test_gateway_metrics_and_json_logs(tiny_model_dir):  # noqa: F811
+    """A gateway run alone: its own Prometheus metrics, and JSON lines only on stderr, even
+    for a request of garbage bytes (grpc's own error goes through the JSON logger)."""
+    with Serve(tiny_model_dir) as serve:
+        port, metrics_port = free_port(), free_port()
+        env = dict(os.environ, STEPAHEAD_CLUSTER_TOKEN=serve.cluster_token, STEPAHEAD_LOG_LEVEL="info")
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "stepahead.cli", "gateway", "--scheduler", serve.scheduler_addr, "--port",
+             str(port), "--model", str(tiny_model_dir), "--metrics-port", str(metrics_port)],
+            env=env, stderr=subprocess.PIPE, text=True)
+        try:
+            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+            grpc.channel_ready_future(channel).result(timeout=120)
+            stub = generation_pb2_grpc.GenerationStub(channel)
+            list(stub.Generate(greedy([5, 6], 5), timeout=60, wait_for_ready=True))
+            raw = channel.unary_stream("/stepahead.v1.Generation/Generate")
+            try:
+                list(raw(b"\xff\xff\xff garbage", timeout=10))
+            except grpc.RpcError:
+                pass
+            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+            assert 'stepahead:request_success_total{finished_reason="length"} 1.0' in text
+            assert "stepahead:generation_tokens_total 5.0" in text
+            assert 'stepahead:gateway_requests_total{code="OK"} 1.0' in text
+            assert "stepahead:gateway_active_streams 0.0" in text
+        finally:
+            gateway.send_signal(signal.SIGTERM)
+            _, err = gateway.communicate(timeout=60)
+        assert gateway.returncode == 0
+        lines = [line for line in err.splitlines() if line.strip()]
+        records = [json.loads(line) for line in lines]  # every line is JSON
+        assert any(r.get("logger", "").startswith("grpc") for r in records), "grpc's own log went elsewhere"
+        shutdown = records[[r.get("event") for r in records].index("gateway_ready") + 1:]
+        assert all(r["level"] in ("debug", "info") or r.get("logger", "").startswith("grpc") for r in shutdown), shutdown
