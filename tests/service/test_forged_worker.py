@@ -113,6 +113,11 @@ def _submit(session: ConnectSession, rid: str, max_tokens: int = 3) -> None:
     ))
 
 
+def unscoped(request_id: str) -> str:
+    """The gateway's id of a request the worker knows by its stream-scoped id."""
+    return request_id.rsplit("/", 1)[-1]
+
+
 def _tokens(session: ConnectSession, rid: str) -> list[int]:
     session.last_event(rid)
     return [t for e in session._events[rid] for t in e.token_ids]
@@ -162,11 +167,12 @@ def test_forged_result_drops_that_replica_only(scheduler, two_replicas, forgery)
     _submit(session, "a")
     _submit(session, "b")  # least loaded: one request on each replica
     first = forger.next_plan()
-    [victim] = forger.seen
+    [scoped] = forger.seen  # the id as the worker sees it: scoped to the gateway's stream
+    victim = unscoped(scoped)
     [bystander] = {"a", "b"} - {victim}
     second = forger.next_plan()  # async: the placeholder decode is already planned
     forger.answer(first, token=9)
-    forger.send(**_forged(second, victim)[forgery])
+    forger.send(**_forged(second, scoped)[forgery])
     error = forger.closed_with()
     assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "result" in error.details() or "timing" in error.details(), error.details()
@@ -174,7 +180,7 @@ def test_forged_result_drops_that_replica_only(scheduler, two_replicas, forgery)
     assert session.last_event(victim).finish_reason == common_pb2.FINISH_REASON_LENGTH
     assert _tokens(session, bystander) == [7, 7, 7]
     assert session.last_event(bystander).finish_reason == common_pb2.FINISH_REASON_LENGTH
-    assert victim in honest.seen and proc.poll() is None
+    assert victim in map(unscoped, honest.seen) and proc.poll() is None
 
 
 def test_duplicated_result_drops_the_replica(scheduler, two_replicas):
@@ -182,7 +188,7 @@ def test_duplicated_result_drops_the_replica(scheduler, two_replicas):
     _submit(session, "a", max_tokens=5)
     _submit(session, "b", max_tokens=5)
     plan = forger.next_plan()
-    [victim] = forger.seen
+    [victim] = map(unscoped, forger.seen)
     forger.answer(plan, token=9)
     forger.answer(plan, token=9)  # the same step again
     assert forger.closed_with().code() == grpc.StatusCode.INVALID_ARGUMENT
