@@ -29,15 +29,16 @@ ALL_CPUS = os.sched_getaffinity(0)
 
 def workload(args) -> list[list[int]]:
     """Exactly the prompts `stepahead bench` sends."""
-    return [p for p, _ in bench.make_workload(bench_args(args, "hf", "", ""), args.vocab)]
+    return [w.prompt for w in bench.make_workload(bench_args(args, "hf", "", ""), args.vocab)]
 
 
-def bench_args(args, label: str, target: str, scheduler: str) -> argparse.Namespace:
+def bench_args(args, label: str, target: str, scheduler: str, token: str) -> argparse.Namespace:
     return argparse.Namespace(
-        target=target, scheduler=scheduler, num_prompts=args.num_prompts, random_input_len=args.input_len,
+        target=target, scheduler=scheduler, cluster_token=token, num_prompts=args.num_prompts, random_input_len=args.input_len,
         random_output_len=args.output_len, random_range_ratio=args.random_range_ratio,
         request_rate=args.request_rate,
-        max_concurrency=None, ignore_eos=True, seed=args.seed, label=label,
+        max_concurrency=None, ignore_eos=True, seed=args.seed, label=label, disable_tqdm=False,
+        dataset_name="random", dataset_path=None, trace_speedup=1.0,
         result_filename=args.out.parent / f"{args.out.stem}_{label}.json",
     )
 
@@ -46,9 +47,8 @@ def run_stepahead(args, label: str, *flags: str) -> dict:
     extra = args.serve_args.split()
     with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.num_prompts), *extra,
                       *flags) as s:
-        os.environ["STEPAHEAD_CLUSTER_TOKEN"] = s.cluster_token  # bench reads the flight record
         with client_off_device_cores():
-            return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr))
+            return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr, s.cluster_token))
 
 
 @contextlib.contextmanager
@@ -87,8 +87,8 @@ def run_hf_static(args, prompts) -> dict:
                              do_sample=False, pad_token_id=0)
         tokens += (out.shape[1] - ids.shape[1]) * ids.shape[0]
     elapsed = time.perf_counter() - start
-    return {"label": "hf_static", "total_output_tokens": tokens, "duration_s": elapsed,
-            "output_throughput_tok_s": tokens / elapsed, "batch_size": b}
+    return {"label": "hf_static", "total_output_tokens": tokens, "duration": elapsed,
+            "output_throughput": tokens / elapsed, "batch_size": b}
 
 
 @torch.inference_mode()
@@ -103,8 +103,8 @@ def run_hf_continuous(args, prompts) -> dict:
                                continuous_batching_config=ContinuousBatchingConfig(), progress_bar=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.generated_tokens) for o in out.values())
-    return {"label": "hf_continuous_batching", "total_output_tokens": tokens, "duration_s": elapsed,
-            "output_throughput_tok_s": tokens / elapsed}
+    return {"label": "hf_continuous_batching", "total_output_tokens": tokens, "duration": elapsed,
+            "output_throughput": tokens / elapsed}
 
 
 def table(rows: list[dict]) -> str:
@@ -113,9 +113,9 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         idle = r.get("device_idle_fraction")
         lines.append(
-            f"{r['label']:<24}{r['output_throughput_tok_s']:>9.1f}"
+            f"{r['label']:<24}{r['output_throughput']:>9.1f}"
             + "".join(f"{r[k]:>10.1f}" if k in r else f"{'-':>10}"
-                      for k in ("p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms"))
+                      for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             + (f"{idle:>7.1%}" if idle is not None else f"{'-':>7}")
         )
     return "\n".join(lines)
@@ -146,7 +146,7 @@ def main() -> None:
     if not args.skip_hf:
         prompts = workload(args)
         rows += [run_hf_continuous(args, prompts), run_hf_static(args, prompts)]
-    by = {r["label"]: r["output_throughput_tok_s"] for r in rows}
+    by = {r["label"]: r["output_throughput"] for r in rows}
     ratios = {f"async/{k}": by["stepahead_async"] / v for k, v in by.items() if k != "stepahead_async"}
     print(table(rows))
     print(json.dumps(ratios, indent=2))

@@ -54,14 +54,19 @@ class SchedulerLink:
                 self._outbox.put(scheduler_pb2.GatewayMessage(abort=abort))
 
     def _events(self, request_id: str, events: queue.Queue) -> Iterator[scheduler_pb2.TokenEvent]:
+        """The request's events; those that queued up while the consumer was busy come merged
+        into one (so a client that falls behind gets fewer, larger messages)."""
         try:
             while True:
                 event = events.get()
                 if isinstance(event, LinkBroken):
                     raise event
+                event, broken = _coalesce(event, events)
                 yield event
                 if event.finish_reason or event.rejected:
                     return
+                if broken is not None:
+                    raise broken
         finally:
             with self._lock:
                 self._routes.pop(request_id, None)
@@ -93,3 +98,20 @@ class SchedulerLink:
         self._log.warning("scheduler_link_broken", reason=reason, open_requests=len(open_routes))
         for events in open_routes:
             events.put(LinkBroken(reason))
+
+
+def _coalesce(event: scheduler_pb2.TokenEvent, events: queue.Queue) -> tuple[scheduler_pb2.TokenEvent, LinkBroken | None]:
+    """Merge the events already queued behind `event`: their tokens in order, the last one's
+    finish reason and counts. Stops at a final event or a broken link (returned apart)."""
+    while not (event.finish_reason or event.rejected):
+        try:
+            more = events.get_nowait()
+        except queue.Empty:
+            break
+        if isinstance(more, LinkBroken):
+            return event, more
+        merged = scheduler_pb2.TokenEvent()
+        merged.CopyFrom(more)
+        merged.token_ids[:] = [*event.token_ids, *more.token_ids]
+        event = merged
+    return event, None

@@ -44,7 +44,7 @@ class SchedulerConfig:
     max_queued_requests: int | None = None  # waiting requests at most; None = unbounded
     # score policy: score = w_priority * priority + w_length * remaining tokens
     #                       - w_wait * seconds waited; lowest score first.
-    score_priority_weight: float = 1.0
+    score_priority_weight: float = 10.0  # seconds of waiting one priority level is worth (w_wait = 1)
     score_wait_weight: float = 1.0
     score_length_weight: float = 0.01
     # score policy: a request waiting longer than this (clock units) jumps ahead of every

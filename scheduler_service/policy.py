@@ -59,6 +59,10 @@ class PriorityPolicy(QueuePolicy):
 class ScorePolicy(QueuePolicy):
     """score = w_p * priority + w_l * remaining tokens - w_w * time since arrival (lowest first).
 
+    With the default weights one priority level is worth 10 s of waiting (w_p / w_w), so
+    under overload a priority-0 request goes ahead of priority-2 work queued up to 20 s
+    before it (`benchmarks/policies.py` measured 1 s per level to lose that race).
+
     The wait term is `w_w * (now - arrival)`; `-w_w * now` is common to all requests, so
     the order is static: `w_p * priority + w_l * remaining + w_w * arrival`. A request that
     has been in the waiting queue longer than `max_wait_time` (since it arrived or was last
@@ -98,7 +102,12 @@ class ScorePolicy(QueuePolicy):
         return self.running_key(request, now)
 
     def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
-        return self.is_aged(candidate, now)
+        """An aged request preempts anything. Otherwise a strictly better priority preempts
+        worse running work, but each victim only once: a request preempted before can then
+        only lose its place to an aged request, so it finishes (no starvation by preemption)."""
+        if self.is_aged(candidate, now):
+            return True
+        return candidate.priority < victim.priority and victim.num_preemptions == 0
 
 
 def make_policy(config: SchedulerConfig) -> QueuePolicy:

@@ -356,6 +356,8 @@ class Scheduler:
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
         self._counts["num_steps"] += 1
+        self._counts["device_busy_s"] += result.timing.device_busy_s
+        self._counts["num_sampled_tokens"] += len(result.sampled_token_ids)
         events, tokens, failed = [], result.sampled_token_ids, result.failed
         caching, bs = self.config.enable_prefix_caching, self.config.block_size
         for req, epoch, num_tokens, samples in record.entries:

@@ -57,7 +57,7 @@ class SchedulerDaemonConfig:
     max_queued_requests: int | None = cfg.field(
         4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name)"
     )
-    score_priority_weight: float = cfg.field(1.0, "score policy: weight of the priority value")
+    score_priority_weight: float = cfg.field(10.0, "score policy: weight of the priority value")
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.01, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")

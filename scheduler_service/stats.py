@@ -27,6 +27,8 @@ class SchedulerStats:
     num_finished: int
     num_aborted: int
     num_in_flight: int
+    device_busy_s: float  # sum of the committed results' WorkerTiming.device_busy_s
+    num_sampled_tokens: int  # tokens the device sampled so far (stale ones included)
 
 
 def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiting: int, num_swapped: int,
@@ -50,6 +52,8 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         num_finished=counts["num_finished"],
         num_aborted=counts["num_aborted"],
         num_in_flight=num_in_flight,
+        device_busy_s=counts["device_busy_s"],
+        num_sampled_tokens=counts["num_sampled_tokens"],
     )
 
 

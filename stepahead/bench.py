@@ -2,19 +2,25 @@
 
     stepahead bench --target 127.0.0.1:50050 --scheduler 127.0.0.1:50051 \
         --num-prompts 64 --random-input-len 128 --random-output-len 64 --ignore-eos
+    stepahead bench --dataset-name trace --dataset-path azure_conv.csv --trace-speedup 2 --num-prompts 500
 
-Flags follow `vllm bench serve`. Prompts are random token ids (seeded). With
-`--request-rate inf` and no `--max-concurrency` every request is sent at once (closed-loop
-saturation); a finite rate draws Poisson arrivals. Reports output tokens/s, TTFT and TPOT
-percentiles and, given `--scheduler`, the device idle fraction from the flight recorder.
+Flags and result keys follow `vllm bench serve` (`output_throughput`, `median_ttft_ms`,
+`p99_tpot_ms`, ...). Random prompts are seeded token ids; with `--request-rate inf` and
+no `--max-concurrency` every request is sent at once, a finite rate draws Poisson arrivals.
+A trace (`stepahead.datasets`: Azure CSV or JSONL) is replayed at its own arrival times
+divided by `--trace-speedup`, with its lengths, priorities and prefix groups, EOS ignored.
+Given `--scheduler`, also reports `device_utilization` (the device's busy seconds over the
+run's wall time, from the scheduler's counters) and the flight recorder's idle fraction.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import math
 import random
+import resource
 import statistics
 import threading
 import time
@@ -27,6 +33,7 @@ from pathlib import Path
 class RequestMetrics:
     prompt_len: int
     output_len: int = 0
+    priority: int = 0
     start: float = 0.0
     first_token: float = 0.0
     end: float = 0.0
@@ -41,25 +48,50 @@ class RequestMetrics:
     def tpot(self) -> float | None:
         return (self.end - self.first_token) / (self.output_len - 1) if self.output_len > 1 else None
 
+    @property
+    def itls(self) -> list[float]:
+        return [b - a for a, b in zip(self.token_times, self.token_times[1:])]
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    prompt: list[int]
+    max_tokens: int
+    arrival_s: float = 0.0  # seconds after the run's start
+    priority: int = 0
+
 
 def sample_lengths(n: int, mean: int, range_ratio: float, rng: random.Random) -> list[int]:
     lo, hi = max(1, int(mean * (1 - range_ratio))), max(1, int(mean * (1 + range_ratio)))
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> list[tuple[list[int], int]]:
+def make_workload(args: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
+    if args.dataset_name == "trace":
+        from stepahead.datasets import load_trace, trace_prompts
+
+        trace = load_trace(args.dataset_path, args.num_prompts, args.trace_speedup)
+        prompts = trace_prompts(trace, vocab_size, args.seed)
+        return [WorkItem(p, r.output_len, r.arrival_s, r.priority) for p, r in zip(prompts, trace)]
     rng = random.Random(args.seed)
     ins = sample_lengths(args.num_prompts, args.random_input_len, args.random_range_ratio, rng)
     outs = sample_lengths(args.num_prompts, args.random_output_len, args.random_range_ratio, rng)
-    return [([rng.randrange(5, vocab_size) for _ in range(i)], o) for i, o in zip(ins, outs)]
+    prompts = [[rng.randrange(5, vocab_size) for _ in range(i)] for i in ins]
+    arrivals, t, arrival_rng = [], 0.0, random.Random(args.seed + 1)
+    for _ in prompts:
+        arrivals.append(t)
+        if math.isfinite(args.request_rate):
+            t += arrival_rng.expovariate(args.request_rate)  # Poisson arrivals: the workload itself
+    return [WorkItem(p, o, a) for p, o, a in zip(prompts, outs, arrivals)]
 
 
-def one_request(stub, prompt: list[int], max_tokens: int, ignore_eos: bool) -> RequestMetrics:
+def one_request(stub, item: WorkItem, ignore_eos: bool) -> RequestMetrics:
     from stepahead.v1 import common_pb2, generation_pb2
 
-    m = RequestMetrics(prompt_len=len(prompt))
-    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
-    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling)
+    m = RequestMetrics(prompt_len=len(item.prompt), priority=item.priority)
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=ignore_eos)
+    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=item.prompt),
+                                             sampling=sampling, priority=item.priority)
     m.start = time.perf_counter()
     try:
         for msg in stub.Generate(request, timeout=3600):
@@ -75,30 +107,31 @@ def one_request(stub, prompt: list[int], max_tokens: int, ignore_eos: bool) -> R
     return m
 
 
-def run_workload(stub, workload, args: argparse.Namespace) -> tuple[list[RequestMetrics], float, float, float]:
+def run_workload(stub, workload: list[WorkItem], args: argparse.Namespace) -> tuple[list[RequestMetrics], float]:
     from tqdm import tqdm
 
-    rng = random.Random(args.seed + 1)
     limit = threading.BoundedSemaphore(args.max_concurrency or len(workload))
-    bar = tqdm(total=len(workload), desc="requests", unit="req")
+    bar = tqdm(total=len(workload), desc="requests", unit="req", disable=args.disable_tqdm)
+    ignore_eos = args.ignore_eos or args.dataset_name == "trace"
 
-    def task(prompt, max_tokens):
+    def task(item: WorkItem) -> RequestMetrics:
         with limit:
-            m = one_request(stub, prompt, max_tokens, args.ignore_eos)
+            m = one_request(stub, item, ignore_eos)
         bar.update(1)
         return m
 
-    wall_start, t0 = time.time(), time.perf_counter()
+    t0 = time.perf_counter()
     with ThreadPoolExecutor(len(workload)) as pool:
         futures = []
-        for prompt, max_tokens in workload:
-            futures.append(pool.submit(task, prompt, max_tokens))
-            if math.isfinite(args.request_rate):
-                time.sleep(rng.expovariate(args.request_rate))  # Poisson arrivals: the workload itself
+        for item in workload:
+            delay = t0 + item.arrival_s - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)  # the workload's arrival schedule
+            futures.append(pool.submit(task, item))
         results = [f.result() for f in futures]
     elapsed = time.perf_counter() - t0
     bar.close()
-    return results, elapsed, wall_start, time.time()
+    return results, elapsed
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -110,32 +143,57 @@ def percentile(values: list[float], q: float) -> float:
     return values[lo] + (values[hi] - values[lo]) * (k - lo)
 
 
+def latency_stats(name: str, values_ms: list[float]) -> dict:
+    """vLLM's keys: mean_/median_/std_/p99_<name>_ms."""
+    return {
+        f"mean_{name}_ms": statistics.fmean(values_ms) if values_ms else float("nan"),
+        f"median_{name}_ms": percentile(values_ms, 50),
+        f"std_{name}_ms": statistics.pstdev(values_ms) if values_ms else float("nan"),
+        f"p99_{name}_ms": percentile(values_ms, 99),
+    }
+
+
 def summarize(results: list[RequestMetrics], elapsed: float) -> dict:
     ok = [r for r in results if not r.error]
-    ttft = [r.ttft * 1e3 for r in ok if r.first_token]
-    tpot = [r.tpot * 1e3 for r in ok if r.tpot is not None]
-    out_tokens = sum(r.output_len for r in ok)
+    out_tokens, in_tokens = sum(r.output_len for r in ok), sum(r.prompt_len for r in ok)
     return {
-        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": elapsed,
-        "total_input_tokens": sum(r.prompt_len for r in ok), "total_output_tokens": out_tokens,
-        "output_throughput_tok_s": out_tokens / elapsed, "request_throughput_req_s": len(ok) / elapsed,
-        "mean_ttft_ms": statistics.fmean(ttft) if ttft else float("nan"),
-        "p50_ttft_ms": percentile(ttft, 50), "p99_ttft_ms": percentile(ttft, 99),
-        "mean_tpot_ms": statistics.fmean(tpot) if tpot else float("nan"),
-        "p50_tpot_ms": percentile(tpot, 50), "p99_tpot_ms": percentile(tpot, 99),
+        "duration": elapsed, "completed": len(ok), "failed": len(results) - len(ok),
+        "total_input_tokens": in_tokens, "total_output_tokens": out_tokens,
+        "request_throughput": len(ok) / elapsed, "output_throughput": out_tokens / elapsed,
+        "total_token_throughput": (in_tokens + out_tokens) / elapsed,
+        **latency_stats("ttft", [r.ttft * 1e3 for r in ok if r.first_token]),
+        **latency_stats("tpot", [r.tpot * 1e3 for r in ok if r.tpot is not None]),
+        **latency_stats("itl", [x * 1e3 for r in ok for x in r.itls]),
+        **latency_stats("e2el", [(r.end - r.start) * 1e3 for r in ok]),
         "errors": sorted({r.error for r in results if r.error})[:5],
     }
 
 
-def device_idle(scheduler: str, start: float, end: float) -> float | None:
+def scheduler_counters(scheduler: str, token: str | None) -> tuple[float, float, int]:
+    """(wall time, device busy seconds, tokens sampled) from the scheduler's stats."""
+    from stepahead import security
+    from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+    with security.channel(scheduler, cluster_token=token) as channel:
+        stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
+    return time.time(), stats.device_busy_s, stats.num_sampled_tokens
+
+
+def device_report(scheduler: str, before: tuple[float, float, int], wall_start: float, token: str | None) -> dict:
+    """Utilization = busy seconds / wall seconds; the device's ideal = tokens / busy seconds."""
     from stepahead.flight_recorder import device_idle_fraction
     from stepahead.trace import fetch_records
 
-    _, records = fetch_records(scheduler)
-    inside = [r for r in records if r.worker.forward_start >= start and r.worker.forward_end <= end]
-    if not inside:
-        return None
-    return device_idle_fraction(inside)  # over the span of the recorded steps
+    after = scheduler_counters(scheduler, token)
+    wall, busy, tokens = after[0] - before[0], after[1] - before[1], after[2] - before[2]
+    _, records = fetch_records(scheduler, token)
+    inside = [r for r in records if r.worker.forward_start >= wall_start and r.worker.forward_end <= after[0]]
+    return {
+        "device_utilization": busy / wall if busy > 0 else None,  # None: the worker reports no busy time
+        "device_busy_s": busy, "device_sampled_tokens": tokens,
+        "device_ideal_output_throughput": tokens / busy if busy > 0 else None,
+        "device_idle_fraction": device_idle_fraction(inside) if inside else None,
+    }
 
 
 def plot(results: list[RequestMetrics], path: Path, title: str) -> None:
@@ -164,42 +222,58 @@ def plot(results: list[RequestMetrics], path: Path, title: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--target", default="127.0.0.1:50050", help="gateway address")
-    parser.add_argument("--scheduler", default="", help="scheduler address, for the device idle fraction")
-    parser.add_argument("--num-prompts", type=int, default=64)
+    parser.add_argument("--scheduler", default="", help="scheduler address, for device utilization")
+    parser.add_argument("--cluster-token", default=os.environ.get("STEPAHEAD_CLUSTER_TOKEN"),
+                        help="the scheduler's cluster token [env STEPAHEAD_CLUSTER_TOKEN]")
+    parser.add_argument("--dataset-name", choices=["random", "trace"], default="random")
+    parser.add_argument("--dataset-path", type=Path, default=None, help="trace file (.csv Azure format, or .jsonl)")
+    parser.add_argument("--trace-speedup", type=float, default=1.0, help="divide the trace's inter-arrival times")
+    parser.add_argument("--num-prompts", type=int, default=64, help="requests (a trace: its first N)")
     parser.add_argument("--random-input-len", type=int, default=128)
     parser.add_argument("--random-output-len", type=int, default=64)
     parser.add_argument("--random-range-ratio", type=float, default=0.0)
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
     parser.add_argument("--max-concurrency", type=int, default=None)
-    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--ignore-eos", action="store_true", help="(always on for a trace)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--label", default="stepahead")
+    parser.add_argument("--disable-tqdm", action="store_true")
     parser.add_argument("--result-filename", type=Path, default=None, help="JSON results (and a .png beside it)")
 
 
 def bench(args: argparse.Namespace) -> dict:
     """The API key (if the gateway wants one) comes from STEPAHEAD_API_KEY."""
-    import os
-
     from stepahead import security
     from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
+    if args.dataset_name == "trace" and args.dataset_path is None:
+        raise SystemExit("--dataset-name trace needs --dataset-path")
     with security.channel(args.target, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
         workload = make_workload(args, info.vocab_size)
-        one_request(stub, workload[0][0][:8], 2, True)  # warm-up, not measured
-        results, elapsed, wall_start, wall_end = run_workload(stub, workload, args)
-    summary = {"label": args.label, "model": info.name, **summarize(results, elapsed)}
-    summary["config"] = {k: v for k, v in vars(args).items() if k != "result_filename" and not callable(v)}
-    summary["config"]["request_rate"] = str(args.request_rate)
-    if args.scheduler:
-        summary["device_idle_fraction"] = device_idle(args.scheduler, wall_start, wall_end)
+        one_request(stub, WorkItem(workload[0].prompt[:8], 2), True)  # warm-up, not measured
+        before = scheduler_counters(args.scheduler, args.cluster_token) if args.scheduler else None
+        wall_start, cpu_start = time.time(), _cpu_seconds()
+        results, elapsed = run_workload(stub, workload, args)
+        client_cpu = _cpu_seconds() - cpu_start
+    summary = {"label": args.label, "model": info.name, **summarize(results, elapsed),
+               "client_cpu_s": client_cpu, "client_cpu_per_output_token_us":
+               client_cpu / max(1, sum(r.output_len for r in results)) * 1e6}
+    summary["config"] = {k: str(v) if isinstance(v, (Path, float)) else v for k, v in vars(args).items()
+                         if k != "result_filename" and not callable(v)}
+    if before is not None:
+        summary.update(device_report(args.scheduler, before, wall_start, args.cluster_token))
     if args.result_filename:
         args.result_filename.parent.mkdir(parents=True, exist_ok=True)
         args.result_filename.write_text(json.dumps({**summary, "requests": [asdict(r) for r in results]}))
         plot(results, args.result_filename.with_suffix(".png"), f"{args.label} — {info.name}")
     return summary
+
+
+def _cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def run(args: argparse.Namespace) -> int:

@@ -87,11 +87,18 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 }
 
 
+def builtin_names() -> list[str]:
+    """Every built-in model: real checkpoints and the sim-only ones (stepahead.sim_models)."""
+    from stepahead.sim_models import SIM_MODELS
+
+    return sorted([*BUILTIN_MODELS, *SIM_MODELS])
+
+
 def get_spec(name: str) -> ModelSpec:
     try:
         return BUILTIN_MODELS[name]
     except KeyError:
-        known = ", ".join(sorted(BUILTIN_MODELS))
+        known = ", ".join(builtin_names())
         raise ValueError(f"unknown built-in model {name!r}; known: {known}") from None
 
 
@@ -153,11 +160,15 @@ def _random_model(spec: ModelSpec, config):
 
 def build_model(name: str, out_dir: Path | str) -> Path:
     """Write built-in model `name` into `out_dir` (created; must be empty if it exists)."""
-    spec = get_spec(name)
+    from stepahead.sim_models import SIM_MODELS, build_sim_model
+
+    spec = None if name in SIM_MODELS else get_spec(name)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"output directory {out} exists and is not empty")
     out.mkdir(parents=True, exist_ok=True)
+    if spec is None:
+        return build_sim_model(name, out)
     from stepahead.tokenizer_train import build_hf_tokenizer
 
     tokenizer = build_hf_tokenizer(spec.vocab_size, spec.corpus, spec.max_position_embeddings)
@@ -180,7 +191,8 @@ def ensure_model(name: str) -> Path:
     Builds into a temporary sibling directory and renames it into place, so a reader never
     sees a half-written model and two racing processes both end up with one complete copy.
     """
-    get_spec(name)  # validate before touching the filesystem
+    if name not in builtin_names():  # validate before touching the filesystem
+        get_spec(name)
     models_dir = cache_dir() / "models"
     target = models_dir / name
     if target.is_dir():
@@ -202,12 +214,12 @@ def ensure_model(name: str) -> Path:
 
 
 def resolve_model(spec: str) -> Path:
-    """`tiny` / `100m` (built into the cache on first use) or a checkpoint directory."""
-    if spec in BUILTIN_MODELS:
+    """A built-in name (built into the cache on first use) or a checkpoint directory."""
+    if spec in builtin_names():
         return ensure_model(spec)
     path = Path(spec).expanduser()
     if not path.is_dir():
-        known = ", ".join(sorted(BUILTIN_MODELS))
+        known = ", ".join(builtin_names())
         raise ValueError(f"model {spec!r} is neither a built-in model ({known}) nor a directory")
     if not (path / "config.json").is_file():
         raise ValueError(f"model directory {path} has no config.json")
@@ -215,11 +227,14 @@ def resolve_model(spec: str) -> Path:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--size", choices=sorted(BUILTIN_MODELS), default="tiny", help="which built-in model")
+    parser.add_argument("--size", choices=builtin_names(), default="tiny", help="which built-in model")
     parser.add_argument("--out", type=Path, required=True, help="output directory (created; must be empty)")
 
 
 def run(args: argparse.Namespace) -> int:
     out = build_model(args.size, args.out)
-    print(f"built {args.size} model ({get_spec(args.size).num_parameters():,} parameters) in {out}")
+    if args.size in BUILTIN_MODELS:
+        print(f"built {args.size} model ({get_spec(args.size).num_parameters():,} parameters) in {out}")
+    else:
+        print(f"built {args.size} (geometry and tokenizer only, for --device sim) in {out}")
     return 0

@@ -17,6 +17,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "scheduler": ("run the scheduler daemon", "scheduler_service.server"),
     "worker": ("run a worker daemon", "worker_service.daemon"),
     "bench": ("benchmark a running gateway (flags follow vllm bench serve)", "stepahead.bench"),
+    "simulate": ("replay a request trace offline on a virtual clock (sim cost model)", "stepahead.simulate"),
     "trace": ("write the flight recorder as a Perfetto trace and a PNG timeline", "stepahead.trace"),
     "make-model": ("build a built-in Hugging Face checkpoint offline", "stepahead.builtin_models"),
 }

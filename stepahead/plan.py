@@ -103,13 +103,14 @@ class StepPlan:
 
 @dataclass(frozen=True)
 class WorkerTiming:
-    """One step as the worker saw it (wall-clock seconds, 0 when unknown)."""
+    """One step as the worker saw it (wall-clock seconds, 0 when unknown; `device_busy_s` is a duration)."""
 
     plan_received: float = 0.0
     prep_start: float = 0.0
     forward_start: float = 0.0
     forward_end: float = 0.0  # the step's sampled ids are on the host
     result_sent: float = 0.0
+    device_busy_s: float = 0.0  # seconds the device computed this step (0: unknown); not a timestamp
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ _GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
+    "sim_profile", "sim_num_devices", "sim_eos_probability",
 )
 
 

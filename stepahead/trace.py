@@ -17,14 +17,14 @@ from pathlib import Path
 from stepahead.flight_recorder import StepRecord, device_idle_fraction, to_chrome_trace
 
 
-def fetch_records(target: str) -> tuple[str, list[StepRecord]]:
-    """The scheduler's flight record; the cluster token comes from STEPAHEAD_CLUSTER_TOKEN."""
+def fetch_records(target: str, token: str | None = None) -> tuple[str, list[StepRecord]]:
+    """The scheduler's flight record (token: the cluster token, else STEPAHEAD_CLUSTER_TOKEN)."""
     import os
 
     from stepahead import codec, security
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with security.channel(target, cluster_token=os.environ.get("STEPAHEAD_CLUSTER_TOKEN")) as channel:
+    with security.channel(target, cluster_token=token or os.environ.get("STEPAHEAD_CLUSTER_TOKEN")) as channel:
         record = scheduler_pb2_grpc.SchedulerStub(channel).GetFlightRecord(
             scheduler_pb2.GetFlightRecordRequest(), timeout=30
         )

@@ -30,8 +30,12 @@ class WorkerConfig(SchedulerClientConfig):
     scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address to attach to")
     model: str = cfg.field("tiny", "model directory, or a built-in model name (tiny, 100m)")
     served_model_name: str | None = cfg.field(None, "name clients use (default: the model's directory name)")
-    dtype: str = cfg.field("float32", "weight dtype: float32, bfloat16, float16")
-    device: str = cfg.field("cpu", "torch device: cpu, cuda, cuda:1")
+    dtype: str | None = cfg.field(
+        None, "weight dtype: float32, bfloat16, float16 (default: float32; sim: the checkpoint's torch_dtype)")
+    device: str = cfg.field("cpu", "torch device: cpu, cuda, cuda:1, or sim (a simulated accelerator, no torch)")
+    sim_profile: str = cfg.field("h100", "--device sim: accelerator profile h100, h200, a100 or a JSON file")
+    sim_num_devices: int = cfg.field(1, "--device sim: accelerators per replica (ideal tensor parallelism)")
+    sim_eos_probability: float = cfg.field(0.01, "--device sim: chance that a sampled token is EOS")
     block_size: int = cfg.field(16, "tokens per KV block")
     kv_cache_memory_bytes: int | None = cfg.field(None, "KV cache size in bytes (CPU default 512 MiB)")
     gpu_memory_utilization: float = cfg.field(0.9, "fraction of free CUDA memory for the KV cache")
@@ -47,6 +51,10 @@ class WorkerConfig(SchedulerClientConfig):
 
 
 def build_runner(config: WorkerConfig):
+    if config.device == "sim":
+        from worker_service.sim.build import build_sim_runner
+
+        return build_sim_runner(config)
     import torch
 
     from stepahead.builtin_models import resolve_model
@@ -59,10 +67,11 @@ def build_runner(config: WorkerConfig):
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model(config.model)
     model_cfg = ModelConfig.from_dir(model_dir)
-    host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(config.dtype))
+    dtype = config.dtype or "float32"
+    host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(dtype))
     runner = ModelRunner(
         model_dir,
-        dtype=config.dtype,
+        dtype=dtype,
         device=config.device,
         block_size=config.block_size,
         kv_cache_bytes=config.kv_cache_memory_bytes,
@@ -80,7 +89,7 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
         worker_id=f"{socket.gethostname()}:{os.getpid()}",
         model_name=config.served_model_name or model_dir.name,
         model_type=runner.model_type,
-        dtype=config.dtype,
+        dtype=str(runner.dtype).removeprefix("torch."),
         device=str(runner.device),
         block_size=runner.block_size,
         num_device_blocks=runner.num_blocks,

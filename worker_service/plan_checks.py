@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from stepahead import limits
 from stepahead.plan import StepPlan
-from worker_service.input_batch import CachedRequest
+
+if TYPE_CHECKING:  # torch-free at run time: the sim worker checks plans with these rules too
+    from worker_service.input_batch import CachedRequest
 
 
 class PlanError(ValueError):

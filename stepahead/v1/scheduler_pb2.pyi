@@ -76,7 +76,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "worker_attached")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "device_busy_s", "num_sampled_tokens", "worker_attached")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -92,6 +92,8 @@ class SchedulerStats(_message.Message):
     NUM_FENCED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_USED_HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_ABORTED_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ATTACHED_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
@@ -108,8 +110,10 @@ class SchedulerStats(_message.Message):
     num_fenced_blocks: int
     num_used_host_blocks: int
     num_aborted: int
+    device_busy_s: float
+    num_sampled_tokens: int
     worker_attached: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., worker_attached: _Optional[bool] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., device_busy_s: _Optional[float] = ..., num_sampled_tokens: _Optional[int] = ..., worker_attached: _Optional[bool] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ()
@@ -240,18 +244,20 @@ class StepResult(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
-    __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent")
+    __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent", "device_busy_s")
     PLAN_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     PREP_START_FIELD_NUMBER: _ClassVar[int]
     FORWARD_START_FIELD_NUMBER: _ClassVar[int]
     FORWARD_END_FIELD_NUMBER: _ClassVar[int]
     RESULT_SENT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     plan_received: float
     prep_start: float
     forward_start: float
     forward_end: float
     result_sent: float
-    def __init__(self, plan_received: _Optional[float] = ..., prep_start: _Optional[float] = ..., forward_start: _Optional[float] = ..., forward_end: _Optional[float] = ..., result_sent: _Optional[float] = ...) -> None: ...
+    device_busy_s: float
+    def __init__(self, plan_received: _Optional[float] = ..., prep_start: _Optional[float] = ..., forward_start: _Optional[float] = ..., forward_end: _Optional[float] = ..., result_sent: _Optional[float] = ..., device_busy_s: _Optional[float] = ...) -> None: ...
 
 class GetFlightRecordRequest(_message.Message):
     __slots__ = ()

@@ -64,3 +64,12 @@ def test_plan_round_trip(plan: StepPlan) -> None:
 def test_result_round_trip(step_id: int, sampled: dict[str, int]) -> None:
     result = StepResult(step_id=step_id, sampled_token_ids=sampled)
     assert codec.result_from_proto(codec.result_to_proto(result)) == result
+
+
+def test_worker_timing_with_device_busy_time_round_trips():
+    from stepahead.plan import WorkerTiming
+
+    timing = WorkerTiming(1.0, 2.0, 3.0, 4.0, 5.0, device_busy_s=0.0123)
+    result = StepResult(7, {"a": 3}, timing)
+    back = codec.result_from_proto(codec.result_to_proto(result))
+    assert back == result and back.timing.device_busy_s == 0.0123

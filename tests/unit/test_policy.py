@@ -113,3 +113,22 @@ def test_aged_request_preempts_running_work_that_has_not_aged():
     assert hog.num_preemptions == 1 and hog.status is RequestStatus.PREEMPTED
     assert patient is None or patient.status is RequestStatus.RUNNING
     assert any(p.preempted_ids == ("hog",) for p in d.plans)
+
+
+def test_score_policy_lets_better_priority_preempt_worse_running_work_once():
+    clock = [0.0]
+    config = replace(CONFIG, max_num_seqs=1, async_scheduling=False, scheduling_policy=SchedulingPolicy.SCORE,
+                     max_wait_time=100.0)
+    d = Driver.create(config, hashed_tokens(1000), clock=lambda: clock[0])
+    d.scheduler.add_request(req("background", None, priority=2, max_tokens=30))
+    d.tick()
+    d.scheduler.add_request(req("urgent", None, priority=0, max_tokens=2))
+    d.tick()
+    background = d.scheduler.get_request("background")
+    assert background.num_preemptions == 1, "priority 0 preempts running priority-2 work"
+    for _ in range(4):  # urgent finishes, background resumes
+        d.tick()
+    assert d.scheduler.get_request("background").status is RequestStatus.RUNNING
+    d.scheduler.add_request(req("urgent2", None, priority=0, max_tokens=2))
+    d.tick()
+    assert d.scheduler.get_request("background").num_preemptions == 1, "a victim is preempted by priority once"

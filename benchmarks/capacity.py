@@ -1,0 +1,201 @@
+"""Control-plane capacity against simulated accelerators: can scheduler + gateway + gRPC
+keep an H200 busy, and up to how many streams? Built on `stepahead bench`.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/capacity.py \
+        --setups h200:llama3-8b-sim h100x4:llama3-70b-sim --concurrency 32 64 128 256 512 1024 \
+        --input-len 512 --output-len 256 --out benchmarks/results/capacity.json [--profile-cpu]
+
+For each setup x concurrency, `stepahead serve --device sim` runs twice (async, then the
+synchronous loop) with every request sent at once (`--max-concurrency` = streams). Reported:
+device utilization (busy / wall, exact: the sim worker reports each step's busy time),
+client-observed output tok/s vs the device's ideal (tokens / sum of step times), TTFT /
+TPOT / ITL p50 / p99, CPU seconds of each process (scheduler, gateway, worker, this
+client) from /proc, scheduler CPU per step and gateway CPU per streamed token. With
+`--profile-cpu`, py-spy samples the scheduler's GIL holder and splits its CPU per step
+into schedule, update, plan encode, result decode, event fan-out, stats/metrics and the
+rest (gRPC and thread hand-offs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+from stepahead import bench
+from stepahead.launcher import ServeProcess
+
+TICK = os.sysconf("SC_CLK_TCK")
+# py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up)
+CATEGORIES = {
+    "plan encode": ("plan_to_proto",),
+    "result decode": ("result_from_proto", "_read_results"),
+    "event fan-out": ("batch_to_proto", "event_to_proto", "_dispatch", "GatewaySession", "Connect"),
+    "stats/metrics": ("Scheduler.stats", "build_stats", "SchedulerMetrics", "Engine._record", "prometheus"),
+    "update": ("update_from_output",),
+    "schedule": ("Scheduler.schedule",),
+}
+
+
+def proc_cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def daemon_pids(serve: ServeProcess) -> dict[str, int]:
+    out = {}
+    for pid in serve.child_pids():
+        args = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        for name in ("scheduler", "gateway", "worker"):
+            if name.encode() in args:
+                out[name] = pid
+    return out
+
+
+def bench_args(serve: ServeProcess, streams: int, args, label: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    return parser.parse_args([
+        "--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, "--cluster-token", serve.cluster_token, "--num-prompts", str(streams),
+        "--max-concurrency", str(streams), "--random-input-len", str(args.input_len),
+        "--random-output-len", str(args.output_len), "--ignore-eos", "--disable-tqdm", "--label", label,
+    ])
+
+
+def split_profile(path: Path) -> dict[str, float]:
+    """Fraction of GIL-holding samples per category."""
+    counts: collections.Counter = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")[::-1]
+        counts[next((c for f in frames for c, keys in CATEGORIES.items() if any(k in f for k in keys)),
+                    "gRPC, threads, other")] += int(n)
+    total = sum(counts.values()) or 1
+    return {k: v / total for k, v in counts.items()}
+
+
+def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
+    profile, _, devices = setup.partition("x")
+    label = f"{setup}-{model}-{streams}-{'async' if async_on else 'sync'}"
+    flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
+             "--max-num-seqs", str(max(streams, 1)), "--async-scheduling" if async_on else "--no-async-scheduling"]
+    # the gateway's gRPC server serves one stream per thread: it needs a thread per stream
+    os.environ["STEPAHEAD_MAX_WORKERS"] = str(max(512, streams + 64))
+    with ServeProcess(model, *flags) as serve:
+        pids = daemon_pids(serve)
+        steps0 = serve.stats().num_steps
+        cpu0 = {k: proc_cpu(p) for k, p in pids.items()}
+        spy = None
+        if args.profile_cpu:
+            out = args.out.parent / f"capacity_profile_{label}.txt"
+            spy = subprocess.Popen(["py-spy", "record", "-p", str(pids["scheduler"]), "-o", str(out), "-f", "raw",
+                                    "--gil", "--nonblocking", "-r", "250"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL)
+        summary = bench.bench(bench_args(serve, streams, args, label))
+        cpu = {k: proc_cpu(p) - cpu0[k] for k, p in pids.items()}
+        steps = serve.stats().num_steps - steps0
+        if spy is not None:
+            spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
+            spy.wait(60)
+    row = {k: summary.get(k) for k in (
+        "label", "completed", "failed", "duration", "total_output_tokens", "output_throughput",
+        "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
+        "device_utilization", "device_busy_s", "device_ideal_output_throughput", "client_cpu_s", "errors")}
+    ideal = row["device_ideal_output_throughput"] or float("nan")
+    row.update(setup=setup, model=model, streams=streams, mode="async" if async_on else "sync", steps=steps,
+               client_vs_ideal=row["output_throughput"] / ideal,
+               cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
+               gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
+               load_average=os.getloadavg()[0])
+    if spy is not None:
+        split = split_profile(args.out.parent / f"capacity_profile_{label}.txt")
+        row["scheduler_cpu_split_ms_per_step"] = {k: v * row["scheduler_cpu_per_step_ms"] for k, v in split.items()}
+    return row
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| setup | streams | mode | util | tok/s | ideal tok/s | client/ideal | TTFT p50/p99 ms | "
+            "TPOT p50/p99 ms | ITL p50/p99 ms | sched CPU/step ms | gw CPU/token µs | client CPU s |")
+    lines = [head, "|" + "---|" * 13]
+    for r in rows:
+        lines.append(
+            f"| {r['setup']} {r['model']} | {r['streams']} | {r['mode']} | {r['device_utilization']:.1%} | "
+            f"{r['output_throughput']:.0f} | {r['device_ideal_output_throughput']:.0f} | {r['client_vs_ideal']:.0%} | "
+            f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
+            f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {r['scheduler_cpu_per_step_ms']:.2f} | "
+            f"{r['gateway_cpu_per_token_us']:.0f} | {r['client_cpu_s']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (setup, model, mode), group in _groups(rows).items():
+        xs = [r["streams"] for r in group]
+        style = "-o" if mode == "async" else "--s"
+        a.plot(xs, [r["device_utilization"] for r in group], style, label=f"{setup} {model} {mode}")
+        b.plot(xs, [r["output_throughput"] for r in group], style, label=f"{setup} {model} {mode}")
+        if mode == "async":
+            b.plot(xs, [r["device_ideal_output_throughput"] for r in group], ":", color="gray",
+                   label=f"{setup} device ideal")
+    for ax, title in ((a, "device utilization"), (b, "client-observed output tok/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrent streams")
+        ax.set_title(title)
+        ax.legend(fontsize=7)
+    a.set_ylim(0, 1.05)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _groups(rows):
+    groups = collections.defaultdict(list)
+    for r in rows:
+        groups[(r["setup"], r["model"], r["mode"])].append(r)
+    return {k: sorted(v, key=lambda r: r["streams"]) for k, v in groups.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setups", nargs="+", default=["h200:llama3-8b-sim"],
+                        help="PROFILE[xDEVICES]:MODEL, e.g. h200:llama3-8b-sim h100x4:llama3-70b-sim")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64, 128, 256])
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    parser.add_argument("--profile-cpu", action="store_true", help="py-spy the scheduler (needs py-spy on PATH)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/capacity.json"))
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for setup_model in args.setups:
+        setup, _, model = setup_model.partition(":")
+        for streams in args.concurrency:
+            for mode in args.modes:
+                rows.append(run_one(args, setup, model, streams, mode == "async"))
+                print(table(rows[-1:]).splitlines()[-1], flush=True)
+                args.out.write_text(json.dumps({"rows": rows, "input_len": args.input_len,
+                                                "output_len": args.output_len, "cpus": os.cpu_count()}, indent=2))
+    print(table(rows))
+    for (setup, model, _), group in _groups(rows).items():
+        sync = {r["streams"]: r for r in rows if (r["setup"], r["model"], r["mode"]) == (setup, model, "sync")}
+        for r in group:
+            if r["mode"] == "async" and r["streams"] in sync:
+                r["async_over_sync"] = r["output_throughput"] / sync[r["streams"]]["output_throughput"]
+                print(f"{setup} {model} {r['streams']} streams: async/sync tok/s = {r['async_over_sync']:.2f}")
+    args.out.write_text(json.dumps({"rows": rows, "input_len": args.input_len, "output_len": args.output_len,
+                                    "cpus": os.cpu_count()}, indent=2))
+    plot(rows, args.out.with_suffix(".png"))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Built-in models of the simulated worker: published geometry, no weights.
+
+`llama3-8b-sim` and `llama3-70b-sim` are directories with the `config.json` of Meta's
+Llama-3-8B / Llama-3-70B (layers, widths, heads, 128,256-entry vocabulary, 8,192
+positions, bf16) and the built-in byte-level BPE tokenizer (4,096 ids, the same as
+`tiny`'s), so the gateway can tokenize and the sim worker samples ids below 4,096.
+`--device sim` reads only config.json; a torch worker cannot load these (no weights).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from stepahead.tokenizer_train import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, CorpusSpec
+
+TOKENIZER_VOCAB = 4096
+TOKENIZER_CORPUS = CorpusSpec(max_bytes=2_000_000)  # the tiny model's: the same tokenizer
+
+
+@dataclass(frozen=True)
+class SimModelSpec:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    vocab_size: int = 128256
+    max_position_embeddings: int = 8192
+    rope_theta: float = 500000.0
+
+
+SIM_MODELS: dict[str, SimModelSpec] = {
+    # Meta Llama 3 model card / config.json of meta-llama/Meta-Llama-3-8B and -70B.
+    "llama3-8b-sim": SimModelSpec("llama3-8b-sim", 4096, 14336, 32, 32, 8),
+    "llama3-70b-sim": SimModelSpec("llama3-70b-sim", 8192, 28672, 80, 64, 8),
+}
+
+
+def build_sim_model(name: str, out: Path) -> Path:
+    """Write config.json, generation_config.json and the tokenizer files into `out`."""
+    from stepahead.tokenizer_train import build_hf_tokenizer
+
+    spec = SIM_MODELS[name]
+    tokenizer = build_hf_tokenizer(TOKENIZER_VOCAB, TOKENIZER_CORPUS, spec.max_position_embeddings)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in (BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN)}
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
+        "num_key_value_heads": spec.num_key_value_heads, "vocab_size": spec.vocab_size,
+        "max_position_embeddings": spec.max_position_embeddings, "rope_theta": spec.rope_theta,
+        "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": ids[BOS_TOKEN], "eos_token_id": ids[EOS_TOKEN], "pad_token_id": ids[PAD_TOKEN],
+        "stepahead_sim_only": True,  # geometry only: no weights in this directory
+    }
+    generation = {"bos_token_id": ids[BOS_TOKEN], "eos_token_id": [ids[EOS_TOKEN], ids[IM_END_TOKEN]],
+                  "pad_token_id": ids[PAD_TOKEN]}
+    (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
+    tokenizer.save_pretrained(out)
+    return out

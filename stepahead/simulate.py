@@ -1,0 +1,216 @@
+"""`stepahead simulate`: replay a request trace offline, on a virtual clock.
+
+    stepahead simulate --dataset-path trace.jsonl --sim-profile h200 --model llama3-8b-sim \
+        --scheduling-policy priority --result-filename sim.json
+
+The real scheduler core (`scheduler_service.scheduler.Scheduler`, its clock injected) plans
+steps; the sim worker's runner (`worker_service.sim`) applies them and prices them with the
+roofline cost model. No processes, no sleeping: an hour of trace takes seconds. The control
+plane is free here (planning, gRPC and streaming take no time), the in-flight window is the
+scheduler's (`max_concurrent_batches`, or 1 with `--no-async-scheduling`), and the device
+runs one step at a time. Output: the same metric keys as `stepahead bench` (vLLM's), plus
+`device_utilization`, per priority class summaries and every request's timeline; comparing
+it with a real-time run of the sim-worker system shows what the control plane costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stepahead import config as cfg
+
+
+@dataclass
+class SimRequestLog:
+    index: int
+    arrival: float
+    prompt_len: int
+    priority: int
+    max_tokens: int
+    token_times: list[float] = field(default_factory=list)
+    first_scheduled: float | None = None
+    finish: float | None = None
+    finish_reason: str = ""
+
+
+@dataclass(frozen=True)
+class SimulateConfig:
+    dataset_path: str = cfg.field("", "trace file: Azure CSV or JSONL (see stepahead bench --dataset-name trace)")
+    num_prompts: int | None = cfg.field(None, "replay only the trace's first N requests")
+    trace_speedup: float = cfg.field(1.0, "divide the trace's inter-arrival times")
+    model: str = cfg.field("llama3-8b-sim", "model directory or built-in name (config.json is read)")
+    sim_profile: str = cfg.field("h100", "accelerator profile h100, h200, a100 or a JSON file")
+    sim_num_devices: int = cfg.field(1, "accelerators per replica (ideal tensor parallelism)")
+    dtype: str | None = cfg.field(None, "weight dtype (default: the checkpoint's torch_dtype)")
+    block_size: int = cfg.field(16, "tokens per KV block")
+    num_gpu_blocks_override: int | None = cfg.field(None, "exact number of device KV blocks")
+    gpu_memory_utilization: float = cfg.field(0.9, "fraction of accelerator memory for weights + KV")
+    swap_space: float = cfg.field(1.0, "host memory for swapped-out KV blocks, GiB")
+    seed: int = cfg.field(0, "seed of the prompts' token ids (the same as stepahead bench's --seed)")
+    result_filename: str = cfg.field("", "write the JSON result here")
+
+
+def build(config: SimulateConfig, sched_flags):
+    """(runner, scheduler config) from the simulator's and the scheduler daemon's flags."""
+    from stepahead.builtin_models import resolve_model
+    from stepahead.plan import WorkerInfo
+    from worker_service.sim.build import checkpoint_dtype
+    from worker_service.sim.profiles import load_profile
+    from worker_service.sim.runner import SimRunner
+
+    model_dir = resolve_model(config.model)
+    runner = SimRunner(model_dir, load_profile(config.sim_profile), dtype=config.dtype or checkpoint_dtype(model_dir),
+                       num_devices=config.sim_num_devices, block_size=config.block_size,
+                       num_blocks=config.num_gpu_blocks_override, memory_utilization=config.gpu_memory_utilization,
+                       swap_space_bytes=config.swap_space * 2**30, eos_probability=0.0)
+    info = WorkerInfo("simulate", model_dir.name, runner.model_type, runner.dtype, runner.device, runner.block_size,
+                      runner.num_blocks, runner.num_host_blocks, runner.max_model_len, runner.vocab_size,
+                      tuple(runner.eos_token_ids))
+    return runner, sched_flags.core_config(info), info
+
+
+class VirtualSystem:
+    """Scheduler core + sim runner on one virtual clock: arrivals, plans, device steps."""
+
+    def __init__(self, runner, sched_config) -> None:
+        from scheduler_service.scheduler import Scheduler
+
+        self.now = 0.0
+        self.runner = runner
+        self.scheduler = Scheduler(sched_config, clock=lambda: self.now)
+        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, end time)
+        self.device_free = 0.0
+        self.busy = 0.0
+        self.num_steps = 0
+
+    def run(self, arrivals: list[tuple[float, object, SimRequestLog]]) -> None:
+        """arrivals: (time, Request, log) sorted by time; fills each log."""
+        from scheduler_service.scheduler import RequestRejected
+
+        logs = {}
+        pending = collections.deque(arrivals)
+        while pending or self.in_flight or self.scheduler.has_unfinished_requests():
+            while pending and pending[0][0] <= self.now:
+                _, request, log = pending.popleft()
+                try:
+                    self.scheduler.add_request(request)
+                except RequestRejected as exc:  # e.g. longer than the model or the KV pool
+                    log.finish, log.finish_reason = self.now, f"REJECTED: {exc}"
+                    continue
+                logs[request.request_id] = log
+            self._pump()
+            times = ([self.in_flight[0][3]] if self.in_flight else []) + ([pending[0][0]] if pending else [])
+            if not times:
+                if not self.scheduler.has_unfinished_requests():
+                    return  # the last arrivals were rejected
+                raise RuntimeError(f"simulation stuck at t={self.now}: {self.scheduler.stats()}")
+            self.now = max(self.now, min(times))
+            if self.in_flight and self.in_flight[0][3] <= self.now:
+                self._commit(logs)
+
+    def _pump(self) -> None:
+        while self.scheduler.can_schedule():
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return
+            sampled, seconds, failed = self.runner.apply(plan)
+            start = max(self.now, self.device_free)
+            self.device_free = start + seconds
+            self.busy += seconds
+            self.in_flight.append((plan, sampled, failed, self.device_free))
+
+    def _commit(self, logs: dict[str, SimRequestLog]) -> None:
+        from stepahead.plan import StepResult
+
+        plan, sampled, failed, _ = self.in_flight.popleft()
+        self.num_steps += 1
+        for r in plan.new_requests:
+            log = logs[r.request_id]
+            log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
+        for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled, failed=failed)):
+            log = logs[event.request_id]
+            log.token_times += [self.now] * len(event.new_token_ids)
+            if event.finish_reason is not None:
+                log.finish, log.finish_reason = self.now, event.finish_reason.name
+
+
+def simulate(config: SimulateConfig, sched_flags) -> dict:
+    from scheduler_service.request import Request
+    from stepahead.datasets import load_trace, trace_prompts
+    from stepahead.plan import SamplingParams
+
+    runner, sched_config, info = build(config, sched_flags)
+    trace = load_trace(config.dataset_path, config.num_prompts, config.trace_speedup)
+    prompts = trace_prompts(trace, runner.vocab_size, config.seed)
+    arrivals = []
+    for i, (r, prompt) in enumerate(zip(trace, prompts)):
+        sampling = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
+        log = SimRequestLog(i, r.arrival_s, r.prompt_len, r.priority, r.output_len)
+        arrivals.append((r.arrival_s, Request(f"req-{i}", prompt, sampling, priority=r.priority), log))
+    system = VirtualSystem(runner, sched_config)
+    system.run(arrivals)
+    logs = [log for _, _, log in arrivals]
+    return summarize(logs, system, info, config)
+
+
+def summarize(logs: list[SimRequestLog], system: VirtualSystem, info, config: SimulateConfig) -> dict:
+    failed = [log for log in logs if log.finish_reason.startswith("REJECTED")]
+    logs = [log for log in logs if not log.finish_reason.startswith("REJECTED")]
+    duration = max(log.finish for log in logs) - min(log.arrival for log in logs) if logs else 0.0
+    duration = duration or 1e-9
+    out = sum(len(log.token_times) for log in logs)
+    result = {
+        "label": "simulate", "model": info.model_name, "device": info.device, "duration": duration,
+        "completed": len(logs), "failed": len(failed), "errors": sorted({f.finish_reason for f in failed})[:5],
+        "total_input_tokens": sum(log.prompt_len for log in logs), "total_output_tokens": out,
+        "request_throughput": len(logs) / duration, "output_throughput": out / duration,
+        "total_token_throughput": (out + sum(log.prompt_len for log in logs)) / duration,
+        **request_latencies(logs),
+        "device_utilization": system.busy / duration, "device_busy_s": system.busy, "num_steps": system.num_steps,
+        "num_preemptions": system.scheduler.stats().num_preemptions,
+        "by_priority": {str(p): request_latencies([log for log in logs if log.priority == p])
+                        for p in sorted({log.priority for log in logs})},
+        "config": dataclasses.asdict(config),
+    }
+    result["requests"] = [dataclasses.asdict(log) for log in sorted([*logs, *failed], key=lambda g: g.index)]
+    return result
+
+
+def request_latencies(logs: list[SimRequestLog]) -> dict:
+    from stepahead.bench import latency_stats
+
+    ttft = [(log.token_times[0] - log.arrival) * 1e3 for log in logs if log.token_times]
+    tpot = [(log.token_times[-1] - log.token_times[0]) / (len(log.token_times) - 1) * 1e3
+            for log in logs if len(log.token_times) > 1]
+    itl = [(b - a) * 1e3 for log in logs for a, b in zip(log.token_times, log.token_times[1:])]
+    e2el = [(log.finish - log.arrival) * 1e3 for log in logs if log.finish is not None]
+    queue = [(log.first_scheduled - log.arrival) * 1e3 for log in logs if log.first_scheduled is not None]
+    return {**latency_stats("ttft", ttft), **latency_stats("tpot", tpot), **latency_stats("itl", itl),
+            **latency_stats("e2el", e2el), "max_queue_wait_ms": max(queue, default=0.0), "num_requests": len(logs)}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from scheduler_service.server import SchedulerDaemonConfig
+
+    cfg.add_arguments(parser, SimulateConfig)
+    cfg.add_arguments(parser, SchedulerDaemonConfig, exclude=("host", "port", "max_workers", "log_level",
+                                                              "metrics_port", "flight_recorder_steps"))
+
+
+def run(args: argparse.Namespace) -> int:
+    from scheduler_service.server import SchedulerDaemonConfig
+
+    config = cfg.from_args(SimulateConfig, args)
+    if not config.dataset_path:
+        raise SystemExit("stepahead simulate: --dataset-path is required")
+    result = simulate(config, cfg.from_args(SchedulerDaemonConfig, args))
+    if config.result_filename:
+        Path(config.result_filename).parent.mkdir(parents=True, exist_ok=True)
+        Path(config.result_filename).write_text(json.dumps(result))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("requests", "config")}, indent=2))
+    return 0

@@ -1,0 +1,176 @@
+"""`SimRunner`: executes step plans like `ModelRunner`, but the "device" is a clock.
+
+Each plan is validated and applied to the same per-request state as the torch runner
+(`plan_checks.check_plan`: the same rules), tokens come from `tokens.TokenRule`, and the
+step's duration from `cost.CostModel`. The simulated device runs one step at a time:
+a step starts when it is launched or when the previous one ends, whichever is later, and
+`wait()` sleeps until its end on the monotonic clock (`time.sleep` releases the GIL and
+uses no CPU). No torch anywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult, WorkerTiming
+from worker_service.model_config import ModelConfig
+from worker_service.plan_checks import PlanError, check_plan, split_bad_sampling_rows
+from worker_service.sim import tokens
+from worker_service.sim.cost import CostModel, ModelGeometry
+from worker_service.sim.profiles import AcceleratorProfile
+
+
+@dataclass
+class SimRequest:
+    """The attributes `check_plan` reads (as `CachedRequest`), plus the rolling history hash."""
+
+    request_id: str
+    token_ids: list[int]
+    sampling: SamplingParams
+    block_ids: list[int]
+    num_computed: int
+    num_prompt: int
+    history_hash: int = field(default=0)
+
+
+@dataclass
+class SimPendingStep:
+    """A launched step: its tokens are known; the result is due at `deadline` (monotonic)."""
+
+    step_id: int
+    sampled: dict[str, int]
+    deadline: float
+    busy_s: float
+    timing: WorkerTiming
+    wall_offset: float  # time.time() - time.monotonic() when the runner started
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+
+    def wait(self) -> StepResult:
+        delay = self.deadline - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # releases the GIL; no CPU while the "device" computes
+        timing = WorkerTiming(self.timing.plan_received, self.timing.prep_start, self.timing.forward_start,
+                              self.deadline + self.wall_offset, 0.0, self.busy_s)
+        return StepResult(self.step_id, self.sampled, timing, self.failed)
+
+
+class SimRunner:
+    """Same interface as `ModelRunner` for the worker daemon: launch / execute / reset."""
+
+    def __init__(self, model_dir: str | Path, profile: AcceleratorProfile, *, dtype: str = "bfloat16",
+                 num_devices: int = 1, block_size: int = 16, num_blocks: int | None = None,
+                 memory_utilization: float = 0.9, swap_space_bytes: float = 2**30,
+                 max_model_len: int | None = None, seed: int = 0, eos_probability: float = 0.0) -> None:
+        if block_size < 1:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        model_dir = Path(model_dir)
+        cfg = ModelConfig.from_dir(model_dir)
+        self.model_type, self.eos_token_ids = cfg.model_type, cfg.eos_token_ids
+        self.device = f"sim:{profile.name}" + (f"x{num_devices}" if num_devices > 1 else "")
+        self.dtype = dtype
+        self.geometry = ModelGeometry.from_config(cfg, dtype)
+        self.cost = CostModel(self.geometry, profile, num_devices)
+        self.block_size = block_size
+        self.num_blocks = num_blocks or self.cost.num_kv_blocks(block_size, memory_utilization)
+        self.num_host_blocks = int(swap_space_bytes // (block_size * self.geometry.kv_bytes_per_token))
+        limit = cfg.max_position_embeddings
+        if max_model_len is not None and not 0 < max_model_len <= limit:
+            raise ValueError(f"max_model_len {max_model_len} outside (0, {limit}] for this model")
+        self.max_model_len = max_model_len or limit
+        self.vocab_size = token_vocab_size(model_dir, cfg.vocab_size)
+        self.rule = tokens.TokenRule(self.vocab_size, tuple(t for t in cfg.eos_token_ids if t < self.vocab_size),
+                                     eos_probability, seed)
+        self.requests: dict[str, SimRequest] = {}
+        self._prev_rows: dict[str, int] = {}
+        self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
+        self._device_free_at = 0.0  # monotonic end of the last launched step
+        self._wall_offset = time.time() - time.monotonic()
+        self._lock = threading.Lock()
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return self.launch(plan).wait()
+
+    def reset(self) -> None:
+        with self._lock:
+            self.requests.clear()
+            self._failed_ids.clear()
+            self._prev_rows = {}
+
+    def launch(self, plan: StepPlan, received: float = 0.0) -> SimPendingStep:
+        with self._lock:
+            return self._launch(plan, received)
+
+    def _launch(self, plan: StepPlan, received: float) -> SimPendingStep:
+        prep_start = time.time()
+        sampled, busy, failed = self.apply(plan)
+        start = max(time.monotonic(), self._device_free_at)
+        self._device_free_at = start + busy
+        timing = WorkerTiming(received or prep_start, prep_start, start + self._wall_offset)
+        return SimPendingStep(plan.step_id, sampled, start + busy, busy, timing, self._wall_offset, failed)
+
+    def apply(self, plan: StepPlan) -> tuple[dict[str, int], float, dict[str, str]]:
+        """Check and apply a plan, no clock involved: (sampled token per request, device
+        seconds, requests that failed alone). The offline simulator drives this on its
+        virtual clock. Rows breaking the shared limits fail alone, as on the torch worker.
+        """
+        for rid in (*plan.finished_ids, *plan.preempted_ids):
+            self.requests.pop(rid, None)
+            self._failed_ids.discard(rid)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
+                   block_size=self.block_size, max_model_len=self.max_model_len)
+        for _, host in plan.swap_out:
+            self._check_host_block(host)
+        for host, _ in plan.swap_in:
+            self._check_host_block(host)
+        batch: list[tuple[int, int]] = []
+        sampled: dict[str, int] = {}
+        for state, scheduled in self._apply(plan.new_requests, plan.running):
+            batch.append((state.num_computed, scheduled))
+            state.num_computed += scheduled
+            if state.num_computed == len(state.token_ids):
+                sampled[state.request_id] = self._sample(state)
+        self._prev_rows = {rid: i for i, rid in enumerate(sampled)}
+        if not (batch or plan.swap_out or plan.swap_in):
+            return sampled, 0.0, failed
+        step = self.cost.step(batch, len(sampled), len(plan.swap_out) + len(plan.swap_in), self.block_size)
+        return sampled, step.seconds, failed
+
+    def _check_host_block(self, block: int) -> None:
+        if not 0 <= block < self.num_host_blocks:
+            raise PlanError(f"swap: host block {block} outside the host pool [0, {self.num_host_blocks})")
+
+    def _apply(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]):
+        for r in new:
+            num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
+            state = SimRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
+                               r.num_computed_tokens, num_prompt)
+            state.history_hash = tokens.extend(tokens.seed_hash(self.rule.seed_of(r.sampling)), state.token_ids)
+            self.requests[r.request_id] = state
+            yield state, r.num_scheduled_tokens
+        for r in running:
+            state = self.requests[r.request_id]
+            state.block_ids.extend(r.new_block_ids)
+            yield state, r.num_scheduled_tokens
+
+    def _sample(self, state: SimRequest) -> int:
+        n = len(state.token_ids)
+        token = self.rule.next_token(state.history_hash, n, n - state.num_prompt, state.sampling)
+        state.token_ids.append(token)
+        state.history_hash = tokens.extend(state.history_hash, (token,))
+        return token
+
+
+def token_vocab_size(model_dir: Path, config_vocab: int) -> int:
+    """Ids the sim may sample: the config's vocabulary, capped by the tokenizer's when present."""
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        return config_vocab
+    raw = json.loads(path.read_text())
+    ids = list((raw.get("model") or {}).get("vocab", {}).values())
+    ids += [t["id"] for t in raw.get("added_tokens") or []]
+    return min(config_vocab, max(ids) + 1) if ids else config_vocab
