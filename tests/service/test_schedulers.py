@@ -34,6 +34,7 @@ def stats(address: str) -> scheduler_pb2.SchedulerStats:
         return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
 
 
+@pytest.mark.slow  # torch workers; the sim chaos test covers scheduler loss in the default run
 def test_a_killed_scheduler_s_requests_continue_on_another(tiny_model_dir, hf):  # noqa: F811
     ports = [free_port(), free_port()]
     addresses = [f"127.0.0.1:{p}" for p in ports]
