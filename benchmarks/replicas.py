@@ -97,13 +97,15 @@ def measure(n: int, args, model_dir: str) -> dict:
 
 
 def run_bench(port: int, num: int, args) -> dict:
-    ns = argparse.Namespace(num_prompts=num, random_input_len=args.input_len, random_output_len=args.output_len,
-                            random_range_ratio=0.0, request_rate=float("inf"), max_concurrency=None,
-                            ignore_eos=True, seed=port)
+    parser = argparse.ArgumentParser()
+    bench_mod.add_arguments(parser)
+    ns = parser.parse_args(["--target", f"127.0.0.1:{port}", "--num-prompts", str(num), "--random-input-len",
+                            str(args.input_len), "--random-output-len", str(args.output_len), "--ignore-eos",
+                            "--seed", str(port)])
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         workload = bench_mod.make_workload(ns, args.vocab_size)
-        results, _, _, _ = bench_mod.run_workload(stub, workload, ns)
+        results = bench_mod.run_workload(stub, workload, ns)[0]
     return {"output_tokens": sum(r.output_len for r in results), "errors": sum(bool(r.error) for r in results)}
 
 
