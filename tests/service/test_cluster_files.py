@@ -73,7 +73,8 @@ def wait_healthy(service: dict, port: int, procs: list[subprocess.Popen], timeou
 def test_compose_services_run_as_processes_at_two_workers_and_two_gateways(tmp_path):
     start = time.monotonic()
     services = COMPOSE["services"]
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning",
+    assert services["scheduler"]["environment"]["STEPAHEAD_CLUSTER_TOKEN"].startswith("${STEPAHEAD_CLUSTER_TOKEN:?")
+    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning", STEPAHEAD_CLUSTER_TOKEN="compose-test-token",
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")  # `stepahead` in sh -c
     procs: list[subprocess.Popen] = []
     sched_port = free_port()
@@ -95,7 +96,7 @@ def test_compose_services_run_as_processes_at_two_workers_and_two_gateways(tmp_p
         for port in gateway_ports:
             wait_healthy(services["gateway"], port, procs)
         for port in gateway_ports:
-            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:  # the public API: no cluster token
                 stub = generation_pb2_grpc.GenerationStub(channel)
                 for prompt in ([5, 6, 7], [9, 10, 11, 12]):
                     msgs = list(stub.Generate(greedy(prompt, 8), timeout=120))
@@ -146,6 +147,10 @@ def test_kubernetes_manifests_validate_against_the_schemas():
         if doc["kind"] == "Deployment":
             [container] = doc["spec"]["template"]["spec"]["containers"]
             parse_cli(container["args"])
+    for doc in docs:
+        if doc["kind"] == "Deployment":
+            env = doc["spec"]["template"]["spec"]["containers"][0]["env"]
+            assert any(e["name"] == "STEPAHEAD_CLUSTER_TOKEN" and "secretKeyRef" in e["valueFrom"] for e in env)
     worker = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "worker")
     limits = worker["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
     assert limits["nvidia.com/gpu"] == "1"
