@@ -23,7 +23,6 @@ import collections
 import json
 import os
 import subprocess
-import time
 from pathlib import Path
 
 from stepahead.cli import bench

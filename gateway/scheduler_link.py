@@ -4,7 +4,8 @@ All of a gateway's requests share one bidirectional stream: submissions and abor
 one `EventBatch` per scheduler step comes down and a reader thread hands each event to
 its request's sink (a queue for the gRPC servicer's threads, the event loop for HTTP). One message per step instead of one per request per step keeps the
 control plane's CPU cost flat in the number of streams. If the stream breaks, every open
-request fails with `LinkBroken` and the next submission opens a new stream.
+request fails with `LinkBroken` and the next submission opens a new stream
+(`scheduler_pool.py` resubmits them elsewhere).
 """
 
 from __future__ import annotations
@@ -29,6 +30,11 @@ class SchedulerLink:
         self._lock = threading.Lock()
         self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its event sink
         self._outbox: queue.Queue | None = None  # messages for the current stream
+
+    @property
+    def num_open(self) -> int:
+        """Requests open on this link (its load, as the gateway sees it)."""
+        return len(self._routes)
 
     def submit(self, msg: scheduler_pb2.SubmitRequest, sink: Callable[[object], None]) -> None:
         """Send one request; its events (then `LinkBroken` if the stream breaks) go to `sink`.

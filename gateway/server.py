@@ -25,6 +25,7 @@ from gateway.admission import Draining, Overloaded, StreamGate
 from gateway.generation import ChoiceOutput, EventMerger, Frontend, Rejected
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
+from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead import codec, daemon, logs, security
 from stepahead.security import SchedulerClientConfig
@@ -43,7 +44,10 @@ REJECT_STATUS = {
 
 @dataclass(frozen=True)
 class GatewayConfig(SchedulerClientConfig):
-    scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address")
+    scheduler: tuple[str, ...] = cfg.field(
+        ("127.0.0.1:50051",), "scheduler address; repeat the flag or give a comma list for several")
+    failover_timeout: float = cfg.field(
+        60.0, "seconds a request whose scheduler died may take to find another one (then UNAVAILABLE)")
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50050, "port to listen on")
     http_port: int = cfg.field(8000, "OpenAI-compatible HTTP port (0 disables HTTP)")
@@ -178,13 +182,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
-def wait_for_model(channel, stop, log) -> scheduler_pb2.WorkerHello | None:
-    """Ask the scheduler for its model until a worker has attached (or we are stopped)."""
-    stub = scheduler_pb2_grpc.SchedulerStub(channel)
-    backoff = 0.05
+def wait_for_model(channels, stop, log) -> scheduler_pb2.WorkerHello | None:
+    """Ask the schedulers in turn for their model until one has a worker (or we are stopped)."""
+    stubs = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in channels]
+    backoff, turn = 0.05, 0
     while not stop.is_set():
+        stub, turn = stubs[turn % len(stubs)], turn + 1
         try:
-            return stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=5, wait_for_ready=True)
+            return stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=5, wait_for_ready=len(stubs) == 1)
         except grpc.RpcError as exc:
             log.info("waiting_for_model", code=exc.code().name)
         stop.wait(backoff)  # retry backoff, interrupted by SIGTERM
@@ -196,15 +201,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     cfg.add_arguments(parser, GatewayConfig)
 
 
-def worker_attached(channel) -> Callable[[], bool]:
-    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+def worker_attached(channels) -> Callable[[], bool]:
+    """/health: some scheduler has a worker attached."""
+    stubs = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in channels]
 
     def ask() -> bool:
-        try:
-            stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=2)
-        except grpc.RpcError:
-            return False
-        return True
+        for stub in stubs:
+            try:
+                stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=2)
+                return True
+            except grpc.RpcError:
+                continue
+        return False
 
     return ask
 
@@ -218,14 +226,17 @@ def run(args: argparse.Namespace) -> int:
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     tokenizer = GatewayTokenizer(resolve_model(config.model, build=False))  # no torch in the gateway
-    channel = config.scheduler_channel(config.scheduler)
-    model = wait_for_model(channel, stop, log)  # the limits to validate against come from the worker
+    if not config.scheduler:
+        raise SystemExit("--scheduler: give at least one scheduler address")
+    channels = [config.scheduler_channel(address) for address in config.scheduler]
+    model = wait_for_model(channels, stop, log)  # the limits to validate against come from the worker
     if model is None:
         return 0
     gate = StreamGate(config.max_concurrent_streams)
-    frontend = Frontend(tokenizer, model, SchedulerLink(channel, log), config.max_request_bytes, GatewayMetrics(), gate)
+    pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
+    frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, GatewayMetrics(), gate)
     server, health, port = build_server(config, frontend, log)
-    http = _start_http(frontend, channel, config, log)
+    http = _start_http(frontend, channels, config, log)
     server.start()
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
@@ -262,12 +273,12 @@ def build_server(config: GatewayConfig, frontend: Frontend, log):
     return server, health, port
 
 
-def _start_http(frontend: Frontend, channel, config: GatewayConfig, log):
+def _start_http(frontend: Frontend, channels, config: GatewayConfig, log):
     if config.http_port == 0:
         return None
     from gateway.http_server import HttpThread, OpenAIServer
 
-    server = OpenAIServer(frontend, worker_attached(channel), log, security.split_keys(config.api_key))
+    server = OpenAIServer(frontend, worker_attached(channels), log, security.split_keys(config.api_key))
     http = HttpThread(server.app, config.host, config.http_port,
                       ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs)
     http.start()

@@ -3,6 +3,7 @@ every step). Raises AssertionError explicitly so that `python -O` keeps the chec
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 from scheduler_service.kv_manager import cdiv
@@ -62,3 +63,18 @@ def check_queues(
         raise AssertionError(f"{listed} requests in queues, {len(requests)} tracked, waiting {waiting_len}")
     if any(a.run_key > b.run_key for a, b in zip(running, running[1:])):
         raise AssertionError("running requests out of policy order")
+
+
+def check_core(config, requests: Mapping[str, Request], running, swapped, waiting, kv, in_flight: list[int],
+               next_step_id: int) -> None:
+    """A scheduler core's whole state: requests, pools vs owners, queues, plan order."""
+    refs, host_refs = Counter(), Counter()
+    for req in requests.values():
+        check_request(req, config.block_size, config.max_model_len, len(in_flight))
+        refs.update(req.block_ids)
+        host_refs.update(req.host_block_ids)
+    kv.device.check_integrity(refs)
+    kv.host.check_integrity(host_refs)
+    check_queues(requests, running, swapped, waiting.requests(), len(waiting))
+    if in_flight != list(range(next_step_id - len(in_flight), next_step_id)):
+        raise AssertionError(f"in-flight plans out of order: {in_flight}")

@@ -1,9 +1,10 @@
 """Prometheus metrics of the scheduler daemon (served on --metrics-port at /metrics).
 
 Names follow vLLM's `vllm:*` set under `stepahead:` where the concept is the same; gauges
-carry no `_total`; counters are fed from the core's monotonic counters, which the engine
-carries over when a worker re-attaches, so they never go back. The engine calls these
-hooks from its own thread; prometheus_client is thread-safe.
+carry no `_total`. Per-replica gauges carry a `replica` label (the worker id); counters are
+fed from each replica core's monotonic counters (deltas per replica), so their totals never
+go back when a replica is lost. The engine calls these hooks from its own thread;
+prometheus_client is thread-safe.
 """
 
 from __future__ import annotations
@@ -54,13 +55,15 @@ class SchedulerMetrics:
                                   buckets=_STEP_BUCKETS)
         self.finished = Counter(P + "request_finished", "finished requests", ["finished_reason"], registry=r)
         self.workers_lost = Counter(P + "workers_lost", "workers lost (stream broken, failed, dropped)", registry=r)
-        self.worker_attached = Gauge(P + "worker_attached", "1 while a worker is attached", registry=r)
-        self.gauges = {f: Gauge(P + name, doc, registry=r) for f, (name, doc) in _GAUGES.items()}
+        self.workers_attached = Gauge(P + "workers_attached", "replicas (workers) attached now", registry=r)
+        self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
+                                         registry=r)
+        self.gauges = {f: Gauge(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _GAUGES.items()}
         self.counters = {f: Counter(P + name, doc, registry=r) for f, (name, doc) in _COUNTERS.items()}
-        self._seen = dict.fromkeys(_COUNTERS, 0)  # last value of each monotonic stat
+        self._seen: dict[str, dict[str, int]] = {}  # replica -> last value of each monotonic stat
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
-        self._last_forward_end = 0.0
+        self._last_forward_end: dict[str, float] = {}  # per replica
 
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
@@ -86,22 +89,39 @@ class SchedulerMetrics:
                 self._arrival.pop(e.request_id, None)
                 self._last_token.pop(e.request_id, None)
 
-    def on_step(self, record: StepRecord, stats: SchedulerStats) -> None:
+    def forget(self, request_id: str) -> None:
+        """The request ended without an event the metrics see (refused after waiting)."""
+        self._arrival.pop(request_id, None)
+        self._last_token.pop(request_id, None)
+
+    def on_step(self, record: StepRecord, stats: SchedulerStats, replica: str = "") -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
-        if record.worker.forward_start and self._last_forward_end:
-            self.idle_gap.observe(max(0.0, record.worker.forward_start - self._last_forward_end))
-        self._last_forward_end = record.worker.forward_end or self._last_forward_end
+        last_end = self._last_forward_end.get(replica, 0.0)
+        if record.worker.forward_start and last_end:
+            self.idle_gap.observe(max(0.0, record.worker.forward_start - last_end))
+        self._last_forward_end[replica] = record.worker.forward_end or last_end
         for name, gauge in self.gauges.items():
-            gauge.set(getattr(stats, name))
+            gauge.labels(replica).set(getattr(stats, name))
+        seen = self._seen.setdefault(replica, dict.fromkeys(_COUNTERS, 0))
         for name, counter in self.counters.items():
             value = getattr(stats, name)
-            if value > self._seen[name]:
-                counter.inc(value - self._seen[name])
-            self._seen[name] = value
+            if value > seen[name]:
+                counter.inc(value - seen[name])
+            seen[name] = value
 
-    def on_worker(self, attached: bool, lost: bool = False) -> None:
-        self.worker_attached.set(1 if attached else 0)
+    def on_replica_attached(self, num_replicas: int) -> None:
+        self.workers_attached.set(num_replicas)
+
+    def on_replica_lost(self, replica: str, num_moved: int, num_left: int, lost: bool = True) -> None:
+        """`lost`: it failed (not a worker leaving by itself)."""
         if lost:
             self.workers_lost.inc()
-        if not attached:
-            self._last_forward_end = 0.0
+        self.requests_migrated.inc(num_moved)
+        self.workers_attached.set(num_left)
+        self._last_forward_end.pop(replica, None)
+        self._seen.pop(replica, None)
+        for gauge in self.gauges.values():
+            try:
+                gauge.remove(replica)
+            except KeyError:  # that replica never finished a step
+                pass

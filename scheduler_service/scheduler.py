@@ -18,7 +18,7 @@ from enum import Enum, auto
 from scheduler_service.admission import check_submission
 from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.integrity import check_queues, check_request
+from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
 from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.request import (
@@ -97,6 +97,26 @@ class Scheduler:
         self._finish(request, FinishReason.ABORT)
         return self._event(request, (), FinishReason.ABORT)
 
+    def adopt(self, request: Request) -> None:
+        """Take over an unfinished request of a lost replica, as recompute: its committed
+        output stays (the client has seen it), its KV lived on the lost worker and is computed
+        again here over prompt + committed output. It queues with its original arrival time."""
+        rid = request.request_id
+        if rid in self._requests:
+            raise RequestRejected(f"duplicate request id {rid!r}: a request with this id is still active")
+        request.block_ids, request.host_block_ids, request.prefix_ids = [], [], []
+        request.num_scheduled_tokens = request.num_computed_tokens = request.num_output_placeholders = 0
+        request.epoch += 1
+        request.in_worker, request.last_step_id, request.queue_token, request.run_key = False, -1, None, ()
+        request.status = RequestStatus.PREEMPTED
+        request.queued_time = self._clock()
+        self._requests[rid] = request
+        self._waiting.push(request)
+
+    def unfinished_requests(self) -> list[Request]:
+        """Every request this core still holds, oldest arrival first (to move them elsewhere)."""
+        return sorted(self._requests.values(), key=lambda r: (r.arrival_time or 0.0, r.request_id))
+
     # ---- the step ----------------------------------------------------------------------------
     def num_in_flight(self) -> int:
         return len(self._in_flight)
@@ -106,6 +126,10 @@ class Scheduler:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self._requests)
 
     def schedule(self) -> StepPlan | None:
         if not self.can_schedule():
@@ -386,15 +410,5 @@ class Scheduler:
 
     def check_integrity(self) -> None:
         """Pool accounting, ref counts vs owners, queue membership, per-request counters."""
-        cfg = self.config
-        refs, host_refs = Counter(), Counter()
-        for req in self._requests.values():
-            check_request(req, cfg.block_size, cfg.max_model_len, len(self._in_flight))
-            refs.update(req.block_ids)
-            host_refs.update(req.host_block_ids)
-        self._kv.device.check_integrity(refs)
-        self._kv.host.check_integrity(host_refs)
-        check_queues(self._requests, self._running, self._swapped, self._waiting.requests(), len(self._waiting))
-        in_flight = [p.step_id for p in self._in_flight]
-        if in_flight != list(range(self._next_step_id - len(in_flight), self._next_step_id)):
-            raise AssertionError(f"in-flight plans out of order: {in_flight}")
+        check_core(self.config, self._requests, self._running, self._swapped, self._waiting, self._kv,
+                   [p.step_id for p in self._in_flight], self._next_step_id)

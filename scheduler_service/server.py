@@ -19,8 +19,8 @@ import grpc
 from prometheus_client import REGISTRY, start_http_server
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from scheduler_service.engine import (
-    Engine,
+from scheduler_service.engine import Engine, EngineOptions
+from scheduler_service.links import (
     GatewaySession,
     NoWorker,
     PlanOutbox,
@@ -29,12 +29,12 @@ from scheduler_service.engine import (
     WorkerHandle,
     WorkerRefused,
 )
+from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import QueueFull, RequestEvent, RequestRejected
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
-from stepahead.flight_recorder import FlightRecorder
 from stepahead.plan import WorkerInfo
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 
@@ -61,7 +61,15 @@ class SchedulerDaemonConfig:
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.01, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
-    flight_recorder_steps: int = cfg.field(1000, "steps kept by the flight recorder")
+    routing_policy: RoutingPolicy = cfg.field(RoutingPolicy.CACHE_AWARE, "which replica takes a new request")
+    balance_abs_threshold: int = cfg.field(
+        32, "cache_aware: route by load instead of prefix when max - min replica load exceeds this ...")
+    balance_rel_threshold: float = cfg.field(1.5, "... and max load exceeds min load times this")
+    worker_step_timeout: float = cfg.field(
+        300.0, "seconds a replica may take for its oldest step in flight before it is dropped (its requests move)")
+    worker_wait_timeout: float = cfg.field(
+        60.0, "seconds requests wait for a replica when none is attached, then end UNAVAILABLE")
+    flight_recorder_steps: int = cfg.field(1000, "steps kept by the flight recorder, per replica")
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
     cluster_token: str | None = cfg.field(
@@ -73,6 +81,14 @@ class SchedulerDaemonConfig:
     ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
     enable_reflection: bool = cfg.field(False, "serve gRPC reflection of the internal services")
     log_level: str = cfg.field("info", "log level")
+
+    def engine_options(self) -> EngineOptions:
+        for name in ("worker_step_timeout", "worker_wait_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be > 0 seconds, got {getattr(self, name)}")
+        routing = RouterConfig(RoutingPolicy(self.routing_policy), self.balance_abs_threshold,
+                               self.balance_rel_threshold)
+        return EngineOptions(routing, self.worker_step_timeout, self.worker_wait_timeout, self.flight_recorder_steps)
 
     def check_exposure(self) -> None:
         """No open internal plane off loopback: a token, or an explicit --insecure."""
@@ -149,7 +165,7 @@ REJECT_CODES = {
 
 REFUSAL_STATUS = {
     WorkerRefused.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
-    WorkerRefused.Kind.ALREADY_ATTACHED: grpc.StatusCode.ALREADY_EXISTS,
+    WorkerRefused.Kind.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
 
 
@@ -227,10 +243,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         return codec.worker_info_to_proto(info)
 
     def GetFlightRecord(self, request, context):
-        info = self.engine.worker
+        lanes = self.engine.flight_records()
         return scheduler_pb2.FlightRecord(
-            worker_id=info.worker_id if info else "",
-            steps=[codec.step_record_to_proto(r) for r in self.engine.recorder.snapshot()],
+            worker_id=",".join(name for name, _ in lanes),
+            steps=[codec.step_record_to_proto(r) for _, records in lanes for r in records],
         )
 
     def AttachWorker(self, request_iterator, context):
@@ -280,9 +296,9 @@ def build_server(
     interceptors = [security.cluster_interceptor(config.cluster_token)] if config.cluster_token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), interceptors=interceptors)
     health = daemon.Health(server, [SERVICE_NAME], reflect=config.enable_reflection)
-    recorder = FlightRecorder(config.flight_recorder_steps)
     metrics = SchedulerMetrics(REGISTRY)
-    engine = Engine(config.core_config, log, health.set, recorder, on_fatal, metrics)  # serving once a worker attached
+    # serving once a worker attached
+    engine = Engine(config.core_config, log, health.set, config.engine_options(), on_fatal, metrics)
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     port = security.add_port(server, f"{config.host}:{config.port}", tls)

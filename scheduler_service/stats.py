@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from scheduler_service.kv_manager import KVCacheManager
 
@@ -55,3 +55,17 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         device_busy_s=counts["device_busy_s"],
         num_sampled_tokens=counts["num_sampled_tokens"],
     )
+
+
+def sum_stats(stats: list[SchedulerStats], carried: Counter | None = None) -> SchedulerStats | None:
+    """Replicas' stats added up (kv_usage recomputed over all blocks), plus the `carried`
+    monotonic counters of replicas that are gone; None for no replica."""
+    if not stats:
+        return None
+    total = {f.name: sum(getattr(s, f.name) for s in stats) for f in fields(SchedulerStats)}
+    for name, value in (carried or {}).items():
+        if name in total:
+            total[name] += value
+    used = sum(s.kv_usage * s.num_total_blocks for s in stats)
+    total["kv_usage"] = used / total["num_total_blocks"]
+    return SchedulerStats(**total)

@@ -42,7 +42,28 @@ def _base_type(tp: Any) -> Any:
     return tp
 
 
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is tuple
+
+
+class _ListAction(argparse.Action):
+    """A `tuple[str, ...]` field: the flag may repeat and each value may be a comma list;
+    the first use replaces the default."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        seen = f"_{self.dest}_given"
+        items = list(getattr(namespace, self.dest)) if getattr(namespace, seen, False) else []
+        setattr(namespace, seen, True)
+        setattr(namespace, self.dest, tuple(items + _split(values)))
+
+
+def _split(raw: str) -> list[str]:
+    return [item.strip() for item in raw.split(",") if item.strip()]
+
+
 def _parse(tp: Any, raw: str, source: str) -> Any:
+    if _is_list(tp):
+        return tuple(_split(raw))
     try:
         if tp is bool:
             low = raw.strip().lower()
@@ -69,7 +90,10 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str
         if env_name(f.name) in os.environ:
             default = _parse(tp, os.environ[env_name(f.name)], env_name(f.name))
         help_text = f"{help_text} [env {env_name(f.name)}; default {default!r}]"
-        if tp is bool:
+        if _is_list(tp):
+            parser.add_argument(flag_name(f.name), dest=f.name, action=_ListAction, default=tuple(default or ()),
+                                help=help_text)
+        elif tp is bool:
             parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
         elif isinstance(tp, type) and issubclass(tp, enum.Enum):
@@ -96,7 +120,9 @@ def to_flags(config: Any, names: typing.Iterable[str] | None = None) -> list[str
         value = getattr(config, f.name)
         if value is None:
             continue
-        if isinstance(value, bool):
+        if isinstance(value, tuple):
+            out += [flag_name(f.name), ",".join(map(str, value))]
+        elif isinstance(value, bool):
             out.append(flag_name(f.name) if value else "--no-" + f.name.replace("_", "-"))
         elif isinstance(value, enum.Enum):
             out += [flag_name(f.name), str(value.value)]

@@ -29,6 +29,7 @@ class StepRecord:
     commit_start: float = 0.0
     result_committed: float = 0.0
     worker: WorkerTiming = field(default_factory=WorkerTiming)
+    replica: str = ""  # the worker id of the replica that ran it (step ids count per replica)
 
 
 class FlightRecorder:
@@ -77,11 +78,15 @@ def device_idle_fraction(records: Iterable[StepRecord], start: float | None = No
 
 
 def to_chrome_trace(records: Iterable[StepRecord], worker_name: str = "worker 0") -> dict:
-    """Chrome trace-event JSON (opens in ui.perfetto.dev): one lane per scheduler and worker."""
-    events: list[dict] = [
-        {"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "scheduler"}},
-        {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": worker_name}},
-    ]
+    """Chrome trace-event JSON (opens in ui.perfetto.dev): one lane for the scheduler's CPU
+    work and one per replica's worker (named by `StepRecord.replica`, else `worker_name`)."""
+    records = list(records)
+    lanes = {name: 2 * i + 1 for i, name in enumerate(dict.fromkeys(r.replica for r in records))}
+    events: list[dict] = []
+    for name, pid in lanes.items():
+        label = f"worker {name}" if name else worker_name
+        events.append({"ph": "M", "pid": pid, "name": "process_name", "args": {"name": f"scheduler for {label}"}})
+        events.append({"ph": "M", "pid": pid + 1, "name": "process_name", "args": {"name": label}})
 
     def span(pid: int, tid: int, name: str, a: float, b: float, args: dict) -> None:
         if a > 0 and b >= a:
@@ -89,15 +94,16 @@ def to_chrome_trace(records: Iterable[StepRecord], worker_name: str = "worker 0"
                            "dur": (b - a) * 1e6, "args": args})
 
     for r in records:
+        sched, dev = lanes[r.replica], lanes[r.replica] + 1
         args = {"step": r.step_id, "requests": r.num_requests, "tokens": r.num_tokens,
                 "running": r.num_running, "waiting": r.num_waiting}
         w = r.worker
-        span(1, 1, "schedule", r.schedule_start, r.schedule_end, args)
-        span(1, 1, "send", r.schedule_end, r.plan_sent, args)
-        span(1, 1, "commit", r.commit_start, r.result_committed, args)
-        span(1, 2, "in flight", r.plan_sent, r.commit_start, args)
-        span(2, 1, "prepare", w.prep_start, w.forward_start, args)
-        span(2, 1, "forward+sample", w.forward_start, w.forward_end, args)
-        span(2, 2, "queued", w.plan_received, w.prep_start, args)
-        span(2, 2, "send result", w.forward_end, w.result_sent, args)
+        span(sched, 1, "schedule", r.schedule_start, r.schedule_end, args)
+        span(sched, 1, "send", r.schedule_end, r.plan_sent, args)
+        span(sched, 1, "commit", r.commit_start, r.result_committed, args)
+        span(sched, 2, "in flight", r.plan_sent, r.commit_start, args)
+        span(dev, 1, "prepare", w.prep_start, w.forward_start, args)
+        span(dev, 1, "forward+sample", w.forward_start, w.forward_end, args)
+        span(dev, 2, "queued", w.plan_received, w.prep_start, args)
+        span(dev, 2, "send result", w.forward_end, w.result_sent, args)
     return {"traceEvents": events, "displayTimeUnit": "ms"}

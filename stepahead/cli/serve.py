@@ -1,6 +1,7 @@
-"""`stepahead serve`: scheduler, worker and gateway as three OS processes, one command.
+"""`stepahead serve`: scheduler, worker(s) and gateway as OS processes, one command.
 
-Starts the scheduler, then a worker that attaches to it, then the gateway; waits until
+Starts the scheduler, then `--data-parallel-size` workers that attach to it (one replica
+each), then the gateway; waits until
 the scheduler (worker attached) and the gateway report SERVING on gRPC health; prints
 the endpoint. The internal plane stays on loopback and carries a cluster token made for
 this run (or STEPAHEAD_CLUSTER_TOKEN), handed to the children in their environment.
@@ -48,6 +49,7 @@ class ServeConfig:
     port: int = cfg.field(50050, "gateway port (0 picks a free one)")
     http_port: int = cfg.field(8000, "gateway's OpenAI-compatible HTTP port (0 disables HTTP)")
     scheduler_port: int = cfg.field(0, "scheduler port (0 picks a free one)")
+    data_parallel_size: int = cfg.field(1, "workers to start: each attaches as a replica with its own KV pool")
     startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
     pin_cpus: bool = cfg.field(True, "CPU device: worker on all cores but the last, the rest on the last")
     api_key: str | None = cfg.field(None, "API keys the gateway requires (comma list; env recommended)")
@@ -202,7 +204,11 @@ def run(args: argparse.Namespace) -> int:
     if worker_cfg.device == "cpu" and worker_cfg.num_threads is None:
         # The CPU is the device here: leave a core to the scheduler and the gateway so that
         # planning and streaming overlap with the forward pass instead of preempting it.
-        worker_cfg = dataclasses.replace(worker_cfg, num_threads=max(1, (os.cpu_count() or 2) - 1))
+        # Each replica gets its share.
+        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size, 1))
+        worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
+    if config.data_parallel_size < 1:
+        raise SystemExit(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     model_dir = str(resolve_model(config.model))  # build a built-in model once, here
     port = config.port or free_port(config.host)
     sched_addr = f"127.0.0.1:{config.scheduler_port or free_port()}"
@@ -215,8 +221,10 @@ def run(args: argparse.Namespace) -> int:
     children = [
         Child("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
                             *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus, token),
-        Child("worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
-                         *cfg.to_flags(worker_cfg, _WORKER_FIELDS + _SHARED_FIELDS)], worker_cpus, token),
+        *(Child(f"worker{i}" if i else "worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
+                                                   *cfg.to_flags(worker_cfg, _WORKER_FIELDS + _SHARED_FIELDS)],
+                worker_cpus, token)
+          for i in range(config.data_parallel_size)),
         Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                           "--http-port", str(config.http_port), "--model", model_dir,
                           *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],

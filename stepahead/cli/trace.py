@@ -4,8 +4,8 @@
 
 `--target` is the scheduler's address (`stepahead serve` prints it). Writes
 `trace.json` (open it in ui.perfetto.dev or chrome://tracing) and `timeline.png` with one
-lane for the scheduler's CPU work and one for the worker's device work; the gaps in the
-device lane are time the device sat idle.
+lane for the scheduler's CPU work and one per replica for its worker's device work; the
+gaps in a device lane are time that device sat idle.
 """
 
 from __future__ import annotations
@@ -41,12 +41,14 @@ def plot_timeline(records: list[StepRecord], path: Path, title: str = "") -> Non
     lanes = {
         "scheduler CPU": [(r.schedule_start, r.schedule_end) for r in records]
         + [(r.commit_start, r.result_committed) for r in records if r.commit_start > 0],
-        "worker device": [(r.worker.forward_start, r.worker.forward_end) for r in records if r.worker.forward_end > 0],
     }
-    fig, ax = plt.subplots(figsize=(14, 2.6))
+    for replica in dict.fromkeys(r.replica for r in records):  # one device lane per replica
+        lanes[f"worker {replica}".strip()] = [(r.worker.forward_start, r.worker.forward_end) for r in records
+                                              if r.replica == replica and r.worker.forward_end > 0]
+    fig, ax = plt.subplots(figsize=(14, 1.4 + 0.6 * len(lanes)))
     for y, (name, spans) in enumerate(lanes.items()):
         bars = [((a - t0) * 1e3, (b - a) * 1e3) for a, b in spans if b >= a > 0]
-        ax.broken_barh(bars, (y - 0.35, 0.7), color=("tab:orange", "tab:blue")[y])
+        ax.broken_barh(bars, (y - 0.35, 0.7), color="tab:orange" if y == 0 else "tab:blue")
     ax.set_yticks(range(len(lanes)), list(lanes))
     ax.set_xlabel("ms")
     idle = device_idle_fraction(records)

@@ -272,7 +272,7 @@ class FlightRecord(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., steps: _Optional[_Iterable[_Union[StepRecord, _Mapping]]] = ...) -> None: ...
 
 class StepRecord(_message.Message):
-    __slots__ = ("step_id", "schedule_start", "schedule_end", "plan_sent", "commit_start", "result_committed", "num_requests", "num_tokens", "num_running", "num_waiting", "worker")
+    __slots__ = ("step_id", "schedule_start", "schedule_end", "plan_sent", "commit_start", "result_committed", "num_requests", "num_tokens", "num_running", "num_waiting", "worker", "replica")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_START_FIELD_NUMBER: _ClassVar[int]
     SCHEDULE_END_FIELD_NUMBER: _ClassVar[int]
@@ -284,6 +284,7 @@ class StepRecord(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     WORKER_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     schedule_start: float
     schedule_end: float
@@ -295,4 +296,5 @@ class StepRecord(_message.Message):
     num_running: int
     num_waiting: int
     worker: WorkerTiming
-    def __init__(self, step_id: _Optional[int] = ..., schedule_start: _Optional[float] = ..., schedule_end: _Optional[float] = ..., plan_sent: _Optional[float] = ..., commit_start: _Optional[float] = ..., result_committed: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerTiming, _Mapping]] = ...) -> None: ...
+    replica: str
+    def __init__(self, step_id: _Optional[int] = ..., schedule_start: _Optional[float] = ..., schedule_end: _Optional[float] = ..., plan_sent: _Optional[float] = ..., commit_start: _Optional[float] = ..., result_committed: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerTiming, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, Scheduler
+from scheduler_service.step_loop import StepLoop
 from stepahead.plan import StepPlan
 
 
@@ -21,7 +22,7 @@ class LocalEngine:
     def __init__(self, runner, config: SchedulerConfig) -> None:
         self.runner = runner
         self.scheduler = Scheduler(config)
-        self.pending: collections.deque[StepPlan] = collections.deque()
+        self.loop = StepLoop(self.scheduler)
         self.plans: list[StepPlan] = []  # every plan, in order
         self.outputs: dict[str, list[int]] = collections.defaultdict(list)
         self.finish: dict[str, object] = {}
@@ -29,17 +30,15 @@ class LocalEngine:
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    @property
+    def pending(self) -> int:
+        return self.loop.num_in_flight
+
     def plan_ahead(self) -> None:
-        while self.scheduler.can_schedule():
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return
-            self.pending.append(plan)
-            self.plans.append(plan)
+        self.plans += self.loop.plan_ahead()
 
     def commit_oldest(self) -> list[RequestEvent]:
-        plan = self.pending.popleft()
-        events = self.scheduler.update_from_output(plan, self.runner.execute(plan))
+        _, events = self.loop.commit(self.runner.execute(self.loop.oldest))
         self.scheduler.check_integrity()
         for e in events:
             self.outputs[e.request_id] += e.new_token_ids

@@ -191,7 +191,8 @@ def test_prometheus_metrics_follow_the_traffic(serve, metrics_port):
         assert after[key] == before.get(key, 0) + 1, key
     itl = "stepahead:inter_token_latency_seconds_count"
     assert after[itl] - before.get(itl, 0) >= 1
-    assert after["stepahead:num_requests_running"] == 0 and after["stepahead:worker_attached"] == 1
+    running = [v for k, v in after.items() if k.startswith("stepahead:num_requests_running{replica=")]
+    assert running == [0.0] and after["stepahead:workers_attached"] == 1, running  # one replica, by worker id
     assert after["stepahead:scheduler_steps_total"] > before.get("stepahead:scheduler_steps_total", 0)
     assert not [k for k in after if k.startswith("stepahead:num_requests") and k.endswith("_total")]
 

@@ -1,6 +1,7 @@
 """The scheduler never trusts a worker message: a forged or broken `StepResult` closes that
-worker's stream with INVALID_ARGUMENT naming the problem, its requests end with ERROR and
-a reason, and the scheduler keeps serving (a well-behaved worker attaches and serves next).
+worker's stream with INVALID_ARGUMENT naming the problem and drops that replica only; its
+requests move to the other replica as recompute (their committed tokens kept, none twice),
+the other replica's requests are unaffected, and the scheduler keeps serving.
 
 The test itself plays the worker on a real scheduler daemon (AttachWorker with a hello),
 and a gateway through a raw Connect stream.
@@ -13,13 +14,15 @@ import os
 import queue
 import subprocess
 import sys
+import threading
+import time
 
 import grpc
 import pytest
 
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
-from tests.service.streams import ConnectSession, wait_health
+from tests.service.streams import ConnectSession
 
 VOCAB = 4096
 HELLO = scheduler_pb2.WorkerHello(
@@ -45,18 +48,32 @@ def scheduler():
 
 
 class FakeWorker:
-    """An attach stream driven by the test: receive plans, answer whatever it likes."""
+    """An attach stream driven by the test: receive plans, answer whatever it likes. With
+    `auto_token`, a thread answers every plan honestly with that token."""
 
-    def __init__(self, channel, hello=HELLO, address: str = "") -> None:
-        self.address = address
+    def __init__(self, channel, hello=HELLO, worker_id: str = "", auto_token: int | None = None) -> None:
+        if worker_id:
+            hello = scheduler_pb2.WorkerHello()
+            hello.CopyFrom(HELLO)
+            hello.worker_id = worker_id
         self.outbox: queue.Queue = queue.Queue()
         self.outbox.put(scheduler_pb2.WorkerMessage(hello=hello))
         self.plans = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(self.outbox.get, None))
-        if address:
-            wait_health(address, serving=True)  # attached (or another worker is): submissions find one
+        self.seen: list[str] = []  # request ids of every NewRequest received
+        if auto_token is not None:
+            threading.Thread(target=self._answer_all, args=(auto_token,), daemon=True).start()
 
     def next_plan(self) -> scheduler_pb2.StepPlan:
-        return next(self.plans).plan
+        plan = next(self.plans).plan
+        self.seen += [r.request_id for r in plan.new_requests]
+        return plan
+
+    def _answer_all(self, token: int) -> None:
+        try:
+            while True:
+                self.answer(self.next_plan(), token)
+        except grpc.RpcError:  # closed by the test
+            pass
 
     def send(self, **result) -> None:
         self.outbox.put(scheduler_pb2.WorkerMessage(result=scheduler_pb2.StepResult(**result)))
@@ -73,11 +90,20 @@ class FakeWorker:
         return info.value
 
     def close(self) -> None:
-        """Detach, and wait until the scheduler noticed (it takes one worker at a time)."""
         self.outbox.put(None)
         self.plans.cancel()
-        if self.address:
-            wait_health(self.address, serving=False)
+
+
+def wait_replicas(channel, names: set[str], timeout_s: float = 60.0) -> None:
+    """Until exactly the replicas `names` are attached (the flight record names them)."""
+    stub = scheduler_pb2_grpc.SchedulerStub(channel)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        record = stub.GetFlightRecord(scheduler_pb2.GetFlightRecordRequest(), timeout=10)
+        if set(filter(None, record.worker_id.split(","))) == names:
+            return
+        time.sleep(0.01)
+    raise AssertionError(f"replicas {names} never attached alone")
 
 
 def _submit(session: ConnectSession, rid: str, max_tokens: int = 3) -> None:
@@ -87,8 +113,17 @@ def _submit(session: ConnectSession, rid: str, max_tokens: int = 3) -> None:
     ))
 
 
-def _forged(plan: scheduler_pb2.StepPlan) -> dict[str, dict]:
-    rid = plan.new_requests[0].request_id
+def unscoped(request_id: str) -> str:
+    """The gateway's id of a request the worker knows by its stream-scoped id."""
+    return request_id.rsplit("/", 1)[-1]
+
+
+def _tokens(session: ConnectSession, rid: str) -> list[int]:
+    session.last_event(rid)
+    return [t for e in session._events[rid] for t in e.token_ids]
+
+
+def _forged(plan: scheduler_pb2.StepPlan, rid: str) -> dict[str, dict]:
     return {
         "unknown step": dict(step_id=plan.step_id + 1000, sampled_token_ids={rid: 7}),
         "id it did not schedule": dict(step_id=plan.step_id, sampled_token_ids={rid: 7, "someone-else": 7}),
@@ -100,81 +135,94 @@ def _forged(plan: scheduler_pb2.StepPlan) -> dict[str, dict]:
     }
 
 
-FORGERIES = list(_forged(scheduler_pb2.StepPlan(new_requests=[scheduler_pb2.NewRequest(request_id="x")])))
+FORGERIES = list(_forged(scheduler_pb2.StepPlan(), "x"))
+
+
+@pytest.fixture
+def two_replicas(scheduler, request):
+    """A test-driven worker ('forger') and an honest one answering 7s, both attached."""
+    _, address = scheduler
+    channel = grpc.insecure_channel(address)
+    name = request.node.name.replace(" ", "-")
+    forger = FakeWorker(channel, worker_id=f"forger-{name}")
+    honest = FakeWorker(channel, worker_id=f"honest-{name}", auto_token=7)
+    session = ConnectSession(channel)
+    try:
+        wait_replicas(channel, {f"forger-{name}", f"honest-{name}"})
+        yield forger, honest, session
+    finally:
+        forger.close()
+        honest.close()
+        session.close()
+        channel.close()
 
 
 @pytest.mark.parametrize("forgery", FORGERIES)
-def test_forged_result_drops_that_worker_only(scheduler, forgery):
-    proc, address = scheduler
-    channel = grpc.insecure_channel(address)
-    session = ConnectSession(channel)
-    worker = FakeWorker(channel, address=address)
-    try:
-        rid = f"victim-{forgery.replace(' ', '-')}"
-        _submit(session, rid)
-        plan = worker.next_plan()
-        worker.send(**_forged(plan)[forgery])
-        error = worker.closed_with()
-        assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
-        assert "result" in error.details() or "timing" in error.details(), error.details()
-        event = session.last_event(rid)
-        assert event.finish_reason == common_pb2.FINISH_REASON_ERROR and "invalid step result" in event.message
-        _honest_worker_serves(channel, address, session, f"after-{rid}")
-        assert proc.poll() is None
-    finally:
-        worker.close()
-        session.close()
-        channel.close()
+def test_forged_result_drops_that_replica_only(scheduler, two_replicas, forgery):
+    """The forger commits one honest token (9), then forges; its request moves to the honest
+    replica and ends [9, 7, 7]: the committed token kept, none twice. The other replica's
+    request never notices."""
+    proc, _ = scheduler
+    forger, honest, session = two_replicas
+    _submit(session, "a")
+    _submit(session, "b")  # least loaded: one request on each replica
+    first = forger.next_plan()
+    [scoped] = forger.seen  # the id as the worker sees it: scoped to the gateway's stream
+    victim = unscoped(scoped)
+    [bystander] = {"a", "b"} - {victim}
+    second = forger.next_plan()  # async: the placeholder decode is already planned
+    forger.answer(first, token=9)
+    forger.send(**_forged(second, scoped)[forgery])
+    error = forger.closed_with()
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "result" in error.details() or "timing" in error.details(), error.details()
+    assert _tokens(session, victim) == [9, 7, 7]
+    assert session.last_event(victim).finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert _tokens(session, bystander) == [7, 7, 7]
+    assert session.last_event(bystander).finish_reason == common_pb2.FINISH_REASON_LENGTH
+    assert victim in map(unscoped, honest.seen) and proc.poll() is None
 
 
-def test_duplicated_result_drops_the_worker(scheduler):
-    proc, address = scheduler
-    channel = grpc.insecure_channel(address)
-    session = ConnectSession(channel)
-    worker = FakeWorker(channel, address=address)
-    try:
-        _submit(session, "dup", max_tokens=5)
-        plan = worker.next_plan()
-        worker.answer(plan)
-        worker.answer(plan)  # the same step again
-        assert worker.closed_with().code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert session.last_event("dup").finish_reason == common_pb2.FINISH_REASON_ERROR
-        _honest_worker_serves(channel, address, session, "after-dup")
-    finally:
-        worker.close()
-        session.close()
-        channel.close()
+def test_duplicated_result_drops_the_replica(scheduler, two_replicas):
+    forger, honest, session = two_replicas
+    _submit(session, "a", max_tokens=5)
+    _submit(session, "b", max_tokens=5)
+    plan = forger.next_plan()
+    [victim] = map(unscoped, forger.seen)
+    forger.answer(plan, token=9)
+    forger.answer(plan, token=9)  # the same step again
+    assert forger.closed_with().code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert _tokens(session, victim) == [9, 7, 7, 7, 7]
+    [bystander] = {"a", "b"} - {victim}
+    assert _tokens(session, bystander) == [7] * 5
 
 
-def test_second_worker_is_refused_and_protocol_violations_close_the_stream(scheduler):
+def test_a_second_worker_becomes_a_replica_and_protocol_violations_close_the_stream(scheduler):
     _, address = scheduler
     channel = grpc.insecure_channel(address)
-    first = FakeWorker(channel, address=address)
+    first = FakeWorker(channel, worker_id="first", auto_token=7)
+    second = FakeWorker(channel, worker_id="second", auto_token=7)
     try:
-        second = FakeWorker(channel, address=address)
-        error = second.closed_with()
-        assert error.code() == grpc.StatusCode.ALREADY_EXISTS, error
-        first.outbox.put(scheduler_pb2.WorkerMessage(hello=HELLO))  # a second hello on the stream
-        assert first.closed_with().code() == grpc.StatusCode.INVALID_ARGUMENT
+        wait_replicas(channel, {"first", "second"})  # both attached: no refusal, no eviction
+        other = scheduler_pb2.WorkerHello()
+        other.CopyFrom(HELLO)
+        other.model_name = "another-model"
+        with pytest.raises(grpc.RpcError) as info:
+            next(FakeWorker(channel, other).plans)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "model_name" in info.value.details()
         bad = scheduler_pb2.WorkerHello()
         bad.CopyFrom(HELLO)
         bad.block_size = 0
         with pytest.raises(grpc.RpcError) as info:
             next(FakeWorker(channel, bad).plans)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "block_size" in info.value.details()
+        second.close()
+        solo = FakeWorker(channel, worker_id="solo")
+        wait_replicas(channel, {"first", "solo"})
+        solo.outbox.put(scheduler_pb2.WorkerMessage(hello=HELLO))  # a second hello on the stream
+        assert solo.closed_with().code() == grpc.StatusCode.INVALID_ARGUMENT
+        wait_replicas(channel, {"first"})
     finally:
         first.close()
+        second.close()
         channel.close()
-
-
-def _honest_worker_serves(channel, address: str, session: ConnectSession, rid: str) -> None:
-    """The scheduler still works: an honest worker attaches and a request completes."""
-    worker = FakeWorker(channel, address=address)
-    try:
-        _submit(session, rid, max_tokens=3)
-        for _ in range(3):
-            worker.answer(worker.next_plan())
-        event = session.last_event(rid)
-        assert event.finish_reason == common_pb2.FINISH_REASON_LENGTH, event
-    finally:
-        worker.close()

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.request import FinishReason, Request, RequestEvent
 from scheduler_service.scheduler import Scheduler
+from scheduler_service.step_loop import StepLoop
 from stepahead.plan import SamplingParams, StepPlan, StepResult
 
 TokenFn = Callable[[str, tuple[int, ...]], int]
@@ -161,12 +162,15 @@ class RequestSpec:
 
 
 class Driver:
-    """The daemon loop in miniature: schedule while allowed, deliver results in order."""
+    """The daemon loop in miniature: the engine's `StepLoop`, with the fake as its worker.
+    The fake executes each plan as soon as it is planned; its result is committed later, in
+    order, exactly when the window would let a daemon commit it."""
 
     def __init__(self, scheduler: Scheduler, executor: FakeExecutor) -> None:
         self.scheduler = scheduler
+        self.loop = StepLoop(scheduler)
         self.executor = executor
-        self.in_flight: deque[tuple[StepPlan, StepResult]] = deque()
+        self.results: deque[StepResult] = deque()  # executed, not yet committed, in plan order
         self.outputs: dict[str, list[int]] = {}
         self.finished: dict[str, FinishReason] = {}
         self.events: list[RequestEvent] = []
@@ -181,19 +185,17 @@ class Driver:
 
     def step(self) -> bool:
         """Schedule and send one plan if possible."""
-        if not self.scheduler.can_schedule():
-            return False
-        plan = self.scheduler.schedule()
+        plan = self.loop.plan_next()
         if plan is None:
             return False
         self.plans.append(plan)
-        self.in_flight.append((plan, self.executor.execute(plan)))
+        self.results.append(self.executor.execute(plan))
         return True
 
     def deliver(self) -> list[RequestEvent]:
-        plan, result = self.in_flight.popleft()
-        self.executor.mark_reported(plan.step_id)
-        events = self.scheduler.update_from_output(plan, result)
+        result = self.results.popleft()
+        self.executor.mark_reported(result.step_id)
+        _, events = self.loop.commit(result)
         self.num_stale += len(result.sampled_token_ids.keys() - {e.request_id for e in events})
         for event in events:
             self.record(event)
@@ -216,14 +218,14 @@ class Driver:
         """One loop turn: fill the in-flight window, then deliver the oldest result."""
         while self.step():
             pass
-        if self.in_flight:
+        if self.results:
             self.deliver()
         elif self.scheduler.has_unfinished_requests():
             raise AssertionError("stuck: requests unfinished, nothing in flight, nothing schedulable")
 
     def run_until_done(self, max_ticks: int = 10_000, check: bool = True) -> None:
         for _ in range(max_ticks):
-            if not self.scheduler.has_unfinished_requests() and not self.in_flight:
+            if not self.scheduler.has_unfinished_requests() and not self.results:
                 return
             self.tick()
             if check:

@@ -42,3 +42,34 @@ def test_round_trip_to_flags() -> None:
     c = parse(["--no-enable-prefix-caching", "--max-num-batched-tokens", "512", "--preemption-mode", "swap"])
     names = ["enable_prefix_caching", "max_num_batched_tokens", "preemption_mode"]
     assert parse(cfg.to_flags(c, names)) == c
+
+
+def test_a_list_field_takes_repeated_flags_comma_lists_and_env(monkeypatch):
+    import argparse
+
+    from gateway.server import GatewayConfig
+    from stepahead import config as cfg
+
+    def parse(*argv: str) -> GatewayConfig:
+        parser = argparse.ArgumentParser()
+        cfg.add_arguments(parser, GatewayConfig)
+        return cfg.from_args(GatewayConfig, parser.parse_args(argv))
+
+    assert parse().scheduler == ("127.0.0.1:50051",)
+    assert parse("--scheduler", "a:1", "--scheduler", "b:2,c:3").scheduler == ("a:1", "b:2", "c:3")
+    monkeypatch.setenv("STEPAHEAD_SCHEDULER", "x:1, y:2")
+    assert parse().scheduler == ("x:1", "y:2")
+    assert parse("--scheduler", "z:3").scheduler == ("z:3",)  # a flag beats the environment
+    assert cfg.to_flags(parse("--scheduler", "a:1,b:2"), ["scheduler"]) == ["--scheduler", "a:1,b:2"]
+
+
+def test_a_continuation_is_prompt_plus_streamed_with_the_rest_of_the_budget():
+    from gateway.scheduler_pool import continuation
+    from stepahead.v1 import common_pb2, scheduler_pb2
+
+    msg = scheduler_pb2.SubmitRequest(request_id="r", prompt_token_ids=[1, 2], sampling=common_pb2.SamplingParams(
+        max_tokens=10, min_tokens=3, seed=7, temperature=0.5))
+    out = continuation(msg, [5, 6, 7, 8])
+    assert list(out.prompt_token_ids) == [1, 2, 5, 6, 7, 8] and out.request_id == "r"
+    assert (out.sampling.max_tokens, out.sampling.min_tokens, out.sampling.seed) == (6, 0, 7)
+    assert list(msg.prompt_token_ids) == [1, 2] and msg.sampling.max_tokens == 10  # the original is untouched

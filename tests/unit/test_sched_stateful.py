@@ -114,7 +114,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     @rule()
     def deliver(self) -> None:
-        if self.driver.in_flight:
+        if self.driver.results:
             self.driver.deliver()
 
     @rule(data=st.data())

@@ -96,12 +96,12 @@ def test_a_request_failed_by_the_worker_ends_alone(async_scheduling):
         d.scheduler.add_request(spec.build())
     while d.step():
         pass
-    plan, result = d.in_flight.popleft()
-    d.executor.mark_reported(plan.step_id)
+    result = d.results.popleft()
+    d.executor.mark_reported(result.step_id)
     tokens = dict(result.sampled_token_ids)
     del tokens["bad"]
-    events = d.scheduler.update_from_output(plan, dataclasses.replace(result, sampled_token_ids=tokens,
-                                                                       failed={"bad": "invalid sampling row"}))
+    _, events = d.loop.commit(dataclasses.replace(result, sampled_token_ids=tokens,
+                                                  failed={"bad": "invalid sampling row"}))
     for event in events:
         d.record(event)
     [failed] = [e for e in events if e.request_id == "bad"]

@@ -1,0 +1,153 @@
+"""The gateway's links to every scheduler it was given, and failover between them.
+
+A new request goes to one scheduler: the least loaded (open requests on its link) unless
+the loads are within `balance_abs_threshold` of each other, in which case the prompt's
+first block picks one by rendezvous hashing, so requests sharing a prefix meet the same
+scheduler's prefix cache. Schedulers whose stream broke recently are skipped.
+
+When a request's scheduler stream breaks, the request is resubmitted, same id and seed,
+to another scheduler (or the same one once it is back) as prompt + the tokens already
+streamed, with the remaining `max_tokens` / `min_tokens`; events after that are the
+continuation, with `num_prompt_tokens` restored to the client's prompt. The client sees
+one continuous stream. Attempts back off exponentially, up to `failover_timeout_s`.
+
+The pool has the link's interface (`submit(msg, sink)`, `abort`, `release`): events reach
+the request's sink from the links' reader threads; a failover happens on that thread, or
+on a timer thread while every scheduler is down (a reader thread never sleeps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+from gateway.scheduler_link import LinkBroken, SchedulerLink
+from stepahead.v1 import scheduler_pb2
+
+AFFINITY_TOKENS = 32  # the prompt prefix that decides affinity
+
+
+class _Route:
+    """One request across its submissions: what the client was sent so far, and where."""
+
+    def __init__(self, pool: SchedulerPool, msg: scheduler_pb2.SubmitRequest, index: int,
+                 sink: Callable[[object], None]) -> None:
+        self.pool, self.msg, self.index, self.sink = pool, msg, index, sink
+        self.streamed: list[int] = []
+        self.offset = 0  # tokens streamed when the current submission was made (in its prompt)
+        self.deadline: float | None = None
+        self.backoff = 0.05
+
+    def on_event(self, event) -> None:
+        if isinstance(event, LinkBroken):
+            self.pool._failover(self, event)
+            return
+        if self.offset and event.num_prompt_tokens >= self.offset:
+            event.num_prompt_tokens -= self.offset
+        self.streamed += event.token_ids
+        self.sink(event)
+
+
+class SchedulerPool:
+    def __init__(self, links: Sequence[SchedulerLink], names: Sequence[str], log,
+                 failover_timeout_s: float = 60.0, balance_abs_threshold: int = 8) -> None:
+        assert links and len(links) == len(names)
+        self._links, self._names, self._log = list(links), list(names), log
+        self._down_until = [0.0] * len(links)  # monotonic: skip a link that just broke
+        self._failover_timeout_s = failover_timeout_s
+        self._balance = balance_abs_threshold
+        self._routes: dict[str, _Route] = {}  # request id -> its route
+        self._lock = threading.Lock()
+
+    def submit(self, msg: scheduler_pb2.SubmitRequest, sink: Callable[[object], None]) -> None:
+        """Like `SchedulerLink.submit`, surviving the loss of the scheduler serving it."""
+        with self._lock:
+            if msg.request_id in self._routes:
+                raise ValueError(f"request_id {msg.request_id!r} is already in flight on this gateway")
+            route = _Route(self, msg, self._choose(msg, exclude=None), sink)
+            self._routes[msg.request_id] = route
+        try:
+            self._links[route.index].submit(msg, route.on_event)
+        except ValueError:
+            with self._lock:
+                self._routes.pop(msg.request_id, None)
+            raise
+
+    def abort(self, request_id: str) -> None:
+        route = self._routes.get(request_id)
+        if route is not None:
+            self._links[route.index].abort(request_id)
+
+    def release(self, request_id: str) -> None:
+        with self._lock:
+            route = self._routes.pop(request_id, None)
+        if route is not None:
+            self._links[route.index].release(request_id)
+
+    @property
+    def num_open(self) -> int:
+        return len(self._routes)
+
+    def _failover(self, route: _Route, exc: LinkBroken) -> None:
+        """The route's scheduler stream broke: resubmit the rest elsewhere, or give up."""
+        rid = route.msg.request_id
+        self._links[route.index].release(rid)
+        if rid not in self._routes:
+            return  # released meanwhile: the client is gone
+        self._mark_down(route.index, route.backoff)
+        route.deadline = route.deadline or time.monotonic() + self._failover_timeout_s
+        if time.monotonic() >= route.deadline:
+            with self._lock:
+                self._routes.pop(rid, None)
+            route.sink(LinkBroken(f"{exc} (no scheduler took the request over for {self._failover_timeout_s:g} s)"))
+            return
+        delay = route.backoff if self._all_down() else 0.0
+        route.backoff = min(route.backoff * 2, 2.0)
+        if delay:
+            timer = threading.Timer(delay, self._resubmit, args=(route, str(exc)))
+            timer.daemon = True
+            timer.start()
+        else:
+            self._resubmit(route, str(exc))
+
+    def _resubmit(self, route: _Route, reason: str) -> None:
+        rid = route.msg.request_id
+        if rid not in self._routes:
+            return
+        route.index = self._choose(route.msg, exclude=route.index)
+        route.offset = len(route.streamed)
+        self._log.warning("request_resubmitted", request_id=rid, reason=reason,
+                          scheduler=self._names[route.index], tokens_streamed=len(route.streamed))
+        self._links[route.index].submit(continuation(route.msg, route.streamed), route.on_event)
+
+    def _choose(self, msg: scheduler_pb2.SubmitRequest, exclude: int | None) -> int:
+        now = time.monotonic()
+        candidates = [i for i in range(len(self._links)) if i != exclude and self._down_until[i] <= now]
+        if not candidates:  # every other one is down (or there is only one): try them all
+            candidates = [i for i in range(len(self._links)) if i != exclude] or [exclude]
+        loads = {i: self._links[i].num_open for i in candidates}
+        if max(loads.values()) - min(loads.values()) > self._balance:
+            return min(candidates, key=lambda i: loads[i])
+        prefix = bytes(str(list(msg.prompt_token_ids[:AFFINITY_TOKENS])), "ascii")
+        return max(candidates, key=lambda i: hashlib.blake2b(prefix + self._names[i].encode(), digest_size=8).digest())
+
+    def _mark_down(self, index: int, for_s: float) -> None:
+        self._down_until[index] = max(self._down_until[index], time.monotonic() + for_s)
+
+    def _all_down(self) -> bool:
+        now = time.monotonic()
+        return all(d > now for d in self._down_until)
+
+
+def continuation(msg: scheduler_pb2.SubmitRequest, streamed: Sequence[int]) -> scheduler_pb2.SubmitRequest:
+    """The request as a new submission that continues after `streamed`: prompt + streamed
+    tokens, the remaining max_tokens / min_tokens, the same id and seed."""
+    out = scheduler_pb2.SubmitRequest()
+    out.CopyFrom(msg)
+    out.prompt_token_ids.extend(streamed)
+    if msg.sampling.HasField("max_tokens"):
+        out.sampling.max_tokens = msg.sampling.max_tokens - len(streamed)
+    out.sampling.min_tokens = max(0, msg.sampling.min_tokens - len(streamed))
+    return out

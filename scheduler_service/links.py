@@ -1,0 +1,132 @@
+"""The scheduler's links to its peers, as domain objects (no grpc): the plan outbox and
+handle of one attached worker, one gateway's session, and what the engine refuses.
+
+The servicer owns the streams; these objects carry plans down, results and losses up (to
+the engine's inbox), and event batches to a gateway's writer.
+"""
+
+from __future__ import annotations
+
+import enum
+import queue
+import threading
+from dataclasses import dataclass
+
+from stepahead.plan import StepPlan, StepResult, WorkerInfo
+
+
+class NoWorker(RuntimeError):
+    """No worker ever attached, so the model's limits are not known yet."""
+
+
+class WorkerRefused(Exception):
+    """Why the scheduler closed (or would not open) a worker's stream."""
+
+    class Kind(enum.Enum):
+        INVALID = "invalid"  # the worker sent something the protocol does not allow
+        MISMATCH = "mismatch"  # the worker serves another model or geometry than the other replicas
+
+    def __init__(self, kind: WorkerRefused.Kind, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+class PlanOutbox:
+    """Plans from the engine thread to the thread that writes the worker's stream.
+
+    `send` returns once the stream asked for the message after the plan (i.e. the plan was
+    written), or after `handoff_timeout_s`: the engine serves clients only after the
+    device's next step is on its way, instead of racing 64 client threads for the GIL.
+    `close(error)` ends the stream; `error` (a `WorkerRefused`) is what the writer reports.
+    """
+
+    def __init__(self, handoff_timeout_s: float = 0.05) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._timeout = handoff_timeout_s
+        self.error: WorkerRefused | None = None
+
+    def send(self, plan: StepPlan) -> None:
+        written = threading.Event()
+        self._queue.put((plan, written))
+        written.wait(self._timeout)
+
+    def close(self, error: WorkerRefused | None = None) -> None:
+        if error is not None and self.error is None:
+            self.error = error
+        self._queue.put(None)
+
+    def __iter__(self):
+        while (item := self._queue.get()) is not None:
+            plan, written = item
+            yield plan
+            written.set()  # the consumer came back for the next one: this one is out
+
+
+class WorkerHandle:
+    """One attached worker's link: plans go out through `outbox.send`; `outbox.close` ends it.
+    `deliver` is the engine's inbox: results and the loss are queued there, in order."""
+
+    def __init__(self, deliver, info: WorkerInfo, outbox: PlanOutbox) -> None:
+        self._deliver, self.info, self.outbox = deliver, info, outbox
+
+    def on_result(self, result: StepResult) -> None:
+        self._deliver(WorkerResult(self, result))
+
+    def on_lost(self, reason: str, error: WorkerRefused | None = None, clean: bool = False) -> None:
+        self._deliver(WorkerLost(self, reason, error, clean))
+
+
+@dataclass(frozen=True)
+class WorkerResult:
+    handle: WorkerHandle
+    result: StepResult
+
+
+@dataclass(frozen=True)
+class WorkerLost:
+    handle: WorkerHandle
+    reason: str
+    error: WorkerRefused | None = None
+    clean: bool = False  # the worker closed its stream itself (e.g. it is shutting down)
+
+
+class RejectCode(enum.Enum):
+    INVALID = "invalid"  # the request can never be served
+    UNAVAILABLE = "unavailable"  # no worker attached yet: retry later
+    QUEUE_FULL = "queue_full"  # --max-queued-requests reached: retry later
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A submission on a gateway session that the scheduler refused."""
+
+    request_id: str
+    message: str
+    code: RejectCode = RejectCode.INVALID
+
+
+class GatewaySession:
+    """Every request one gateway submitted on its Connect stream: the engine hands over one
+    list of events per dispatch; the stream's writer merges lists that queued up meanwhile."""
+
+    def __init__(self) -> None:
+        self._batches: queue.Queue[list | None] = queue.Queue()
+
+    def put_many(self, events: list) -> None:
+        self._batches.put(list(events))
+
+    def close(self) -> None:
+        self._batches.put(None)
+
+    def __iter__(self):
+        while (batch := self._batches.get()) is not None:
+            while True:
+                try:
+                    more = self._batches.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    yield batch
+                    return
+                batch += more
+            yield batch

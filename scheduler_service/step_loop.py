@@ -1,0 +1,75 @@
+"""The in-flight window of one replica, pure and synchronous: plan ahead, commit the oldest.
+
+A `StepLoop` wraps one scheduler core. `plan_next()` plans one more step while the window
+(`max_concurrent_batches`, 1 in synchronous mode) has room; `commit(result)` commits the
+result of the oldest plan in flight. Results must come back in plan order: anything else
+(an unknown, duplicated or out-of-order step, a result that does not fit its plan) raises
+`ValueError` naming what is wrong, and nothing is committed.
+
+The daemon's engine drives one StepLoop per attached replica; the fake-executor driver and
+the in-process integration engine drive the same class, so the window has one definition.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import math
+
+from scheduler_service.request import RequestEvent
+from scheduler_service.scheduler import Scheduler
+from stepahead.plan import StepPlan, StepResult
+
+
+class StepLoop:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self._in_flight: collections.deque[StepPlan] = collections.deque()
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._in_flight)
+
+    @property
+    def oldest(self) -> StepPlan | None:
+        return self._in_flight[0] if self._in_flight else None
+
+    def is_idle(self) -> bool:
+        """Nothing in flight and nothing left to serve."""
+        return not self._in_flight and not self.scheduler.has_unfinished_requests()
+
+    def plan_next(self) -> StepPlan | None:
+        """One more plan if the window has room and there is work; None otherwise."""
+        if not self.scheduler.can_schedule():
+            return None
+        plan = self.scheduler.schedule()
+        if plan is not None:
+            self._in_flight.append(plan)
+        return plan
+
+    def plan_ahead(self) -> list[StepPlan]:
+        """Fill the window; returns the new plans in order."""
+        plans = []
+        while (plan := self.plan_next()) is not None:
+            plans.append(plan)
+        return plans
+
+    def commit(self, result: StepResult) -> tuple[StepPlan, list[RequestEvent]]:
+        """Commit `result` as the oldest plan's; raises ValueError (nothing committed) when it
+        is not that plan's result or does not fit it."""
+        if not self._in_flight:
+            raise ValueError(f"result for step {result.step_id}, but no step is in flight")
+        plan = self._in_flight[0]
+        if plan.step_id != result.step_id:
+            raise ValueError(f"result for step {result.step_id}, but step {plan.step_id} is the oldest in flight")
+        check_timing(result)
+        events = self.scheduler.update_from_output(plan, result)
+        self._in_flight.popleft()
+        return plan, events
+
+
+def check_timing(result: StepResult) -> None:
+    """Worker timings feed metrics and the flight recorder: finite, non-negative seconds."""
+    for name, value in dataclasses.asdict(result.timing).items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ValueError(f"result {result.step_id}: timing.{name} is {value!r}")

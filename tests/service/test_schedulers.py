@@ -1,0 +1,80 @@
+"""One gateway, two schedulers (one torch worker each): requests spread over both; a
+scheduler killed with SIGKILL mid-stream loses nothing: the gateway resubmits its requests
+to the other one as prompt + the tokens already streamed, and the client's stream goes on,
+token for token Hugging Face's, none twice. The killed scheduler restarts on its port, its
+worker re-attaches by itself, and the gateway sends it requests again."""
+
+from __future__ import annotations
+
+import signal
+import threading
+
+import grpc
+import pytest
+
+from stepahead.serve import free_port
+from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from tests.fixtures_models import tiny_model_dir  # noqa: F401
+from tests.service.hf_oracle import HFGreedy
+from tests.service.streams import wait_health
+from tests.service.test_replicas import Stream, check_streams, spawn
+
+
+@pytest.fixture(scope="module")
+def hf(tiny_model_dir):  # noqa: F811
+    return HFGreedy(tiny_model_dir)
+
+
+def start_scheduler(port: int):
+    return spawn("scheduler", "--port", str(port))
+
+
+def stats(address: str) -> scheduler_pb2.SchedulerStats:
+    with grpc.insecure_channel(address) as ch:
+        return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
+
+
+@pytest.mark.slow  # torch workers; the sim chaos test covers scheduler loss in the default run
+def test_a_killed_scheduler_s_requests_continue_on_another(tiny_model_dir, hf):  # noqa: F811
+    ports = [free_port(), free_port()]
+    addresses = [f"127.0.0.1:{p}" for p in ports]
+    gw_port = free_port()
+    procs = {f"scheduler{i}": start_scheduler(p) for i, p in enumerate(ports)}
+    for i, a in enumerate(addresses):
+        procs[f"worker{i}"] = spawn("worker", "--scheduler", a, "--model", str(tiny_model_dir), "--num-threads", "1")
+    procs["gateway"] = spawn("gateway", "--scheduler", addresses[0], "--scheduler", addresses[1],
+                             "--port", str(gw_port), "--model", str(tiny_model_dir))
+    channel = grpc.insecure_channel(f"127.0.0.1:{gw_port}")
+    try:
+        for a in [*addresses, f"127.0.0.1:{gw_port}"]:
+            wait_health(a, serving=True)
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        streams = [Stream(stub, [5 + i, 17, 300 + i, 41], 200) for i in range(6)]
+        threads = [threading.Thread(target=s.read) for s in streams]
+        for t in threads:
+            t.start()
+        for s in streams:
+            assert s.started.wait(120)
+        running = [stats(a).num_running for a in addresses]
+        assert all(running), f"requests not spread over both schedulers: {running}"
+        victim = 0
+        procs[f"scheduler{victim}"].send_signal(signal.SIGKILL)
+        procs[f"scheduler{victim}"].wait(timeout=30)
+        for t in threads:
+            t.join(timeout=300)
+        check_streams(hf, streams)  # every stream whole and = HF: the killed one's requests resumed
+
+        procs[f"scheduler{victim}"] = start_scheduler(ports[victim])  # back on its port
+        wait_health(addresses[victim], serving=True)  # its worker re-attached by itself
+        again = [Stream(stub, [9 + i, 8, 7], 8) for i in range(8)]
+        for s in again:
+            s.read()
+        check_streams(hf, again)
+        assert stats(addresses[victim]).num_finished > 0, "the gateway never came back to the restarted scheduler"
+    finally:
+        channel.close()
+        for p in procs.values():
+            if p.poll() is None:
+                p.terminate()
+        for p in procs.values():
+            p.wait(timeout=30)

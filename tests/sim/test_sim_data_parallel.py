@@ -1,0 +1,40 @@
+"""`stepahead serve --data-parallel-size 2` with sim workers: two replicas attach, requests
+spread over both (per-replica metrics lanes), and every output is the sim reference."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from stepahead.plan import SamplingParams
+from stepahead.v1 import scheduler_pb2
+from tests.service.harness import Serve
+from tests.sim.test_sim_e2e import to_proto
+from worker_service.sim.profiles import load_profile
+from worker_service.sim.runner import SimRunner
+from worker_service.sim.tokens import reference_output
+
+
+def wait_replicas(stub, n: int, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while len(stub.GetFlightRecord(scheduler_pb2.GetFlightRecordRequest(), timeout=10).worker_id.split(",")) < n:
+        assert time.monotonic() < deadline, f"{n} replicas never attached"
+        time.sleep(0.05)
+
+
+def test_serve_starts_n_replicas_and_spreads_requests(sim_model_dir, fast_profile):
+    runner = SimRunner(sim_model_dir, load_profile("h200"), num_blocks=64, eos_probability=0.05)
+    work = [([7 + i, 8, 9, 10 + i], SamplingParams(temperature=1.0, max_tokens=24, seed=i)) for i in range(16)]
+    flags = ["--device", "sim", "--sim-profile", str(fast_profile), "--sim-eos-probability", "0.05",
+             "--data-parallel-size", "2", "--routing-policy", "round_robin"]
+    with Serve(sim_model_dir, *flags) as serve:
+        wait_replicas(serve.scheduler, 2)  # serve is ready once the first one attached
+        with ThreadPoolExecutor(len(work)) as pool:
+            outputs = list(pool.map(lambda w: [t for m in serve.gateway.Generate(to_proto(*w), timeout=120)
+                                               for t in m.token_ids], work))
+        for (prompt, s), got in zip(work, outputs):
+            assert got == reference_output(runner.rule, prompt, s, runner.max_model_len)
+        record = serve.scheduler.GetFlightRecord(scheduler_pb2.GetFlightRecordRequest(), timeout=10)
+        replicas = record.worker_id.split(",")
+        assert len(replicas) == 2, record.worker_id
+        assert {s.replica for s in record.steps} == set(replicas), "both replicas ran steps"
