@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -98,7 +98,7 @@ def main() -> None:
     procs = [spawn("scheduler", "--port", str(sched_port), "--routing-policy", "least_loaded")]
     workers = [spawn("worker", "--scheduler", sched, "--model", model, *shlex.split(args.worker_args))
                for _ in range(args.workers)]
-    procs.append(spawn("gateway", "--scheduler", sched, "--port", str(gw_port), "--model", model))
+    procs.append(spawn("gateway", "--scheduler", sched, "--port", str(gw_port), "--http-port", "0", "--model", model))
     migrated, others = [], []
     try:
         wait_serving(sched)

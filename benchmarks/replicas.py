@@ -26,7 +26,7 @@ from pathlib import Path
 import grpc
 
 from stepahead import bench as bench_mod
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 MODEL = "llama3-8b-sim"
@@ -69,7 +69,8 @@ def measure(n: int, args, model_dir: str) -> dict:
     workers = [spawn("worker", "--scheduler", sched, "--model", model_dir, "--device", "sim",
                      "--sim-profile", "h200") for _ in range(n)]
     gw_ports = [free_port() for _ in range(args.gateways)]
-    gateways = [spawn("gateway", "--scheduler", sched, "--port", str(p), "--model", model_dir) for p in gw_ports]
+    gateways = [spawn("gateway", "--scheduler", sched, "--port", str(p), "--http-port", "0", "--model", model_dir)
+                for p in gw_ports]
     try:
         wait_serving(sched)
         for p in gw_ports:

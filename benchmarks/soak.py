@@ -107,12 +107,12 @@ class Client(threading.Thread):
 
 
 def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_every_s: float,
-         workdir: Path, seed: int = 0) -> dict:
+         workdir: Path, seed: int = 0, model_dir: Path | None = None) -> dict:
     from worker_service.sim.profiles import load_profile
     from worker_service.sim.runner import SimRunner
     from worker_service.sim.tokens import reference_output
 
-    model = resolve_model("llama3-8b-sim")
+    model = model_dir or resolve_model("llama3-8b-sim")
     runner = SimRunner(model, load_profile("h200"), seed=SEED, eos_probability=EOS_P, num_blocks=64)
     cluster = LocalCluster(model, fast_profile(workdir), workers=workers, gateways=gateways,
                            worker_flags=["--sim-eos-probability", str(EOS_P), "--seed", str(SEED)])

@@ -19,7 +19,7 @@ import pytest
 import yaml
 
 from stepahead.cli import COMMANDS
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc
 from tests.service.streams import greedy
 
@@ -48,6 +48,8 @@ def local_command(argv: list[str], ports: dict[str, int], models: Path, own_port
         out.append(arg)
     if own_port is not None:
         out[out.index("--port") + 1] = str(own_port)
+    if "--http-port" in out:
+        out[out.index("--http-port") + 1] = str(free_port())
     if out[0] == "stepahead":
         out = [sys.executable, "-m", "stepahead.cli", *out[1:]]
     return out
@@ -145,8 +147,9 @@ def test_kubernetes_manifests_validate_against_the_schemas():
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)
         if doc["kind"] == "Deployment":
-            [container] = doc["spec"]["template"]["spec"]["containers"]
-            parse_cli(container["args"])
+            pod = doc["spec"]["template"]["spec"]
+            for container in [*pod.get("initContainers", []), *pod["containers"]]:
+                parse_cli(container["args"])
     for doc in docs:
         if doc["kind"] == "Deployment":
             env = doc["spec"]["template"]["spec"]["containers"][0]["env"]

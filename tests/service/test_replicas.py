@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.model.oracle import assert_matches_hf
@@ -46,7 +46,7 @@ class Cluster:
         for i in range(num_gateways):
             gw_port = free_port()
             self.procs[f"gateway{i}"] = spawn("gateway", "--scheduler", self.sched, "--port", str(gw_port),
-                                              "--model", str(model_dir))
+                                              "--http-port", "0", "--model", str(model_dir))
             self.gateways.append(f"127.0.0.1:{gw_port}")
         self.channels = [grpc.insecure_channel(a) for a in [self.sched, *self.gateways]]
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self.channels[0])

@@ -12,7 +12,7 @@ import threading
 import grpc
 import pytest
 
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.hf_oracle import HFGreedy
@@ -43,7 +43,7 @@ def test_a_killed_scheduler_s_requests_continue_on_another(tiny_model_dir, hf): 
     for i, a in enumerate(addresses):
         procs[f"worker{i}"] = spawn("worker", "--scheduler", a, "--model", str(tiny_model_dir), "--num-threads", "1")
     procs["gateway"] = spawn("gateway", "--scheduler", addresses[0], "--scheduler", addresses[1],
-                             "--port", str(gw_port), "--model", str(tiny_model_dir))
+                             "--port", str(gw_port), "--http-port", "0", "--model", str(tiny_model_dir))
     channel = grpc.insecure_channel(f"127.0.0.1:{gw_port}")
     try:
         for a in [*addresses, f"127.0.0.1:{gw_port}"]:

@@ -22,7 +22,7 @@ import grpc
 import pytest
 
 from stepahead.plan import SamplingParams
-from stepahead.serve import free_port
+from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.service.streams import wait_health
 
@@ -46,7 +46,7 @@ class SimCluster:
         self.gateway_ports = [free_port() for _ in range(NUM_GATEWAYS)]
         flags = [f for a in self.addresses for f in ("--scheduler", a)]
         for port in self.gateway_ports:
-            self._start(["gateway", *flags, "--port", str(port), "--model", self.model_dir])
+            self._start(["gateway", *flags, "--port", str(port), "--http-port", "0", "--model", self.model_dir])
 
     def scheduler_args(self, i: int) -> list[str]:
         return ["scheduler", "--port", str(self.ports[i]), "--worker-wait-timeout", "120"]
