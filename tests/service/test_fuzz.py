@@ -14,8 +14,7 @@ from hypothesis import strategies as st
 
 from stepahead.v1 import common_pb2, generation_pb2, scheduler_pb2
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
-from tests.service.harness import Serve
-from tests.service.hf_oracle import HFGreedy
+from tests.service.shared_fixtures import hf, serve  # noqa: F401
 from tests.service.streams import LongStream, wait_health
 
 FIELDS = ("request", "model", "request_id", "prompt", "prompt.text", "prompt.token_ids", "stop", "priority") + tuple(
@@ -61,17 +60,6 @@ def generate_requests(draw) -> generation_pb2.GenerateRequest:
     if draw(st.booleans()):
         msg.skip_special_tokens = draw(st.booleans())
     return msg
-
-
-@pytest.fixture(scope="module")
-def serve(tiny_model_dir):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-num-seqs", "64") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):  # noqa: F811
-    return HFGreedy(tiny_model_dir)
 
 
 def check_one(stub, request: generation_pb2.GenerateRequest) -> None:

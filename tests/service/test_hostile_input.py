@@ -15,19 +15,8 @@ import pytest
 from stepahead.v1 import common_pb2, generation_pb2, scheduler_pb2
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
-from tests.service.hf_oracle import HFGreedy
+from tests.service.shared_fixtures import hf, serve  # noqa: F401
 from tests.service.streams import ConnectSession, LongStream
-
-
-@pytest.fixture(scope="module")
-def serve(tiny_model_dir):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-num-seqs", "64") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):  # noqa: F811
-    return HFGreedy(tiny_model_dir)
 
 
 # Sampled requests whose float64 values vanish or degrade in float32; each must run normally.
