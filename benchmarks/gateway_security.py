@@ -78,7 +78,7 @@ def grpc_load(address: str, key: str | None, tls, streams: int, max_tokens: int)
 
 
 def http_load(url: str, key: str | None, ca: str | None, streams: int, max_tokens: int) -> int:
-    import httpx
+    import httpx2 as httpx  # the HTTP client the openai package ships with
 
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     body = {"model": "llama3-8b-sim", "prompt": [5, 6, 7, 8], "max_tokens": max_tokens, "temperature": 0,
