@@ -202,16 +202,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def worker_attached(channels) -> Callable[[], bool]:
-    """/health: some scheduler has a worker attached."""
-    stubs = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in channels]
+    """/health: some scheduler serves, i.e. has a worker attached (its gRPC health says so;
+    GetModel keeps answering while requests wait for a worker to come back)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    stubs = [health_pb2_grpc.HealthStub(ch) for ch in channels]
 
     def ask() -> bool:
         for stub in stubs:
             try:
-                stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=2)
-                return True
+                reply = stub.Check(health_pb2.HealthCheckRequest(), timeout=2)
             except grpc.RpcError:
                 continue
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return True
         return False
 
     return ask

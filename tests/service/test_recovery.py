@@ -47,7 +47,7 @@ def daemons(tiny_model_dir):  # noqa: F811
     procs = {"scheduler": spawn("scheduler", "--port", str(sched_port))}
     procs["worker"] = spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
     procs["gateway"] = spawn("gateway", "--scheduler", sched, "--port", str(gw_port), "--http-port", str(http_port),
-                             "--model", str(tiny_model_dir))
+                             "--model", str(tiny_model_dir), "--drain-timeout", "5")
     procs["http"] = f"http://127.0.0.1:{http_port}"
     try:
         wait_serving(sched)
