@@ -83,6 +83,8 @@ class Client(threading.Thread):
                 self._count("aborted_by_client")
             elif exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self._count("cut_by_gateway_kill")
+            elif exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                self._count("client_deadline_exceeded")  # the client gave up (saturation), reported apart
             else:
                 self._fail(f"{exc.code().name}: {exc.details()}")
             return
@@ -139,8 +141,9 @@ def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_ever
         cluster.close()
     return {
         "duration_s": duration_s, "streams": streams, "workers": workers, "gateways": gateways,
-        "kills": kills, **{k: tally[k] for k in ("completed", "aborted_by_client", "cut_by_gateway_kill", "lost",
-                                                 "tokens_wrong_or_duplicated", "tokens_streamed")},
+        "kills": kills, **{k: tally[k] for k in ("completed", "aborted_by_client", "cut_by_gateway_kill",
+                                                 "client_deadline_exceeded", "lost", "tokens_wrong_or_duplicated",
+                                                 "tokens_streamed")},
         "blocks_leaked": leaks, "orphans": cluster.orphans(), "failures": failures[:10],
         "usage_start": usage_start, "usage_end": usage_end,
     }
