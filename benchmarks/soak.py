@@ -9,7 +9,7 @@ sometimes slowly (a slow consumer), sometimes aborting it midway (a client that 
 Every `--kill-every` seconds a worker or a gateway is SIGKILLed and started again.
 
 Reported: requests completed, cut by a gateway kill (the client's own connection died),
-aborted by the client, lost (a client that stayed but did not get its whole output: must be
+aborted by the client, past the client's own 120 s deadline (the system saturated), lost (a client that stayed but did not get its whole output: must be
 0), tokens duplicated or wrong against the sim reference (0), blocks leaked at the end (0),
 and RSS / threads / open fds of each daemon at the start and at the end.
 """
