@@ -19,9 +19,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+from prometheus_client import REGISTRY, start_http_server
+
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
+from worker_service.metrics import WorkerMetrics
 from worker_service.attention_names import AttentionBackendName
 from stepahead.security import SchedulerClientConfig
 
@@ -55,6 +58,7 @@ class WorkerConfig(SchedulerClientConfig):
         None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
     )
     reconnect_max_backoff_s: float = cfg.field(5.0, "longest wait between attach attempts")
+    metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     log_level: str = cfg.field("info", "log level")
 
 
@@ -129,8 +133,10 @@ class _Pipeline:
 
     FATAL_GRACE_S = 30.0  # generous: under load a scheduler may take seconds to read the reason
 
-    def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None) -> None:
+    def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None,
+                 metrics: WorkerMetrics | None = None) -> None:
         self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
+        self.metrics = metrics or WorkerMetrics()
         self.plans: queue.Queue = queue.Queue()
         self.launched: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -172,7 +178,9 @@ class _Pipeline:
         try:
             while (item := self.plans.get()) is not None and not self._failed.is_set():
                 plan_msg, received = item
-                self.launched.put(self.runner.launch(codec.plan_from_proto(plan_msg), received))
+                plan = codec.plan_from_proto(plan_msg)
+                self.metrics.on_plan(plan)
+                self.launched.put(self.runner.launch(plan, received))
         except Exception as exc:  # reported to the scheduler; the session ends
             self._fail(exc, "launch")
         finally:
@@ -190,6 +198,7 @@ class _Pipeline:
                     self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
                 result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
                 self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
+                self.metrics.on_result(result)
         except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
             self._fail(exc, "wait")
             while self.launched.get() is not None:  # let the execution thread finish
@@ -234,7 +243,8 @@ class _StopWatch:
                 self._detach(call, outbox)
 
 
-def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log) -> None:
+def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
+                metrics: WorkerMetrics | None = None) -> None:
     """One attach session: hello, then execute plans until the stream ends."""
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
@@ -243,7 +253,7 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log) -> No
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
     watch.track(responses, outbox)
     log.info("attached", worker_id=info.worker_id)
-    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel)
+    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel, metrics=metrics)
     try:
         for msg in responses:
             pipeline.submit(msg.plan, time.time())
@@ -265,6 +275,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
     runner, model_dir = build_runner(config)
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
+    metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
     watch = _StopWatch(stop)
     backoff, failures = 0.05, 0
     while not stop.is_set():
@@ -272,7 +283,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
                 backoff = 0.05
-                attach_once(channel, runner, info, watch, log)
+                attach_once(channel, runner, info, watch, log, metrics)
                 failures = 0
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
                 failures += 1
@@ -295,5 +306,7 @@ def run(args: argparse.Namespace) -> int:
     log = logs.configure("worker", config.log_level)
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
+    if config.metrics_port is not None:
+        start_http_server(config.metrics_port, registry=REGISTRY)
     serve(config, stop, log)
     return 0

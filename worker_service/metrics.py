@@ -1,0 +1,46 @@
+"""Prometheus metrics of a worker (`--metrics-port`), named `stepahead:worker_*`.
+
+Fed by the worker's pipeline: one observation per step when its result leaves (step and
+forward time from the step's `WorkerTiming`, requests sampled and failed), block copies per
+plan when it is launched. Counters live for the daemon's life, across re-attaches.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+from stepahead.plan import StepPlan, StepResult
+
+_STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
+P = "stepahead:worker_"
+
+
+class WorkerMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = registry if registry is not None else CollectorRegistry()
+        self.registry = r
+        self.step = Histogram(P + "step_seconds", "plan received to result sent", registry=r, buckets=_STEP_BUCKETS)
+        self.forward = Histogram(P + "forward_seconds", "forward launched to sampled ids on the host", registry=r,
+                                 buckets=_STEP_BUCKETS)
+        self.steps = Counter(P + "steps", "steps executed", registry=r)
+        self.sampled = Counter(P + "sampled_tokens", "tokens sampled", registry=r)
+        self.failed = Counter(P + "failed_requests", "requests that failed alone on this worker", registry=r)
+        self.swapped = Counter(P + "swapped_blocks", "KV blocks copied between device and host",
+                               ["direction"], registry=r)
+
+    def on_plan(self, plan: StepPlan) -> None:
+        if plan.swap_out:
+            self.swapped.labels("out").inc(len(plan.swap_out))
+        if plan.swap_in:
+            self.swapped.labels("in").inc(len(plan.swap_in))
+
+    def on_result(self, result: StepResult) -> None:
+        t = result.timing
+        self.steps.inc()
+        self.sampled.inc(len(result.sampled_token_ids))
+        if result.failed:
+            self.failed.inc(len(result.failed))
+        if t.result_sent and t.plan_received:
+            self.step.observe(max(0.0, t.result_sent - t.plan_received))
+        if t.forward_end and t.forward_start:
+            self.forward.observe(max(0.0, t.forward_end - t.forward_start))
