@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -53,8 +54,10 @@ def test_serve_restarts_a_daemon_that_dies(tiny_model_dir):  # noqa: F811
     reconnects, and the system serves again (instead of the whole system stopping)."""
     with Serve(tiny_model_dir) as serve:
         scheduler_pid = serve.child_pids()[0]
+        pidfd = os.pidfd_open(scheduler_pid)
         os.kill(scheduler_pid, signal.SIGKILL)
-        wait_health(serve.scheduler_addr, serving=False)
+        assert select.select([pidfd], [], [], 30)[0], "the scheduler did not die"  # readable once it exited
+        os.close(pidfd)
         wait_health(serve.scheduler_addr, serving=True)  # restarted, and a worker attached again
         request = greedy([5, 6, 7], 4)
         for attempt in range(50):  # the gateway's stream to the old scheduler may break once
