@@ -229,12 +229,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             session.put_many([Rejected(msg.request_id, str(exc), RejectCode.UNAVAILABLE)])
 
     def GetStats(self, request, context):
-        stats = self.engine.stats()
+        stats, per_replica = self.engine.stats()
         if stats is None:
             fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
             totals = {k: v for k, v in self.engine.carried_counts.items() if k in fields}
             return scheduler_pb2.SchedulerStats(worker_attached=False, **totals)
-        return stats_to_proto(stats)
+        msg = stats_to_proto(stats)
+        msg.replicas.extend(scheduler_pb2.ReplicaStats(worker_id=name, stats=stats_to_proto(s))
+                            for name, s in per_replica.items())
+        return msg
 
     def GetModel(self, request, context):
         info = self.engine.worker
