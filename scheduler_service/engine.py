@@ -296,6 +296,7 @@ class Engine:
             self._model = info
             self._router = Router(self.options.routing, info.block_size)
         self._replicas[handle] = Replica(handle, scheduler, self.options.recorder_steps)
+        handle.outbox.accept()
         self._log.info("worker_attached", replicas=len(self._replicas), **dataclasses.asdict(info))
         self.metrics.on_replica_attached(len(self._replicas))
         parked, self._parked = self._parked, {}

@@ -261,7 +261,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             limits.check_worker_info(info)
         except limits.LimitError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
-        outbox = PlanOutbox()
+        outbox = PlanOutbox(on_accept=lambda: context.send_initial_metadata((daemon.ATTACH_ACCEPTED,)))
         context.add_callback(outbox.close)  # call over: end the writer
         handle = self.engine.attach_worker(info, outbox)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
