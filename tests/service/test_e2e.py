@@ -1,4 +1,5 @@
-"""Real daemons end to end: gateway → scheduler → worker on 127.0.0.1, against HF."""
+"""Real daemons end to end: gateway → scheduler → worker on 127.0.0.1, against HF. `serve`,
+`hf` and `metrics_port` are the session's (tests/service/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,26 +13,8 @@ import pytest
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.service.harness import Serve
-from tests.model.oracle import assert_matches_hf
 from tests.service.hf_oracle import HFGreedy
-
-
-@pytest.fixture(scope="module")
-def metrics_port() -> int:
-    from stepahead.cli.serve import free_port
-
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def serve(tiny_model_dir, metrics_port):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-num-seqs", "64", "--metrics-port", str(metrics_port)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):  # noqa: F811
-    return HFGreedy(tiny_model_dir)
+from tests.model.oracle import assert_matches_hf
 
 
 def greedy_request(ids, max_tokens: int, **kw) -> generation_pb2.GenerateRequest:

@@ -30,11 +30,6 @@ def client(serve) -> openai.OpenAI:
         yield c
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):  # noqa: F811
-    return HFGreedy(tiny_model_dir)
-
-
 def hf_text(hf: HFGreedy, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
     """(HF's greedy text, the part of it before the first near-tie): ours must start with
     the second and equal the first when there is no tie."""
