@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
@@ -82,7 +83,7 @@ class ModelRunner:
                  num_host_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 pad_decode_batches: bool | None = None):
+                 pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -102,6 +103,7 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
         self.logprobs = LogprobsTracker(self.device)
+        self.max_logprobs = min(max_logprobs, self.vocab_size)  # --max-logprobs
         self.streams = DeviceStreams(self.device)
         self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
         self.requests: dict[str, CachedRequest] = {}
@@ -150,7 +152,7 @@ class ModelRunner:
         prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
-        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, self.max_logprobs)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         with self.streams.on_compute_stream():
