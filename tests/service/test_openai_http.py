@@ -423,6 +423,17 @@ def test_grpc_logprobs_and_prompt_logprobs_match_http(serve, client, tiny_tokeni
                                      extra_body=IGNORE_EOS).choices[0].logprobs
     ours = [e.logprob for e in prompt] + [e.logprob for e in logprobs]
     assert ours == pytest.approx(http.token_logprobs[1:], abs=1e-6)
+    import subprocess
+    import sys
+
+    cli = subprocess.run(
+        [sys.executable, "-m", "stepahead.cli", "generate", "--target", serve.gateway_addr, "--temperature", "0",
+         "--max-tokens", "6", "--ignore-eos", "--logprobs", "2", "while True:"], capture_output=True, text=True,
+        timeout=120)
+    assert cli.returncode == 0, cli.stderr
+    lines = [line.split() for line in cli.stderr.splitlines() if line.startswith("output ")]
+    assert [int(f[2]) for f in lines] == token_ids and all(len(f) == 6 for f in lines)
+    assert [float(f[3]) for f in lines] == pytest.approx([e.logprob for e in logprobs], abs=1e-3)
     bad = common_pb2.SamplingParams(max_tokens=2, logprobs=21)
     with pytest.raises(grpc.RpcError) as info:
         list(serve.gateway.Generate(generation_pb2.GenerateRequest(text="x", sampling=bad), timeout=30))
