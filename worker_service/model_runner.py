@@ -239,11 +239,13 @@ class ModelRunner:
             self.streams.output_waits_for_compute()  # W3
             with self.streams.on_output_stream():
                 host.copy_(sampled, non_blocking=True)
-                lp and lp.to_host(pinned=True)
+                if lp is not None:
+                    lp.to_host(pinned=True)
             done = self.streams.record("output")
         else:
             host.copy_(sampled)
-            lp and lp.to_host(pinned=False)
+            if lp is not None:
+                lp.to_host(pinned=False)
             done = StepEvent()
         pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), logprobs=lp)
         self._pending[slot] = pending

@@ -80,3 +80,16 @@ def test_a_request_asking_prompt_logprobs_never_takes_a_prefix_hit():
     d.scheduler.add_request(Request("c", prompt, greedy(2)))  # without: the cache serves it again
     assert d.step()
     assert d.plans[-1].new_requests[0].num_computed_tokens == 8
+
+
+def test_a_worker_without_logprobs_refuses_rows_asking_for_them_alone():
+    from stepahead.plan import NewRequest, StepPlan
+    from worker_service.plan_checks import split_bad_sampling_rows
+
+    rows = [NewRequest(rid, (1, 2), s, (0,), 0, 2) for rid, s in
+            (("asks", ASKS), ("plain", SamplingParams(max_tokens=4)), ("big", SamplingParams(max_tokens=4, logprobs=5)))]
+    plan, failed = split_bad_sampling_rows(StepPlan(0, new_requests=tuple(rows)), 100, set(), max_logprobs=None)
+    assert [r.request_id for r in plan.new_requests] == ["plain"]
+    assert "does not compute logprobs" in failed["asks"] and "big" in failed
+    plan, failed = split_bad_sampling_rows(StepPlan(0, new_requests=tuple(rows)), 100, set(), max_logprobs=4)
+    assert [r.request_id for r in plan.new_requests] == ["asks", "plain"] and "[0, 4]" in failed["big"]
