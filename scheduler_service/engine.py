@@ -76,7 +76,7 @@ class _Stop:
 
 
 # Geometry every replica of one scheduler must share (requests move between them).
-_SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_size", "eos_token_ids")
+_SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs")
 
 
 class Engine:

@@ -21,6 +21,7 @@ from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
+from scheduler_service.logprob_events import logprobs_of, take_prompt_logprobs
 from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.request import (
     FINISHED_STATUS,
@@ -331,7 +332,7 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result for step {result.step_id} given with plan {plan.step_id}")
         record = self._in_flight[0]
-        record.check_result(result, self.config.vocab_size)
+        record.check_result(result, self.config.vocab_size, self.config.max_logprobs)
         self._in_flight.popleft()
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
@@ -348,6 +349,7 @@ class Scheduler:
                 events.append(self._event(req, (), FinishReason.ERROR, f"worker: {failed[req.request_id]}"))
                 continue
             req.num_computed_tokens += num_tokens
+            prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
             if samples:
                 req.num_output_placeholders -= 1
                 req.commit_token(tokens[req.request_id])
@@ -360,8 +362,11 @@ class Scheduler:
                     self._finish(req, reason)
                 events.append(
                     RequestEvent(req.request_id, (token,), reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                 queue_time=req.queue_time if req.num_output_tokens == 1 else None)
+                                 queue_time=req.queue_time if req.num_output_tokens == 1 else None,
+                                 logprobs=logprobs_of(result, req.request_id), prompt_logprobs=prompt_lp)
                 )
+            elif prompt_lp is not None:
+                events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
         return events
 
     @staticmethod

@@ -115,6 +115,7 @@ class SchedulerDaemonConfig:
             max_concurrent_batches=self.max_concurrent_batches,
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
+            max_logprobs=info.max_logprobs,
             max_queued_requests=self.max_queued_requests,
             score_priority_weight=self.score_priority_weight,
             score_wait_weight=self.score_wait_weight,
@@ -147,14 +148,19 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo, scope
 
 
 def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.TokenEvent:
-    return scheduler_pb2.TokenEvent(
+    msg = scheduler_pb2.TokenEvent(
         request_id=event.request_id[scope_len:],
         token_ids=event.new_token_ids,
         finish_reason=codec.finish_reason_to_proto(event.finish_reason),
         num_prompt_tokens=event.num_prompt_tokens,
         num_cached_tokens=event.num_cached_tokens,
         message=event.message,
+        logprobs=[codec.logprobs_to_proto(lp) for lp in event.logprobs],
     )
+    if event.prompt_logprobs is not None:
+        msg.prompt_logprobs_start = event.prompt_logprobs.start
+        msg.prompt_logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.prompt_logprobs.entries)
+    return msg
 
 
 REJECT_CODES = {

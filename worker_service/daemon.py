@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY, start_http_server
 
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import WorkerInfo
 from worker_service.metrics import WorkerMetrics
 from worker_service.attention_names import AttentionBackendName
@@ -55,6 +56,9 @@ class WorkerConfig(SchedulerClientConfig):
         AttentionBackendName.TORCH, "paged attention: torch (reference) or paged (device-side decode "
         "metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
+    max_logprobs: int = cfg.field(
+        MAX_LOGPROBS, "largest logprobs / prompt_logprobs k a request may ask for (announced to the scheduler "
+        "and gateways, which refuse larger ones)")
     num_threads: int | None = cfg.field(
         None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
     )
@@ -100,6 +104,7 @@ def build_runner(config: WorkerConfig):
         seed=config.seed,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        max_logprobs=config.max_logprobs,
         attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
                                        config.block_size),
     )
@@ -119,6 +124,7 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
         max_model_len=runner.max_model_len,
         vocab_size=runner.vocab_size,
         eos_token_ids=tuple(runner.eos_token_ids),
+        max_logprobs=getattr(runner, "max_logprobs", 0),
     )
 
 

@@ -35,7 +35,7 @@ _GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
-    "attention_backend",
+    "attention_backend", "max_logprobs",
     "sim_profile", "sim_num_devices", "sim_eos_probability",
 )
 # flags the scheduler declares; the worker sizes its step buffers with the same values
