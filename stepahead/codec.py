@@ -190,6 +190,9 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         max_model_len=info.max_model_len,
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
+        group_id=info.group_id,
+        tensor_parallel_rank=info.tp_rank,
+        tensor_parallel_size=info.tp_size,
     )
 
 
@@ -206,4 +209,7 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size,
         eos_token_ids=tuple(msg.eos_token_ids),
+        group_id=msg.group_id,
+        tp_rank=msg.tensor_parallel_rank,
+        tp_size=max(msg.tensor_parallel_size, 1),
     )

@@ -166,3 +166,6 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    group_id: str = ""  # the tensor-parallel group this worker is a rank of ("" = a replica alone)
+    tp_rank: int = 0  # rank in the group; rank 0 alone reports results
+    tp_size: int = 1  # the group's size k

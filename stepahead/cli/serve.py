@@ -1,7 +1,8 @@
 """`stepahead serve`: scheduler, worker(s) and gateway as OS processes, one command.
 
-Starts the scheduler, then `--data-parallel-size` workers that attach to it (one replica
-each), then the gateway; waits until
+Starts the scheduler, then `--data-parallel-size` × `--tensor-parallel-size` workers that
+attach to it (one replica per data-parallel rank; with k > 1 the scheduler groups each k
+workers into one tensor-parallel replica), then the gateway; waits until
 the scheduler (worker attached) and the gateway report SERVING on gRPC health; prints
 the endpoint. The internal plane stays on loopback and carries a cluster token made for
 this run (or STEPAHEAD_CLUSTER_TOKEN), handed to the children in their environment.
@@ -35,7 +36,7 @@ _GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
-    "attention_backend",
+    "attention_backend", "tensor_parallel_size", "distributed_backend", "distributed_timeout",
     "sim_profile", "sim_num_devices", "sim_eos_probability",
 )
 # flags the scheduler declares; the worker sizes its step buffers with the same values
@@ -205,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
         # The CPU is the device here: leave a core to the scheduler and the gateway so that
         # planning and streaming overlap with the forward pass instead of preempting it.
         # Each replica gets its share.
-        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size, 1))
+        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1))
         worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
     if config.data_parallel_size < 1:
         raise SystemExit(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
@@ -224,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
         *(Child(f"worker{i}" if i else "worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
                                                    *cfg.to_flags(worker_cfg, _WORKER_FIELDS + _SHARED_FIELDS)],
                 worker_cpus, token)
-          for i in range(config.data_parallel_size)),
+          for i in range(config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1))),
         Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                           "--http-port", str(config.http_port), "--model", model_dir,
                           *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],

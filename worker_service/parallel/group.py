@@ -34,7 +34,7 @@ def default_backend(device: str) -> str:
 def free_port(host: str) -> int:
     """A port this host can listen on now (rank 0's rendezvous port, offered when joining)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host if host not in ("", "localhost") else "127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
