@@ -331,5 +331,11 @@ def run(args: argparse.Namespace) -> int:
     stop = daemon.install_stop_handlers()
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, registry=REGISTRY)
-    serve(config, stop, log)
+    from worker_service.parallel.geometry import GeometryError
+
+    try:
+        serve(config, stop, log)
+    except GeometryError as exc:  # the model does not split over --tensor-parallel-size
+        log.error("bad_tensor_parallel_geometry", error=str(exc))
+        return 2
     return 0

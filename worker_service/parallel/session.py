@@ -23,12 +23,22 @@ from prometheus_client import REGISTRY
 
 from worker_service.daemon import WorkerConfig, _StopWatch, attach_once, build_runner, worker_info
 from worker_service.metrics import WorkerMetrics
+from worker_service.model_config import ModelConfig
+from worker_service.parallel.geometry import ShardGeometry
 from worker_service.parallel.group import GroupSpec, default_backend, destroy_group, free_port, init_group
 
 JOIN_POLL_S = 0.2  # how often a pending join looks at the stop flag
 
 
+def check_geometry(config: WorkerConfig) -> None:
+    """Before joining: a model that does not split k ways is refused (GeometryError names the dimension)."""
+    from stepahead.builtin_models import resolve_model
+
+    ShardGeometry.of(ModelConfig.from_dir(resolve_model(config.model)), 0, config.tensor_parallel_size)
+
+
 def serve_group(config: WorkerConfig, stop: threading.Event, log) -> None:
+    check_geometry(config)
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across groups
     watch = _StopWatch(stop)
     backoff, failures = 0.05, 0
