@@ -66,7 +66,7 @@ def test_tp2_qwen_families_match_hf(tiny_model_dir, tiny_tokenizer, tmp_path, na
 
 
 def worker_pids(serve: Serve) -> list[int]:
-    return [p for p in serve.child_pids() if b"worker" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in serve.child_pids() if Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[3:4] == [b"worker"]]
 
 
 @pytest.mark.slow
