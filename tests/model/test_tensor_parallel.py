@@ -33,7 +33,7 @@ def drive(runner) -> tuple[dict[str, list[int]], list[tuple[tuple[str, ...], tor
     def recording(plan):
         result = execute(plan)
         logits = runner.last_logits
-        steps.append((runner.last_logits_ids, None if logits is None else logits.clone()))
+        steps.append((runner.last_logits_ids, None if logits is None else logits.to("cpu", copy=True)))
         return result
 
     runner.execute = recording
@@ -49,14 +49,18 @@ def runner_kwargs() -> dict:
     return dict(num_blocks=64, num_host_blocks=32, block_size=4)
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str) -> None:
+def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, backend: str) -> None:
     from worker_service.parallel.group import GroupSpec, destroy_group, init_group
     from worker_service.parallel.runner import TPModelRunner
 
     torch.set_num_threads(1)
-    init_group(GroupSpec("test", rank, size, "127.0.0.1", port, "gloo", timeout_s=60))
+    device = "cpu"
+    if backend == "nccl":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    init_group(GroupSpec("test", rank, size, "127.0.0.1", port, backend, timeout_s=60))
     try:
-        results = [drive(TPModelRunner(p, rank=rank, size=size, **runner_kwargs())) for p in paths]
+        results = [drive(TPModelRunner(p, rank=rank, size=size, device=device, **runner_kwargs())) for p in paths]
         torch.save(results, f"{out}.{rank}")
     finally:
         destroy_group()
@@ -68,8 +72,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(size: int, paths: list[str], out: str) -> list:
-    mp.spawn(_rank_main, args=(size, free_port(), paths, out), nprocs=size, join=True)
+def run_ranks(size: int, paths: list[str], out: str, backend: str = "gloo") -> list:
+    mp.spawn(_rank_main, args=(size, free_port(), paths, out, backend), nprocs=size, join=True)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(size)]
 
 
@@ -134,3 +138,11 @@ def test_geometry_that_does_not_divide_is_refused_naming_the_dimension(tmp_path_
         ShardGeometry.of(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), 0, 4)  # 4 > 3 KV heads
     geom = ShardGeometry.of(cfg, 3, 4)  # k = 4 > 2 KV heads: ranks 2 and 3 share KV head 1
     assert (geom.num_kv_heads, geom.kv_head_start, geom.num_heads) == (1, 1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_cuda_ranks_over_nccl_match_the_unsharded_model(tmp_path_factory, tmp_path):
+    """The NCCL path: ranks on cuda:0 and cuda:1 against the unsharded model on the CPU."""
+    paths = [checkpoint(name, tmp_path_factory) for name in CHECKPOINTS]
+    assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out"), backend="nccl"))

@@ -18,6 +18,7 @@ import sys
 import threading
 from pathlib import Path
 
+import grpc
 import pytest
 
 from stepahead.v1 import scheduler_pb2
@@ -41,11 +42,13 @@ def family_checkpoint(name: str, tiny_dir: Path, out: Path) -> Path:
     return out
 
 
-def run_and_check(model_dir: Path, vocab: int, *flags: str, num: int = 4, seed: int = 8) -> None:
+def run_and_check(model_dir: Path, vocab: int, *flags: str, num: int = 4, seed: int = 8, also=None) -> None:
     prompts = random_prompts(num, 20, 90, vocab, seed=seed)
     max_tokens = [20] * num
     with Serve(model_dir, *TP, *SMALL_POOL, *flags) as s:
         outputs = run_concurrently(s.gateway, prompts, max_tokens)
+        if also is not None:
+            also(s)
         stats = s.stats()
         lanes = s.scheduler.GetFlightRecord(scheduler_pb2.GetFlightRecordRequest(), timeout=10).worker_id
     assert lanes.startswith("tp"), f"the replica is not a tensor-parallel group: {lanes}"
@@ -55,7 +58,17 @@ def run_and_check(model_dir: Path, vocab: int, *flags: str, num: int = 4, seed: 
 
 
 def test_tp2_llama_matches_hf_with_chunking_swap_and_async(tiny_model_dir, tiny_tokenizer):  # noqa: F811
-    run_and_check(tiny_model_dir, len(tiny_tokenizer), "--preemption-mode", "swap")
+    run_and_check(tiny_model_dir, len(tiny_tokenizer), "--preemption-mode", "swap", also=join_requests_are_checked)
+
+
+def join_requests_are_checked(s: Serve) -> None:
+    """A JoinGroup that could never form a sane group is refused, naming the field."""
+    for bad, field in [(dict(tensor_parallel_size=1, rendezvous_port=5), "tensor_parallel_size"),
+                       (dict(tensor_parallel_size=5000, rendezvous_port=5), "tensor_parallel_size"),
+                       (dict(tensor_parallel_size=2, rendezvous_port=0), "rendezvous_port")]:
+        with pytest.raises(grpc.RpcError) as err:
+            s.scheduler.JoinGroup(scheduler_pb2.JoinGroupRequest(worker_id="probe", **bad), timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
 
 
 @pytest.mark.slow
@@ -63,6 +76,14 @@ def test_tp2_llama_matches_hf_with_chunking_swap_and_async(tiny_model_dir, tiny_
 def test_tp2_qwen_families_match_hf(tiny_model_dir, tiny_tokenizer, tmp_path, name, mode):  # noqa: F811
     model_dir = family_checkpoint(name, tiny_model_dir, tmp_path / name)
     run_and_check(model_dir, len(tiny_tokenizer), "--preemption-mode", mode)
+
+
+def scheduler_metric(port: int, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    values = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.split(" ")[0].split("{")[0] == name]
+    return sum(values)
 
 
 def worker_pids(serve: Serve) -> list[int]:
@@ -77,8 +98,11 @@ def test_kill_one_rank_of_tp2_x_dp2_loses_nothing(tiny_model_dir, tiny_tokenizer
 
     from tests.service.test_e2e import collect, greedy_request
 
+    from stepahead.cli.serve import free_port
+
     prompts = random_prompts(8, 20, 60, len(tiny_tokenizer), seed=9)
-    with Serve(tiny_model_dir, *TP, "--data-parallel-size", "2") as s:
+    metrics_port = free_port()
+    with Serve(tiny_model_dir, *TP, "--data-parallel-size", "2", "--metrics-port", str(metrics_port)) as s:
         assert len(worker_pids(s)) == 4
         with ThreadPoolExecutor(len(prompts)) as pool:
             futures = [pool.submit(collect, s.gateway, greedy_request(p, 64)) for p in prompts]
@@ -88,6 +112,15 @@ def test_kill_one_rank_of_tp2_x_dp2_loses_nothing(tiny_model_dir, tiny_tokenizer
             os.kill(worker_pids(s)[0], signal.SIGKILL)
             outputs = [f.result(timeout=300)[0] for f in futures]
         stats = s.stats()
+        lost = scheduler_metric(metrics_port, "stepahead:workers_lost_total")
+        moved = scheduler_metric(metrics_port, "stepahead:requests_migrated_total")
+        poll = threading.Event()
+        for _ in range(2400):  # the survivor re-joins with the restarted rank: two groups again
+            if scheduler_metric(metrics_port, "stepahead:workers_attached") == 2:
+                break
+            poll.wait(0.05)
+        assert scheduler_metric(metrics_port, "stepahead:workers_attached") == 2, "the group never re-formed"
+    assert lost == 1 and moved >= 1, (lost, moved)
     assert stats.num_running == 0
     check_against_hf(HFGreedy(tiny_model_dir), prompts, outputs, [64] * len(prompts))
 

@@ -34,6 +34,9 @@ def check_geometry(config: WorkerConfig) -> None:
     """Before joining: a model that does not split k ways is refused (GeometryError names the dimension)."""
     from stepahead.builtin_models import resolve_model
 
+    if config.device == "sim":
+        raise SystemExit("stepahead worker: --device sim models tensor parallelism with --sim-num-devices; "
+                         "--tensor-parallel-size must be 1")
     ShardGeometry.of(ModelConfig.from_dir(resolve_model(config.model)), 0, config.tensor_parallel_size)
 
 
