@@ -1,10 +1,11 @@
 """Tensor parallelism on this machine: per-rank weight memory and decode step time at k = 1, 2.
 
-    python benchmarks/tensor_parallel.py [--model 100m] [--sizes 1 2] [--batch 8] [--steps 30]
-                                         [--threads-total 2] [--out benchmarks/results/tp_cpu.json]
+    python benchmarks/tensor_parallel.py [--model 100m] [--configs 1x1 1x2 2x1] [--batch 8] [--steps 30]
+                                         [--out benchmarks/results/tp_cpu_100m.json]
 
-Each k runs in k spawned processes (gloo on CPU), each with `threads-total / k` torch
-threads, so every k uses the same cores. Per rank it reports:
+A config `KxT` runs k ranks in k spawned processes (gloo on CPU) with T torch threads each:
+`1x2` and `2x1` use the same two cores, one process with two threads vs two processes with
+one. Per rank it reports:
 
 - `weight_bytes`: bytes of the rank's parameters (unique storages, tied ones once);
 - `load_rss_bytes`: how much the process's resident memory grew while loading them;
@@ -65,10 +66,10 @@ class CollectiveClock:
         return timed
 
 
-def rank_main(rank: int, size: int, port: int, args, out: str) -> None:
+def rank_main(rank: int, size: int, threads: int, port: int, args, out: str) -> None:
     import torch
 
-    torch.set_num_threads(max(1, args.threads_total // size))
+    torch.set_num_threads(threads)
     from stepahead.builtin_models import ensure_model
     from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
     from worker_service.loader import load_model, parse_dtype
@@ -125,11 +126,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_size(size: int, args, tmp: str) -> list[dict]:
+def run_config(config: str, args, tmp: str) -> list[dict]:
     import torch.multiprocessing as mp
 
-    mp.spawn(rank_main, args=(size, free_port(), args, f"{tmp}.k{size}"), nprocs=size, join=True)
-    return [json.loads(Path(f"{tmp}.k{size}.{r}").read_text()) for r in range(size)]
+    size, threads = (int(x) for x in config.split("x"))
+    out = f"{tmp}.{config}"
+    mp.spawn(rank_main, args=(size, threads, free_port(), args, out), nprocs=size, join=True)
+    return [json.loads(Path(f"{out}.{r}").read_text()) for r in range(size)]
 
 
 def main() -> None:
@@ -137,22 +140,22 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="100m")
-    parser.add_argument("--sizes", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--configs", nargs="+", default=["1x1", "1x2", "2x1"], help="KxT: k ranks, T threads each")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--threads-total", type=int, default=2)
-    parser.add_argument("--out", default="benchmarks/results/tp_cpu.json")
+    parser.add_argument("--out", default="benchmarks/results/tp_cpu_100m.json")
     args = parser.parse_args()
-    results = {"model": args.model, "batch": args.batch, "kv_tokens": KV_TOKENS, "threads_total": args.threads_total,
-               "cpus": os.cpu_count(), "sizes": {}}
+    results = {"model": args.model, "batch": args.batch, "kv_tokens": KV_TOKENS, "steps": args.steps,
+               "cpus": os.cpu_count(), "loadavg_before": os.getloadavg()[0], "configs": {}}
     with tempfile.TemporaryDirectory() as tmp:
-        for size in args.sizes:
-            results["sizes"][str(size)] = run_size(size, args, f"{tmp}/r")
-    print(f"{'k':>3} {'rank':>4} {'weights MiB':>12} {'load RSS MiB':>13} {'step ms':>8} {'collectives ms':>15} {'share':>6}")
-    for size, ranks in results["sizes"].items():
+        for config in args.configs:
+            results["configs"][config] = run_config(config, args, f"{tmp}/r")
+    results["loadavg_after"] = os.getloadavg()[0]
+    print(f"{'KxT':>4} {'rank':>4} {'weights MiB':>12} {'load RSS MiB':>13} {'step ms':>8} {'collectives ms':>15} {'share':>6}")
+    for config, ranks in results["configs"].items():
         for r in ranks:
             share = r["collective_ms"] / r["step_ms"] if r["step_ms"] else 0.0
-            print(f"{size:>3} {r['rank']:>4} {r['weight_bytes'] / 2**20:>12.1f} {r['load_rss_bytes'] / 2**20:>13.1f} "
+            print(f"{config:>4} {r['rank']:>4} {r['weight_bytes'] / 2**20:>12.1f} {r['load_rss_bytes'] / 2**20:>13.1f} "
                   f"{r['step_ms']:>8.2f} {r['collective_ms']:>15.2f} {share:>6.1%}")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(results, indent=2) + "\n")
