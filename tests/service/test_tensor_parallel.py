@@ -125,6 +125,7 @@ def test_kill_one_rank_of_tp2_x_dp2_loses_nothing(tiny_model_dir, tiny_tokenizer
     check_against_hf(HFGreedy(tiny_model_dir), prompts, outputs, [64] * len(prompts))
 
 
+@pytest.mark.slow  # the default suite checks the refusal in process (tests/model/test_tensor_parallel.py)
 def test_a_model_that_does_not_split_is_refused_naming_the_dimension(tiny_model_dir, tmp_path):  # noqa: F811
     bad = tmp_path / "six-heads"
     shutil.copytree(tiny_model_dir, bad)
