@@ -4,8 +4,8 @@ starts two worker processes that the scheduler groups into one replica (gloo on 
 Greedy tokens equal Hugging Face's with chunked prefill, preemption and async scheduling
 on; a rank killed with SIGKILL mid-run loses nothing (its group is dropped, the requests
 move, the supervisor restarts the rank and the group re-forms); a model that does not
-split is refused naming the dimension. The default suite runs the llama case and the
-geometry refusal; the other families, TP x DP and the kill are `slow`.
+split makes the worker exit naming the dimension. The default suite runs the llama case
+only; the other families, TP x DP, the kill and the exit on a bad geometry are `slow`.
 """
 
 from __future__ import annotations
