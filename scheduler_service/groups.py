@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import secrets
 import threading
 import time
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ class GroupFormer:
         self._lock = threading.Lock()
         self._waiting: dict[int, list[Joiner]] = {}
         self._ids = itertools.count(1)
+        self._life = secrets.token_hex(3)  # a group id never names a group of an earlier scheduler life
         self.formed: dict[str, int] = {}  # group id -> size: what a hello may claim
 
     def join(self, joiner: Joiner) -> Assignment | None:
@@ -71,7 +73,7 @@ class GroupFormer:
         joiner.done.set()
 
     def _form(self, members: list[Joiner]) -> None:
-        group_id, master = f"tp{next(self._ids)}", members[0]
+        group_id, master = f"tp{next(self._ids)}-{self._life}", members[0]
         self.formed[group_id] = len(members)
         for rank, m in enumerate(members):
             m.assignment = Assignment(group_id, rank, len(members), master.host, master.port)

@@ -32,10 +32,13 @@ def test_callers_of_the_same_size_are_grouped_in_call_order():
     former = GroupFormer()
     joiners = [Joiner(f"w{i}", 2, f"h{i}", 1000 + i) for i in range(4)] + [Joiner("x", 3, "hx", 9)]
     got = join_all(former, joiners[:4])
-    assert [(a.group_id, a.rank) for a in got] == [("tp1", 0), ("tp1", 1), ("tp2", 0), ("tp2", 1)]
+    life = former._life  # ids are unique across scheduler restarts
+    assert [(a.group_id, a.rank) for a in got] == [(f"tp1-{life}", 0), (f"tp1-{life}", 1),
+                                                    (f"tp2-{life}", 0), (f"tp2-{life}", 1)]
     assert {(a.master_addr, a.master_port) for a in got[:2]} == {("h0", 1000)}  # rank 0's rendezvous
     assert {(a.master_addr, a.master_port) for a in got[2:]} == {("h2", 1002)}
-    assert former.formed == {"tp1": 2, "tp2": 2}
+    assert former.formed == {f"tp1-{life}": 2, f"tp2-{life}": 2}
+    assert GroupFormer()._life != life
     lonely = joiners[4]
     threading.Thread(target=former.join, args=(lonely,), daemon=True).start()
     while lonely not in former._waiting.get(3, []):
