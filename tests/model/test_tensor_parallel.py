@@ -1,7 +1,8 @@
 """Tensor parallelism in process: two ranks (spawned processes, gloo) run the sharded model
 and must agree with the unsharded `ModelRunner` on every step's logits (float tolerance:
-only the reduction order differs) and on the greedy tokens, through chunked prefill,
-placeholder decodes and swap/recompute preemption. Also: the geometry refusals."""
+only the reduction order differs) and on the tokens (greedy, and one seeded sampled
+request: rank 0 draws as k = 1 does), through chunked prefill, placeholder decodes and
+swap/recompute preemption. Also: the geometry refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from stepahead.plan import SamplingParams
 from tests.model.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
 from tests.model.oracle import random_prompts
@@ -23,6 +25,7 @@ CHECKPOINTS = ("llama_tied_gqa4", "qwen2_untied_gqa4", "qwen3_tied_gqa1")
 PROMPT_LENS = [3, 40, 21, 9]
 MAX_NEW = 12
 RTOL = 1e-4
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=1 << 30)  # same draws as k = 1
 
 
 def drive(runner) -> tuple[dict[str, list[int]], list[tuple[tuple[str, ...], torch.Tensor | None]]]:
@@ -40,6 +43,7 @@ def drive(runner) -> tuple[dict[str, list[int]], list[tuple[tuple[str, ...], tor
     sched = ToyScheduler(runner, chunk=8, token_budget=24, max_running=4, preempt_every=3)
     for i, p in enumerate(random_prompts(seed=7, lens=PROMPT_LENS)):
         sched.add(ToyRequest(f"r{i}", p, MAX_NEW, arrival_step=i))
+    sched.add(ToyRequest("seeded", random_prompts(seed=8, lens=[15])[0], MAX_NEW, arrival_step=1, sampling=SEEDED))
     sched.run()
     assert sched.stats.swaps and sched.stats.recomputes and sched.stats.placeholder_decodes
     return {r.request_id: r.output for r in sched.finished}, steps
