@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from scheduler_service.admission import check_submission
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.groups import GroupAssembly, GroupFormer
 from scheduler_service.links import (
     GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerHandle, WorkerLost, WorkerRefused, WorkerResult,
 )
@@ -48,6 +49,7 @@ class EngineOptions:
     worker_step_timeout_s: float = 300.0  # a step in flight longer than this drops its replica
     worker_wait_timeout_s: float = 60.0  # requests without any replica end UNAVAILABLE after this
     recorder_steps: int = 1000  # flight-recorder steps kept per replica
+    group_attach_timeout_s: float = 60.0  # a tensor-parallel group whose ranks do not all attach is closed
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,8 @@ class Engine:
         self._parked: dict[str, tuple[Request, float]] = {}  # no replica: request, monotonic deadline
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
         self._carried_counts: collections.Counter = collections.Counter()  # monotonic counters of lost replicas
+        self.groups = GroupFormer()  # JoinGroup callers (servicer threads) -> tensor-parallel groups
+        self._assembly = GroupAssembly(self.groups.formed, options.group_attach_timeout_s)  # one replica per group
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- thread-safe entry points -------------------------------------------------
@@ -196,15 +200,20 @@ class Engine:
             case _Abort(request_id):
                 self._abort(request_id)
             case WorkerResult(handle, result):
-                replica = self._replicas.get(handle)
+                replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:  # late results of a dropped replica mean nothing
                     self._commit(replica, result)
             case _Attach(handle):
-                self._attach(handle)
+                if handle.info.tp_size > 1:  # a rank: the group attaches once all its ranks have
+                    handle = self._assembly.add(handle)
+                if handle is not None:
+                    self._attach(handle)
             case WorkerLost(handle, reason, error, clean):
-                replica = self._replicas.get(handle)
-                if replica is not None:
+                replica = self._replicas.get(self._assembly.owner(handle))
+                if replica is not None:  # a rank's loss is its group's
                     self._lose(replica, reason, error, clean)
+                else:
+                    self._assembly.rank_lost(handle)
             case _CloseSession(session):
                 for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
                     self._abort(request_id)
@@ -310,6 +319,7 @@ class Engine:
         `clean`: the worker closed its stream itself (leaving, e.g. SIGTERM): info, not a loss."""
         moving = replica.scheduler.unfinished_requests()
         del self._replicas[replica.handle]
+        self._assembly.forget(replica.handle)
         self._router.forget(replica.handle)
         self._carried_counts += replica.scheduler.counters()  # totals go on without it
         log = self._log.info if clean and not moving else self._log.warning
@@ -333,6 +343,7 @@ class Engine:
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
+        self._assembly.expire(now)
         timeout = self.options.worker_step_timeout_s
         for replica in list(self._replicas.values()):
             deadline = replica.step_deadline(timeout)
@@ -349,4 +360,5 @@ class Engine:
         timeout = self.options.worker_step_timeout_s
         deadlines = [d for r in self._replicas.values() if (d := r.step_deadline(timeout)) is not None]
         deadlines += [d for _, d in self._parked.values()]
+        deadlines += [d for d in (self._assembly.next_deadline(),) if d is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None

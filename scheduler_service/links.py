@@ -46,7 +46,7 @@ class PlanOutbox:
 
     def __init__(self, handoff_timeout_s: float = 0.05, on_accept=lambda: None) -> None:
         self._queue: queue.Queue = queue.Queue()
-        self._timeout = handoff_timeout_s
+        self.handoff_timeout_s = handoff_timeout_s
         self._on_accept = on_accept
         self.error: WorkerRefused | None = None
 
@@ -54,9 +54,13 @@ class PlanOutbox:
         self._queue.put(self._ACCEPTED)
 
     def send(self, plan: StepPlan) -> None:
+        self.post(plan).wait(self.handoff_timeout_s)
+
+    def post(self, plan: StepPlan) -> threading.Event:
+        """Queue the plan; the event is set once it was written (a group's ranks wait together)."""
         written = threading.Event()
         self._queue.put((plan, written))
-        written.wait(self._timeout)
+        return written
 
     def close(self, error: WorkerRefused | None = None) -> None:
         if error is not None and self.error is None:

@@ -213,6 +213,9 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
         max_logprobs=info.max_logprobs,
+        group_id=info.group_id,
+        tensor_parallel_rank=info.tp_rank,
+        tensor_parallel_size=info.tp_size,
     )
 
 
@@ -230,4 +233,7 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         vocab_size=msg.vocab_size,
         eos_token_ids=tuple(msg.eos_token_ids),
         max_logprobs=msg.max_logprobs or MAX_LOGPROBS,
+        group_id=msg.group_id,
+        tp_rank=msg.tensor_parallel_rank,
+        tp_size=max(msg.tensor_parallel_size, 1),
     )

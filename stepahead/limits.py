@@ -265,6 +265,7 @@ MAX_BLOCK_SIZE = 1024
 MAX_MODEL_LEN = 1 << 24
 MAX_VOCAB_SIZE = 1 << 24
 MAX_BLOCKS = 1 << 26
+MAX_TENSOR_PARALLEL_SIZE = 1024
 
 
 def check_worker_info(info) -> None:
@@ -283,3 +284,15 @@ def check_worker_info(info) -> None:
     for name in ("worker_id", "model_name", "model_type", "dtype", "device"):
         check_id(name, getattr(info, name))
     check_token_ids("eos_token_ids", info.eos_token_ids, info.vocab_size, MAX_STOP_TOKEN_IDS)
+    check_group_place(info.tp_size, info.tp_rank)
+    check_id("group_id", info.group_id)
+    if (info.tp_size > 1) != bool(info.group_id):
+        raise LimitError("group_id", "must be set exactly when tensor_parallel_size > 1")
+
+
+def check_group_place(size: int, rank: int) -> None:
+    """A tensor-parallel size and rank (a hello's or a group request's)."""
+    if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+        raise LimitError("tensor_parallel_size", f"must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {size}")
+    if not 0 <= rank < size:
+        raise LimitError("tensor_parallel_rank", f"must be in [0, {size}), got {rank}")

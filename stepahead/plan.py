@@ -25,6 +25,9 @@ Worker-side semantics (the contract both sides rely on):
   saw the failure) are skipped. The rest of the step runs as if it had not been there.
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
+- Tensor-parallel groups (`WorkerInfo.group_id`): every rank receives the same plans and
+  applies them identically; rank 0 samples and broadcasts the ids inside the step, and only
+  rank 0 sends `StepResult`s (the other ranks send none).
 """
 
 from __future__ import annotations
@@ -174,3 +177,6 @@ class WorkerInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the largest logprobs / prompt_logprobs k served
+    group_id: str = ""  # the tensor-parallel group this worker is a rank of ("" = a replica alone)
+    tp_rank: int = 0  # rank in the group; rank 0 alone reports results
+    tp_size: int = 1  # the group's size k

@@ -63,6 +63,15 @@ class WorkerConfig(SchedulerClientConfig):
         None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
     )
     reconnect_max_backoff_s: float = cfg.field(5.0, "longest wait between attach attempts")
+    tensor_parallel_size: int = cfg.field(
+        1, "ranks of this worker's tensor-parallel group: the scheduler groups workers of the same size in "
+        "attach order, each loads 1/k of the weights (torch.distributed)")
+    advertise_host: str | None = cfg.field(
+        None, "host the other ranks reach this worker's rendezvous at, should it be rank 0 (default: the "
+        "address the scheduler sees)")
+    distributed_backend: str | None = cfg.field(None, "torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
+    distributed_timeout: float = cfg.field(
+        60.0, "seconds a tensor-parallel rendezvous or collective may take before the group is torn down")
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     health_port: int | None = cfg.field(
         None, "serve gRPC health (grpc.health.v1) on this port for readiness probes: SERVING while attached "
@@ -71,7 +80,8 @@ class WorkerConfig(SchedulerClientConfig):
     log_level: str = cfg.field("info", "log level")
 
 
-def build_runner(config: WorkerConfig):
+def build_runner(config: WorkerConfig, group=None):
+    """(runner, model dir); `group` (a `parallel.group.GroupSpec`): this rank's shard only."""
     if config.device == "sim":
         from worker_service.sim.build import build_sim_runner
 
@@ -91,7 +101,14 @@ def build_runner(config: WorkerConfig):
     model_cfg = ModelConfig.from_dir(model_dir)
     dtype = config.dtype or "float32"
     host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(dtype))
-    runner = ModelRunner(
+    runner_class = ModelRunner
+    if group is not None:
+        from functools import partial
+
+        from worker_service.parallel.runner import TPModelRunner
+
+        runner_class = partial(TPModelRunner, rank=group.rank, size=group.size)
+    runner = runner_class(
         model_dir,
         dtype=dtype,
         device=config.device,
@@ -145,8 +162,9 @@ class _Pipeline:
     FATAL_GRACE_S = 30.0  # generous: under load a scheduler may take seconds to read the reason
 
     def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, report: bool = True) -> None:
         self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
+        self.report = report  # False on tensor-parallel ranks other than 0: they send no results
         self.metrics = metrics or WorkerMetrics()
         self.plans: queue.Queue = queue.Queue()
         self.launched: queue.Queue = queue.Queue()
@@ -208,7 +226,8 @@ class _Pipeline:
                 for rid, reason in result.failed.items():
                     self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
                 result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
-                self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
+                if self.report:
+                    self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
                 self.metrics.on_result(result)
         except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
             self._fail(exc, "wait")
@@ -267,7 +286,7 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
     watch.track(responses, outbox)
     log.info("attached", worker_id=info.worker_id)
-    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel, metrics=metrics)
+    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel, metrics=metrics, report=info.tp_rank == 0)
     try:
         if daemon.ATTACH_ACCEPTED in (responses.initial_metadata() or ()):  # blocks until accepted or refused
             health.attached()
@@ -289,6 +308,10 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
 def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth | NoHealth = NoHealth()) -> None:
     import grpc
 
+    if config.tensor_parallel_size > 1:
+        from worker_service.parallel.session import serve_group
+
+        return serve_group(config, stop, log, health)
     runner, model_dir = build_runner(config)
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
@@ -325,6 +348,8 @@ def run(args: argparse.Namespace) -> int:
     stop = daemon.install_stop_handlers()
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, registry=REGISTRY)
+    from worker_service.parallel.geometry import GeometryError
+
     try:  # up before the model loads: a probe sees NOT_SERVING, not a refused connection
         health = WorkerHealth(config.health_host, config.health_port) if config.health_port is not None else NoHealth()
     except RuntimeError as exc:  # grpc cannot bind the port
@@ -334,6 +359,9 @@ def run(args: argparse.Namespace) -> int:
         log.info("health_listening", address=f"{config.health_host}:{health.port}")
     try:
         serve(config, stop, log, health)
+    except GeometryError as exc:  # the model does not split over --tensor-parallel-size
+        log.error("bad_tensor_parallel_geometry", error=str(exc))
+        return 2
     finally:
         health.close()
     return 0

@@ -91,7 +91,7 @@ class ModelRunner:
                              f"({max_num_batched_tokens}) must be positive")
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
-        self.model, cfg = load_model(model_dir, self.dtype, self.device)
+        self.model, cfg = self._load_model(model_dir)  # model.config: the KV geometry (a shard's under TP)
         self.config = cfg
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
         self.max_model_len = _max_model_len(cfg, max_model_len)
@@ -117,16 +117,16 @@ class ModelRunner:
         self._inputs_copied = [StepEvent(), StepEvent()]  # H1: the slot's pinned host inputs are free
         self._pending: list[PendingStep | None] = [None, None]  # H2: the slot's sampled ids' reader
         self._num_launched = 0
-        self.kv_cache = KVCache(cfg, num_blocks=0, num_host_blocks=0, block_size=block_size, dtype=self.dtype,
+        self.kv_cache = KVCache(self.model.config, num_blocks=0, num_host_blocks=0, block_size=block_size, dtype=self.dtype,
                                 device=self.device)  # the dummy block only, for the profiling run
         self.memory_split: MemorySplit | None = None  # set when the KV cache was sized by profiling
         if num_blocks is None and kv_cache_bytes is None and self.streams.cuda:
             self.memory_split = profile_memory(self, gpu_memory_utilization)
             kv_cache_bytes = self.memory_split.kv_cache
-        self.num_blocks = plan_num_blocks(cfg, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
+        self.num_blocks = plan_num_blocks(self.model.config, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
                                           num_blocks=num_blocks)
         self.num_host_blocks = num_host_blocks
-        self.kv_cache = KVCache(cfg, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
+        self.kv_cache = KVCache(self.model.config, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
                                 block_size=block_size, dtype=self.dtype, device=self.device)
         self.table = RequestTable(self.max_blocks_per_req, self.kv_cache.dummy_block)
         self._prev_sampled = self._sampled[0, :0]  # [n] last step's ids (a view of one slot)
@@ -136,6 +136,9 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
         self.streams.wait_for_constructor()  # W0
+
+    def _load_model(self, model_dir):
+        return load_model(model_dir, self.dtype, self.device)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan to completion (launch, then wait for its sampled ids)."""

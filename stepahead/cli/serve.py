@@ -1,8 +1,10 @@
 """`stepahead serve`: scheduler, worker(s) and gateway as OS processes, one command.
 
-Starts the scheduler, then `--data-parallel-size` workers that attach to it (one replica
-each, each with its own `--health-port` on loopback), then the gateway; waits until the
-scheduler, every worker (attached) and the gateway report SERVING on gRPC health; prints
+Starts the scheduler, then `--data-parallel-size` × `--tensor-parallel-size` workers that
+attach to it (one replica per data-parallel rank; with k > 1 the scheduler groups each k
+workers into one tensor-parallel replica), each with its own `--health-port` on loopback,
+then the gateway; waits until the scheduler, every worker (attached) and the gateway report
+SERVING on gRPC health; prints
 the endpoint. The internal plane stays on loopback and carries a cluster token made for
 this run (or STEPAHEAD_CLUSTER_TOKEN), handed to the children in their environment.
 
@@ -35,7 +37,7 @@ _GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
-    "attention_backend", "max_logprobs",
+    "attention_backend", "max_logprobs", "tensor_parallel_size", "distributed_backend", "distributed_timeout",
     "sim_profile", "sim_num_devices", "sim_eos_probability",
 )
 # flags the scheduler declares; the worker sizes its step buffers with the same values
@@ -217,13 +219,13 @@ def run(args: argparse.Namespace) -> int:
         # The CPU is the device here: leave a core to the scheduler and the gateway so that
         # planning and streaming overlap with the forward pass instead of preempting it.
         # Each replica gets its share.
-        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size, 1))
+        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1))
         worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
     if config.data_parallel_size < 1:
         raise SystemExit(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     model_dir = str(resolve_model(config.model))  # build a built-in model once, here
     port = config.port or free_port(config.host)
-    sched_port, *health_ports = free_ports(1 + config.data_parallel_size)
+    sched_port, *health_ports = free_ports(1 + config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1))
     sched_addr = f"127.0.0.1:{config.scheduler_port or sched_port}"
     log = ["--log-level", config.log_level]
     stop = threading.Event()

@@ -17,6 +17,32 @@ REJECT_CODE_INVALID: RejectCode
 REJECT_CODE_UNAVAILABLE: RejectCode
 REJECT_CODE_QUEUE_FULL: RejectCode
 
+class JoinGroupRequest(_message.Message):
+    __slots__ = ("worker_id", "tensor_parallel_size", "rendezvous_host", "rendezvous_port")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_HOST_FIELD_NUMBER: _ClassVar[int]
+    RENDEZVOUS_PORT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    tensor_parallel_size: int
+    rendezvous_host: str
+    rendezvous_port: int
+    def __init__(self, worker_id: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., rendezvous_host: _Optional[str] = ..., rendezvous_port: _Optional[int] = ...) -> None: ...
+
+class GroupAssignment(_message.Message):
+    __slots__ = ("group_id", "rank", "world_size", "master_addr", "master_port")
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MASTER_ADDR_FIELD_NUMBER: _ClassVar[int]
+    MASTER_PORT_FIELD_NUMBER: _ClassVar[int]
+    group_id: str
+    rank: int
+    world_size: int
+    master_addr: str
+    master_port: int
+    def __init__(self, group_id: _Optional[str] = ..., rank: _Optional[int] = ..., world_size: _Optional[int] = ..., master_addr: _Optional[str] = ..., master_port: _Optional[int] = ...) -> None: ...
+
 class SubmitRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -136,7 +162,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs")
+    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs", "group_id", "tensor_parallel_rank", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +175,9 @@ class WorkerHello(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     EOS_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GROUP_ID_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_RANK_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_name: str
     model_type: str
@@ -161,7 +190,10 @@ class WorkerHello(_message.Message):
     vocab_size: int
     eos_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_logprobs: int
-    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ...) -> None: ...
+    group_id: str
+    tensor_parallel_rank: int
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "result", "fatal_error")
