@@ -74,6 +74,9 @@ class RequestEvent:
     num_cached_tokens: int
     message: str = ""  # with FinishReason.ERROR: what failed
     queue_time: float | None = None  # on the first token's event: arrival to first scheduled
+    # speculative decoding, on the final event: drafts verified and accepted over the request
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
 
 class Request:
@@ -103,6 +106,8 @@ class Request:
         "prefix_ids",
         "queue_token",
         "run_key",
+        "num_draft_tokens",
+        "num_accepted_tokens",
     )
 
     def __init__(
@@ -151,6 +156,8 @@ class Request:
         self.prefix_ids: list[int] = []  # content identities of this request's cached blocks
         self.queue_token: int | None = None  # live entry in the waiting queue
         self.run_key: tuple = ()  # policy order while running (fixed when it starts running)
+        self.num_draft_tokens = 0  # speculative decoding: drafts the worker proposed and verified
+        self.num_accepted_tokens = 0  # ... and accepted (committed or not)
 
     def commit_token(self, token: int) -> None:
         self.output_token_ids.append(token)

@@ -13,6 +13,7 @@ from stepahead.plan import (
     NewRequest,
     RunningRequest,
     SamplingParams,
+    SpecOutcome,
     StepPlan,
     StepResult,
     WorkerInfo,
@@ -104,6 +105,7 @@ def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
                 new_block_ids=r.new_block_ids,
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 input_is_placeholder=r.input_is_placeholder,
+                num_draft_tokens=r.num_draft_tokens,
             )
             for r in plan.running
         ],
@@ -135,6 +137,7 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
                 new_block_ids=tuple(r.new_block_ids),
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 input_is_placeholder=r.input_is_placeholder,
+                num_draft_tokens=r.num_draft_tokens,
             )
             for r in msg.running
         ),
@@ -157,6 +160,9 @@ def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
     return scheduler_pb2.StepResult(
         step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing),
         failed=result.failed,
+        speculation={rid: scheduler_pb2.SpecOutcome(num_draft_tokens=o.num_draft_tokens,
+                                                    accepted_token_ids=o.accepted_token_ids)
+                     for rid, o in result.speculation.items()},
     )
 
 
@@ -164,6 +170,8 @@ def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing),
         failed=dict(msg.failed),
+        speculation={rid: SpecOutcome(o.num_draft_tokens, tuple(o.accepted_token_ids))
+                     for rid, o in msg.speculation.items()},
     )
 
 

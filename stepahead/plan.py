@@ -25,6 +25,19 @@ Worker-side semantics (the contract both sides rely on):
   saw the failure) are skipped. The rest of the step runs as if it had not been there.
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
+- Speculative decoding (docs/speculative-decoding.md): a decode delta with
+  `num_draft_tokens = k > 0` allows the worker to propose up to k draft tokens (n-gram
+  lookup over every token it knows for the request) and verify them in the same forward;
+  `num_scheduled_tokens = 1 + k` is the scheduler's worst case (budget, KV blocks, length
+  limits): the worker computes 1 + (drafts proposed) tokens. Its input may be a
+  placeholder whose position depends on the previous step's acceptance: the worker
+  resolves the previous step's tokens before launching a step that needs them. The result
+  lists, per speculating request, the drafts proposed and the accepted ones
+  (`StepResult.speculation`); the request's new tokens are the accepted drafts followed by
+  its `sampled_token_ids` entry (the bonus token, or the replacement of the first rejected
+  draft). Greedy rows accept the longest prefix equal to the target argmax; sampled rows
+  use rejection sampling (accept draft d with probability p_target(d); on rejection sample
+  from p_target with d removed, renormalised), so the output distribution is the target's.
 """
 
 from __future__ import annotations
@@ -98,6 +111,7 @@ class RunningRequest:
     new_block_ids: tuple[int, ...]  # appended to the request's block table
     num_scheduled_tokens: int  # tokens to compute this step (1 for a decode)
     input_is_placeholder: bool = False  # decode input is a token not yet reported back
+    num_draft_tokens: int = 0  # speculative decode: drafts the worker may propose and verify (<= K)
 
 
 @dataclass(frozen=True)
@@ -140,6 +154,14 @@ class WorkerTiming:
 
 
 @dataclass(frozen=True)
+class SpecOutcome:
+    """One speculating request's verification in a step."""
+
+    num_draft_tokens: int  # drafts the worker proposed (<= the plan's num_draft_tokens)
+    accepted_token_ids: tuple[int, ...] = ()  # the accepted drafts, in order (a prefix of the proposal)
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What the worker answers for one plan."""
 
@@ -149,6 +171,15 @@ class StepResult:
     # request id -> reason: requests that failed alone on the worker (bad sampling row,
     # sampling error); they sampled nothing and the worker forgot them.
     failed: dict[str, str] = field(default_factory=dict)
+    # request id -> outcome, for requests that were allowed drafts; their committed tokens
+    # this step are the accepted drafts followed by the sampled token.
+    speculation: dict[str, SpecOutcome] = field(default_factory=dict)
+
+    def new_token_ids(self, request_id: str) -> tuple[int, ...]:
+        """The tokens a request produced in this step (accepted drafts + sampled token)."""
+        outcome = self.speculation.get(request_id)
+        last = (self.sampled_token_ids[request_id],)
+        return outcome.accepted_token_ids + last if outcome else last
 
 
 @dataclass(frozen=True)
