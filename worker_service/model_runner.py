@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
+from stepahead.plan import NewRequest, RunningRequest, SpecOutcome, StepPlan, StepResult, WorkerTiming
+from stepahead.speculative import SpeculativeConfig
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
@@ -34,6 +35,7 @@ from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
+from worker_service.speculation import SpecOutputs, Speculator
 from worker_service.streams import DeviceStreams, StepEvent, host_to_device
 
 log = logging.getLogger(__name__)
@@ -50,25 +52,32 @@ class PendingStep:
     done: StepEvent
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+    spec: SpecOutputs | None = None  # a speculative step's runs (resolved into the token lists once)
+    outcomes: dict[str, SpecOutcome] = field(default_factory=dict)
     _ids: list[int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def ids(self) -> list[int]:
-        """The sampled ids, read from the host buffer once (before the runner reuses it)."""
+        """The sampled ids, read from the host buffer once (before the runner reuses it); fills
+        the reserved slots of the token lists (a speculative step: writes its runs there)."""
         with self._lock:
             if self._ids is None:
                 self.done.synchronize()  # the step's one host synchronisation
-                self._ids = self.host_ids.tolist()
+                if self.spec is None:
+                    self._ids = self.host_ids.tolist()
+                    for r, slot, t in zip(self.reqs, self.slots, self._ids):
+                        r.token_ids[slot] = t
+                else:
+                    self._ids, self.outcomes = self.spec.resolve(self.reqs, self.slots)
                 if not self.timing.forward_end:
                     self.timing = replace(self.timing, forward_end=time.time())
             return self._ids
 
     def wait(self) -> StepResult:
-        """Block until the ids are on the host; fill the reserved slots of the token lists."""
+        """Block until the ids are on the host and in the token lists."""
         ids = self.ids()
-        for r, slot, t in zip(self.reqs, self.slots, ids):
-            r.token_ids[slot] = t
-        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed)
+        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
+                          self.outcomes)
 
 
 class ModelRunner:
@@ -78,7 +87,7 @@ class ModelRunner:
                  num_host_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 pad_decode_batches: bool | None = None):
+                 pad_decode_batches: bool | None = None, speculative_config: SpeculativeConfig | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -98,6 +107,8 @@ class ModelRunner:
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
         self.streams = DeviceStreams(self.device)
+        self.speculator = Speculator(speculative_config, self.eos_token_ids) if speculative_config else None
+        self._spec_out: SpecOutputs | None = None  # between verification and the D2H copy
         self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
         self.requests: dict[str, CachedRequest] = {}
         self._num_min_tokens = 0  # live requests with min_tokens > 0 (the stop-id mask is skipped without)
@@ -145,6 +156,7 @@ class ModelRunner:
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        self._resolve_for_speculation(plan)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         with self.streams.on_compute_stream():
@@ -159,6 +171,10 @@ class ModelRunner:
             slot = self._num_launched & 1
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
+            if self.speculator is not None and self.speculator.batch is not None:
+                self.speculator.strip(sched.states)  # drafts leave the token lists; rows for each position
+                inputs = replace(inputs, logits_indices=self.speculator.logits_indices(inputs.sampling_reqs,
+                                                                                      inputs.logits_indices))
             for state, n in zip(sched.states, sched.num_scheduled):
                 state.num_computed += n
             forward_start = time.time()
@@ -192,8 +208,14 @@ class ModelRunner:
         """Forward + sampling on the compute stream; returns the slot's sampled ids `[n]` and
         the n requests that sampled (a request whose sampling fails alone is added to `failed`)."""
         self._fill_placeholders(inputs)
-        logits = self._forward(inputs)  # [num_sampling, vocab] float32
-        sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
+        logits = self._forward(inputs)  # [num_sampling (+ drafts), vocab] float32
+        spec = self.speculator.batch if self.speculator is not None else None
+        if spec is not None:  # sampled: [len(reqs)] the last token of each run; the runs go to the host
+            reqs, sample_failed = inputs.sampling_reqs, {}
+            sampled, self._spec_out = self.speculator.verify(self, logits, reqs)
+            self.last_logits, self.last_logits_ids = logits, tuple(r.request_id for r in reqs)
+        else:
+            sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
         self._fail(sample_failed, failed)
         self._retire(slot)  # H2: also orders the write below after that step's D2H
         self._ensure_sampled_capacity(len(sampled))
@@ -225,15 +247,22 @@ class ModelRunner:
     def _to_host(self, sampled: torch.Tensor, slot: int, step_id: int, reqs, slots) -> PendingStep:
         """D2H of the sampled ids into the slot's pinned buffer on the output stream."""
         host = self._host_ids[slot, : len(sampled)]
+        spec_dev, self._spec_out = self._spec_out, None  # a speculative step's runs [n, 2 + K] on the device
+        spec = None if spec_dev is None else replace(
+            spec_dev, host=torch.empty(spec_dev.host.shape, dtype=torch.int64, pin_memory=self.streams.cuda))
         if self.streams.cuda:
             self.streams.output_waits_for_compute()  # W3
             with self.streams.on_output_stream():
                 host.copy_(sampled, non_blocking=True)
+                if spec is not None:
+                    spec.host.copy_(spec_dev.host, non_blocking=True)
             done = self.streams.record("output")
         else:
             host.copy_(sampled)
+            if spec is not None:
+                spec.host.copy_(spec_dev.host)
             done = StepEvent()
-        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0))
+        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), spec=spec)
         self._pending[slot] = pending
         return pending
 
@@ -263,6 +292,17 @@ class ModelRunner:
             self.logits_processing.forget(rid)
             self._failed_ids.discard(rid)
 
+    def _resolve_for_speculation(self, plan: StepPlan) -> None:
+        """Drafts are proposed from every token of a request: before a step with drafts, or
+        after one (whose acceptance moves the next positions), wait for the unreported steps'
+        tokens (one host synchronisation; docs/speculative-decoding.md)."""
+        if self.speculator is None:
+            return
+        pending = [p for p in self._pending if p is not None]
+        if any(p.spec is not None for p in pending) or any(r.num_draft_tokens for r in plan.running):
+            for p in pending:
+                p.ids()
+
     def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
         """Requests that failed alone this step: forget them, skip their later deltas."""
         self._forget(tuple(newly))
@@ -272,6 +312,8 @@ class ModelRunner:
     def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> ScheduledBatch:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
         decodes, chunks = ScheduledBatch(), ScheduledBatch()
+        if self.speculator is not None:
+            self.speculator.batch = None
         for r in new:
             num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
@@ -289,13 +331,22 @@ class ModelRunner:
             if r.new_block_ids:
                 self.table.extend(state.row, r.new_block_ids)
                 state.block_ids.extend(r.new_block_ids)
-            if r.num_scheduled_tokens == 1:
+            n, placeholder = r.num_scheduled_tokens, r.input_is_placeholder
+            if r.num_draft_tokens:  # a speculative decode: its input is known once the last step resolved
+                n, placeholder = self._draft(state, r)
+            if n == 1:
                 d_states.append(state)
-                d_placeholder.append(r.input_is_placeholder)
+                d_placeholder.append(placeholder)
             else:
-                chunks.add(state, r.num_scheduled_tokens, r.input_is_placeholder)
+                chunks.add(state, n, placeholder)
         decodes.num_scheduled = [1] * len(d_states)
         return decodes + chunks if len(chunks) else decodes
+
+    def _draft(self, state: CachedRequest, r: RunningRequest) -> tuple[int, bool]:
+        """(tokens to compute, input is a placeholder) of a decode allowed drafts."""
+        if self.speculator is None or state.token_ids[-1] < 0:  # no proposer here: a plain decode
+            return 1, r.input_is_placeholder
+        return self.speculator.propose(state, r.num_draft_tokens), False
 
     # -- device work --------------------------------------------------------------------
 
