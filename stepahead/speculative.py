@@ -14,11 +14,13 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from stepahead.config import ConfigError
+
 MAX_SPECULATIVE_TOKENS = 32  # a sanity bound: K+1 tokens per decode are budgeted and reserved
 _KEYS = frozenset({"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max"})
 
 
-class SpeculativeConfigError(ValueError):
+class SpeculativeConfigError(ConfigError):
     """A --speculative-config that cannot be used; the message names the field."""
 
 
