@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.generation import ChoiceOutput
+from gateway.generation import ChoiceOutput, SpecUsage
 
 
 def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
@@ -23,6 +23,7 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | None = None
     num_tokens: int = 0
+    spec: SpecUsage = SpecUsage()
 
 
 class _Format:
@@ -46,6 +47,7 @@ class _Format:
             state.stop_reason = _stop_reason(out.stop_reason)
             self.prompt_tokens = choice.num_prompt_tokens
             self.cached_tokens = choice.num_cached_tokens
+            state.spec = choice.spec
         return state
 
     def usage(self) -> dict:
@@ -55,7 +57,18 @@ class _Format:
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            **self._spec_usage(),
         }
+
+    def _spec_usage(self) -> dict:
+        """Speculative decoding extras (stepahead's, absent when no draft was verified)."""
+        spec = sum((c.spec for c in self.choices), SpecUsage())
+        if not spec.draft_tokens:
+            return {}
+        return {"speculative_decoding": {
+            "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
+            "acceptance_rate": round(spec.acceptance_rate, 6),
+            "mean_accepted_length": round(spec.mean_accepted_length, 6)}}
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

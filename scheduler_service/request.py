@@ -77,6 +77,7 @@ class RequestEvent:
     # speculative decoding, on the final event: drafts verified and accepted over the request
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
 
 class Request:
@@ -108,6 +109,7 @@ class Request:
         "run_key",
         "num_draft_tokens",
         "num_accepted_tokens",
+        "num_spec_steps",
     )
 
     def __init__(
@@ -158,6 +160,7 @@ class Request:
         self.run_key: tuple = ()  # policy order while running (fixed when it starts running)
         self.num_draft_tokens = 0  # speculative decoding: drafts the worker proposed and verified
         self.num_accepted_tokens = 0  # ... and accepted (committed or not)
+        self.num_spec_steps = 0  # steps that verified at least one of its drafts
 
     def commit_token(self, token: int) -> None:
         self.output_token_ids.append(token)

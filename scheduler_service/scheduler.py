@@ -390,7 +390,8 @@ class Scheduler:
                 events.append(
                     RequestEvent(req.request_id, committed, reason, len(req.prompt_token_ids), req.num_cached_tokens,
                                  queue_time=req.queue_time if first else None,
-                                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens)
+                                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+                                 num_spec_steps=req.num_spec_steps)
                 )
         return events
 

@@ -159,6 +159,9 @@ def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.Tok
         num_prompt_tokens=event.num_prompt_tokens,
         num_cached_tokens=event.num_cached_tokens,
         message=event.message,
+        num_draft_tokens=event.num_draft_tokens,
+        num_accepted_tokens=event.num_accepted_tokens,
+        num_spec_steps=event.num_spec_steps,
     )
 
 

@@ -46,6 +46,7 @@ def settle(req: Request, num_tokens: int, num_drafts: int, result: StepResult) -
     if outcome is not None:
         req.num_draft_tokens += outcome.num_draft_tokens
         req.num_accepted_tokens += len(outcome.accepted_token_ids)
+        req.num_spec_steps += outcome.num_draft_tokens > 0
     return new
 
 

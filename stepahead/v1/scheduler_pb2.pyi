@@ -52,7 +52,7 @@ class EventBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "rejected", "message", "reject_code")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "rejected", "message", "reject_code", "num_draft_tokens", "num_accepted_tokens", "num_spec_steps")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,9 @@ class TokenEvent(_message.Message):
     REJECTED_FIELD_NUMBER: _ClassVar[int]
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     REJECT_CODE_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -69,14 +72,17 @@ class TokenEvent(_message.Message):
     rejected: bool
     message: str
     reject_code: RejectCode
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., rejected: _Optional[bool] = ..., message: _Optional[str] = ..., reject_code: _Optional[_Union[RejectCode, str]] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_spec_steps: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., rejected: _Optional[bool] = ..., message: _Optional[str] = ..., reject_code: _Optional[_Union[RejectCode, str]] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_spec_steps: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "device_busy_s", "num_sampled_tokens", "worker_attached")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "device_busy_s", "num_sampled_tokens", "worker_attached", "spec_num_draft_tokens", "spec_num_accepted_tokens")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +101,8 @@ class SchedulerStats(_message.Message):
     DEVICE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
     num_swapped: int
@@ -113,7 +121,9 @@ class SchedulerStats(_message.Message):
     device_busy_s: float
     num_sampled_tokens: int
     worker_attached: bool
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., device_busy_s: _Optional[float] = ..., num_sampled_tokens: _Optional[int] = ..., worker_attached: _Optional[bool] = ...) -> None: ...
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., device_busy_s: _Optional[float] = ..., num_sampled_tokens: _Optional[int] = ..., worker_attached: _Optional[bool] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ...) -> None: ...
 
 class GetModelRequest(_message.Message):
     __slots__ = ()
