@@ -156,7 +156,8 @@ class ModelRunner:
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
-        self._resolve_for_speculation(plan)
+        if self.speculator is not None:
+            self.speculator.resolve_before(plan, self._pending)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         with self.streams.on_compute_stream():
@@ -274,6 +275,7 @@ class ModelRunner:
             self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
         self._failed_ids.clear()
         self._pending = [None, None]
+        self._spec_out = None
         self._set_sampled([], self._sampled[0, :0])
         self.last_logits, self.last_logits_ids = None, ()
 
@@ -291,17 +293,6 @@ class ModelRunner:
                 self._num_min_tokens -= state.sampling.min_tokens > 0
             self.logits_processing.forget(rid)
             self._failed_ids.discard(rid)
-
-    def _resolve_for_speculation(self, plan: StepPlan) -> None:
-        """Drafts are proposed from every token of a request: before a step with drafts, or
-        after one (whose acceptance moves the next positions), wait for the unreported steps'
-        tokens (one host synchronisation; docs/speculative-decoding.md)."""
-        if self.speculator is None:
-            return
-        pending = [p for p in self._pending if p is not None]
-        if any(p.spec is not None for p in pending) or any(r.num_draft_tokens for r in plan.running):
-            for p in pending:
-                p.ids()
 
     def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
         """Requests that failed alone this step: forget them, skip their later deltas."""
@@ -333,7 +324,7 @@ class ModelRunner:
                 state.block_ids.extend(r.new_block_ids)
             n, placeholder = r.num_scheduled_tokens, r.input_is_placeholder
             if r.num_draft_tokens:  # a speculative decode: its input is known once the last step resolved
-                n, placeholder = self._draft(state, r)
+                n, placeholder = self.speculator.draft(state, r) if self.speculator else (1, placeholder)
             if n == 1:
                 d_states.append(state)
                 d_placeholder.append(placeholder)
@@ -341,12 +332,6 @@ class ModelRunner:
                 chunks.add(state, n, placeholder)
         decodes.num_scheduled = [1] * len(d_states)
         return decodes + chunks if len(chunks) else decodes
-
-    def _draft(self, state: CachedRequest, r: RunningRequest) -> tuple[int, bool]:
-        """(tokens to compute, input is a placeholder) of a decode allowed drafts."""
-        if self.speculator is None or state.token_ids[-1] < 0:  # no proposer here: a plain decode
-            return 1, r.input_is_placeholder
-        return self.speculator.propose(state, r.num_draft_tokens), False
 
     # -- device work --------------------------------------------------------------------
 

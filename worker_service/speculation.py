@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from stepahead.plan import SpecOutcome
+from stepahead.plan import RunningRequest, SpecOutcome, StepPlan
 from stepahead.speculative import SpeculativeConfig
 from worker_service.input_batch import CachedRequest
 from worker_service.ngram import propose_ngram
@@ -72,6 +72,21 @@ class Speculator:
         self.config = config
         self.eos_token_ids = eos_token_ids
         self.batch: SpecBatch | None = None  # the step being launched
+
+    def resolve_before(self, plan: StepPlan, pending: list) -> None:
+        """Drafts are proposed from every token of a request: before a step with drafts, or
+        after one (whose acceptance moves the next positions), wait for the unreported steps'
+        tokens (`PendingStep.ids`: one host synchronisation)."""
+        live = [p for p in pending if p is not None]
+        if any(p.spec is not None for p in live) or any(r.num_draft_tokens for r in plan.running):
+            for p in live:
+                p.ids()
+
+    def draft(self, state: CachedRequest, r: RunningRequest) -> tuple[int, bool]:
+        """(tokens to compute, input is a placeholder) of a decode the plan allows drafts."""
+        if state.token_ids[-1] < 0:  # not resolved (cannot happen after resolve_before): plain decode
+            return 1, r.input_is_placeholder
+        return self.propose(state, r.num_draft_tokens), False
 
     def propose(self, state: CachedRequest, allowed: int) -> int:
         """Append up to `allowed` drafts to the state's tokens; returns the tokens to compute."""
