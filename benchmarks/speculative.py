@@ -11,9 +11,11 @@ process, driven through the scheduler's in-flight window exactly as the daemons 
 step t+1 is launched before step t's ids are read). Per workload, every K runs the same
 greedy requests, interleaved over `--rounds` (drift on a shared machine hits all alike):
 
-- `repetitive` (code edits): the prompt is a document followed by its first tokens again:
-  the text to reproduce is in the prompt;
-- `random`: random prompts.
+- `repetitive` (code edits): the prompt is S + G + S, where G is the model's own greedy
+  continuation of a random S (`--doc-len` tokens): the text to reproduce is in the prompt,
+  and a model that continues S the same way again reproduces it (random-weight models
+  mostly do; `--model sim` accepts at its configured rate whatever the workload);
+- `random`: random prompts of `--doc-len` tokens.
 
 Reports output tokens/s (committed tokens / wall seconds; the sim: / modelled device
 seconds), steps, acceptance rate (accepted / proposed drafts) and mean accepted length
@@ -56,13 +58,13 @@ def build_runner(model: str, k: int, rate: float, num_blocks: int):
                        max_num_seqs=64, max_num_batched_tokens=2048)
 
 
-def workload(kind: str, n: int, vocab: int, doc_len: int, seed: int) -> list[list[int]]:
+def workload(kind: str, runner, n: int, vocab: int, doc_len: int, seed: int) -> list[list[int]]:
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
-        doc = [rng.randrange(vocab) for _ in range(doc_len)]
-        out.append(doc + doc[:16] if kind == "repetitive" else doc)
-    return out
+    if kind == "random":
+        return [[rng.randrange(vocab) for _ in range(doc_len)] for _ in range(n)]
+    seeds = [[rng.randrange(vocab) for _ in range(16)] for _ in range(n)]
+    own = run_once(runner, 0, seeds, doc_len)["outputs"]  # the model's continuation G of each S
+    return [s + own[f"r{i}"] + s for i, s in enumerate(seeds)]
 
 
 def run_once(runner, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
@@ -97,7 +99,7 @@ def run_once(runner, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
 def measure(args, kind: str) -> dict:
     runners = {k: build_runner(args.model, k, args.sim_acceptance_rate, args.num_blocks) for k in args.ks}
     vocab = min(r.vocab_size for r in runners.values())
-    prompts = workload(kind, args.batch, vocab, args.doc_len, seed=7)
+    prompts = workload(kind, runners[min(runners)], args.batch, vocab, args.doc_len, seed=7)
     runs = collections.defaultdict(list)
     for _ in range(args.rounds):
         for k, runner in runners.items():
@@ -126,12 +128,17 @@ def main() -> None:
     parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2, 4, 8])
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
-    parser.add_argument("--doc-len", type=int, default=160)
+    parser.add_argument("--doc-len", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--num-blocks", type=int, default=512)
     parser.add_argument("--sim-acceptance-rate", type=float, default=0.7)
+    parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    if args.model != "sim":
+        import torch
+
+        torch.set_num_threads(args.num_threads)
     result = dict(model=args.model, batch=args.batch, max_tokens=args.max_tokens, doc_len=args.doc_len,
                   rounds=args.rounds, greedy=True, async_scheduling=True)
     if args.model == "sim":
