@@ -331,6 +331,8 @@ class ModelRunner:
             else:
                 chunks.add(state, n, placeholder)
         decodes.num_scheduled = [1] * len(d_states)
+        if self.speculator is not None:
+            self.speculator.end_proposals()
         return decodes + chunks if len(chunks) else decodes
 
     # -- device work --------------------------------------------------------------------

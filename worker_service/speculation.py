@@ -99,6 +99,11 @@ class Speculator:
         state.token_ids.extend(drafts)
         return 1 + len(drafts)
 
+    def end_proposals(self) -> None:
+        """No draft proposed this step: it runs (and samples) as a plain step."""
+        if self.batch is not None and not any(self.batch.drafts.values()):
+            self.batch = None
+
     def strip(self, states: list[CachedRequest]) -> None:
         """Take the drafts off the token lists again (the inputs are built)."""
         if self.batch is None:
