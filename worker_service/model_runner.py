@@ -257,6 +257,7 @@ class ModelRunner:
                 host.copy_(sampled, non_blocking=True)
                 if spec is not None:
                     spec.host.copy_(spec_dev.host, non_blocking=True)
+                    spec_dev.host.record_stream(self.streams.output)  # not reused before the copy ran
             done = self.streams.record("output")
         else:
             host.copy_(sampled)
