@@ -91,7 +91,7 @@ def test_greedy_equals_plain_and_hugging_face(checkpoint):
         assert_matches_hf(plain.outputs[f"r{i}"], want.tokens[i], want.gaps[i], f"prompt {i}")
 
 
-@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, pytest.param(PreemptionMode.SWAP, marks=pytest.mark.slow)])
 def test_preemption_and_prefix_hits(checkpoint, mode):
     path, _ = checkpoint
     shared = repetitive_prompts(3, seed=2)[1]
