@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.speculative import MAX_SPECULATIVE_TOKENS
 
 
@@ -44,6 +45,7 @@ class SchedulerConfig:
     num_speculative_tokens: int = 0  # K of n-gram speculation (0: off): K+1 tokens budgeted per decode
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # token ids in submissions and results are checked against it
+    max_logprobs: int = MAX_LOGPROBS  # the worker's --max-logprobs (from its hello)
     max_queued_requests: int | None = None  # waiting requests at most; None = unbounded
     # score policy: score = w_priority * priority + w_length * remaining tokens
     #                       - w_wait * seconds waited; lowest score first.

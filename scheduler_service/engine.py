@@ -76,7 +76,7 @@ class _Stop:
 
 
 # Geometry every replica of one scheduler must share (requests move between them).
-_SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_size", "eos_token_ids")
+_SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs")
 
 
 class Engine:
@@ -140,14 +140,15 @@ class Engine:
         """Monotonic counters of the replicas lost so far (added to the live ones' totals)."""
         return self._carried_counts
 
-    def stats(self) -> SchedulerStats | None:
-        """Every replica's stats summed, counters including lost replicas' (None while none
-        is attached)."""
-        return self._call(lambda: sum_stats([r.scheduler.stats() for r in self._replicas.values()],
-                                            self._carried_counts))
+    def stats(self) -> tuple[SchedulerStats | None, dict[str, SchedulerStats]]:
+        """(every replica's stats summed, counters including lost replicas'; None while none
+        is attached) and each attached replica's own stats by worker id, in attach order:
+        one snapshot, taken between steps."""
+        def snapshot():
+            per = {r.name: r.scheduler.stats() for r in self._replicas.values()}
+            return sum_stats(list(per.values()), self._carried_counts), per
 
-    def replica_stats(self) -> dict[str, SchedulerStats]:
-        return self._call(lambda: {r.name: r.scheduler.stats() for r in self._replicas.values()})
+        return self._call(snapshot)
 
     def flight_records(self) -> list[tuple[str, list[StepRecord]]]:
         """(worker id, its recent steps) per attached replica: one trace lane each."""
@@ -295,6 +296,7 @@ class Engine:
             self._model = info
             self._router = Router(self.options.routing, info.block_size)
         self._replicas[handle] = Replica(handle, scheduler, self.options.recorder_steps)
+        handle.outbox.accept()
         self._log.info("worker_attached", replicas=len(self._replicas), **dataclasses.asdict(info))
         self.metrics.on_replica_attached(len(self._replicas))
         parked, self._parked = self._parked, {}

@@ -38,12 +38,20 @@ class PlanOutbox:
     written), or after `handoff_timeout_s`: the engine serves clients only after the
     device's next step is on its way, instead of racing 64 client threads for the GIL.
     `close(error)` ends the stream; `error` (a `WorkerRefused`) is what the writer reports.
+    `accept()` (the engine made the worker a replica) runs `on_accept` on the writer's
+    thread, before any plan: the servicer tells the worker there.
     """
 
-    def __init__(self, handoff_timeout_s: float = 0.05) -> None:
+    _ACCEPTED = object()
+
+    def __init__(self, handoff_timeout_s: float = 0.05, on_accept=lambda: None) -> None:
         self._queue: queue.Queue = queue.Queue()
         self._timeout = handoff_timeout_s
+        self._on_accept = on_accept
         self.error: WorkerRefused | None = None
+
+    def accept(self) -> None:
+        self._queue.put(self._ACCEPTED)
 
     def send(self, plan: StepPlan) -> None:
         written = threading.Event()
@@ -57,6 +65,9 @@ class PlanOutbox:
 
     def __iter__(self):
         while (item := self._queue.get()) is not None:
+            if item is self._ACCEPTED:
+                self._on_accept()
+                continue
             plan, written = item
             yield plan
             written.set()  # the consumer came back for the next one: this one is out

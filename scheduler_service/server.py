@@ -120,6 +120,7 @@ class SchedulerDaemonConfig:
             num_speculative_tokens=num_speculative_tokens(self.speculative_config),
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
+            max_logprobs=info.max_logprobs,
             max_queued_requests=self.max_queued_requests,
             score_priority_weight=self.score_priority_weight,
             score_wait_weight=self.score_wait_weight,
@@ -152,17 +153,22 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo, scope
 
 
 def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.TokenEvent:
-    return scheduler_pb2.TokenEvent(
+    msg = scheduler_pb2.TokenEvent(
         request_id=event.request_id[scope_len:],
         token_ids=event.new_token_ids,
         finish_reason=codec.finish_reason_to_proto(event.finish_reason),
         num_prompt_tokens=event.num_prompt_tokens,
         num_cached_tokens=event.num_cached_tokens,
         message=event.message,
+        logprobs=[codec.logprobs_to_proto(lp) for lp in event.logprobs],
         num_draft_tokens=event.num_draft_tokens,
         num_accepted_tokens=event.num_accepted_tokens,
         num_spec_steps=event.num_spec_steps,
     )
+    if event.prompt_logprobs is not None:
+        msg.prompt_logprobs_start = event.prompt_logprobs.start
+        msg.prompt_logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.prompt_logprobs.entries)
+    return msg
 
 
 REJECT_CODES = {
@@ -237,12 +243,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             session.put_many([Rejected(msg.request_id, str(exc), RejectCode.UNAVAILABLE)])
 
     def GetStats(self, request, context):
-        stats = self.engine.stats()
+        stats, per_replica = self.engine.stats()
         if stats is None:
             fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
             totals = {k: v for k, v in self.engine.carried_counts.items() if k in fields}
             return scheduler_pb2.SchedulerStats(worker_attached=False, **totals)
-        return stats_to_proto(stats)
+        msg = stats_to_proto(stats)
+        msg.replicas.extend(scheduler_pb2.ReplicaStats(worker_id=name, stats=stats_to_proto(s))
+                            for name, s in per_replica.items())
+        return msg
 
     def GetModel(self, request, context):
         info = self.engine.worker
@@ -266,7 +275,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             limits.check_worker_info(info)
         except limits.LimitError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
-        outbox = PlanOutbox()
+        outbox = PlanOutbox(on_accept=lambda: context.send_initial_metadata((daemon.ATTACH_ACCEPTED,)))
         context.add_callback(outbox.close)  # call over: end the writer
         handle = self.engine.attach_worker(info, outbox)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()

@@ -21,12 +21,18 @@ def draft_allowance(config: SchedulerConfig, req: Request, token_budget: int) ->
     output placeholders count 1 + k each and this step may add 1 + k more tokens.
     """
     k = config.num_speculative_tokens
-    if not k:
+    if not k or wants_logprobs(req):
         return 0
     pending = req.num_output_placeholders
     room_output = req.sampling.max_tokens - len(req.output_token_ids) - pending - 1
     room_length = config.max_model_len - req.num_tokens - pending - 1
     return max(0, min(k, token_budget - 1, room_output, room_length))
+
+
+def wants_logprobs(req: Request) -> bool:
+    """Logprobs are not computed on verified positions yet: such requests never speculate,
+    and a step holding one verifies no drafts (`StepBuilder.build`)."""
+    return req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None
 
 
 def settle(req: Request, num_tokens: int, num_drafts: int, result: StepResult) -> tuple[int, ...]:

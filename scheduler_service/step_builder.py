@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
-from scheduler_service.speculation import check_outcomes
+from stepahead.logprobs import MAX_LOGPROBS
+from scheduler_service.speculation import check_outcomes, wants_logprobs
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
 
 
@@ -30,7 +32,8 @@ class InFlightPlan:
     sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
     draft_allowance: dict[str, int] = field(default_factory=dict)  # speculating request -> drafts allowed
 
-    def check_result(self, result: StepResult, vocab_size: int | None = None) -> None:
+    def check_result(self, result: StepResult, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS
+                     ) -> None:
         """Tokens exactly for the requests that sample (stale or failed ones may be missing),
         each inside the vocabulary; failures only for requests of this plan. A result is a
         network message: raises ValueError naming what is wrong, before anything changes."""
@@ -50,6 +53,9 @@ class InFlightPlan:
             missing = {req.request_id for req, epoch, *_ in self.entries if req.request_id in missing and req.epoch == epoch}
         if missing:
             raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)[:8]}")
+        if result.logprobs or result.prompt_logprobs:
+            check_result_logprobs(result, tokens, {req.request_id for req, *_ in self.entries}, vocab_size,
+                                  max_logprobs)
 
     def _check_failed(self, result: StepResult) -> None:
         failed = result.failed
@@ -98,8 +104,11 @@ class StepBuilder:
         """Apply the schedule to the requests' counters and emit the plan."""
         new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
+        no_drafts = any(wants_logprobs(e.request) for e in self.entries.values())
         for entry in self.entries.values():
             req, n, drafts = entry.request, entry.num_new_tokens, entry.num_drafts
+            if drafts and no_drafts:  # the budget and blocks reserved for them stay unused this step
+                n, drafts = n - drafts, 0
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
             samples = end - drafts == req.num_tokens + req.num_output_placeholders

@@ -45,6 +45,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
+
 
 class FinishReason(enum.Enum):
     """Why a request (or one of its `n` sequences) ended: one type for scheduler and gateway.
@@ -79,6 +81,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 disables; > 1 discourages repeats
     presence_penalty: float = 0.0  # 0 disables
     frequency_penalty: float = 0.0  # 0 disables
+    # Raw logprobs (`stepahead.logprobs`): None = none; 0 = the sampled token's; k = also the top k.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     @property
     def greedy(self) -> bool:
@@ -171,6 +176,8 @@ class StepResult:
     # request id -> reason: requests that failed alone on the worker (bad sampling row,
     # sampling error); they sampled nothing and the worker forgot them.
     failed: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> its sampled token's
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # request id -> this chunk's
     # request id -> outcome, for requests that were allowed drafts; their committed tokens
     # this step are the accepted drafts followed by the sampled token.
     speculation: dict[str, SpecOutcome] = field(default_factory=dict)
@@ -197,3 +204,4 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the largest logprobs / prompt_logprobs k served

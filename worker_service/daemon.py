@@ -24,9 +24,11 @@ from prometheus_client import REGISTRY, start_http_server
 from stepahead.speculative import parse_speculative_config
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import WorkerInfo
 from worker_service.metrics import WorkerMetrics
 from worker_service.attention_names import AttentionBackendName
+from worker_service.health import NoHealth, WorkerHealth
 from stepahead.security import SchedulerClientConfig
 
 
@@ -55,6 +57,9 @@ class WorkerConfig(SchedulerClientConfig):
         AttentionBackendName.TORCH, "paged attention: torch (reference) or paged (device-side decode "
         "metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
+    max_logprobs: int = cfg.field(
+        MAX_LOGPROBS, "largest logprobs / prompt_logprobs k a request may ask for (announced to the scheduler "
+        "and gateways, which refuse larger ones)")
     speculative_config: str | None = cfg.field(
         None, "n-gram speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
               "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' (docs/speculative-decoding.md)")
@@ -65,6 +70,10 @@ class WorkerConfig(SchedulerClientConfig):
     )
     reconnect_max_backoff_s: float = cfg.field(5.0, "longest wait between attach attempts")
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
+    health_port: int | None = cfg.field(
+        None, "serve gRPC health (grpc.health.v1) on this port for readiness probes: SERVING while attached "
+        "to a scheduler, NOT_SERVING while loading, re-attaching or draining (off when unset)")
+    health_host: str = cfg.field("127.0.0.1", "address --health-port listens on (0.0.0.0 for Kubernetes probes)")
     log_level: str = cfg.field("info", "log level")
 
 
@@ -101,6 +110,7 @@ def build_runner(config: WorkerConfig):
         seed=config.seed,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        max_logprobs=config.max_logprobs,
         attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
                                        config.block_size),
         speculative_config=parse_speculative_config(config.speculative_config),
@@ -121,6 +131,7 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
         max_model_len=runner.max_model_len,
         vocab_size=runner.vocab_size,
         eos_token_ids=tuple(runner.eos_token_ids),
+        max_logprobs=getattr(runner, "max_logprobs", 0),
     )
 
 
@@ -224,14 +235,16 @@ class _StopWatch:
 
     GRACE_S = 2.0
 
-    def __init__(self, stop: threading.Event) -> None:
+    def __init__(self, stop: threading.Event, on_stop=lambda: None) -> None:
         self._lock = threading.Lock()
         self._session = None
         self._stopped = False
+        self._on_stop = on_stop
         threading.Thread(target=self._watch, args=(stop,), name="stop-watch", daemon=True).start()
 
     def _watch(self, stop: threading.Event) -> None:
         stop.wait()
+        self._on_stop()  # draining: not ready any more
         with self._lock:
             self._stopped = True
             if self._session is not None:
@@ -251,8 +264,9 @@ class _StopWatch:
 
 
 def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
-                metrics: WorkerMetrics | None = None) -> None:
-    """One attach session: hello, then execute plans until the stream ends."""
+                metrics: WorkerMetrics | None = None, health: WorkerHealth | NoHealth = NoHealth()) -> None:
+    """One attach session: hello, then execute plans until the stream ends. Health is
+    SERVING from the scheduler's acceptance (initial metadata) until the stream ends."""
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     outbox: queue.Queue = queue.Queue()
@@ -262,12 +276,15 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
     log.info("attached", worker_id=info.worker_id)
     pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel, metrics=metrics)
     try:
+        if daemon.ATTACH_ACCEPTED in (responses.initial_metadata() or ()):  # blocks until accepted or refused
+            health.attached()
         for msg in responses:
             pipeline.submit(msg.plan, time.time())
     except Exception:
         if pipeline.error is None:
             raise  # the stream broke (scheduler gone or refused us): the caller logs it
     finally:
+        health.detached()
         watch.track(None)
         pipeline.close()
         responses.cancel()
@@ -276,21 +293,21 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
         raise pipeline.error
 
 
-def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
+def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth | NoHealth = NoHealth()) -> None:
     import grpc
 
     runner, model_dir = build_runner(config)
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
-    watch = _StopWatch(stop)
+    watch = _StopWatch(stop, on_stop=health.stopping)
     backoff, failures = 0.05, 0
     while not stop.is_set():
         with config.scheduler_channel(config.scheduler) as channel:
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
                 backoff = 0.05
-                attach_once(channel, runner, info, watch, log, metrics)
+                attach_once(channel, runner, info, watch, log, metrics, health)
                 failures = 0
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
                 failures += 1
@@ -320,5 +337,15 @@ def run(args: argparse.Namespace) -> int:
     stop = daemon.install_stop_handlers()
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, registry=REGISTRY)
-    serve(config, stop, log)
+    try:  # up before the model loads: a probe sees NOT_SERVING, not a refused connection
+        health = WorkerHealth(config.health_host, config.health_port) if config.health_port is not None else NoHealth()
+    except RuntimeError as exc:  # grpc cannot bind the port
+        log.error("bad_configuration", error=f"--health-port {config.health_port}: {exc}")
+        return 2
+    if health.port is not None:
+        log.info("health_listening", address=f"{config.health_host}:{health.port}")
+    try:
+        serve(config, stop, log, health)
+    finally:
+        health.close()
     return 0

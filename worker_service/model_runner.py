@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, SpecOutcome, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
@@ -30,6 +31,7 @@ from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing
+from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
@@ -52,6 +54,7 @@ class PendingStep:
     done: StepEvent
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+    logprobs: StepLogprobs | None = None  # the step's logprob copies (None: no row asked)
     spec: SpecOutputs | None = None  # a speculative step's runs (resolved into the token lists once)
     outcomes: dict[str, SpecOutcome] = field(default_factory=dict)
     _ids: list[int] | None = None
@@ -76,8 +79,9 @@ class PendingStep:
     def wait(self) -> StepResult:
         """Block until the ids are on the host and in the token lists."""
         ids = self.ids()
+        lp, prompt_lp = self.logprobs.collect(self.failed) if self.logprobs else ({}, {})
         return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
-                          self.outcomes)
+                          lp, prompt_lp, self.outcomes)
 
 
 class ModelRunner:
@@ -87,7 +91,8 @@ class ModelRunner:
                  num_host_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 pad_decode_batches: bool | None = None, speculative_config: SpeculativeConfig | None = None):
+                 pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
+                 speculative_config: SpeculativeConfig | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -106,6 +111,8 @@ class ModelRunner:
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
+        self.logprobs = LogprobsTracker(self.device)
+        self.max_logprobs = min(max_logprobs, self.vocab_size)  # --max-logprobs
         self.streams = DeviceStreams(self.device)
         self.speculator = Speculator(speculative_config, self.eos_token_ids) if speculative_config else None
         self._spec_out: SpecOutputs | None = None  # between verification and the D2H copy
@@ -136,6 +143,7 @@ class ModelRunner:
         self._prev_sampled = self._sampled[0, :0]  # [n] last step's ids (a view of one slot)
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
         self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
+        self._step_lp: StepLogprobs | None = None  # the launching step's logprob work
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
         self.streams.wait_for_constructor()  # W0
@@ -155,7 +163,7 @@ class ModelRunner:
         prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
-        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, self.max_logprobs)
         if self.speculator is not None:
             self.speculator.resolve_before(plan, self._pending)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
@@ -172,6 +180,7 @@ class ModelRunner:
             slot = self._num_launched & 1
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
+            self._step_lp = self.logprobs.begin_step(sched)  # None when no live request asks
             if self.speculator is not None and self.speculator.batch is not None:
                 self.speculator.strip(sched.states)  # drafts leave the token lists; rows for each position
                 inputs = replace(inputs, logits_indices=self.speculator.logits_indices(inputs.sampling_reqs,
@@ -181,7 +190,7 @@ class ModelRunner:
             forward_start = time.time()
             sampled, reqs = self._device_step(inputs, slot, failed)
             slots = self._reserve_slots(reqs)
-            pending = self._to_host(sampled, slot, plan.step_id, reqs, slots)
+            pending = self._to_host(sampled, slot, plan.step_id, reqs, slots, self._step_lp)
             pending.failed = failed
         forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
         pending.timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
@@ -245,8 +254,9 @@ class ModelRunner:
         if old is not None:
             old.ids()
 
-    def _to_host(self, sampled: torch.Tensor, slot: int, step_id: int, reqs, slots) -> PendingStep:
-        """D2H of the sampled ids into the slot's pinned buffer on the output stream."""
+    def _to_host(self, sampled: torch.Tensor, slot: int, step_id: int, reqs, slots,
+                 lp: StepLogprobs | None) -> PendingStep:
+        """D2H of the sampled ids (and logprobs) into pinned buffers on the output stream."""
         host = self._host_ids[slot, : len(sampled)]
         spec_dev, self._spec_out = self._spec_out, None  # a speculative step's runs [n, 2 + K] on the device
         spec = None if spec_dev is None else replace(
@@ -258,13 +268,18 @@ class ModelRunner:
                 if spec is not None:
                     spec.host.copy_(spec_dev.host, non_blocking=True)
                     spec_dev.host.record_stream(self.streams.output)  # not reused before the copy ran
+                if lp is not None:
+                    lp.to_host(pinned=True)
             done = self.streams.record("output")
         else:
             host.copy_(sampled)
             if spec is not None:
                 spec.host.copy_(spec_dev.host)
+            if lp is not None:
+                lp.to_host(pinned=False)
             done = StepEvent()
-        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), spec=spec)
+        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), logprobs=lp,
+                              spec=spec)
         self._pending[slot] = pending
         return pending
 
@@ -292,6 +307,7 @@ class ModelRunner:
             if state is not None:
                 self.table.free(state.row)
                 self._num_min_tokens -= state.sampling.min_tokens > 0
+                self.logprobs.forget(state)
             self.logits_processing.forget(rid)
             self._failed_ids.discard(rid)
 
@@ -314,6 +330,7 @@ class ModelRunner:
             self.requests[r.request_id] = state
             self.logits_processing.register(r.request_id, r.sampling, r.token_ids, num_prompt)
             self._num_min_tokens += r.sampling.min_tokens > 0
+            self.logprobs.register(state)
             n = r.num_scheduled_tokens
             (decodes if n == 1 else chunks).add(state, n, False)
         requests = self.requests
@@ -348,6 +365,8 @@ class ModelRunner:
         cos, sin = self.rotary.lookup(inputs.meta.positions)
         ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin)
         hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
+        if self._step_lp is not None:
+            self._step_lp.prompt(hidden, self.model.compute_logits)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]
@@ -362,11 +381,16 @@ class ModelRunner:
         self.last_logits_ids = tuple(r.request_id for r in reqs)
         if not reqs:
             return torch.zeros(0, dtype=torch.int64, device=self.device), [], {}
+        if self._step_lp is not None:
+            self._step_lp.raw(logits, reqs)  # raw logprobs: before the stop mask, bias and penalties
         self._mask_stops_before_min_tokens(logits, reqs)
         try:
-            return self._sample_rows(logits, reqs), reqs, {}
+            out = self._sample_rows(logits, reqs), reqs, {}
         except Exception:  # isolated below, row by row; each failure is reported with its reason
-            return self._sample_each_row(logits, reqs)
+            out = self._sample_each_row(logits, reqs)
+        if self._step_lp is not None:
+            self._step_lp.sampled(out[0], reqs, out[1])
+        return out
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
         # each row passed stepahead.limits when its request was admitted (split_bad_sampling_rows)

@@ -98,7 +98,9 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AttachWorker(self, request_iterator, context):
-        """Opened by a worker: hello then step results up; step plans down.
+        """Opened by a worker: hello then step results up; step plans down. Once the worker is
+        a replica the scheduler sends the initial metadata `stepahead-attach: accepted` (a
+        refused worker gets an error status instead); the worker's health reports SERVING then.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

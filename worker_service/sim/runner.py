@@ -60,7 +60,7 @@ class SimPendingStep:
             time.sleep(delay)  # releases the GIL; no CPU while the "device" computes
         timing = WorkerTiming(self.timing.plan_received, self.timing.prep_start, self.timing.forward_start,
                               self.deadline + self.wall_offset, 0.0, self.busy_s)
-        return StepResult(self.step_id, self.sampled, timing, self.failed, self.speculation)
+        return StepResult(self.step_id, self.sampled, timing, self.failed, speculation=self.speculation)
 
 
 class SimRunner:
@@ -131,7 +131,7 @@ class SimRunner:
         for rid in (*plan.finished_ids, *plan.preempted_ids):
             self.requests.pop(rid, None)
             self._failed_ids.discard(rid)
-        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, max_logprobs=None)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
                    block_size=self.block_size, max_model_len=self.max_model_len)
         for _, host in plan.swap_out:
