@@ -139,3 +139,28 @@ def test_penalties_and_min_tokens(checkpoint):
         e = run(path, 3, async_on, requests)
         assert e.outputs == plain.outputs
     assert plain.outputs["r0"] != probe.outputs["r0"], "the penalty changed nothing: a weak test"
+
+
+def test_logprobs_requests_do_not_speculate(checkpoint):
+    """Verified positions carry no logprobs yet: a step holding a request that asks for them
+    verifies no drafts, and that request still gets its logprobs (one per token)."""
+    path, _ = checkpoint
+    prompts = repetitive_prompts(3, seed=6)
+    requests = [(prompts[0], greedy(max_tokens=5, logprobs=2)), (prompts[1], greedy()), (prompts[2], greedy())]
+    plain = run(path, 0, True, requests)
+    e = engine(path, 4, True)
+    for i, (prompt, sampling) in enumerate(requests):
+        e.add(Request(f"r{i}", prompt, sampling))
+    logprobs = []
+    while e.scheduler.has_unfinished_requests() or e.pending:
+        for event in e.step():
+            if event.request_id == "r0":
+                assert len(event.logprobs) == len(event.new_token_ids)
+                logprobs += event.logprobs
+    e.assert_no_leaks()
+    assert e.outputs == plain.outputs
+    assert len(logprobs) == 5
+    for plan in e.plans:
+        if any(r.request_id == "r0" for r in (*plan.new_requests, *plan.running)):
+            assert not any(r.num_draft_tokens for r in plan.running), plan.step_id
+    assert any(r.num_draft_tokens for p in e.plans for r in p.running), "the others speculated once r0 was done"
