@@ -42,6 +42,28 @@ class Rejected(Exception):
 
 
 @dataclass(frozen=True)
+class SpecUsage:
+    """Speculative decoding totals of one sequence (all zero when it never verified drafts)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    steps: int = 0  # steps that verified at least one draft
+
+    def __add__(self, other: SpecUsage) -> SpecUsage:
+        return SpecUsage(self.draft_tokens + other.draft_tokens, self.accepted_tokens + other.accepted_tokens,
+                         self.steps + other.steps)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens per drafting step: 1 + accepted drafts per step (vLLM's mean acceptance length)."""
+        return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(frozen=True)
 class ChoiceOutput:
     """One processed upstream event for choice `index` of a request."""
 
@@ -50,6 +72,7 @@ class ChoiceOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""  # with FinishReason.ERROR: what failed
+    spec: SpecUsage = SpecUsage()  # speculative decoding totals
 
 
 def derived_seed(seed: int | None, index: int) -> int | None:
@@ -111,7 +134,8 @@ class Generation:
             self._close(rid)
             self._metrics.observe_finished(self._transport, out, time.monotonic() - self._start)
         error = event.message if out.finish_reason is FinishReason.ERROR else ""
-        return ChoiceOutput(index, out, event.num_prompt_tokens, event.num_cached_tokens, error)
+        spec = SpecUsage(event.num_draft_tokens, event.num_accepted_tokens, event.num_spec_steps)
+        return ChoiceOutput(index, out, event.num_prompt_tokens, event.num_cached_tokens, error, spec)
 
     def abort(self, upstream_ids: list[str] | None = None) -> None:
         """Abort every unfinished choice upstream (client gone, or an error)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from gateway.generation import ChoiceOutput
+from gateway.generation import ChoiceOutput, SpecUsage
 from gateway.openai_logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 
 
@@ -25,6 +25,7 @@ class _Choice:
     stop_reason: str | None = None
     num_tokens: int = 0
     logprobs: list = field(default_factory=list)  # per output: a completions logprobs dict / chat content items
+    spec: SpecUsage = SpecUsage()
 
 
 class _Format:
@@ -49,6 +50,7 @@ class _Format:
             state.stop_reason = _stop_reason(out.stop_reason)
             self.prompt_tokens = choice.num_prompt_tokens
             self.cached_tokens = choice.num_cached_tokens
+            state.spec = choice.spec
         return state
 
     def usage(self) -> dict:
@@ -58,7 +60,18 @@ class _Format:
             "completion_tokens": completion,
             "total_tokens": self.prompt_tokens + completion,
             "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            **self._spec_usage(),
         }
+
+    def _spec_usage(self) -> dict:
+        """Speculative decoding extras (stepahead's, absent when no draft was verified)."""
+        spec = sum((c.spec for c in self.choices), SpecUsage())
+        if not spec.draft_tokens:
+            return {}
+        return {"speculative_decoding": {
+            "draft_tokens": spec.draft_tokens, "accepted_tokens": spec.accepted_tokens,
+            "acceptance_rate": round(spec.acceptance_rate, 6),
+            "mean_accepted_length": round(spec.mean_accepted_length, 6)}}
 
     def _envelope(self, obj: str, choices: list[dict]) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices}

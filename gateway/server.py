@@ -178,6 +178,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 prompt_tokens=choice.num_prompt_tokens,
                 completion_tokens=out.num_output_tokens,
                 cached_tokens=choice.num_cached_tokens,
+                spec_draft_tokens=choice.spec.draft_tokens,
+                spec_accepted_tokens=choice.spec.accepted_tokens,
+                spec_acceptance_rate=choice.spec.acceptance_rate,
+                spec_mean_accepted_length=choice.spec.mean_accepted_length,
             ),
         )
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from stepahead.logprobs import MAX_LOGPROBS
+from stepahead.speculative import MAX_SPECULATIVE_TOKENS
 
 
 class SchedulingPolicy(str, Enum):
@@ -41,6 +42,7 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     async_scheduling: bool = True
     max_concurrent_batches: int = 2
+    num_speculative_tokens: int = 0  # K of n-gram speculation (0: off): K+1 tokens budgeted per decode
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # token ids in submissions and results are checked against it
     max_logprobs: int = MAX_LOGPROBS  # the worker's --max-logprobs (from its hello)
@@ -66,6 +68,9 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.max_concurrent_batches < 1:
             raise ValueError(f"max_concurrent_batches must be >= 1, got {self.max_concurrent_batches}")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be in [0, {MAX_SPECULATIVE_TOKENS}], "
+                             f"got {self.num_speculative_tokens}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"without chunked prefill max_num_batched_tokens ({self.max_num_batched_tokens}) must be "

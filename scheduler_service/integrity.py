@@ -15,7 +15,8 @@ def _require(ok: bool, req: Request, what: str) -> None:
         raise AssertionError(f"{req!r}: {what}")
 
 
-def check_request(req: Request, block_size: int, max_model_len: int, num_in_flight: int) -> None:
+def check_request(req: Request, block_size: int, max_model_len: int, num_in_flight: int,
+                  num_speculative_tokens: int = 0) -> None:
     _require(
         req.num_scheduled_tokens >= req.num_computed_tokens >= req.num_committed_tokens,
         req, "scheduled >= computed >= committed violated",
@@ -26,7 +27,8 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
         req, "committed output + placeholders exceed max_tokens",
     )
     _require(req.num_known_tokens <= max_model_len, req, "longer than max_model_len")
-    _require(0 <= req.num_output_placeholders <= num_in_flight, req, "more placeholders than plans in flight")
+    _require(0 <= req.num_output_placeholders <= num_in_flight * (1 + num_speculative_tokens), req,
+             "more placeholders than plans in flight can produce")
     _require(len(set(req.block_ids)) == len(req.block_ids), req, "a block appears twice in its table")
     match req.status:
         case RequestStatus.RUNNING:
@@ -70,7 +72,7 @@ def check_core(config, requests: Mapping[str, Request], running, swapped, waitin
     """A scheduler core's whole state: requests, pools vs owners, queues, plan order."""
     refs, host_refs = Counter(), Counter()
     for req in requests.values():
-        check_request(req, config.block_size, config.max_model_len, len(in_flight))
+        check_request(req, config.block_size, config.max_model_len, len(in_flight), config.num_speculative_tokens)
         refs.update(req.block_ids)
         host_refs.update(req.host_block_ids)
     kv.device.check_integrity(refs)

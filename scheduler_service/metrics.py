@@ -35,6 +35,8 @@ _COUNTERS = {
     "prefix_query_tokens": ("prefix_cache_queries", "prompt tokens looked up in the prefix cache"),
     "num_preemptions": ("num_preemptions", "preemptions"),
     "num_steps": ("scheduler_steps", "steps committed"),
+    "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "speculative decoding: draft tokens verified"),
+    "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "speculative decoding: draft tokens accepted"),
 }
 
 

@@ -77,6 +77,10 @@ class RequestEvent:
     queue_time: float | None = None  # on the first token's event: arrival to first scheduled
     logprobs: tuple[Logprobs, ...] = ()  # with sampling.logprobs: one per new token
     prompt_logprobs: PromptLogprobs | None = None  # newly computed prompt positions (never twice)
+    # speculative decoding, on the final event: drafts verified and accepted over the request
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
 
 class Request:
@@ -107,6 +111,9 @@ class Request:
         "queue_token",
         "run_key",
         "prompt_logprobs_end",
+        "num_draft_tokens",
+        "num_accepted_tokens",
+        "num_spec_steps",
     )
 
     def __init__(
@@ -156,6 +163,9 @@ class Request:
         self.queue_token: int | None = None  # live entry in the waiting queue
         self.run_key: tuple = ()  # policy order while running (fixed when it starts running)
         self.prompt_logprobs_end = 1  # prompt logprobs delivered for positions [1, end)
+        self.num_draft_tokens = 0  # speculative decoding: drafts the worker proposed and verified
+        self.num_accepted_tokens = 0  # ... and accepted (committed or not)
+        self.num_spec_steps = 0  # steps that verified at least one of its drafts
 
     def commit_token(self, token: int) -> None:
         self.output_token_ids.append(token)

@@ -23,6 +23,7 @@ from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
 from scheduler_service.logprob_events import logprobs_of, take_prompt_logprobs
 from scheduler_service.policy import WaitingQueue, make_policy
+from scheduler_service.speculation import draft_allowance, settle
 from scheduler_service.request import (
     FINISHED_STATUS,
     FinishReason,
@@ -160,12 +161,14 @@ class Scheduler:
             req = running[i]
             remaining = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
             n = num_new_tokens(self.config, req, remaining, b.token_budget)
+            drafts = draft_allowance(self.config, req, b.token_budget) if n == remaining == 1 else 0
+            n += drafts
             if n:
                 first_new_block = len(req.block_ids)
                 end = req.num_scheduled_tokens + n
                 outcome = _Admission.OK if end <= first_new_block * bs else self._reserve(req, end, b)
                 if outcome is _Admission.OK:
-                    b.add(req, n, False, first_new_block)
+                    b.add(req, n, False, first_new_block, drafts)
                 deferred |= outcome is _Admission.WAIT_FENCE
             if req.status is RequestStatus.RUNNING:
                 i += 1  # otherwise it preempted itself, and it was the last one
@@ -339,35 +342,52 @@ class Scheduler:
         self._counts["num_steps"] += 1
         self._counts["device_busy_s"] += result.timing.device_busy_s
         self._counts["num_sampled_tokens"] += len(result.sampled_token_ids)
+        for outcome in result.speculation.values():
+            self._counts["spec_num_draft_tokens"] += outcome.num_draft_tokens
+            self._counts["spec_num_accepted_tokens"] += len(outcome.accepted_token_ids)
         events, tokens, failed = [], result.sampled_token_ids, result.failed
         caching, bs = self.config.enable_prefix_caching, self.config.block_size
-        for req, epoch, num_tokens, samples in record.entries:
+        for req, epoch, num_tokens, samples, drafts in record.entries:
             if req.epoch != epoch:
                 continue  # preempted, finished or aborted since the plan was built: stale
             if failed and req.request_id in failed:
                 self._finish(req, FinishReason.ERROR)
                 events.append(self._event(req, (), FinishReason.ERROR, f"worker: {failed[req.request_id]}"))
                 continue
-            req.num_computed_tokens += num_tokens
             prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
-            if samples:
+            if not samples:
+                req.num_computed_tokens += num_tokens
+            elif drafts:
+                committed, reason = self._commit_run(req, settle(req, num_tokens, drafts, result))
+            else:
+                req.num_computed_tokens += num_tokens
                 req.num_output_placeholders -= 1
-                req.commit_token(tokens[req.request_id])
+                committed, reason = self._commit_run(req, (tokens[req.request_id],))
             if caching and min(req.num_computed_tokens, req.num_tokens) >= (len(req.prefix_ids) + 1) * bs:
                 self._kv.register_computed(req)
             if samples:
-                token = tokens[req.request_id]
-                reason = stop_reason(self.config, self._eos, req, token)
+                first = req.num_output_tokens == len(committed)
                 if reason is not None:
                     self._finish(req, reason)
                 events.append(
-                    RequestEvent(req.request_id, (token,), reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                 queue_time=req.queue_time if req.num_output_tokens == 1 else None,
-                                 logprobs=logprobs_of(result, req.request_id), prompt_logprobs=prompt_lp)
+                    RequestEvent(req.request_id, committed, reason, len(req.prompt_token_ids), req.num_cached_tokens,
+                                 queue_time=req.queue_time if first else None,
+                                 logprobs=logprobs_of(result, req.request_id), prompt_logprobs=prompt_lp,
+                                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
+                                 num_spec_steps=req.num_spec_steps)
                 )
             elif prompt_lp is not None:
                 events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
         return events
+
+    def _commit_run(self, req: Request, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
+        """Commit a step's tokens in order, up to the first that finishes the request."""
+        for i, token in enumerate(new):
+            req.commit_token(token)
+            reason = stop_reason(self.config, self._eos, req, token)
+            if reason is not None:
+                return new[: i + 1], reason
+        return new, None
 
     @staticmethod
     def _event(req: Request, tokens: tuple[int, ...], reason: FinishReason | None, message: str = "") -> RequestEvent:

@@ -34,6 +34,7 @@ from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import QueueFull, RequestEvent, RequestRejected
+from stepahead.speculative import num_speculative_tokens
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
@@ -55,6 +56,9 @@ class SchedulerDaemonConfig:
     preemption_mode: PreemptionMode = cfg.field(PreemptionMode.RECOMPUTE, "what preemption does to KV")
     async_scheduling: bool = cfg.field(True, "plan step t+1 while step t runs")
     max_concurrent_batches: int = cfg.field(2, "plans in flight at most in async mode")
+    speculative_config: str | None = cfg.field(
+        None, "n-gram speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+              "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' (docs/speculative-decoding.md)")
     max_queued_requests: int | None = cfg.field(
         4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name)"
     )
@@ -114,6 +118,7 @@ class SchedulerDaemonConfig:
             preemption_mode=self.preemption_mode,
             async_scheduling=self.async_scheduling,
             max_concurrent_batches=self.max_concurrent_batches,
+            num_speculative_tokens=num_speculative_tokens(self.speculative_config),
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
             max_logprobs=info.max_logprobs,
@@ -157,6 +162,9 @@ def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.Tok
         num_cached_tokens=event.num_cached_tokens,
         message=event.message,
         logprobs=[codec.logprobs_to_proto(lp) for lp in event.logprobs],
+        num_draft_tokens=event.num_draft_tokens,
+        num_accepted_tokens=event.num_accepted_tokens,
+        num_spec_steps=event.num_spec_steps,
     )
     if event.prompt_logprobs is not None:
         msg.prompt_logprobs_start = event.prompt_logprobs.start
@@ -337,6 +345,7 @@ def build_server(
     config: SchedulerDaemonConfig, log, on_fatal=lambda: None
 ) -> tuple[grpc.Server, Engine, int]:
     config.check_exposure()
+    num_speculative_tokens(config.speculative_config)  # a bad --speculative-config fails here, named
     interceptors = [security.cluster_interceptor(config.cluster_token)] if config.cluster_token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), interceptors=interceptors)
     health = daemon.Health(server, [SERVICE_NAME], reflect=config.enable_reflection)

@@ -29,6 +29,8 @@ class SchedulerStats:
     num_in_flight: int
     device_busy_s: float  # sum of the committed results' WorkerTiming.device_busy_s
     num_sampled_tokens: int  # tokens the device sampled so far (stale ones included)
+    spec_num_draft_tokens: int = 0  # speculative decoding: drafts proposed and verified
+    spec_num_accepted_tokens: int = 0  # ... and accepted
 
 
 def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiting: int, num_swapped: int,
@@ -54,6 +56,8 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         num_in_flight=num_in_flight,
         device_busy_s=counts["device_busy_s"],
         num_sampled_tokens=counts["num_sampled_tokens"],
+        spec_num_draft_tokens=counts["spec_num_draft_tokens"],
+        spec_num_accepted_tokens=counts["spec_num_accepted_tokens"],
     )
 
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
 from stepahead.logprobs import MAX_LOGPROBS
+from scheduler_service.speculation import check_outcomes, wants_logprobs
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
 
 
@@ -16,11 +17,12 @@ class ScheduledEntry:
     num_new_tokens: int
     is_new: bool  # sent in full as a NewRequest (admitted, resumed or swapped in)
     first_new_block: int  # index of the first block the worker has not seen yet
+    num_drafts: int = 0  # speculative decode: drafts the worker may verify (num_new_tokens = 1 + this)
 
 
-# One request's part of an in-flight plan: (request, epoch, num_tokens, samples). Stale
-# once the request's epoch moved on (preempted / finished / aborted). A tuple: hot path.
-InFlightEntry = tuple[Request, int, int, bool]
+# One request's part of an in-flight plan: (request, epoch, num_tokens, samples, num_drafts).
+# Stale once the request's epoch moved on (preempted / finished / aborted). A tuple: hot path.
+InFlightEntry = tuple[Request, int, int, bool, int]
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,7 @@ class InFlightPlan:
     step_id: int
     entries: tuple[InFlightEntry, ...]
     sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
+    draft_allowance: dict[str, int] = field(default_factory=dict)  # speculating request -> drafts allowed
 
     def check_result(self, result: StepResult, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS
                      ) -> None:
@@ -42,11 +45,12 @@ class InFlightPlan:
             bad = [t for t in tokens.values() if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
+        check_outcomes(result, self.draft_allowance, vocab_size)
         if failed:
             self._check_failed(result)
         missing = self.sampling_ids - tokens.keys() - failed.keys()
         if missing:  # only fresh entries must have a token
-            missing = {req.request_id for req, epoch, _, _ in self.entries if req.request_id in missing and req.epoch == epoch}
+            missing = {req.request_id for req, epoch, *_ in self.entries if req.request_id in missing and req.epoch == epoch}
         if missing:
             raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)[:8]}")
         if result.logprobs or result.prompt_logprobs:
@@ -58,7 +62,7 @@ class InFlightPlan:
         both = failed.keys() & result.sampled_token_ids.keys()
         if both:
             raise ValueError(f"result {result.step_id} has both a token and a failure for {sorted(both)[:8]}")
-        unknown = failed.keys() - {req.request_id for req, _, _, _ in self.entries}
+        unknown = failed.keys() - {req.request_id for req, *_ in self.entries}
         if unknown:
             raise ValueError(f"result {result.step_id} reports failures of requests it did not run: {sorted(unknown)[:8]}")
 
@@ -73,9 +77,11 @@ class StepBuilder:
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
 
-    def add(self, request: Request, num_new_tokens: int, is_new: bool, first_new_block: int) -> None:
-        assert num_new_tokens > 0 and request.request_id not in self.entries
-        self.entries[request.request_id] = ScheduledEntry(request, num_new_tokens, is_new, first_new_block)
+    def add(self, request: Request, num_new_tokens: int, is_new: bool, first_new_block: int,
+            num_drafts: int = 0) -> None:
+        assert num_new_tokens > num_drafts >= 0 and request.request_id not in self.entries
+        self.entries[request.request_id] = ScheduledEntry(request, num_new_tokens, is_new, first_new_block,
+                                                          num_drafts)
         self.token_budget -= num_new_tokens
         self.seq_budget -= 1
         assert self.token_budget >= 0, "token budget overdrawn"
@@ -96,13 +102,17 @@ class StepBuilder:
 
     def build(self, finished_ids: list[str], preempted_ids: list[str]) -> tuple[StepPlan, InFlightPlan]:
         """Apply the schedule to the requests' counters and emit the plan."""
-        new_reqs, running, in_flight, sampling = [], [], [], []
+        new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
+        no_drafts = any(wants_logprobs(e.request) for e in self.entries.values())
         for entry in self.entries.values():
-            req, n = entry.request, entry.num_new_tokens
+            req, n, drafts = entry.request, entry.num_new_tokens, entry.num_drafts
+            if drafts and no_drafts:  # the budget and blocks reserved for them stay unused this step
+                n, drafts = n - drafts, 0
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
-            samples = end == req.num_tokens + req.num_output_placeholders
+            samples = end - drafts == req.num_tokens + req.num_output_placeholders
+            assert samples or not drafts, "only a sampling decode speculates"
             if entry.is_new:
                 assert req.num_output_placeholders == 0, "a request sent in full has no placeholders"
                 new_reqs.append(
@@ -114,15 +124,16 @@ class StepBuilder:
                 req.in_worker = True
             else:
                 placeholder = start >= req.num_tokens
-                assert not placeholder or n == 1, "a placeholder input is always a single decode"
-                running.append(
-                    RunningRequest(req.request_id, tuple(req.block_ids[entry.first_new_block :]), n, placeholder)
-                )
+                assert not placeholder or n - drafts == 1, "a placeholder input is always a single decode"
+                running.append(RunningRequest(req.request_id, tuple(req.block_ids[entry.first_new_block :]), n,
+                                              placeholder, drafts))
             if samples:
-                req.num_output_placeholders += 1
+                req.num_output_placeholders += 1 + drafts  # worst case: every draft accepted
                 sampling.append(req.request_id)
+            if drafts:
+                allowance[req.request_id] = drafts
             req.last_step_id = step_id
-            in_flight.append((req, req.epoch, n, samples))
+            in_flight.append((req, req.epoch, n, samples, drafts))
         plan = StepPlan(
             step_id=step_id,
             new_requests=tuple(new_reqs),
@@ -132,4 +143,4 @@ class StepBuilder:
             swap_out=tuple(self.swap_out),
             swap_in=tuple(self.swap_in),
         )
-        return plan, InFlightPlan(step_id, tuple(in_flight), frozenset(sampling))
+        return plan, InFlightPlan(step_id, tuple(in_flight), frozenset(sampling), allowance)

@@ -14,6 +14,7 @@ from stepahead.plan import (
     NewRequest,
     RunningRequest,
     SamplingParams,
+    SpecOutcome,
     StepPlan,
     StepResult,
     WorkerInfo,
@@ -122,6 +123,7 @@ def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
                 new_block_ids=r.new_block_ids,
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 input_is_placeholder=r.input_is_placeholder,
+                num_draft_tokens=r.num_draft_tokens,
             )
             for r in plan.running
         ],
@@ -153,6 +155,7 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
                 new_block_ids=tuple(r.new_block_ids),
                 num_scheduled_tokens=r.num_scheduled_tokens,
                 input_is_placeholder=r.input_is_placeholder,
+                num_draft_tokens=r.num_draft_tokens,
             )
             for r in msg.running
         ),
@@ -177,6 +180,9 @@ def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
         failed=result.failed, logprobs={k: logprobs_to_proto(v) for k, v in result.logprobs.items()},
         prompt_logprobs={k: scheduler_pb2.PromptLogprobs(start=v.start, entries=map(logprobs_to_proto, v.entries))
                          for k, v in result.prompt_logprobs.items()},
+        speculation={rid: scheduler_pb2.SpecOutcome(num_draft_tokens=o.num_draft_tokens,
+                                                    accepted_token_ids=o.accepted_token_ids)
+                     for rid, o in result.speculation.items()},
     )
 
 
@@ -186,6 +192,8 @@ def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
         failed=dict(msg.failed), logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
         prompt_logprobs={k: PromptLogprobs(v.start, tuple(map(logprobs_from_proto, v.entries)))
                          for k, v in msg.prompt_logprobs.items()},
+        speculation={rid: SpecOutcome(o.num_draft_tokens, tuple(o.accepted_token_ids))
+                     for rid, o in msg.speculation.items()},
     )
 
 

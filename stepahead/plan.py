@@ -28,6 +28,19 @@ Worker-side semantics (the contract both sides rely on):
 - Tensor-parallel groups (`WorkerInfo.group_id`): every rank receives the same plans and
   applies them identically; rank 0 samples and broadcasts the ids inside the step, and only
   rank 0 sends `StepResult`s (the other ranks send none).
+- Speculative decoding (docs/speculative-decoding.md): a decode delta with
+  `num_draft_tokens = k > 0` allows the worker to propose up to k draft tokens (n-gram
+  lookup over every token it knows for the request) and verify them in the same forward;
+  `num_scheduled_tokens = 1 + k` is the scheduler's worst case (budget, KV blocks, length
+  limits): the worker computes 1 + (drafts proposed) tokens. Its input may be a
+  placeholder whose position depends on the previous step's acceptance: the worker
+  resolves the previous step's tokens before launching a step that needs them. The result
+  lists, per speculating request, the drafts proposed and the accepted ones
+  (`StepResult.speculation`); the request's new tokens are the accepted drafts followed by
+  its `sampled_token_ids` entry (the bonus token, or the replacement of the first rejected
+  draft). Greedy rows accept the longest prefix equal to the target argmax; sampled rows
+  use rejection sampling (accept draft d with probability p_target(d); on rejection sample
+  from p_target with d removed, renormalised), so the output distribution is the target's.
 """
 
 from __future__ import annotations
@@ -106,6 +119,7 @@ class RunningRequest:
     new_block_ids: tuple[int, ...]  # appended to the request's block table
     num_scheduled_tokens: int  # tokens to compute this step (1 for a decode)
     input_is_placeholder: bool = False  # decode input is a token not yet reported back
+    num_draft_tokens: int = 0  # speculative decode: drafts the worker may propose and verify (<= K)
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,14 @@ class WorkerTiming:
 
 
 @dataclass(frozen=True)
+class SpecOutcome:
+    """One speculating request's verification in a step."""
+
+    num_draft_tokens: int  # drafts the worker proposed (<= the plan's num_draft_tokens)
+    accepted_token_ids: tuple[int, ...] = ()  # the accepted drafts, in order (a prefix of the proposal)
+
+
+@dataclass(frozen=True)
 class StepResult:
     """What the worker answers for one plan."""
 
@@ -159,6 +181,15 @@ class StepResult:
     failed: dict[str, str] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> its sampled token's
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # request id -> this chunk's
+    # request id -> outcome, for requests that were allowed drafts; their committed tokens
+    # this step are the accepted drafts followed by the sampled token.
+    speculation: dict[str, SpecOutcome] = field(default_factory=dict)
+
+    def new_token_ids(self, request_id: str) -> tuple[int, ...]:
+        """The tokens a request produced in this step (accepted drafts + sampled token)."""
+        outcome = self.speculation.get(request_id)
+        last = (self.sampled_token_ids[request_id],)
+        return outcome.accepted_token_ids + last if outcome else last
 
 
 @dataclass(frozen=True)

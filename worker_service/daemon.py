@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 from prometheus_client import REGISTRY, start_http_server
 
+from stepahead.speculative import parse_speculative_config
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
 from stepahead.logprobs import MAX_LOGPROBS
@@ -59,6 +60,11 @@ class WorkerConfig(SchedulerClientConfig):
     max_logprobs: int = cfg.field(
         MAX_LOGPROBS, "largest logprobs / prompt_logprobs k a request may ask for (announced to the scheduler "
         "and gateways, which refuse larger ones)")
+    speculative_config: str | None = cfg.field(
+        None, "n-gram speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
+              "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' (docs/speculative-decoding.md)")
+    sim_acceptance_rate: float = cfg.field(
+        0.7, "--device sim with --speculative-config: chance that each draft is accepted")
     num_threads: int | None = cfg.field(
         None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
     )
@@ -124,6 +130,7 @@ def build_runner(config: WorkerConfig, group=None):
         max_logprobs=config.max_logprobs,
         attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
                                        config.block_size),
+        speculative_config=parse_speculative_config(config.speculative_config),
     )
     return runner, model_dir
 
@@ -344,6 +351,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = cfg.from_args(WorkerConfig, args)
     log = logs.configure("worker", config.log_level)
+    try:
+        parse_speculative_config(config.speculative_config)
+    except cfg.ConfigError as exc:
+        log.error("bad_configuration", error=str(exc))
+        return 2
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     if config.metrics_port is not None:

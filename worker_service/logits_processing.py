@@ -89,11 +89,12 @@ class LogitsProcessing:
     def forget(self, request_id: str) -> None:
         self.state.forget(request_id)
 
-    def apply(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams]
-              ) -> torch.Tensor:
+    def apply(self, logits: torch.Tensor, request_ids: Sequence[str], params: Sequence[SamplingParams],
+              preceding: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """logits [n, vocab] with bias and penalties applied: `logits` itself when no row uses
         them, else a new tensor (the input stays intact, so a retry starts clean).
-        Remembers the penalty rows for `record`."""
+        Remembers the penalty rows for `record`. `preceding[i]`: output tokens row i comes
+        after that the device counts do not hold yet (a speculative row's earlier drafts)."""
         self._pending = None
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         penalised = [i for i, p in enumerate(params) if p.uses_penalties]
@@ -103,7 +104,8 @@ class LogitsProcessing:
         if biased:
             self._apply_bias(logits, biased, params)
         if penalised:
-            self._apply_penalties(logits, penalised, [request_ids[i] for i in penalised], params)
+            extra = [preceding[i] for i in penalised] if preceding is not None else None
+            self._apply_penalties(logits, penalised, [request_ids[i] for i in penalised], params, extra)
         return logits
 
     def record(self, sampled: torch.Tensor) -> None:
@@ -122,8 +124,23 @@ class LogitsProcessing:
         index = (host_to_device(index_rows, torch.int64, self.device), host_to_device(cols, torch.int64, self.device))
         logits.index_put_(index, host_to_device(values, logits.dtype, self.device), accumulate=True)
 
+    def record_runs(self, request_ids: Sequence[str], tokens: torch.Tensor, num_tokens: torch.Tensor) -> None:
+        """Add each request's first num_tokens[i] tokens[i] to its counts, on the device.
+
+        tokens: [n, m] int64 (-1 padded); num_tokens: [n] int64; rows without penalties skip."""
+        self._pending = None
+        rows = [i for i, rid in enumerate(request_ids) if rid in self.state.slots]
+        if not rows:
+            return
+        index = host_to_device(rows, torch.int64, self.device)  # [p]
+        slots = host_to_device([self.state.slots[request_ids[i]] for i in rows], torch.int64, self.device)  # [p]
+        toks = tokens.index_select(0, index)  # [p, m]
+        valid = torch.arange(toks.shape[1], device=toks.device)[None, :] < num_tokens.index_select(0, index)[:, None]
+        self.state.counts.index_put_((slots[:, None].expand_as(toks), toks.clamp(min=0)), valid.to(torch.int32),
+                                     accumulate=True)
+
     def _apply_penalties(self, logits: torch.Tensor, rows: list[int], request_ids: list[str],
-                         params: Sequence[SamplingParams]) -> None:
+                         params: Sequence[SamplingParams], preceding: list[Sequence[int]] | None = None) -> None:
         slots_list = [self.state.slots[rid] for rid in request_ids]
         host = torch.tensor([[params[i].repetition_penalty, params[i].frequency_penalty, params[i].presence_penalty]
                              for i in rows], dtype=torch.float32)  # [m, 3]
@@ -131,6 +148,11 @@ class LogitsProcessing:
         rows_t = host_to_device(rows, torch.int64, self.device)  # [m]
         slots = host_to_device(slots_list, torch.int64, self.device)  # [m]
         counts = self.state.counts.index_select(0, slots)  # [m, vocab] int32
+        if preceding is not None and any(preceding):
+            pairs = [(m, t) for m, toks in enumerate(preceding) for t in toks]  # (row in counts, token)
+            at = host_to_device(pairs, torch.int64, self.device)  # [p, 2]
+            counts.index_put_((at[:, 0], at[:, 1]), torch.ones(len(pairs), dtype=torch.int32, device=self.device),
+                              accumulate=True)
         seen = counts > 0  # [m, vocab]
         x = logits.index_select(0, rows_t)  # [m, vocab]
         repeated = seen | self.state.in_prompt.index_select(0, slots)  # [m, vocab]

@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from stepahead.logprobs import MAX_LOGPROBS
-from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
+from stepahead.plan import NewRequest, RunningRequest, SpecOutcome, StepPlan, StepResult, WorkerTiming
+from stepahead.speculative import SpeculativeConfig
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
@@ -36,6 +37,7 @@ from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
+from worker_service.speculation import SpecOutputs, Speculator
 from worker_service.streams import DeviceStreams, StepEvent, host_to_device
 
 log = logging.getLogger(__name__)
@@ -53,27 +55,33 @@ class PendingStep:
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
     logprobs: StepLogprobs | None = None  # the step's logprob copies (None: no row asked)
+    spec: SpecOutputs | None = None  # a speculative step's runs (resolved into the token lists once)
+    outcomes: dict[str, SpecOutcome] = field(default_factory=dict)
     _ids: list[int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def ids(self) -> list[int]:
-        """The sampled ids, read from the host buffer once (before the runner reuses it)."""
+        """The sampled ids, read from the host buffer once (before the runner reuses it); fills
+        the reserved slots of the token lists (a speculative step: writes its runs there)."""
         with self._lock:
             if self._ids is None:
                 self.done.synchronize()  # the step's one host synchronisation
-                self._ids = self.host_ids.tolist()
+                if self.spec is None:
+                    self._ids = self.host_ids.tolist()
+                    for r, slot, t in zip(self.reqs, self.slots, self._ids):
+                        r.token_ids[slot] = t
+                else:
+                    self._ids, self.outcomes = self.spec.resolve(self.reqs, self.slots)
                 if not self.timing.forward_end:
                     self.timing = replace(self.timing, forward_end=time.time())
             return self._ids
 
     def wait(self) -> StepResult:
-        """Block until the ids are on the host; fill the reserved slots of the token lists."""
+        """Block until the ids are on the host and in the token lists."""
         ids = self.ids()
-        for r, slot, t in zip(self.reqs, self.slots, ids):
-            r.token_ids[slot] = t
         lp, prompt_lp = self.logprobs.collect(self.failed) if self.logprobs else ({}, {})
         return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
-                          lp, prompt_lp)
+                          lp, prompt_lp, self.outcomes)
 
 
 class ModelRunner:
@@ -83,7 +91,8 @@ class ModelRunner:
                  num_host_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS):
+                 pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
+                 speculative_config: SpeculativeConfig | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -105,6 +114,8 @@ class ModelRunner:
         self.logprobs = LogprobsTracker(self.device)
         self.max_logprobs = min(max_logprobs, self.vocab_size)  # --max-logprobs
         self.streams = DeviceStreams(self.device)
+        self.speculator = Speculator(speculative_config, self.eos_token_ids) if speculative_config else None
+        self._spec_out: SpecOutputs | None = None  # between verification and the D2H copy
         self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
         self.requests: dict[str, CachedRequest] = {}
         self._num_min_tokens = 0  # live requests with min_tokens > 0 (the stop-id mask is skipped without)
@@ -156,6 +167,8 @@ class ModelRunner:
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, self.max_logprobs)
+        if self.speculator is not None:
+            self.speculator.resolve_before(plan, self._pending)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         with self.streams.on_compute_stream():
@@ -171,6 +184,10 @@ class ModelRunner:
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
             self._step_lp = self.logprobs.begin_step(sched)  # None when no live request asks
+            if self.speculator is not None and self.speculator.batch is not None:
+                self.speculator.strip(sched.states)  # drafts leave the token lists; rows for each position
+                inputs = replace(inputs, logits_indices=self.speculator.logits_indices(inputs.sampling_reqs,
+                                                                                      inputs.logits_indices))
             for state, n in zip(sched.states, sched.num_scheduled):
                 state.num_computed += n
             forward_start = time.time()
@@ -204,8 +221,14 @@ class ModelRunner:
         """Forward + sampling on the compute stream; returns the slot's sampled ids `[n]` and
         the n requests that sampled (a request whose sampling fails alone is added to `failed`)."""
         self._fill_placeholders(inputs)
-        logits = self._forward(inputs)  # [num_sampling, vocab] float32
-        sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
+        logits = self._forward(inputs)  # [num_sampling (+ drafts), vocab] float32
+        spec = self.speculator.batch if self.speculator is not None else None
+        if spec is not None:  # sampled: [len(reqs)] the last token of each run; the runs go to the host
+            reqs, sample_failed = inputs.sampling_reqs, {}
+            sampled, self._spec_out = self.speculator.verify(self, logits, reqs)
+            self.last_logits, self.last_logits_ids = logits, tuple(r.request_id for r in reqs)
+        else:
+            sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
         self._fail(sample_failed, failed)
         self._retire(slot)  # H2: also orders the write below after that step's D2H
         self._ensure_sampled_capacity(len(sampled))
@@ -238,19 +261,28 @@ class ModelRunner:
                  lp: StepLogprobs | None) -> PendingStep:
         """D2H of the sampled ids (and logprobs) into pinned buffers on the output stream."""
         host = self._host_ids[slot, : len(sampled)]
+        spec_dev, self._spec_out = self._spec_out, None  # a speculative step's runs [n, 2 + K] on the device
+        spec = None if spec_dev is None else replace(
+            spec_dev, host=torch.empty(spec_dev.host.shape, dtype=torch.int64, pin_memory=self.streams.cuda))
         if self.streams.cuda:
             self.streams.output_waits_for_compute()  # W3
             with self.streams.on_output_stream():
                 host.copy_(sampled, non_blocking=True)
+                if spec is not None:
+                    spec.host.copy_(spec_dev.host, non_blocking=True)
+                    spec_dev.host.record_stream(self.streams.output)  # not reused before the copy ran
                 if lp is not None:
                     lp.to_host(pinned=True)
             done = self.streams.record("output")
         else:
             host.copy_(sampled)
+            if spec is not None:
+                spec.host.copy_(spec_dev.host)
             if lp is not None:
                 lp.to_host(pinned=False)
             done = StepEvent()
-        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), logprobs=lp)
+        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), logprobs=lp,
+                              spec=spec)
         self._pending[slot] = pending
         return pending
 
@@ -262,6 +294,7 @@ class ModelRunner:
             self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
         self._failed_ids.clear()
         self._pending = [None, None]
+        self._spec_out = None
         self._set_sampled([], self._sampled[0, :0])
         self.last_logits, self.last_logits_ids = None, ()
 
@@ -290,6 +323,8 @@ class ModelRunner:
     def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> ScheduledBatch:
         """Registers new requests, applies deltas; decodes (one-token queries) first."""
         decodes, chunks = ScheduledBatch(), ScheduledBatch()
+        if self.speculator is not None:
+            self.speculator.batch = None
         for r in new:
             num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
             state = CachedRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
@@ -308,12 +343,17 @@ class ModelRunner:
             if r.new_block_ids:
                 self.table.extend(state.row, r.new_block_ids)
                 state.block_ids.extend(r.new_block_ids)
-            if r.num_scheduled_tokens == 1:
+            n, placeholder = r.num_scheduled_tokens, r.input_is_placeholder
+            if r.num_draft_tokens:  # a speculative decode: its input is known once the last step resolved
+                n, placeholder = self.speculator.draft(state, r) if self.speculator else (1, placeholder)
+            if n == 1:
                 d_states.append(state)
-                d_placeholder.append(r.input_is_placeholder)
+                d_placeholder.append(placeholder)
             else:
-                chunks.add(state, r.num_scheduled_tokens, r.input_is_placeholder)
+                chunks.add(state, n, placeholder)
         decodes.num_scheduled = [1] * len(d_states)
+        if self.speculator is not None:
+            self.speculator.end_proposals()
         return decodes + chunks if len(chunks) else decodes
 
     # -- device work --------------------------------------------------------------------

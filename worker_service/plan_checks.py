@@ -42,7 +42,7 @@ def check_plan(plan: StepPlan, requests: dict[str, CachedRequest], prev_rows: di
         n = r.num_scheduled_tokens
         end = state.num_computed + n
         tokens = state.token_ids
-        if r.new_block_ids or not (
+        if r.new_block_ids or r.num_draft_tokens or not (
             0 < n and end <= max_model_len and len(state.block_ids) * block_size >= end
             and ((n == 1 and end == len(tokens) and r.request_id in prev_rows) if r.input_is_placeholder
                  else (end <= len(tokens) and tokens[end - 1] >= 0))
@@ -54,14 +54,19 @@ def check_plan(plan: StepPlan, requests: dict[str, CachedRequest], prev_rows: di
 def _check_running(r, state: CachedRequest, prev_rows: dict[str, int], num_blocks: int, block_size: int,
                    max_model_len: int) -> None:
     _check_blocks(r.request_id, r.new_block_ids, num_blocks)
+    # drafts (speculative decoding) are proposed here: only the input must be known, but the
+    # blocks and the length limit must hold all 1 + num_draft_tokens positions
+    n_in = r.num_scheduled_tokens - r.num_draft_tokens
+    if r.num_draft_tokens and n_in != 1:
+        raise PlanError(f"request {r.request_id!r}: {r.num_draft_tokens} drafts allowed on a step of "
+                        f"{r.num_scheduled_tokens} tokens; drafts need a one-token decode")
     if r.input_is_placeholder:
-        if r.num_scheduled_tokens != 1 or r.request_id not in prev_rows \
-                or state.num_computed + 1 != len(state.token_ids):
+        if n_in != 1 or r.request_id not in prev_rows or state.num_computed + 1 != len(state.token_ids):
             raise PlanError(f"request {r.request_id!r}: placeholder input needs a one-token decode "
                             "of the token its request sampled in the previous step")
-    _check_span(r.request_id, len(state.token_ids), state.num_computed, r.num_scheduled_tokens,
+    _check_span(r.request_id, len(state.token_ids) + r.num_draft_tokens, state.num_computed, r.num_scheduled_tokens,
                 len(state.block_ids) + len(r.new_block_ids), block_size, max_model_len)
-    end = state.num_computed + r.num_scheduled_tokens
+    end = state.num_computed + n_in
     # a reserved slot (-1) is filled only when its step's ids reach the host
     if not r.input_is_placeholder and state.token_ids[end - 1] < 0:
         raise PlanError(f"request {r.request_id!r}: input token {end - 1} was sampled by a step still "

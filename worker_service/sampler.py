@@ -207,19 +207,31 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> torch.Tensor:
         """logits: [n, vocab] → sampled token ids [n] int64 on logits.device."""
         self._check(logits, meta)
+        if meta.all_greedy:
+            return logits.float().argmax(dim=-1)
+        x, top = self.truncated(logits, meta)
+        sampled = inverse_cdf_sample(x, self._uniforms(meta), top)  # [n]
+        if meta.greedy is None:
+            return sampled
+        return torch.where(meta.greedy, top, sampled)
+
+    def truncated(self, logits: torch.Tensor, meta: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x [n, vocab]: the logits after temperature and truncation, -inf where dropped, whose
+        softmax is the target distribution; top [n]: each row's argmax, the greedy answer)."""
         logits = logits.float()  # [n, vocab]
         if meta.all_greedy:
-            return logits.argmax(dim=-1)
+            return logits, logits.argmax(dim=-1)
         x = logits / meta.temperature[:, None]  # [n, vocab]; greedy rows: x == logits
         top = x.argmax(dim=-1)  # [n]: greedy answers, and the fallback of inverse_cdf_sample
         x_max = x.gather(-1, top[:, None]).squeeze(-1)  # [n]
         threshold = truncation_threshold(x, x_max, meta)  # [n] or None
         if threshold is not None:
             x = drop_below(x, threshold, x_max)
-        sampled = inverse_cdf_sample(x, self._uniforms(meta), top)  # [n]
-        if meta.greedy is None:
-            return sampled
-        return torch.where(meta.greedy, top, sampled)
+        return x, top
+
+    def uniforms(self, meta: SamplingMetadata) -> torch.Tensor | None:
+        """[n] float64 in (0, 1], the draw of each sampled row (None when every row is greedy)."""
+        return None if meta.all_greedy else self._uniforms(meta)
 
     def _uniforms(self, meta: SamplingMetadata) -> torch.Tensor:
         """[n] float64 in (0, 1]: seeded rows' hashed uniforms, the rest from the generator."""

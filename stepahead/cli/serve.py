@@ -38,10 +38,10 @@ _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
     "attention_backend", "max_logprobs", "tensor_parallel_size", "distributed_backend", "distributed_timeout",
-    "sim_profile", "sim_num_devices", "sim_eos_probability",
+    "sim_profile", "sim_num_devices", "sim_eos_probability", "sim_acceptance_rate",
 )
 # flags the scheduler declares; the worker sizes its step buffers with the same values
-_SHARED_FIELDS = ("max_num_seqs", "max_num_batched_tokens")
+_SHARED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "speculative_config")
 
 
 @dataclass(frozen=True)

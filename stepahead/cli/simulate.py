@@ -122,17 +122,18 @@ class VirtualSystem:
             start = max(self.now, self.device_free)
             self.device_free = start + seconds
             self.busy += seconds
-            self.in_flight.append((plan, sampled, failed, self.device_free))
+            self.in_flight.append((plan, sampled, failed, self.device_free, self.runner.last_speculation))
 
     def _commit(self, logs: dict[str, SimRequestLog]) -> None:
         from stepahead.plan import StepResult
 
-        plan, sampled, failed, _ = self.in_flight.popleft()
+        plan, sampled, failed, _, spec = self.in_flight.popleft()
         self.num_steps += 1
         for r in plan.new_requests:
             log = logs[r.request_id]
             log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
-        for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled, failed=failed)):
+        for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled, failed=failed,
+                                                                                 speculation=spec)):
             log = logs[event.request_id]
             log.token_times += [self.now] * len(event.new_token_ids)
             if event.finish_reason is not None:

@@ -78,7 +78,7 @@ class EventBatch(_message.Message):
     def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
-    __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "rejected", "message", "reject_code", "logprobs", "prompt_logprobs", "prompt_logprobs_start")
+    __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "rejected", "message", "reject_code", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "num_draft_tokens", "num_accepted_tokens", "num_spec_steps")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -90,6 +90,9 @@ class TokenEvent(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_START_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NUM_SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: _common_pb2.FinishReason
@@ -101,14 +104,17 @@ class TokenEvent(_message.Message):
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
     prompt_logprobs_start: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., rejected: _Optional[bool] = ..., message: _Optional[str] = ..., reject_code: _Optional[_Union[RejectCode, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ...) -> None: ...
+    num_draft_tokens: int
+    num_accepted_tokens: int
+    num_spec_steps: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., num_prompt_tokens: _Optional[int] = ..., num_cached_tokens: _Optional[int] = ..., rejected: _Optional[bool] = ..., message: _Optional[str] = ..., reject_code: _Optional[_Union[RejectCode, str]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., prompt_logprobs_start: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_spec_steps: _Optional[int] = ...) -> None: ...
 
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "device_busy_s", "num_sampled_tokens", "worker_attached", "replicas")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "device_busy_s", "num_sampled_tokens", "worker_attached", "spec_num_draft_tokens", "spec_num_accepted_tokens", "replicas")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +133,8 @@ class SchedulerStats(_message.Message):
     DEVICE_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     NUM_SAMPLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     WORKER_ATTACHED_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_NUM_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
@@ -146,8 +154,10 @@ class SchedulerStats(_message.Message):
     device_busy_s: float
     num_sampled_tokens: int
     worker_attached: bool
+    spec_num_draft_tokens: int
+    spec_num_accepted_tokens: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., device_busy_s: _Optional[float] = ..., num_sampled_tokens: _Optional[int] = ..., worker_attached: _Optional[bool] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., device_busy_s: _Optional[float] = ..., num_sampled_tokens: _Optional[int] = ..., worker_attached: _Optional[bool] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
     __slots__ = ("worker_id", "stats")
@@ -238,16 +248,18 @@ class NewRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class RunningRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "input_is_placeholder")
+    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IS_PLACEHOLDER_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_scheduled_tokens: int
     input_is_placeholder: bool
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., input_is_placeholder: _Optional[bool] = ...) -> None: ...
+    num_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., input_is_placeholder: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_requests", "running", "finished_ids", "preempted_ids", "swap_out", "swap_in")
@@ -268,7 +280,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs")
+    __slots__ = ("step_id", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs", "speculation")
     class SampledTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -297,19 +309,28 @@ class StepResult(_message.Message):
         key: str
         value: PromptLogprobs
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[PromptLogprobs, _Mapping]] = ...) -> None: ...
+    class SpeculationEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: SpecOutcome
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SpecOutcome, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.ScalarMap[str, int]
     timing: WorkerTiming
     failed: _containers.ScalarMap[str, str]
     logprobs: _containers.MessageMap[str, _common_pb2.Logprobs]
     prompt_logprobs: _containers.MessageMap[str, PromptLogprobs]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ...) -> None: ...
+    speculation: _containers.MessageMap[str, SpecOutcome]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., speculation: _Optional[_Mapping[str, SpecOutcome]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("start", "entries")
@@ -318,6 +339,14 @@ class PromptLogprobs(_message.Message):
     start: int
     entries: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
     def __init__(self, start: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
+
+class SpecOutcome(_message.Message):
+    __slots__ = ("num_draft_tokens", "accepted_token_ids")
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    num_draft_tokens: int
+    accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
     __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent", "device_busy_s")

@@ -11,6 +11,7 @@ compared with an uncontended synchronous run of the same request.
 
 from __future__ import annotations
 
+import random
 import zlib
 from array import array
 from collections import deque
@@ -21,7 +22,7 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.request import FinishReason, Request, RequestEvent
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.step_loop import StepLoop
-from stepahead.plan import SamplingParams, StepPlan, StepResult
+from stepahead.plan import SamplingParams, SpecOutcome, StepPlan, StepResult
 
 TokenFn = Callable[[str, tuple[int, ...]], int]
 
@@ -64,6 +65,9 @@ class FakeExecutor:
     reported_step: int = -1  # newest step whose result the scheduler has processed
     next_step: int = 0
     _touched: dict[int, tuple[set[int], set[int]]] = field(default_factory=dict)
+    # speculative decoding: drafts proposed and accepted at random (a prefix of the true
+    # continuation, so the tokens equal a run without speculation); None: propose nothing
+    spec_rng: random.Random | None = None
 
     def __post_init__(self) -> None:
         self.kv = [[None] * self.block_size for _ in range(self.num_gpu_blocks)]
@@ -84,27 +88,57 @@ class FakeExecutor:
             self.host[host] = list(self.kv[dev])
         for host, dev in plan.swap_in:
             self.kv[dev] = list(self.host[host])
-        scheduled: list[tuple[str, int, bool]] = []
+        scheduled: list[tuple[str, int, bool, int]] = []
         for nr in plan.new_requests:
             assert nr.request_id not in self.requests, f"{nr.request_id} registered twice"
             assert 0 <= nr.num_computed_tokens < len(nr.token_ids)
             self.requests[nr.request_id] = _WorkerRequest(
                 list(nr.token_ids), [-1] * len(nr.token_ids), list(nr.block_ids), nr.num_computed_tokens
             )
-            scheduled.append((nr.request_id, nr.num_scheduled_tokens, False))
+            scheduled.append((nr.request_id, nr.num_scheduled_tokens, False, 0))
         for rr in plan.running:
             self.requests[rr.request_id].block_table.extend(rr.new_block_ids)
-            scheduled.append((rr.request_id, rr.num_scheduled_tokens, rr.input_is_placeholder))
-        ids = [rid for rid, _, _ in scheduled]
+            scheduled.append((rr.request_id, rr.num_scheduled_tokens, rr.input_is_placeholder, rr.num_draft_tokens))
+        ids = [rid for rid, *_ in scheduled]
         assert len(ids) == len(set(ids)), "a request scheduled twice in one plan"
-        sampled = {}
-        for rid, n, placeholder in scheduled:
+        sampled, spec = {}, {}
+        for rid, n, placeholder, drafts in scheduled:
+            if drafts:
+                sampled[rid], spec[rid] = self._speculate(rid, n, placeholder, drafts, plan.step_id)
+                continue
             token = self._compute(rid, n, placeholder, plan.step_id)
             if token is not None:
                 sampled[rid] = token
         self._record_touched(plan)
         self.next_step += 1
-        return StepResult(plan.step_id, sampled)
+        return StepResult(plan.step_id, sampled, speculation=spec)
+
+    def _speculate(self, rid: str, n: int, placeholder: bool, allowed: int, step_id: int) -> tuple[int, SpecOutcome]:
+        """A speculative decode: input = the last known token; k <= allowed drafts, a <= k accepted."""
+        req, bs = self.requests[rid], self.block_size
+        start = req.num_computed
+        assert n == allowed + 1 and start + 1 == len(req.tokens), f"{rid}: drafts allowed on a non-decode"
+        assert len(req.block_table) * bs >= start + n, f"{rid}: blocks not reserved for the worst case"
+        unreported = req.sampled_by[start] > self.reported_step
+        assert placeholder == unreported, f"{rid}: input_is_placeholder={placeholder}, token unreported={unreported}"
+        rng = self.spec_rng or random.Random(0)
+        k = rng.randint(0, allowed) if self.spec_rng else 0
+        a = rng.randint(0, k)
+        true, toks = [], list(req.tokens)
+        for _ in range(k + 1):
+            true.append(self.token_fn(rid, tuple(toks)))
+            toks.append(true[-1])
+        drafts = true[:a] + [true[a] + 1] * (k - a)  # the first rejected draft differs from the truth
+        for i, tok in enumerate([req.tokens[start], *drafts]):
+            p = start + i
+            self.kv[req.block_table[p // bs]][p % bs] = (p, tok)
+        for q in range(start + 1):
+            got = self.kv[req.block_table[q // bs]][q % bs]
+            assert got == (q, req.tokens[q]), f"{rid}: KV at position {q} holds {got}, want {(q, req.tokens[q])}"
+        req.tokens += true[: a + 1]
+        req.sampled_by += [step_id] * (a + 1)
+        req.num_computed = start + 1 + a
+        return true[a], SpecOutcome(k, tuple(true[:a]))
 
     def _compute(self, rid: str, n: int, placeholder: bool, step_id: int) -> int | None:
         req, bs = self.requests[rid], self.block_size

@@ -2,7 +2,8 @@
 
 Random arrivals (shared prefixes, salts, priorities, min/max tokens, ignore_eos), aborts
 at any moment, results delivered at random times, tiny pools that force preemption in
-both modes, async on and off, all three policies. After every rule: `check_integrity()`
+both modes, async on and off, all three policies, n-gram speculation on or off (the fake
+proposes and accepts random numbers of drafts). After every rule: `check_integrity()`
 (pool accounting, ref counts, scheduled >= computed >= committed, placeholders within
 max_tokens). The fake executor checks every plan against the worker contract and the
 fences. At the end: everything drains, no block leaks, and every request's committed
@@ -12,6 +13,7 @@ output equals (or, if aborted, is a prefix of) its uncontended synchronous run.
 from __future__ import annotations
 
 import functools
+import random
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -52,6 +54,7 @@ def configs(draw) -> SchedulerConfig:
         async_scheduling=draw(st.booleans()),
         eos_token_ids=(EOS,),
         max_wait_time=3.0,
+        num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
     )
 
 
@@ -79,11 +82,12 @@ def oracle(max_model_len: int, spec: RequestSpec) -> tuple[tuple[int, ...], Fini
 
 
 class SchedulerMachine(RuleBasedStateMachine):
-    @initialize(config=configs())
-    def setup(self, config: SchedulerConfig) -> None:
+    @initialize(config=configs(), spec_seed=st.integers(0, 2**16))
+    def setup(self, config: SchedulerConfig, spec_seed: int) -> None:
         self.now = 0.0
         self.config = config
         self.driver = Driver.create(config, TOKEN_FN, clock=lambda: self.now)
+        self.driver.executor.spec_rng = random.Random(spec_seed)  # random drafts and acceptance counts
         self.sched = self.driver.scheduler
         self.specs: dict[str, RequestSpec] = {}
         self.policy = ScorePolicy(config)
@@ -154,6 +158,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"preempted: {stats.num_preemptions > 0}, swapped: {stats.num_swap_outs > 0}")
         event(f"prefix hit: {stats.prefix_hit_tokens > 0}, aborted: {stats.num_aborted > 0}")
         event(f"stale results: {self.driver.num_stale > 0}")
+        counts = self.sched.counters()
+        event(f"drafts accepted: {counts['spec_num_accepted_tokens'] > 0}, "
+              f"rejected: {counts['spec_num_draft_tokens'] > counts['spec_num_accepted_tokens']}")
         for rid, spec in self.specs.items():
             reason = self.driver.finished[rid]
             if reason is FinishReason.ABORT:

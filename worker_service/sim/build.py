@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from stepahead.speculative import parse_speculative_config
 from worker_service.sim.profiles import load_profile
 from worker_service.sim.runner import SimRunner
 
@@ -30,5 +31,7 @@ def build_sim_runner(config) -> tuple[SimRunner, Path]:
         max_model_len=config.max_model_len,
         seed=config.seed,
         eos_probability=config.sim_eos_probability,
+        speculative_config=parse_speculative_config(config.speculative_config),
+        acceptance_rate=config.sim_acceptance_rate,
     )
     return runner, model_dir

@@ -16,12 +16,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult, WorkerTiming
+from stepahead.plan import NewRequest, RunningRequest, SamplingParams, SpecOutcome, StepPlan, StepResult, WorkerTiming
+from stepahead.speculative import SpeculativeConfig
 from worker_service.model_config import ModelConfig
 from worker_service.plan_checks import PlanError, check_plan, split_bad_sampling_rows
 from worker_service.sim import tokens
 from worker_service.sim.cost import CostModel, ModelGeometry
 from worker_service.sim.profiles import AcceleratorProfile
+
+
+_ACCEPT_SALT = 0x5BEC_DEC0_DE5A_17ED  # acceptance draws differ from token draws
 
 
 @dataclass
@@ -48,6 +52,7 @@ class SimPendingStep:
     timing: WorkerTiming
     wall_offset: float  # time.time() - time.monotonic() when the runner started
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+    speculation: dict[str, SpecOutcome] = field(default_factory=dict)
 
     def wait(self) -> StepResult:
         delay = self.deadline - time.monotonic()
@@ -55,7 +60,7 @@ class SimPendingStep:
             time.sleep(delay)  # releases the GIL; no CPU while the "device" computes
         timing = WorkerTiming(self.timing.plan_received, self.timing.prep_start, self.timing.forward_start,
                               self.deadline + self.wall_offset, 0.0, self.busy_s)
-        return StepResult(self.step_id, self.sampled, timing, self.failed)
+        return StepResult(self.step_id, self.sampled, timing, self.failed, speculation=self.speculation)
 
 
 class SimRunner:
@@ -64,7 +69,8 @@ class SimRunner:
     def __init__(self, model_dir: str | Path, profile: AcceleratorProfile, *, dtype: str = "bfloat16",
                  num_devices: int = 1, block_size: int = 16, num_blocks: int | None = None,
                  memory_utilization: float = 0.9, swap_space_bytes: float = 2**30,
-                 max_model_len: int | None = None, seed: int = 0, eos_probability: float = 0.0) -> None:
+                 max_model_len: int | None = None, seed: int = 0, eos_probability: float = 0.0,
+                 speculative_config: SpeculativeConfig | None = None, acceptance_rate: float = 0.0) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         model_dir = Path(model_dir)
@@ -84,6 +90,10 @@ class SimRunner:
         self.vocab_size = token_vocab_size(model_dir, cfg.vocab_size)
         self.rule = tokens.TokenRule(self.vocab_size, tuple(t for t in cfg.eos_token_ids if t < self.vocab_size),
                                      eos_probability, seed)
+        if not 0.0 <= acceptance_rate <= 1.0:
+            raise ValueError(f"sim acceptance rate must be in [0, 1], got {acceptance_rate}")
+        self.speculation = (speculative_config.num_speculative_tokens, acceptance_rate) if speculative_config else None
+        self.last_speculation: dict[str, SpecOutcome] = {}  # the last applied plan's outcomes
         self.requests: dict[str, SimRequest] = {}
         self._prev_rows: dict[str, int] = {}
         self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
@@ -110,7 +120,8 @@ class SimRunner:
         start = max(time.monotonic(), self._device_free_at)
         self._device_free_at = start + busy
         timing = WorkerTiming(received or prep_start, prep_start, start + self._wall_offset)
-        return SimPendingStep(plan.step_id, sampled, start + busy, busy, timing, self._wall_offset, failed)
+        return SimPendingStep(plan.step_id, sampled, start + busy, busy, timing, self._wall_offset, failed,
+                              self.last_speculation)
 
     def apply(self, plan: StepPlan) -> tuple[dict[str, int], float, dict[str, str]]:
         """Check and apply a plan, no clock involved: (sampled token per request, device
@@ -129,7 +140,14 @@ class SimRunner:
             self._check_host_block(host)
         batch: list[tuple[int, int]] = []
         sampled: dict[str, int] = {}
-        for state, scheduled in self._apply(plan.new_requests, plan.running):
+        self.last_speculation = spec = {}
+        for state, scheduled, drafts in self._apply(plan.new_requests, plan.running):
+            if drafts:
+                k, run = self._speculate(state, drafts)
+                batch.append((state.num_computed, 1 + k))
+                state.num_computed += len(run)
+                sampled[state.request_id], spec[state.request_id] = run[-1], SpecOutcome(k, tuple(run[:-1]))
+                continue
             batch.append((state.num_computed, scheduled))
             state.num_computed += scheduled
             if state.num_computed == len(state.token_ids):
@@ -151,11 +169,21 @@ class SimRunner:
                                r.num_computed_tokens, num_prompt)
             state.history_hash = tokens.extend(tokens.seed_hash(self.rule.seed_of(r.sampling)), state.token_ids)
             self.requests[r.request_id] = state
-            yield state, r.num_scheduled_tokens
+            yield state, r.num_scheduled_tokens, 0
         for r in running:
             state = self.requests[r.request_id]
             state.block_ids.extend(r.new_block_ids)
-            yield state, r.num_scheduled_tokens
+            yield state, r.num_scheduled_tokens, r.num_draft_tokens
+
+    def _speculate(self, state: SimRequest, allowed: int) -> tuple[int, list[int]]:
+        """(drafts proposed, the run): k drafts, each accepted with the configured chance (a
+        deterministic draw), then the bonus; the run is the sim's own next tokens, so the output
+        equals a run without speculation."""
+        k, rate = (min(allowed, self.speculation[0]), self.speculation[1]) if self.speculation else (0, 0.0)
+        run = [self._sample(state)]
+        while len(run) <= k and tokens.mix(state.history_hash ^ _ACCEPT_SALT) * 2.0**-64 < rate:
+            run.append(self._sample(state))
+        return k, run
 
     def _sample(self, state: SimRequest) -> int:
         n = len(state.token_ids)
