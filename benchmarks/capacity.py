@@ -59,7 +59,7 @@ def bench_args(serve: ServeProcess, streams: int, args, label: str) -> argparse.
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     return parser.parse_args([
-        "--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, "--cluster-token", serve.cluster_token, "--num-prompts", str(streams),
+        "--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, f"--cluster-token={serve.cluster_token}", "--num-prompts", str(streams),
         "--max-concurrency", str(streams), "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--ignore-eos", "--disable-tqdm", "--label", label,
     ])
