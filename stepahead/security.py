@@ -102,10 +102,12 @@ class CredentialInterceptor(grpc.ServerInterceptor):
         if self.permits(handler_call_details):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        self._on_reject(handler_call_details.method)
-        return _refusing(handler, f"missing or wrong {self._what}")
+        return None if handler is None else self.refusal(handler, handler_call_details.method)
+
+    def refusal(self, handler: grpc.RpcMethodHandler, method: str, aio: bool = False) -> grpc.RpcMethodHandler:
+        """Count the refusal of `method` and answer it UNAUTHENTICATED instead of `handler`."""
+        self._on_reject(method)
+        return _refusing(handler, f"missing or wrong {self._what}", aio)
 
 
 class AioCredentialInterceptor(grpc.aio.ServerInterceptor):
@@ -118,8 +120,7 @@ class AioCredentialInterceptor(grpc.aio.ServerInterceptor):
         handler = await continuation(handler_call_details)
         if handler is None or self._check.permits(handler_call_details):
             return handler
-        self._check._on_reject(handler_call_details.method)
-        return _refusing(handler, f"missing or wrong {self._check._what}", aio=True)
+        return self._check.refusal(handler, handler_call_details.method, aio=True)
 
 
 def _refusing(handler: grpc.RpcMethodHandler, message: str, aio: bool = False) -> grpc.RpcMethodHandler:
