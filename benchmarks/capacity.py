@@ -85,8 +85,6 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
              "--max-num-seqs", str(max(streams, 1)), "--async-scheduling" if async_on else "--no-async-scheduling",
              "--stream-interval", str(args.stream_interval)]
-    # the gateway's gRPC server serves one stream per thread: it needs a thread per stream
-    os.environ["STEPAHEAD_MAX_WORKERS"] = str(max(512, streams + 64))
     with ServeProcess(model, *flags) as serve:
         pids = daemon_pids(serve)
         steps0 = serve.stats().num_steps
