@@ -90,6 +90,9 @@ def _merged(event, more):
     merged = scheduler_pb2.TokenEvent()
     merged.CopyFrom(more)
     merged.token_ids[:] = [*event.token_ids, *more.token_ids]
+    if event.logprobs or more.logprobs:
+        merged.ClearField("logprobs")
+        merged.logprobs.extend([*event.logprobs, *more.logprobs])
     return merged
 
 
@@ -98,7 +101,8 @@ def _mergeable(event) -> bool:
 
 
 def _mergeable_into(event, more) -> bool:
-    return isinstance(more, scheduler_pb2.TokenEvent) and more.request_id == event.request_id and not more.rejected
+    return (isinstance(more, scheduler_pb2.TokenEvent) and more.request_id == event.request_id and not more.rejected
+            and not (event.prompt_logprobs or more.prompt_logprobs))  # prompt parts stay events of their own
 
 
 async def choices(gen, events: asyncio.Queue, stream_interval: int = 1) -> AsyncIterator:

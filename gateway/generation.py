@@ -24,6 +24,7 @@ from gateway.output import Output, OutputProcessor
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec
+from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
 from stepahead.v1 import scheduler_pb2
 
@@ -99,7 +100,7 @@ class Generation:
             raise Rejected(event.message, event.reject_code)
         index = self._index[rid]
         reason = codec.finish_reason_from_proto(event.finish_reason)
-        out = self._processors[index].on_tokens(event.token_ids, reason)
+        out = self._processors[index].on_tokens(event.token_ids, reason, *_logprobs_of(event))
         if out.token_ids and not self._first_token_seen:
             self._first_token_seen = True
             self._metrics.observe_first_token(self._transport, time.monotonic() - self._start)
@@ -133,6 +134,18 @@ class Generation:
             self._metrics.active.dec()
 
 
+def _logprobs_of(event) -> tuple[tuple[Logprobs, ...], PromptLogprobs | None]:
+    """The event's logprobs (one per token, or none) and prompt logprobs, as domain objects."""
+    if not (event.logprobs or event.prompt_logprobs):
+        return (), None
+    lp = tuple(codec.logprobs_from_proto(m) for m in event.logprobs)
+    prompt = None
+    if event.prompt_logprobs:
+        prompt = PromptLogprobs(event.prompt_logprobs_start,
+                                tuple(codec.logprobs_from_proto(m) for m in event.prompt_logprobs))
+    return lp, prompt
+
+
 class Frontend:
     """What both transports share: limits, tokenizer, the scheduler link, metrics."""
 
@@ -142,7 +155,8 @@ class Frontend:
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval  # tokens per streamed message at most (event_stream.py)
         self.model = model
-        self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes)
+        self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes,
+                                  model.max_logprobs or MAX_LOGPROBS)
         self.link = link
         self.metrics = metrics
         self.gate = gate or StreamGate(1 << 30)

@@ -47,6 +47,8 @@ class RawGenerateRequest:
     repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None  # raw logprobs of each output token (+ the top k); None = off
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     size_bytes: int = 0  # serialized size of the whole request
 
 
@@ -84,6 +86,8 @@ def validate(
         repetition_penalty=1.0 if raw.repetition_penalty is None else raw.repetition_penalty,
         presence_penalty=raw.presence_penalty,
         frequency_penalty=raw.frequency_penalty,
+        logprobs=raw.logprobs,
+        prompt_logprobs=raw.prompt_logprobs,
     )
     sampling = limits.check_request(prompt, sampling, raw.priority, model, field)
     return ValidRequest(

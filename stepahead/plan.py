@@ -25,12 +25,17 @@ Worker-side semantics (the contract both sides rely on):
   saw the failure) are skipped. The rest of the step runs as if it had not been there.
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
+- Tensor-parallel groups (`WorkerInfo.group_id`): every rank receives the same plans and
+  applies them identically; rank 0 samples and broadcasts the ids inside the step, and only
+  rank 0 sends `StepResult`s (the other ranks send none).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 
 
 class FinishReason(enum.Enum):
@@ -66,6 +71,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 disables; > 1 discourages repeats
     presence_penalty: float = 0.0  # 0 disables
     frequency_penalty: float = 0.0  # 0 disables
+    # Raw logprobs (`stepahead.logprobs`): None = none; 0 = the sampled token's; k = also the top k.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     @property
     def greedy(self) -> bool:
@@ -149,6 +157,8 @@ class StepResult:
     # request id -> reason: requests that failed alone on the worker (bad sampling row,
     # sampling error); they sampled nothing and the worker forgot them.
     failed: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> its sampled token's
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # request id -> this chunk's
 
 
 @dataclass(frozen=True)
@@ -166,3 +176,7 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the largest logprobs / prompt_logprobs k served
+    group_id: str = ""  # the tensor-parallel group this worker is a rank of ("" = a replica alone)
+    tp_rank: int = 0  # rank in the group; rank 0 alone reports results
+    tp_size: int = 1  # the group's size k

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from stepahead.v1 import common_pb2, generation_pb2, scheduler_pb2
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
-from tests.service.shared_fixtures import hf, serve  # noqa: F401
 from tests.service.streams import LongStream, wait_health
 
 FIELDS = ("request", "model", "request_id", "prompt", "prompt.text", "prompt.token_ids", "stop", "priority") + tuple(
