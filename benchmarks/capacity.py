@@ -11,7 +11,8 @@ device utilization (busy / wall, exact: the sim worker reports each step's busy 
 client-observed output tok/s vs the device's ideal (tokens / sum of step times), TTFT /
 TPOT / ITL p50 / p99, CPU seconds of each process (scheduler, gateway, worker, this
 client) from /proc, scheduler CPU per step and gateway CPU per streamed token. With
-`--profile-cpu`, py-spy samples the scheduler's GIL holder and splits its CPU per step
+`--profile-cpu`, py-spy samples the scheduler's and the gateway's GIL holders (the gateway's
+largest leaf frames, in µs per streamed token), and splits the scheduler's CPU per step
 into schedule, update, plan encode, result decode, event fan-out, stats/metrics and the
 rest (gRPC and thread hand-offs).
 """
@@ -33,7 +34,7 @@ TICK = os.sysconf("SC_CLK_TCK")
 CATEGORIES = {
     "plan encode": ("plan_to_proto",),
     "result decode": ("result_from_proto", "_read_results"),
-    "event fan-out": ("batch_to_proto", "event_to_proto", "_dispatch", "GatewaySession", "Connect"),
+    "event fan-out": ("batch_to_proto", "add_event", "_dispatch", "GatewaySession", "Connect"),
     "stats/metrics": ("Scheduler.stats", "build_stats", "SchedulerMetrics", "Engine._record", "prometheus"),
     "update": ("update_from_output",),
     "schedule": ("Scheduler.schedule",),
@@ -59,7 +60,7 @@ def bench_args(serve: ServeProcess, streams: int, args, label: str) -> argparse.
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     return parser.parse_args([
-        "--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, "--cluster-token", serve.cluster_token, "--num-prompts", str(streams),
+        "--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, f"--cluster-token={serve.cluster_token}", "--num-prompts", str(streams),
         "--max-concurrency", str(streams), "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--ignore-eos", "--disable-tqdm", "--label", label,
     ])
@@ -79,25 +80,26 @@ def split_profile(path: Path) -> dict[str, float]:
 
 def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     profile, _, devices = setup.partition("x")
-    label = f"{setup}-{model}-{streams}-{'async' if async_on else 'sync'}"
+    label = f"{setup}-{model}-{streams}-{'async' if async_on else 'sync'}" + (
+        f"-si{args.stream_interval}" if args.stream_interval > 1 else "")
     flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
-             "--max-num-seqs", str(max(streams, 1)), "--async-scheduling" if async_on else "--no-async-scheduling"]
-    # the gateway's gRPC server serves one stream per thread: it needs a thread per stream
-    os.environ["STEPAHEAD_MAX_WORKERS"] = str(max(512, streams + 64))
+             "--max-num-seqs", str(max(streams, 1)), "--async-scheduling" if async_on else "--no-async-scheduling",
+             "--stream-interval", str(args.stream_interval)]
     with ServeProcess(model, *flags) as serve:
         pids = daemon_pids(serve)
         steps0 = serve.stats().num_steps
         cpu0 = {k: proc_cpu(p) for k, p in pids.items()}
-        spy = None
+        spies = {}
         if args.profile_cpu:
-            out = args.out.parent / f"capacity_profile_{label}.txt"
-            spy = subprocess.Popen(["py-spy", "record", "-p", str(pids["scheduler"]), "-o", str(out), "-f", "raw",
-                                    "--gil", "--nonblocking", "-r", "250"], stdout=subprocess.DEVNULL,
-                                   stderr=subprocess.DEVNULL)
+            for name in ("scheduler", "gateway"):
+                out = args.out.parent / f"capacity_profile_{label}{'' if name == 'scheduler' else '_gateway'}.txt"
+                spies[name] = subprocess.Popen(["py-spy", "record", "-p", str(pids[name]), "-o", str(out), "-f",
+                                                "raw", "--gil", "--nonblocking", "-r", "250"],
+                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         summary = bench.bench(bench_args(serve, streams, args, label))
         cpu = {k: proc_cpu(p) - cpu0[k] for k, p in pids.items()}
         steps = serve.stats().num_steps - steps0
-        if spy is not None:
+        for spy in spies.values():
             spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
             spy.wait(60)
     row = {k: summary.get(k) for k in (
@@ -106,14 +108,28 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
         "device_utilization", "device_busy_s", "device_ideal_output_throughput", "client_cpu_s", "errors")}
     ideal = row["device_ideal_output_throughput"] or float("nan")
     row.update(setup=setup, model=model, streams=streams, mode="async" if async_on else "sync", steps=steps,
+               stream_interval=args.stream_interval,
                client_vs_ideal=row["output_throughput"] / ideal,
                cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
                gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
                load_average=os.getloadavg()[0])
-    if spy is not None:
+    if spies:
         split = split_profile(args.out.parent / f"capacity_profile_{label}.txt")
         row["scheduler_cpu_split_ms_per_step"] = {k: v * row["scheduler_cpu_per_step_ms"] for k, v in split.items()}
+        row["gateway_top_self_us_per_token"] = {
+            k: v * row["gateway_cpu_per_token_us"]
+            for k, v in top_frames(args.out.parent / f"capacity_profile_{label}_gateway.txt").items()}
     return row
+
+
+def top_frames(path: Path, n: int = 12) -> dict[str, float]:
+    """Fraction of GIL-holding samples per leaf frame (function and file), the n largest."""
+    counts: collections.Counter = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, k = line.rpartition(" ")
+        counts[stack.split(";")[-1]] += int(k)
+    total = sum(counts.values()) or 1
+    return {frame: c / total for frame, c in counts.most_common(n)}
 
 
 def table(rows: list[dict]) -> str:
@@ -171,6 +187,7 @@ def main() -> None:
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
+    parser.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
     parser.add_argument("--profile-cpu", action="store_true", help="py-spy the scheduler (needs py-spy on PATH)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/capacity.json"))
     args = parser.parse_args()

@@ -46,7 +46,7 @@ def realtime(args, trace: Path) -> dict:
     with ServeProcess(args.model, "--device", "sim", "--sim-profile", args.sim_profile) as serve:
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
-        ns = parser.parse_args(["--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, "--cluster-token", serve.cluster_token,
+        ns = parser.parse_args(["--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, f"--cluster-token={serve.cluster_token}",
                                 "--dataset-name", "trace", "--dataset-path", str(trace), "--disable-tqdm",
                                 "--num-prompts", str(args.num_requests)])
         return bench.bench(ns)

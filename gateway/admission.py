@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import threading
 
+RETRY_AFTER_S = "1"  # what a refused client is told to wait before trying again (429/503, gRPC trailers)
+
 
 class Overloaded(Exception):
     """The gateway already serves its maximum number of concurrent streams."""

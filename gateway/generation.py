@@ -6,13 +6,12 @@ scheduler's events to the returned `Generation` until it is done. A `Generation`
 client request: `n` upstream sequences (ids `<id>` for n == 1, `<id>#<i>` otherwise, seeds
 derived from the request's), each with its own `OutputProcessor`. Aborting it aborts all
 of them upstream. No grpc and no transport here; events arrive through a sink the caller
-chooses (a thread queue for gRPC, the event loop for HTTP).
+chooses (`event_stream.LoopEvents`: an asyncio queue on the transport's event loop).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import queue
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -159,45 +158,6 @@ class Generation:
             self._metrics.active.dec()
 
 
-class EventMerger:
-    """A request's events as the consumer can take them: token events of one upstream
-    sequence that queued up while the consumer was busy come merged into one (their tokens
-    in order, the last one's finish reason and counts), so a client that falls behind gets
-    fewer, larger messages instead of one per scheduler step."""
-
-    def __init__(self, events) -> None:
-        self._events = events  # a queue.SimpleQueue filled by the scheduler link
-        self._held = None  # an event taken while merging that belongs after the merged one
-
-    def next(self):
-        event, self._held = (self._held, None) if self._held is not None else (self._events.get(), None)
-        while _mergeable(event):
-            try:
-                more = self._events.get_nowait()
-            except queue.Empty:
-                break
-            if not _mergeable_into(event, more):
-                self._held = more
-                break
-            merged = scheduler_pb2.TokenEvent()
-            merged.CopyFrom(more)
-            merged.token_ids[:] = [*event.token_ids, *more.token_ids]
-            if event.logprobs or more.logprobs:
-                merged.ClearField("logprobs")
-                merged.logprobs.extend([*event.logprobs, *more.logprobs])
-            event = merged
-        return event
-
-
-def _mergeable(event) -> bool:
-    return isinstance(event, scheduler_pb2.TokenEvent) and not (event.finish_reason or event.rejected)
-
-
-def _mergeable_into(event, more) -> bool:
-    return (isinstance(more, scheduler_pb2.TokenEvent) and more.request_id == event.request_id and not more.rejected
-            and not (event.prompt_logprobs or more.prompt_logprobs))  # prompt parts stay events of their own
-
-
 def _logprobs_of(event) -> tuple[tuple[Logprobs, ...], PromptLogprobs | None]:
     """The event's logprobs (one per token, or none) and prompt logprobs, as domain objects."""
     if not (event.logprobs or event.prompt_logprobs):
@@ -214,8 +174,10 @@ class Frontend:
     """What both transports share: limits, tokenizer, the scheduler link, metrics."""
 
     def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, link: SchedulerLink,
-                 max_request_bytes: int, metrics: GatewayMetrics, gate: StreamGate | None = None) -> None:
+                 max_request_bytes: int, metrics: GatewayMetrics, gate: StreamGate | None = None,
+                 stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.stream_interval = stream_interval  # tokens per streamed message at most (event_stream.py)
         self.model = model
         self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes,
                                   model.max_logprobs or MAX_LOGPROBS)

@@ -3,7 +3,7 @@
 A thin transport over `gateway.generation.Frontend`, exactly like the gRPC servicer:
 body → pydantic model → `RawGenerateRequest` → `Frontend.validate` → `Frontend.start`
 → `ChoiceOutput`s → OpenAI JSON / SSE chunks. Scheduler events reach the event loop
-through `call_soon_threadsafe`; a client that disconnects (streaming or not) aborts every
+through `event_stream.LoopEvents` and are read with `event_stream.choices`; a client that disconnects (streaming or not) aborts every
 one of its `n` sequences upstream.
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
@@ -23,7 +23,7 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from importlib import metadata
 
 import pydantic
@@ -34,8 +34,9 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from gateway.admission import Draining, Overloaded
-from gateway.generation import ChoiceOutput, Frontend, Generation, Rejected
+from gateway.admission import RETRY_AFTER_S, Draining, Overloaded
+from gateway.event_stream import LoopEvents, choices
+from gateway.generation import Frontend, Generation, Rejected
 from gateway.openai_format import ChatFormat, CompletionFormat, error_body
 from gateway.openai_protocol import (
     ChatCompletionRequest,
@@ -49,7 +50,6 @@ from gateway.validation import ValidationError
 from stepahead.v1 import scheduler_pb2
 
 
-RETRY_AFTER_S = "1"  # what 429 / 503 tell a client to wait before trying again
 
 
 class ApiError(Exception):
@@ -106,13 +106,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-async def _choices(gen: Generation, events: asyncio.Queue) -> AsyncIterator[ChoiceOutput]:
-    while not gen.done:
-        choice = gen.on_event(await events.get())
-        if choice is not None:
-            yield choice
-
-
 async def _wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -126,6 +119,7 @@ class OpenAIServer:
         self.frontend = frontend
         self.worker_attached = worker_attached
         self.log = log
+        self._loop_events: LoopEvents | None = None  # made on the server's event loop
         self.app = FastAPI(title="stepahead", version=_version(), openapi_url=None, docs_url=None, redoc_url=None)
         self._routes()
         if api_keys:
@@ -206,11 +200,11 @@ class OpenAIServer:
         return self.frontend.tokenizer.decode(list(valid.prompt_token_ids), skip_special_tokens=False)
 
     async def _respond(self, request: Request, valid, fmt, body):
-        loop = asyncio.get_running_loop()
+        if self._loop_events is None:
+            self._loop_events = LoopEvents(asyncio.get_running_loop())
         events: asyncio.Queue = asyncio.Queue()
         try:
-            gen = self.frontend.start(valid, fmt.id, lambda ev: loop.call_soon_threadsafe(events.put_nowait, ev),
-                                      "http")
+            gen = self.frontend.start(valid, fmt.id, self._loop_events.sink(events), "http")
         except (Overloaded, Draining) as exc:
             raise _upstream_api_error(exc) from None
         if body.stream:
@@ -221,7 +215,7 @@ class OpenAIServer:
     async def _stream(self, gen: Generation, events: asyncio.Queue, fmt, include_usage: bool):
         try:
             try:
-                async for choice in _choices(gen, events):
+                async for choice in choices(gen, events, self.frontend.stream_interval):
                     for chunk in fmt.chunk(choice):
                         yield json.dumps(chunk)
                 if include_usage:
@@ -235,7 +229,7 @@ class OpenAIServer:
 
     async def _collect(self, request: Request, gen: Generation, events: asyncio.Queue, fmt):
         async def accumulate():
-            async for choice in _choices(gen, events):
+            async for choice in choices(gen, events, self.frontend.stream_interval):
                 fmt.accumulate(choice)
 
         work = asyncio.ensure_future(accumulate())

@@ -11,23 +11,25 @@ sends an abort for the request upstream.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
-import queue
 import uuid
 from collections.abc import Callable
-from concurrent import futures
 from dataclasses import dataclass
 
 import grpc
 from prometheus_client import start_http_server
 
-from gateway.admission import Draining, Overloaded, StreamGate
-from gateway.generation import ChoiceOutput, EventMerger, Frontend, Rejected
+from gateway.admission import RETRY_AFTER_S, Draining, Overloaded, StreamGate
+from gateway.event_stream import LoopEvents, choices
+from gateway.generation import ChoiceOutput, Frontend, Rejected
+from gateway.grpc_thread import NO_BACKLOG_SHEDDING, AioHealth, GrpcThread
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead import codec, daemon, logs, security
+from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -40,6 +42,9 @@ REJECT_STATUS = {
     scheduler_pb2.REJECT_CODE_UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
     scheduler_pb2.REJECT_CODE_QUEUE_FULL: grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+# Trailing metadata of RESOURCE_EXHAUSTED / UNAVAILABLE from the gateway itself: when to try
+# again (seconds, like HTTP's Retry-After; and gRPC's own retry pushback in milliseconds).
+RETRY_HINT = (("retry-after", RETRY_AFTER_S), ("grpc-retry-pushback-ms", str(int(RETRY_AFTER_S) * 1000)))
 
 
 @dataclass(frozen=True)
@@ -56,6 +61,9 @@ class GatewayConfig(SchedulerClientConfig):
     max_concurrent_streams: int = cfg.field(
         1024, "open requests at most (gRPC and HTTP); more get RESOURCE_EXHAUSTED / 429 at once"
     )
+    stream_interval: int = cfg.field(
+        1, "stream a sequence's tokens in messages of at least this many (its first token and its end at once); "
+           "larger values cost the gateway and clients less CPU per token")
     drain_timeout: float = cfg.field(30.0, "on SIGTERM, seconds open requests get to finish before the exit")
     api_key: str | None = cfg.field(None, "API keys clients must send as 'authorization: Bearer KEY' (comma list)")
     ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the public API (gRPC and HTTP)")
@@ -115,42 +123,47 @@ def _logprobs_proto(e) -> common_pb2.Logprobs:
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    """Runs on the grpc.aio server's event loop (`grpc_thread.py`)."""
+
     def __init__(self, frontend: Frontend, log):
         self.frontend = frontend
         self.model = frontend.model
         self.log = log
+        self._loop_events: LoopEvents | None = None  # made on the server's event loop
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         front = self.frontend
-        try:
-            valid = front.validate(raw_from_proto(request))
+        raw = raw_from_proto(request)
+        try:  # a text or chat prompt is tokenized off the loop; token ids are cheap to check
+            valid = front.validate(raw) if raw.prompt_token_ids is not None else \
+                await asyncio.to_thread(front.validate, raw)
         except ValidationError as exc:
             front.metrics.observe_rejected("grpc", grpc.StatusCode.INVALID_ARGUMENT.name)
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         request_id = valid.request_id or f"gen-{uuid.uuid4().hex}"
-        events: queue.SimpleQueue = queue.SimpleQueue()
+        if self._loop_events is None:
+            self._loop_events = LoopEvents(asyncio.get_running_loop())
+        events: asyncio.Queue = asyncio.Queue()
         try:
-            gen = front.start(valid, request_id, events.put, "grpc")
+            gen = front.start(valid, request_id, self._loop_events.sink(events), "grpc")
         except ValueError as exc:  # the id is already in flight here
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
         except Overloaded as exc:  # never a silent queue: the client hears it at once
             self.log.warning("request_refused", reason="overloaded", open=front.gate.active)
-            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=RETRY_HINT)
         except Draining as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        context.add_callback(gen.abort)  # client gone or call over
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=RETRY_HINT)
         try:
-            pending = EventMerger(events)
-            while not gen.done:
-                choice = gen.on_event(pending.next())
-                if choice is not None:
-                    response = self._response(request_id, choice)
-                    if response is not None:
-                        yield response
+            async for choice in choices(gen, events, front.stream_interval):
+                response = self._response(request_id, choice)
+                if response is not None:
+                    yield response
         except Rejected as exc:
-            context.abort(REJECT_STATUS[exc.code], str(exc))
+            await context.abort(REJECT_STATUS[exc.code], str(exc))
         except LinkBroken as exc:
-            context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        finally:
+            gen.abort()  # client gone (the task is cancelled) or call over: a no-op then
 
     def _response(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse | None:
         out = choice.output
@@ -249,6 +262,8 @@ def run(args: argparse.Namespace) -> int:
     from stepahead.builtin_models import resolve_model
 
     config = cfg.from_args(GatewayConfig, args)
+    if config.stream_interval < 1:
+        raise SystemExit(f"--stream-interval must be >= 1, got {config.stream_interval}")
     log = logs.configure("gateway", config.log_level)
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
@@ -261,43 +276,43 @@ def run(args: argparse.Namespace) -> int:
         return 0
     gate = StreamGate(config.max_concurrent_streams)
     pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
-    frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, GatewayMetrics(), gate)
-    server, health, port = build_server(config, frontend, log)
+    frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, GatewayMetrics(), gate, config.stream_interval)
+    grpc_server = build_server(config, frontend, log)
+    port = grpc_server.start()
     http = _start_http(frontend, channels, config, log)
-    server.start()
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
-    health.set(True)
+    grpc_server.health.set(True)
     log.info("gateway_ready", address=f"{config.host}:{port}", http_port=http.port if http else 0,
              model=model.model_name, pid=os.getpid())
     stop.wait()
-    health.set(False)  # probes and balancers stop sending; open requests may finish
+    grpc_server.health.set(False)  # probes and balancers stop sending; open requests may finish
     drained = gate.drain(config.drain_timeout)
     log.info("gateway_drained" if drained else "gateway_drain_timeout", open_requests=gate.active)
     if http is not None:
         http.stop()
-    server.stop(2.0).wait()
+    grpc_server.stop(2.0)
     return 0
 
 
-def build_server(config: GatewayConfig, frontend: Frontend, log):
-    """The public gRPC server: a thread per open stream up to the limit, and past it
-    RESOURCE_EXHAUSTED from grpc itself rather than a silent queue."""
+def build_server(config: GatewayConfig, frontend: Frontend, log) -> GrpcThread:
+    """The public gRPC server (grpc.aio, its own thread): every call is taken at once and
+    admitted or refused by the stream gate (RESOURCE_EXHAUSTED past the limit)."""
     keys = security.split_keys(config.api_key)
-    interceptors = [security.api_key_interceptor(keys, lambda m: frontend.metrics.observe_rejected("grpc", 401))
-                    ] if keys else []
-    threads = config.max_concurrent_streams + 64  # headroom for unary calls and health checks
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=threads),
-        interceptors=interceptors,
-        options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes)],
-        maximum_concurrent_rpcs=threads,
-    )
-    generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, log), server)
-    health = daemon.Health(server, [SERVICE_NAME])
-    tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
-    port = security.add_port(server, f"{config.host}:{config.port}", tls)
-    return server, health, port
+
+    async def build(loop):
+        interceptors = [AioCredentialInterceptor(security.api_key_interceptor(
+            keys, lambda m: frontend.metrics.observe_rejected("grpc", 401)))] if keys else []
+        server = grpc.aio.server(
+            interceptors=interceptors,
+            options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes), *NO_BACKLOG_SHEDDING],
+        )
+        generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, log), server)
+        health = AioHealth(server, (SERVICE_NAME,), loop)
+        tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
+        return server, health, security.add_port(server, f"{config.host}:{config.port}", tls)
+
+    return GrpcThread(build)
 
 
 def _start_http(frontend: Frontend, channels, config: GatewayConfig, log):

@@ -153,23 +153,26 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo, scope
     )
 
 
-def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.TokenEvent:
-    msg = scheduler_pb2.TokenEvent(
-        request_id=event.request_id[scope_len:],
-        token_ids=event.new_token_ids,
-        finish_reason=codec.finish_reason_to_proto(event.finish_reason),
-        num_prompt_tokens=event.num_prompt_tokens,
-        num_cached_tokens=event.num_cached_tokens,
-        message=event.message,
-        logprobs=[codec.logprobs_to_proto(lp) for lp in event.logprobs],
-        num_draft_tokens=event.num_draft_tokens,
-        num_accepted_tokens=event.num_accepted_tokens,
-        num_spec_steps=event.num_spec_steps,
-    )
+def add_event(batch: scheduler_pb2.EventBatch, event: RequestEvent, scope_len: int = 0) -> None:
+    """Append `event` to `batch`, setting only the fields that differ from their defaults
+    (the fan-out's hot path: one event per running request per step)."""
+    msg = batch.events.add(request_id=event.request_id[scope_len:], token_ids=event.new_token_ids,
+                           num_prompt_tokens=event.num_prompt_tokens)
+    if event.finish_reason is not None:
+        msg.finish_reason = codec.finish_reason_to_proto(event.finish_reason)
+    if event.num_cached_tokens:
+        msg.num_cached_tokens = event.num_cached_tokens
+    if event.message:
+        msg.message = event.message
+    if event.logprobs:
+        msg.logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.logprobs)
+    if event.num_draft_tokens:
+        msg.num_draft_tokens = event.num_draft_tokens
+        msg.num_accepted_tokens = event.num_accepted_tokens
+        msg.num_spec_steps = event.num_spec_steps
     if event.prompt_logprobs is not None:
         msg.prompt_logprobs_start = event.prompt_logprobs.start
         msg.prompt_logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.prompt_logprobs.entries)
-    return msg
 
 
 REJECT_CODES = {
@@ -193,9 +196,13 @@ def rejection_to_proto(r: Rejected) -> scheduler_pb2.TokenEvent:
 
 def batch_to_proto(batch: list[RequestEvent | Rejected], scope_len: int = 0) -> scheduler_pb2.EventBatch:
     """Rejections carry the gateway's own id; events the scoped one (the scope is cut off)."""
-    return scheduler_pb2.EventBatch(
-        events=[rejection_to_proto(e) if isinstance(e, Rejected) else event_to_proto(e, scope_len) for e in batch]
-    )
+    out = scheduler_pb2.EventBatch()
+    for e in batch:
+        if isinstance(e, Rejected):
+            out.events.append(rejection_to_proto(e))
+        else:
+            add_event(out, e, scope_len)
+    return out
 
 
 def stats_to_proto(stats) -> scheduler_pb2.SchedulerStats:

@@ -94,22 +94,45 @@ class CredentialInterceptor(grpc.ServerInterceptor):
                     return True
         return False
 
-    def intercept_service(self, continuation, handler_call_details):
+    def permits(self, handler_call_details) -> bool:
         method = handler_call_details.method
-        if method.startswith(self._exempt) or self._allowed(handler_call_details.invocation_metadata):
+        return method.startswith(self._exempt) or self._allowed(handler_call_details.invocation_metadata)
+
+    def intercept_service(self, continuation, handler_call_details):
+        if self.permits(handler_call_details):
             return continuation(handler_call_details)
         handler = continuation(handler_call_details)
-        if handler is None:
-            return None
+        return None if handler is None else self.refusal(handler, handler_call_details.method)
+
+    def refusal(self, handler: grpc.RpcMethodHandler, method: str, aio: bool = False) -> grpc.RpcMethodHandler:
+        """Count the refusal of `method` and answer it UNAUTHENTICATED instead of `handler`."""
         self._on_reject(method)
-        return _refusing(handler, f"missing or wrong {self._what}")
+        return _refusing(handler, f"missing or wrong {self._what}", aio)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+class AioCredentialInterceptor(grpc.aio.ServerInterceptor):
+    """The same check as `CredentialInterceptor`, for a grpc.aio server."""
+
+    def __init__(self, check: CredentialInterceptor) -> None:
+        self._check = check
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or self._check.permits(handler_call_details):
+            return handler
+        return self._check.refusal(handler, handler_call_details.method, aio=True)
+
+
+def _refusing(handler: grpc.RpcMethodHandler, message: str, aio: bool = False) -> grpc.RpcMethodHandler:
     """A handler of the same shape as `handler` that refuses with UNAUTHENTICATED."""
 
-    def refuse(request, context):
+    def refuse_sync(request, context):
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    async def refuse_aio(request, context):
+        await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
+
+    refuse = refuse_aio if aio else refuse_sync
 
     kinds = {
         (False, False): grpc.unary_unary_rpc_method_handler,

@@ -79,7 +79,7 @@ def test_bad_jsonl_names_the_line_and_field(tmp_path, row, message):
 def bench_args(path: str, serve, num_prompts: int, result: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
-    return parser.parse_args(["--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, "--cluster-token", serve.cluster_token,
+    return parser.parse_args(["--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, f"--cluster-token={serve.cluster_token}",
                               "--dataset-name", "trace", "--dataset-path", path, "--trace-speedup", "4",
                               "--num-prompts", str(num_prompts), "--disable-tqdm", "--result-filename", result])
 

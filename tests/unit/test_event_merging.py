@@ -1,10 +1,13 @@
-"""The gateway merges a request's events that queued up while its consumer was busy."""
+"""The gateway merges a request's events that queued up while its consumer was busy, holds
+tokens to the stream interval, and hands events from a thread to the loop in batches."""
 
 from __future__ import annotations
 
-import queue
+import asyncio
+import threading
 
-from gateway.generation import WAKE, EventMerger
+from gateway.event_stream import EventMerger, LoopEvents
+from gateway.generation import WAKE
 from stepahead.v1 import common_pb2, scheduler_pb2
 
 
@@ -13,29 +16,76 @@ def ev(*tokens: int, rid: str = "r", finish=common_pb2.FINISH_REASON_UNSPECIFIED
                                     num_cached_tokens=cached)
 
 
-def merger(*events) -> EventMerger:
-    q: queue.SimpleQueue = queue.SimpleQueue()
-    for e in events:
-        q.put(e)
-    return EventMerger(q)
+def drain(*events, interval: int = 1) -> list:
+    """What a consumer takes from a queue holding `events`, message by message."""
+
+    async def run():
+        q: asyncio.Queue = asyncio.Queue()
+        for e in events:
+            q.put_nowait(e)
+        m, out = EventMerger(q, interval), []
+        while not q.empty() or m._held is not None:
+            out.append(await m.next())
+        return out
+
+    return asyncio.run(run())
 
 
 def test_queued_events_merge_in_order_up_to_the_final_one():
-    m = merger(ev(1), ev(2), ev(3, 4), ev(5, finish=common_pb2.FINISH_REASON_LENGTH, cached=16), ev(99))
-    merged = m.next()
+    merged, rest = drain(ev(1), ev(2), ev(3, 4), ev(5, finish=common_pb2.FINISH_REASON_LENGTH, cached=16), ev(99))
     assert list(merged.token_ids) == [1, 2, 3, 4, 5]
     assert merged.finish_reason == common_pb2.FINISH_REASON_LENGTH and merged.num_cached_tokens == 16
-    assert list(m.next().token_ids) == [99], "nothing past the final event is taken"
+    assert list(rest.token_ids) == [99], "nothing past the final event is taken"
 
 
 def test_another_sequence_or_a_wake_up_is_kept_for_later():
-    m = merger(ev(1), ev(2), ev(7, rid="r#1"), ev(3), WAKE)
-    assert list(m.next().token_ids) == [1, 2]
-    assert m.next().request_id == "r#1"
-    assert list(m.next().token_ids) == [3]
-    assert m.next() is WAKE
+    out = drain(ev(1), ev(2), ev(7, rid="r#1"), ev(3), WAKE)
+    assert [list(e.token_ids) for e in out[:3]] == [[1, 2], [7], [3]]
+    assert out[1].request_id == "r#1" and out[3] is WAKE
 
 
 def test_nothing_queued_leaves_the_event_alone():
     event = ev(7)
-    assert merger(event).next() is event
+    assert drain(event) == [event]
+
+
+def test_stream_interval_holds_tokens_but_never_the_first_or_the_end():
+    async def run():
+        q: asyncio.Queue = asyncio.Queue()
+        m = EventMerger(q, stream_interval=3)
+        q.put_nowait(ev(1))
+        first = await m.next()  # the first token goes out alone, at once
+        for t in (2, 3):
+            q.put_nowait(ev(t))
+        pending = asyncio.ensure_future(m.next())
+        await asyncio.sleep(0)  # let it take both queued events
+        assert not pending.done(), "2 tokens < the interval of 3 went out"
+        q.put_nowait(ev(4))
+        held = await pending
+        q.put_nowait(ev(5, finish=common_pb2.FINISH_REASON_LENGTH))
+        return first, held, await m.next()
+
+    first, held, end = asyncio.run(run())
+    assert list(first.token_ids) == [1] and list(held.token_ids) == [2, 3, 4]
+    assert list(end.token_ids) == [5] and end.finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+
+def test_loop_events_deliver_every_event_in_order_from_another_thread():
+    async def run():
+        loop = asyncio.get_running_loop()
+        events = LoopEvents(loop)
+        queues = [asyncio.Queue() for _ in range(3)]
+        sinks = [events.sink(q) for q in queues]
+
+        def reader():
+            for i in range(300):
+                sinks[i % 3](i)
+
+        thread = threading.Thread(target=reader)
+        thread.start()
+        got = [[await q.get() for _ in range(100)] for q in queues]
+        thread.join()
+        return got
+
+    got = asyncio.run(run())
+    assert got == [list(range(k, 300, 3)) for k in range(3)]

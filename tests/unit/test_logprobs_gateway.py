@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.generation import EventMerger
+from gateway.event_stream import EventMerger
 from gateway.logprob_output import PromptLogprobsCollector, TokenText
 from gateway.openai_format import CompletionFormat
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_to_raw, completion_to_raw, openai_param
@@ -64,16 +64,19 @@ def test_prompt_logprobs_are_kept_by_position_and_sent_once():
 
 
 def test_event_merging_keeps_logprobs_aligned_and_prompt_parts_apart():
-    import queue
+    import asyncio
 
-    q = queue.SimpleQueue()
-    for e in (event("r", [1], logprobs=[lp(1)]), event("r", [2], logprobs=[lp(2)]),
-              event("r", [3], logprobs=[lp(3)], prompt_logprobs=[lp(9)], prompt_logprobs_start=1)):
-        q.put(e)
-    merger = EventMerger(q)
-    merged = merger.next()
+    async def run():
+        q: asyncio.Queue = asyncio.Queue()
+        for e in (event("r", [1], logprobs=[lp(1)]), event("r", [2], logprobs=[lp(2)]),
+                  event("r", [3], logprobs=[lp(3)], prompt_logprobs=[lp(9)], prompt_logprobs_start=1)):
+            q.put_nowait(e)
+        merger = EventMerger(q)
+        return await merger.next(), await merger.next()
+
+    merged, rest = asyncio.run(run())
     assert list(merged.token_ids) == [1, 2] and [e.token_id for e in merged.logprobs] == [1, 2]
-    assert list(merger.next().prompt_logprobs)
+    assert list(rest.prompt_logprobs)
 
 
 def test_openai_logprobs_parameters_map_to_sampling():

@@ -1,0 +1,83 @@
+"""The gateway's public gRPC server (`grpc.aio`) on its own thread and event loop.
+
+Why asyncio and not grpc's thread-per-stream server: the threaded server takes a new call
+from grpc core only when its one polling thread gets the GIL, which a thousand streaming
+threads hold most of the time. Under a burst the new calls wait inside grpc core, which
+sheds them with a bare CANCELLED (its pending-call backlog: random drops past 1000 calls,
+all past 3000, and any call not taken within 30 s) before the gateway's own stream limit
+ever sees them. On an event loop a call is taken (and admitted, or refused with
+RESOURCE_EXHAUSTED) as soon as the loop comes round, and a stream costs no thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer
+from grpc_reflection.v1alpha import reflection
+
+from stepahead.daemon import HEALTH_SERVICE
+
+# grpc core's pending-call backlog (calls that arrived but the application has not taken
+# yet): never shed there, silently; the gateway's stream gate answers every call instead,
+# and a call waits no longer than its client's own deadline (DEADLINE_EXCEEDED).
+NO_BACKLOG_SHEDDING = (
+    ("grpc.server.max_pending_requests", 1 << 30),
+    ("grpc.server.max_pending_requests_hard_limit", 1 << 30),
+    ("grpc.server_max_unrequested_time_in_server", 1 << 30),  # seconds
+)
+
+
+class AioHealth:
+    """gRPC health (overall "" and each named service) and reflection on a grpc.aio server;
+    `set` may be called from any thread."""
+
+    def __init__(self, server: grpc.aio.Server, services: tuple[str, ...], loop: asyncio.AbstractEventLoop) -> None:
+        self.servicer = HealthServicer()
+        self.services = ("", *services)
+        self.loop = loop
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+
+    async def set_async(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+    def set(self, serving: bool, timeout_s: float = 5.0) -> None:
+        asyncio.run_coroutine_threadsafe(self.set_async(serving), self.loop).result(timeout_s)
+
+
+class GrpcThread:
+    """Runs `build()` (a coroutine returning the unstarted server, its `AioHealth` and the
+    bound port) on a fresh event loop in a thread, starts the server NOT_SERVING."""
+
+    def __init__(self, build: Callable[[asyncio.AbstractEventLoop], Awaitable[tuple]]) -> None:
+        self._build = build
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self.server: grpc.aio.Server | None = None
+        self.health: AioHealth | None = None
+        self.port = 0
+
+    def start(self, timeout_s: float = 30.0) -> int:
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout_s)
+        return self.port
+
+    async def _start(self) -> None:
+        self.server, self.health, self.port = await self._build(self.loop)
+        await self.health.set_async(False)
+        await self.server.start()
+
+    def stop(self, grace_s: float = 2.0) -> None:
+        """Cancel what is still open after `grace_s`, then end the loop and its thread."""
+        if self.server is not None:
+            asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop).result(grace_s + 10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+        self.loop.close()
