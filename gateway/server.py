@@ -93,6 +93,7 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
+        structured=codec.structured_from_proto(s),
         size_bytes=msg.ByteSize(),
     )
 

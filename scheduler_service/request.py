@@ -74,6 +74,7 @@ class RequestEvent:
     num_cached_tokens: int
     message: str = ""  # with FinishReason.ERROR: what failed
     queue_time: float | None = None  # on the first token's event: arrival to first scheduled
+    rejected: bool = False  # with ERROR: the request itself was invalid (the client gets INVALID_ARGUMENT)
 
 
 class Request:

@@ -154,6 +154,7 @@ def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.Tok
         num_prompt_tokens=event.num_prompt_tokens,
         num_cached_tokens=event.num_cached_tokens,
         message=event.message,
+        rejected=event.rejected,  # its reject_code is the default, REJECT_CODE_INVALID
     )
 
 

@@ -39,7 +39,7 @@ class InFlightPlan:
             bad = [t for t in tokens.values() if not 0 <= t < vocab_size]
             if bad:
                 raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
-        if failed:
+        if failed or result.invalid_ids:
             self._check_failed(result)
         missing = self.sampling_ids - tokens.keys() - failed.keys()
         if missing:  # only fresh entries must have a token
@@ -52,6 +52,8 @@ class InFlightPlan:
         both = failed.keys() & result.sampled_token_ids.keys()
         if both:
             raise ValueError(f"result {result.step_id} has both a token and a failure for {sorted(both)[:8]}")
+        if not failed.keys() >= set(result.invalid_ids):
+            raise ValueError(f"result {result.step_id} lists invalid requests that did not fail")
         unknown = failed.keys() - {req.request_id for req, _, _, _ in self.entries}
         if unknown:
             raise ValueError(f"result {result.step_id} reports failures of requests it did not run: {sorted(unknown)[:8]}")

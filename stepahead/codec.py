@@ -15,6 +15,8 @@ from stepahead.plan import (
     SamplingParams,
     StepPlan,
     StepResult,
+    StructuredKind,
+    StructuredOutput,
     WorkerInfo,
     WorkerTiming,
 )
@@ -61,7 +63,37 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.repetition_penalty != 1.0:
         msg.repetition_penalty = p.repetition_penalty
+    if p.structured is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(p.structured))
     return msg
+
+
+_STRUCTURED_TEXT_FIELDS = {StructuredKind.JSON_SCHEMA: "json", StructuredKind.REGEX: "regex",
+                           StructuredKind.GRAMMAR: "grammar"}
+_STRUCTURED_FROM_FIELD = {v: k for k, v in _STRUCTURED_TEXT_FIELDS.items()}
+
+
+def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutputs:
+    if s.kind is StructuredKind.JSON_OBJECT:
+        return common_pb2.StructuredOutputs(json_object=True)
+    if s.kind is StructuredKind.CHOICE:
+        return common_pb2.StructuredOutputs(choice=common_pb2.Choices(choices=s.choices))
+    return common_pb2.StructuredOutputs(**{_STRUCTURED_TEXT_FIELDS[s.kind]: s.spec})
+
+
+def structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
+    """None when `structured_outputs` is unset or holds no constraint (`json_object: false` included)."""
+    if not msg.HasField("structured_outputs"):
+        return None
+    so = msg.structured_outputs
+    which = so.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not so.json_object):
+        return None
+    if which == "json_object":
+        return StructuredOutput(StructuredKind.JSON_OBJECT)
+    if which == "choice":
+        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(so.choice.choices))
+    return StructuredOutput(_STRUCTURED_FROM_FIELD[which], spec=getattr(so, which))
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
@@ -80,6 +112,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
+        structured=structured_from_proto(msg),
     )
 
 
@@ -156,14 +189,14 @@ def timing_from_proto(msg: scheduler_pb2.WorkerTiming) -> WorkerTiming:
 def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
     return scheduler_pb2.StepResult(
         step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing),
-        failed=result.failed,
+        failed=result.failed, invalid_ids=result.invalid_ids,
     )
 
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing),
-        failed=dict(msg.failed),
+        failed=dict(msg.failed), invalid_ids=tuple(msg.invalid_ids),
     )
 
 

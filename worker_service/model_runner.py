@@ -24,6 +24,7 @@ import torch
 
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
+from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, plan_num_blocks
@@ -50,6 +51,7 @@ class PendingStep:
     done: StepEvent
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+    invalid_ids: tuple[str, ...] = ()  # of failed: requests whose grammar does not compile
     _ids: list[int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -63,12 +65,17 @@ class PendingStep:
                     self.timing = replace(self.timing, forward_end=time.time())
             return self._ids
 
-    def wait(self) -> StepResult:
+    def fill(self) -> list[int]:
         """Block until the ids are on the host; fill the reserved slots of the token lists."""
         ids = self.ids()
         for r, slot, t in zip(self.reqs, self.slots, ids):
             r.token_ids[slot] = t
-        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed)
+        return ids
+
+    def wait(self) -> StepResult:
+        ids = self.fill()
+        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
+                          self.invalid_ids)
 
 
 class ModelRunner:
@@ -78,7 +85,7 @@ class ModelRunner:
                  num_host_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 pad_decode_batches: bool | None = None):
+                 pad_decode_batches: bool | None = None, structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -97,6 +104,8 @@ class ModelRunner:
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
+        self.grammar = GrammarMasks(GrammarCache(model_dir, self.vocab_size, self.eos_token_ids,
+                                                 structured_outputs_cache_size), self.device)
         self.streams = DeviceStreams(self.device)
         self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
         self.requests: dict[str, CachedRequest] = {}
@@ -145,6 +154,7 @@ class ModelRunner:
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        plan, invalid = split_bad_grammars(plan, self.grammar, self._failed_ids, failed)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
         with self.streams.on_compute_stream():
@@ -155,7 +165,7 @@ class ModelRunner:
                 self._set_sampled([], self._sampled[0, :0])
                 now = time.time()
                 return PendingStep(plan.step_id, [], [], self._host_ids[0, :0], StepEvent(),
-                                   WorkerTiming(received or prep_start, prep_start, now, now), failed=failed)
+                                   WorkerTiming(received or prep_start, prep_start, now, now), failed, invalid)
             slot = self._num_launched & 1
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
@@ -165,7 +175,7 @@ class ModelRunner:
             sampled, reqs = self._device_step(inputs, slot, failed)
             slots = self._reserve_slots(reqs)
             pending = self._to_host(sampled, slot, plan.step_id, reqs, slots)
-            pending.failed = failed
+            pending.failed, pending.invalid_ids = failed, invalid
         forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
         pending.timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
         return pending
@@ -243,6 +253,7 @@ class ModelRunner:
             self._forget((rid,))
         with self.streams.on_compute_stream():  # its buffers are zeroed where the steps use them
             self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
+        self.grammar.clear()
         self._failed_ids.clear()
         self._pending = [None, None]
         self._set_sampled([], self._sampled[0, :0])
@@ -261,6 +272,7 @@ class ModelRunner:
                 self.table.free(state.row)
                 self._num_min_tokens -= state.sampling.min_tokens > 0
             self.logits_processing.forget(rid)
+            self.grammar.forget(rid)
             self._failed_ids.discard(rid)
 
     def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
@@ -336,6 +348,7 @@ class ModelRunner:
                                       validated=True)
         # bias and penalties (a new tensor, or `logits` itself when no row uses them)
         processed = self.logits_processing.apply(logits, [r.request_id for r in reqs], params)
+        processed = self.grammar.apply(processed, reqs, self._settle_placeholders)  # structured outputs
         sampled = self.sampler(processed, meta)
         self.logits_processing.record(sampled)  # penalty counts see this step's ids, on the device
         return sampled
@@ -371,6 +384,12 @@ class ModelRunner:
         if flat:
             index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
             logits.view(-1).index_fill_(0, index, float("-inf"))  # logits: [n, vocab] contiguous
+
+    def _settle_placeholders(self) -> None:
+        """Put the sampled ids of steps still in flight into their requests' token lists."""
+        for pending in self._pending:
+            if pending is not None:
+                pending.fill()
 
     def _set_sampled(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> None:
         """sampled: [len(reqs)] a view of one slot of the persistent sampled-ids buffer."""

@@ -218,7 +218,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "timing", "failed")
+    __slots__ = ("step_id", "sampled_token_ids", "timing", "failed", "invalid_ids")
     class SampledTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -237,11 +237,13 @@ class StepResult(_message.Message):
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
+    INVALID_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.ScalarMap[str, int]
     timing: WorkerTiming
     failed: _containers.ScalarMap[str, str]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    invalid_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., invalid_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
     __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent", "device_busy_s")
