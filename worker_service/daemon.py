@@ -54,6 +54,8 @@ class WorkerConfig(SchedulerClientConfig):
         AttentionBackendName.TORCH, "paged attention: torch (reference) or paged (device-side decode "
         "metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
+    structured_outputs_cache_size: int = cfg.field(
+        256, "compiled grammars (structured outputs) kept per worker, least recently used evicted")
     num_threads: int | None = cfg.field(
         None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
     )
@@ -97,6 +99,7 @@ def build_runner(config: WorkerConfig):
         max_num_batched_tokens=config.max_num_batched_tokens,
         attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
                                        config.block_size),
+        structured_outputs_cache_size=config.structured_outputs_cache_size,
     )
     return runner, model_dir
 
@@ -276,6 +279,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
+    metrics.watch_grammars(runner)
     watch = _StopWatch(stop)
     backoff, failures = 0.05, 0
     while not stop.is_set():

@@ -55,11 +55,15 @@ class GrammarViolation(RuntimeError):
 
 class CompileObserver(Protocol):
     def on_grammar_cache_hit(self) -> None: ...
+    def on_grammar_cache_miss(self) -> None: ...
     def on_grammar_compiled(self, seconds: float) -> None: ...
 
 
 class _NoObserver:
     def on_grammar_cache_hit(self) -> None:
+        pass
+
+    def on_grammar_cache_miss(self) -> None:
         pass
 
     def on_grammar_compiled(self, seconds: float) -> None:
@@ -86,6 +90,7 @@ class GrammarCache:
             self._compiled.move_to_end(structured)
             self.observer.on_grammar_cache_hit()
             return compiled
+        self.observer.on_grammar_cache_miss()
         compiler = self._load()
         start = time.perf_counter()
         try:
