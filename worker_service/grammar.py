@@ -20,8 +20,8 @@ scheduler check what pure Python can (`stepahead.limits.check_structured`).
 
 Speculative decoding (later): verifying k draft tokens is `accept_token` on each in turn
 (stopping at the first refused one), filling the bitmask row for each accepted prefix
-position, then `rollback(k - accepted)` for the drafts the target rejected; matchers are
-built with `max_rollback_tokens` for that.
+position, then `rollback(k - accepted)` for the drafts the target rejected (xgrammar 0.2
+keeps unlimited rollback history).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from worker_service.streams import host_to_device
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
-MAX_ROLLBACK_TOKENS = 16  # room for verifying draft tokens (speculative decoding)
 
 
 class GrammarError(ValueError):
@@ -156,7 +155,7 @@ class RequestGrammar:
     def __init__(self, compiled) -> None:
         import xgrammar  # noqa: PLC0415 (already loaded by the cache)
 
-        self.matcher = xgrammar.GrammarMatcher(compiled, max_rollback_tokens=MAX_ROLLBACK_TOKENS)
+        self.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
         self.num_accepted = 0  # output tokens the matcher has consumed
 
     def advance(self, output: list[int]) -> None:
