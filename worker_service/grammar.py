@@ -165,11 +165,20 @@ class RequestGrammar:
                 raise GrammarViolation(f"token {token} (output position {self.num_accepted}) breaks the grammar")
             self.num_accepted += 1
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """bitmask: [rows, words] int32 on the host; writes row `row`."""
-        if self.matcher.is_terminated():
-            raise GrammarViolation("the grammar has ended but the request goes on")
-        self.matcher.fill_next_token_bitmask(bitmask, row)
+    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: tuple[int, ...]) -> None:
+        """bitmask: [rows, words] int32 on the host; writes row `row`.
+
+        A grammar that has ended (its EOS was sampled) allows only EOS: under async scheduling
+        the step after the EOS was planned before the scheduler saw it, and the scheduler
+        drops that step's token for the finished request anyway.
+        """
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        words = [0] * bitmask.shape[1]
+        for t in eos_token_ids:
+            words[t // 32] |= 1 << (t % 32)
+        bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
 
 
 class GrammarMasks:
@@ -212,7 +221,7 @@ class GrammarMasks:
             r = reqs[i]
             grammar = self._requests[r.request_id]
             grammar.advance(r.token_ids[r.num_prompt_tokens:])
-            grammar.fill(bitmask, k)
+            grammar.fill(bitmask, k, self.cache.eos_token_ids)
         allowed = unpack_bitmask(host_to_device(bitmask[: len(rows)], torch.int32, logits.device),
                                  logits.shape[1])  # [m, vocab] bool
         index = host_to_device(rows, torch.int64, logits.device)  # [m]
