@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -38,8 +37,6 @@ import torch
 
 from stepahead.plan import StructuredKind, StructuredOutput
 from worker_service.streams import host_to_device
-
-log = logging.getLogger(__name__)
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
 
