@@ -14,7 +14,6 @@ import json
 import re
 
 import jsonschema
-import pytest
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 from scheduler_service.request import Request
