@@ -124,8 +124,10 @@ def test_fifty_json_schema_requests_parse_and_validate(tiny_model_dir, tiny_toke
         jsonschema.validate(doc, SCHEMA)
         docs.append(doc)
     assert len({json.dumps(d) for d in docs}) > 25  # really sampled, not one forced path
-    # one compile for fifty requests, one matcher each, all forgotten
-    assert len(engine.runner.grammar.cache) == 1 and len(engine.runner.grammar) == 0
+    # one compile for fifty requests; matchers only for requests the worker still holds (the
+    # last finished ones are forgotten with the next plan's finished_ids)
+    assert len(engine.runner.grammar.cache) == 1
+    assert len(engine.runner.grammar) == len(engine.runner.requests) < 50
 
 
 def test_regex_and_choice_outputs_match_next_to_free_text(tiny_model_dir, tiny_tokenizer):  # noqa: F811
