@@ -25,6 +25,7 @@ from gateway.output import Output, OutputProcessor
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec
+from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
 from stepahead.v1 import scheduler_pb2
 
@@ -100,7 +101,7 @@ class Generation:
             raise Rejected(event.message, event.reject_code)
         index = self._index[rid]
         reason = codec.finish_reason_from_proto(event.finish_reason)
-        out = self._processors[index].on_tokens(event.token_ids, reason)
+        out = self._processors[index].on_tokens(event.token_ids, reason, *_logprobs_of(event))
         if out.token_ids and not self._first_token_seen:
             self._first_token_seen = True
             self._metrics.observe_first_token(self._transport, time.monotonic() - self._start)
@@ -157,6 +158,9 @@ class EventMerger:
             merged = scheduler_pb2.TokenEvent()
             merged.CopyFrom(more)
             merged.token_ids[:] = [*event.token_ids, *more.token_ids]
+            if event.logprobs or more.logprobs:
+                merged.ClearField("logprobs")
+                merged.logprobs.extend([*event.logprobs, *more.logprobs])
             event = merged
         return event
 
@@ -166,7 +170,20 @@ def _mergeable(event) -> bool:
 
 
 def _mergeable_into(event, more) -> bool:
-    return isinstance(more, scheduler_pb2.TokenEvent) and more.request_id == event.request_id and not more.rejected
+    return (isinstance(more, scheduler_pb2.TokenEvent) and more.request_id == event.request_id and not more.rejected
+            and not (event.prompt_logprobs or more.prompt_logprobs))  # prompt parts stay events of their own
+
+
+def _logprobs_of(event) -> tuple[tuple[Logprobs, ...], PromptLogprobs | None]:
+    """The event's logprobs (one per token, or none) and prompt logprobs, as domain objects."""
+    if not (event.logprobs or event.prompt_logprobs):
+        return (), None
+    lp = tuple(codec.logprobs_from_proto(m) for m in event.logprobs)
+    prompt = None
+    if event.prompt_logprobs:
+        prompt = PromptLogprobs(event.prompt_logprobs_start,
+                                tuple(codec.logprobs_from_proto(m) for m in event.prompt_logprobs))
+    return lp, prompt
 
 
 class Frontend:
@@ -176,7 +193,8 @@ class Frontend:
                  max_request_bytes: int, metrics: GatewayMetrics, gate: StreamGate | None = None) -> None:
         self.tokenizer = tokenizer
         self.model = model
-        self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes)
+        self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes,
+                                  model.max_logprobs or MAX_LOGPROBS)
         self.link = link
         self.metrics = metrics
         self.gate = gate or StreamGate(1 << 30)

@@ -150,7 +150,8 @@ class OpenAIServer:
 
         valid = await self._validate(prepare, chat=False)
         echo = self._echo_text(body, valid) if body.echo else None
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n, echo)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n, echo,
+                               logprobs=valid.sampling.logprobs is not None)
         return await self._respond(request, valid, fmt, body)
 
     async def chat_completions(self, request: Request):
@@ -160,7 +161,8 @@ class OpenAIServer:
             return self.frontend.validate(chat_to_raw(body, size))
 
         valid = await self._validate(prepare, chat=True)
-        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n)
+        fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n,
+                         logprobs=valid.sampling.logprobs is not None)
         return await self._respond(request, valid, fmt, body)
 
     async def models(self):

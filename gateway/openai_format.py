@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.generation import ChoiceOutput
+from gateway.openai_logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
 
 
 def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
@@ -23,13 +24,15 @@ class _Choice:
     finish_reason: str | None = None
     stop_reason: str | None = None
     num_tokens: int = 0
+    logprobs: list = field(default_factory=list)  # per output: a completions logprobs dict / chat content items
 
 
 class _Format:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, response_id: str, model: str, n: int) -> None:
+    def __init__(self, response_id: str, model: str, n: int, logprobs: bool = False) -> None:
+        self.logprobs = logprobs  # the request asked for logprobs (else the field is null)
         self.id = response_id
         self.model = model
         self.created = int(time.time())
@@ -76,32 +79,47 @@ class CompletionFormat(_Format):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, response_id: str, model: str, n: int, echo_text: str | None) -> None:
-        super().__init__(response_id, model, n)
+    def __init__(self, response_id: str, model: str, n: int, echo_text: str | None, logprobs: bool = False) -> None:
+        super().__init__(response_id, model, n, logprobs)
         self._echo_pending = [echo_text] * n if echo_text else [None] * n
+        self._output_offset = len(echo_text or "")  # generated text starts after the echoed prompt
 
     def _text(self, choice: ChoiceOutput) -> str:
         echo, self._echo_pending[choice.index] = self._echo_pending[choice.index], None
         return (echo or "") + choice.output.text
 
+    def _logprobs(self, choice: ChoiceOutput) -> dict | None:
+        """This output's logprobs object: the prompt's first (echo), then the generated tokens'."""
+        if not self.logprobs:
+            return None
+        out = choice.output
+        parts = [completion_logprobs(out.prompt_logprobs)] if out.prompt_logprobs else []
+        parts.append(completion_logprobs(out.logprobs, self._output_offset))
+        return merge_completion_logprobs(parts)
+
     def accumulate(self, choice: ChoiceOutput) -> None:
-        self._record(choice).text.append(self._text(choice))
+        state = self._record(choice)
+        state.text.append(self._text(choice))
+        if self.logprobs:
+            state.logprobs.append(self._logprobs(choice))
 
     def chunk(self, choice: ChoiceOutput) -> list[dict]:
-        """The chunks for one output (none when it carries no text and does not finish)."""
+        """The chunks for one output (none when it carries no text, no logprobs and does not finish)."""
         state = self._record(choice)
         text = self._text(choice)
-        if not text and not choice.output.finished:
+        logprobs = self._logprobs(choice)
+        if not text and not choice.output.finished and not (logprobs and logprobs["tokens"]):
             return []
-        entry = {"index": choice.index, "text": text, "logprobs": None, "finish_reason": state.finish_reason}
+        entry = {"index": choice.index, "text": text, "logprobs": logprobs, "finish_reason": state.finish_reason}
         if choice.output.finished:
             entry["stop_reason"] = state.stop_reason
         return [self._envelope(self.object_chunk, [entry])]
 
     def full(self) -> dict:
         choices = [
-            {"index": i, "text": "".join(c.text), "logprobs": None, "finish_reason": c.finish_reason,
-             "stop_reason": c.stop_reason}
+            {"index": i, "text": "".join(c.text),
+             "logprobs": merge_completion_logprobs(c.logprobs) if self.logprobs else None,
+             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for i, c in enumerate(self.choices)
         ]
         body = self._envelope(self.object_full, choices)
@@ -113,12 +131,14 @@ class ChatFormat(_Format):
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, n: int) -> None:
-        super().__init__(response_id, model, n)
+    def __init__(self, response_id: str, model: str, n: int, logprobs: bool = False) -> None:
+        super().__init__(response_id, model, n, logprobs)
         self._role_sent = [False] * n
 
     def accumulate(self, choice: ChoiceOutput) -> None:
-        self._record(choice).text.append(choice.output.text)
+        state = self._record(choice)
+        state.text.append(choice.output.text)
+        state.logprobs += chat_logprobs(choice.output.logprobs)
 
     def chunk(self, choice: ChoiceOutput) -> list[dict]:
         """The chunks for one output: the `role` delta first, once per choice."""
@@ -128,21 +148,23 @@ class ChatFormat(_Format):
         if not self._role_sent[choice.index]:
             self._role_sent[choice.index] = True
             chunks.append(self._delta(choice.index, {"role": "assistant", "content": ""}, None))
-        if out.text:
-            chunks.append(self._delta(choice.index, {"content": out.text}, None))
+        logprobs = {"content": chat_logprobs(out.logprobs)} if self.logprobs else None
+        if out.text or (logprobs and logprobs["content"]):
+            chunks.append(self._delta(choice.index, {"content": out.text}, None, logprobs=logprobs))
         if out.finished:
             chunks.append(self._delta(choice.index, {}, state.finish_reason, state.stop_reason))
         return chunks
 
-    def _delta(self, index: int, delta: dict, finish_reason: str | None, stop_reason=None) -> dict:
-        entry = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+    def _delta(self, index: int, delta: dict, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
+        entry = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             entry["stop_reason"] = stop_reason
         return self._envelope(self.object_chunk, [entry])
 
     def full(self) -> dict:
         choices = [
-            {"index": i, "message": {"role": "assistant", "content": "".join(c.text)}, "logprobs": None,
+            {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
+             "logprobs": {"content": c.logprobs} if self.logprobs else None,
              "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
             for i, c in enumerate(self.choices)
         ]

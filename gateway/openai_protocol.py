@@ -5,8 +5,10 @@ fields follow the OpenAI completions / chat completions APIs. Unknown fields are
 (as vLLM does); known fields are type-checked strictly, so `"max_tokens": "5"` is an error
 naming the field rather than a silent conversion.
 
-Parameters this server accepts in the schema but cannot honour yet (logprobs) are refused
-with a 400 that names them, never silently ignored.
+Parameters this server cannot honour (`suffix`, `tools`, `best_of` != n) are refused with a
+400 that names them, never silently ignored. Logprobs: completions `logprobs=k` (0: the
+sampled token only; with `echo`, the prompt's too); chat `logprobs: true` with an optional
+`top_logprobs` (absent means 0).
 """
 
 from __future__ import annotations
@@ -114,12 +116,6 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
 
 
-def _check_unsupported(logprobs_requested: bool) -> None:
-    """Refuse, by name, what the worker cannot do yet (never silently ignore it)."""
-    if logprobs_requested:
-        raise ValidationError("logprobs", "is not supported by this server yet")
-
-
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if not bias:
@@ -197,7 +193,6 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRe
         raise ValidationError("best_of", "is not supported (only best_of == n)")
     if body.suffix:
         raise ValidationError("suffix", "is not supported")
-    _check_unsupported(body.logprobs is not None)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -205,7 +200,10 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRe
         prompt = prompt[0]
     text = prompt if isinstance(prompt, str) else None
     ids = None if isinstance(prompt, str) else list(prompt)
-    return RawGenerateRequest(prompt_text=text, prompt_token_ids=ids, **_common(body, body.max_tokens, size_bytes))
+    # echo with logprobs: the prompt's logprobs come first (OpenAI's format)
+    prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+    return RawGenerateRequest(prompt_text=text, prompt_token_ids=ids, logprobs=body.logprobs,
+                              prompt_logprobs=prompt_logprobs, **_common(body, body.max_tokens, size_bytes))
 
 
 def _message_dict(message: ChatMessage) -> dict[str, str]:
@@ -223,12 +221,12 @@ def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequ
         raise ValidationError("tools", "tool calling is not supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationError("top_logprobs", "requires logprobs to be true")
-    _check_unsupported(body.logprobs)
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise ValidationError("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return RawGenerateRequest(
         chat_messages=[_message_dict(m) for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,  # logprobs=true alone: the sampled token's
         **_common(body, max_tokens, size_bytes),
     )
 
@@ -242,4 +240,8 @@ def openai_param(field: str, *, chat: bool) -> str | None:
     name = field.removeprefix("sampling.")
     if chat and name == "max_tokens":
         return "max_completion_tokens"
+    if name == "prompt_logprobs":  # completions ask for them with echo + logprobs
+        return "logprobs"
+    if chat and name == "logprobs":
+        return "top_logprobs"
     return name

@@ -8,12 +8,15 @@ aborts it upstream.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from gateway.detokenizer import IncrementalDetokenizer
+from gateway.logprob_output import OutputLogprobs, PromptLogprobsCollector, TokenLogprob, TokenText
 from gateway.stop_strings import StopStringMatcher
 from gateway.validation import ValidRequest
+from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
 
 
@@ -26,6 +29,8 @@ class Output:
     finish_reason: FinishReason | None = None
     stop_reason: str = ""  # the stop string, or the stop token id, that ended the request
     num_output_tokens: int = 0  # tokens sent so far, this message included
+    logprobs: tuple[TokenLogprob, ...] = ()  # with sampling.logprobs: the returned text's tokens
+    prompt_logprobs: tuple[TokenLogprob, ...] | None = None  # with sampling.prompt_logprobs: once, complete
 
     @property
     def finished(self) -> bool:
@@ -38,19 +43,56 @@ class OutputProcessor:
         self._stop = StopStringMatcher(request.stop, include_stop_str_in_output=request.include_stop_str_in_output)
         self._stop_token_ids = set(request.sampling.stop_token_ids)
         self._num_tokens = 0
+        token_text = TokenText(tokenizer)
+        self._logprobs = OutputLogprobs(token_text) if request.sampling.logprobs is not None else None
+        self._prompt_logprobs = None if request.sampling.prompt_logprobs is None else PromptLogprobsCollector(
+            request.prompt_token_ids, token_text, lambda ids: token_pieces(tokenizer, ids))
 
-    def on_tokens(self, token_ids: Sequence[int], finish_reason: FinishReason | None) -> Output:
+    def on_tokens(self, token_ids: Sequence[int], finish_reason: FinishReason | None,
+                  logprobs: Sequence[Logprobs] = (), prompt_logprobs: PromptLogprobs | None = None) -> Output:
         """Feed one upstream event; `finish_reason` is set on the scheduler's last event."""
         ids = tuple(token_ids)
         self._num_tokens += len(ids)
-        text = self._detok.append(ids)
-        if finish_reason is not None:
-            text += self._detok.finish()
+        text = self._decode(ids, finish_reason is not None, logprobs)
         safe = self._stop.feed(text)
         if self._stop.stopped:
-            return Output(safe, ids, FinishReason.STOP, self._stop.matched_stop, self._num_tokens)
-        if finish_reason is None:
-            return Output(safe, ids, num_output_tokens=self._num_tokens)
-        tail = safe + self._stop.finish()
-        stop_reason = str(ids[-1]) if ids and ids[-1] in self._stop_token_ids else ""
-        return Output(tail, ids, finish_reason, stop_reason, self._num_tokens)
+            out = Output(safe, ids, FinishReason.STOP, self._stop.matched_stop, self._num_tokens)
+        elif finish_reason is None:
+            out = Output(safe, ids, num_output_tokens=self._num_tokens)
+        else:
+            tail = safe + self._stop.finish()
+            stop_reason = str(ids[-1]) if ids and ids[-1] in self._stop_token_ids else ""
+            out = Output(tail, ids, finish_reason, stop_reason, self._num_tokens)
+        if self._logprobs is None and self._prompt_logprobs is None:
+            return out
+        return self._with_logprobs(out, prompt_logprobs)
+
+    def _decode(self, ids: tuple[int, ...], finished: bool, logprobs: Sequence[Logprobs]) -> str:
+        """The new text; with logprobs, token by token so each token gets its own piece."""
+        if self._logprobs is None:
+            return self._detok.append(ids) + (self._detok.finish() if finished else "")
+        pieces = [self._detok.append((t,)) for t in ids]
+        tail = self._detok.finish() if finished else ""
+        if pieces:
+            pieces[-1] += tail
+        self._logprobs.add(ids, pieces, logprobs)
+        return "".join(pieces) if pieces else tail
+
+    def _with_logprobs(self, out: Output, prompt_part: PromptLogprobs | None) -> Output:
+        lp = () if self._logprobs is None else self._logprobs.release(out.text, out.finished, self._stop.stopped)
+        prompt = None
+        if self._prompt_logprobs is not None:
+            if prompt_part is not None:
+                self._prompt_logprobs.add(prompt_part.start, prompt_part.entries)
+            prompt = self._prompt_logprobs.take()
+        return dataclasses.replace(out, logprobs=lp, prompt_logprobs=prompt)
+
+
+def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:
+    """Each token's share of `decode(ids)` (special tokens kept): the incremental
+    detokenizer fed one token at a time; a token inside a UTF-8 character gets ''."""
+    detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=False)
+    pieces = [detok.append((t,)) for t in ids]
+    if pieces:
+        pieces[-1] += detok.finish()
+    return pieces

@@ -7,8 +7,8 @@ scheduler's prefix cache. Schedulers whose stream broke recently are skipped.
 
 When a request's scheduler stream breaks, the request is resubmitted, same id and seed,
 to another scheduler (or the same one once it is back) as prompt + the tokens already
-streamed, with the remaining `max_tokens` / `min_tokens`; events after that are the
-continuation, with `num_prompt_tokens` restored to the client's prompt. The client sees
+streamed, with the remaining `max_tokens` / `min_tokens` (and no prompt logprobs once a
+token was streamed: they all came with it); events after that are the continuation, with `num_prompt_tokens` restored to the client's prompt. The client sees
 one continuous stream. Attempts back off exponentially, up to `failover_timeout_s`.
 
 The pool has the link's interface (`submit(msg, sink)`, `abort`, `release`): events reach
@@ -150,4 +150,6 @@ def continuation(msg: scheduler_pb2.SubmitRequest, streamed: Sequence[int]) -> s
     if msg.sampling.HasField("max_tokens"):
         out.sampling.max_tokens = msg.sampling.max_tokens - len(streamed)
     out.sampling.min_tokens = max(0, msg.sampling.min_tokens - len(streamed))
+    if streamed:  # the first token came with the last prompt logprobs: never ask for them again
+        out.sampling.ClearField("prompt_logprobs")
     return out

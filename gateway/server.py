@@ -94,8 +94,25 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
         structured=codec.structured_from_proto(s),
+        logprobs=s.logprobs if s.HasField("logprobs") else None,
+        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         size_bytes=msg.ByteSize(),
     )
+
+
+def _logprobs_fields(out) -> dict:
+    """GenerateResponse.logprobs / prompt_logprobs of an output (empty when not asked)."""
+    fields = {}
+    if out.logprobs:
+        fields["logprobs"] = [_logprobs_proto(e) for e in out.logprobs]
+    if out.prompt_logprobs:
+        fields["prompt_logprobs"] = [_logprobs_proto(e) for e in out.prompt_logprobs[1:]]  # position 1 on
+    return fields
+
+
+def _logprobs_proto(e) -> common_pb2.Logprobs:
+    return common_pb2.Logprobs(token_id=e.token_id, logprob=e.logprob, top_token_ids=[t for t, _, _ in e.top],
+                               top_logprobs=[v for _, _, v in e.top])
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -140,9 +157,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         out = choice.output
         if out.finished:
             return self._final(request_id, choice)
-        if out.text or out.token_ids:
+        if out.text or out.token_ids or out.logprobs:
             return generation_pb2.GenerateResponse(
-                request_id=request_id, text=out.text, token_ids=out.token_ids, index=choice.index
+                request_id=request_id, text=out.text, token_ids=out.token_ids, index=choice.index,
+                **_logprobs_fields(out),
             )
         return None
 
@@ -153,6 +171,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             index=choice.index,
             text=out.text,
             token_ids=out.token_ids,
+            **_logprobs_fields(out),
             finish_reason=codec.finish_reason_to_proto(out.finish_reason),
             stop_reason=out.stop_reason,
             error=choice.error,

@@ -48,6 +48,8 @@ class RawGenerateRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     structured: StructuredOutput | None = None  # constrain the output to a grammar
+    logprobs: int | None = None  # raw logprobs of each output token (+ the top k); None = off
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     size_bytes: int = 0  # serialized size of the whole request
 
 
@@ -86,6 +88,8 @@ def validate(
         presence_penalty=raw.presence_penalty,
         frequency_penalty=raw.frequency_penalty,
         structured=raw.structured,
+        logprobs=raw.logprobs,
+        prompt_logprobs=raw.prompt_logprobs,
     )
     sampling = limits.check_request(prompt, sampling, raw.priority, model, field)
     return ValidRequest(

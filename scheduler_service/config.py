@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from stepahead.logprobs import MAX_LOGPROBS
+
 
 class SchedulingPolicy(str, Enum):
     """Which request the scheduler serves first."""
@@ -41,6 +43,7 @@ class SchedulerConfig:
     max_concurrent_batches: int = 2
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # token ids in submissions and results are checked against it
+    max_logprobs: int = MAX_LOGPROBS  # the worker's --max-logprobs (from its hello)
     max_queued_requests: int | None = None  # waiting requests at most; None = unbounded
     # score policy: score = w_priority * priority + w_length * remaining tokens
     #                       - w_wait * seconds waited; lowest score first.

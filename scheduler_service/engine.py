@@ -26,6 +26,7 @@ from dataclasses import dataclass
 
 from scheduler_service.admission import check_submission
 from scheduler_service.config import SchedulerConfig
+from scheduler_service.groups import GroupAssembly, GroupFormer
 from scheduler_service.links import (
     GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerHandle, WorkerLost, WorkerRefused, WorkerResult,
 )
@@ -48,6 +49,7 @@ class EngineOptions:
     worker_step_timeout_s: float = 300.0  # a step in flight longer than this drops its replica
     worker_wait_timeout_s: float = 60.0  # requests without any replica end UNAVAILABLE after this
     recorder_steps: int = 1000  # flight-recorder steps kept per replica
+    group_attach_timeout_s: float = 60.0  # a tensor-parallel group whose ranks do not all attach is closed
 
 
 @dataclass(frozen=True)
@@ -76,7 +78,7 @@ class _Stop:
 
 
 # Geometry every replica of one scheduler must share (requests move between them).
-_SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_size", "eos_token_ids")
+_SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs")
 
 
 class Engine:
@@ -104,6 +106,8 @@ class Engine:
         self._parked: dict[str, tuple[Request, float]] = {}  # no replica: request, monotonic deadline
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
         self._carried_counts: collections.Counter = collections.Counter()  # monotonic counters of lost replicas
+        self.groups = GroupFormer()  # JoinGroup callers (servicer threads) -> tensor-parallel groups
+        self._assembly = GroupAssembly(self.groups.formed, options.group_attach_timeout_s)  # one replica per group
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
 
     # ---- thread-safe entry points -------------------------------------------------
@@ -140,14 +144,15 @@ class Engine:
         """Monotonic counters of the replicas lost so far (added to the live ones' totals)."""
         return self._carried_counts
 
-    def stats(self) -> SchedulerStats | None:
-        """Every replica's stats summed, counters including lost replicas' (None while none
-        is attached)."""
-        return self._call(lambda: sum_stats([r.scheduler.stats() for r in self._replicas.values()],
-                                            self._carried_counts))
+    def stats(self) -> tuple[SchedulerStats | None, dict[str, SchedulerStats]]:
+        """(every replica's stats summed, counters including lost replicas'; None while none
+        is attached) and each attached replica's own stats by worker id, in attach order:
+        one snapshot, taken between steps."""
+        def snapshot():
+            per = {r.name: r.scheduler.stats() for r in self._replicas.values()}
+            return sum_stats(list(per.values()), self._carried_counts), per
 
-    def replica_stats(self) -> dict[str, SchedulerStats]:
-        return self._call(lambda: {r.name: r.scheduler.stats() for r in self._replicas.values()})
+        return self._call(snapshot)
 
     def flight_records(self) -> list[tuple[str, list[StepRecord]]]:
         """(worker id, its recent steps) per attached replica: one trace lane each."""
@@ -195,15 +200,20 @@ class Engine:
             case _Abort(request_id):
                 self._abort(request_id)
             case WorkerResult(handle, result):
-                replica = self._replicas.get(handle)
+                replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:  # late results of a dropped replica mean nothing
                     self._commit(replica, result)
             case _Attach(handle):
-                self._attach(handle)
+                if handle.info.tp_size > 1:  # a rank: the group attaches once all its ranks have
+                    handle = self._assembly.add(handle)
+                if handle is not None:
+                    self._attach(handle)
             case WorkerLost(handle, reason, error, clean):
-                replica = self._replicas.get(handle)
-                if replica is not None:
+                replica = self._replicas.get(self._assembly.owner(handle))
+                if replica is not None:  # a rank's loss is its group's
                     self._lose(replica, reason, error, clean)
+                else:
+                    self._assembly.rank_lost(handle)
             case _CloseSession(session):
                 for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
                     self._abort(request_id)
@@ -295,6 +305,7 @@ class Engine:
             self._model = info
             self._router = Router(self.options.routing, info.block_size)
         self._replicas[handle] = Replica(handle, scheduler, self.options.recorder_steps)
+        handle.outbox.accept()
         self._log.info("worker_attached", replicas=len(self._replicas), **dataclasses.asdict(info))
         self.metrics.on_replica_attached(len(self._replicas))
         parked, self._parked = self._parked, {}
@@ -308,6 +319,7 @@ class Engine:
         `clean`: the worker closed its stream itself (leaving, e.g. SIGTERM): info, not a loss."""
         moving = replica.scheduler.unfinished_requests()
         del self._replicas[replica.handle]
+        self._assembly.forget(replica.handle)
         self._router.forget(replica.handle)
         self._carried_counts += replica.scheduler.counters()  # totals go on without it
         log = self._log.info if clean and not moving else self._log.warning
@@ -331,6 +343,7 @@ class Engine:
 
     def _enforce_deadlines(self) -> None:
         now = time.monotonic()
+        self._assembly.expire(now)
         timeout = self.options.worker_step_timeout_s
         for replica in list(self._replicas.values()):
             deadline = replica.step_deadline(timeout)
@@ -347,4 +360,5 @@ class Engine:
         timeout = self.options.worker_step_timeout_s
         deadlines = [d for r in self._replicas.values() if (d := r.step_deadline(timeout)) is not None]
         deadlines += [d for _, d in self._parked.values()]
+        deadlines += [d for d in (self._assembly.next_deadline(),) if d is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None

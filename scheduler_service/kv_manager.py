@@ -50,7 +50,7 @@ class KVCacheManager:
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:
         """Longest verified cached prefix of full blocks, leaving >= 1 token to compute."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.needs_prompt_logprobs:
             return NO_HIT
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs

@@ -38,17 +38,29 @@ class PlanOutbox:
     written), or after `handoff_timeout_s`: the engine serves clients only after the
     device's next step is on its way, instead of racing 64 client threads for the GIL.
     `close(error)` ends the stream; `error` (a `WorkerRefused`) is what the writer reports.
+    `accept()` (the engine made the worker a replica) runs `on_accept` on the writer's
+    thread, before any plan: the servicer tells the worker there.
     """
 
-    def __init__(self, handoff_timeout_s: float = 0.05) -> None:
+    _ACCEPTED = object()
+
+    def __init__(self, handoff_timeout_s: float = 0.05, on_accept=lambda: None) -> None:
         self._queue: queue.Queue = queue.Queue()
-        self._timeout = handoff_timeout_s
+        self.handoff_timeout_s = handoff_timeout_s
+        self._on_accept = on_accept
         self.error: WorkerRefused | None = None
 
+    def accept(self) -> None:
+        self._queue.put(self._ACCEPTED)
+
     def send(self, plan: StepPlan) -> None:
+        self.post(plan).wait(self.handoff_timeout_s)
+
+    def post(self, plan: StepPlan) -> threading.Event:
+        """Queue the plan; the event is set once it was written (a group's ranks wait together)."""
         written = threading.Event()
         self._queue.put((plan, written))
-        written.wait(self._timeout)
+        return written
 
     def close(self, error: WorkerRefused | None = None) -> None:
         if error is not None and self.error is None:
@@ -57,6 +69,9 @@ class PlanOutbox:
 
     def __iter__(self):
         while (item := self._queue.get()) is not None:
+            if item is self._ACCEPTED:
+                self._on_accept()
+                continue
             plan, written = item
             yield plan
             written.set()  # the consumer came back for the next one: this one is out

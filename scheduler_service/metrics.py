@@ -1,9 +1,10 @@
 """Prometheus metrics of the scheduler daemon (served on --metrics-port at /metrics).
 
 Names follow vLLM's `vllm:*` set under `stepahead:` where the concept is the same; gauges
-carry no `_total`. Per-replica gauges carry a `replica` label (the worker id); counters are
-fed from each replica core's monotonic counters (deltas per replica), so their totals never
-go back when a replica is lost. The engine calls these hooks from its own thread;
+carry no `_total`. Per-replica gauges and counters carry a `replica` label (the worker id):
+`sum(stepahead:prefix_cache_hits_total)` is the scheduler's total, one series a replica's
+own. Counters are fed from each replica core's monotonic counters (deltas per replica); a
+lost replica's gauges are removed, its counter series stay (totals never go back). The engine calls these hooks from its own thread;
 prometheus_client is thread-safe.
 """
 
@@ -59,7 +60,7 @@ class SchedulerMetrics:
         self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
                                          registry=r)
         self.gauges = {f: Gauge(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _GAUGES.items()}
-        self.counters = {f: Counter(P + name, doc, registry=r) for f, (name, doc) in _COUNTERS.items()}
+        self.counters = {f: Counter(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _COUNTERS.items()}
         self._seen: dict[str, dict[str, int]] = {}  # replica -> last value of each monotonic stat
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
@@ -106,7 +107,7 @@ class SchedulerMetrics:
         for name, counter in self.counters.items():
             value = getattr(stats, name)
             if value > seen[name]:
-                counter.inc(value - seen[name])
+                counter.labels(replica).inc(value - seen[name])
             seen[name] = value
 
     def on_replica_attached(self, num_replicas: int) -> None:

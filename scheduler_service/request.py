@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from stepahead import limits
+from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason, SamplingParams
 
 
@@ -75,6 +76,8 @@ class RequestEvent:
     message: str = ""  # with FinishReason.ERROR: what failed
     queue_time: float | None = None  # on the first token's event: arrival to first scheduled
     rejected: bool = False  # with ERROR: the request itself was invalid (the client gets INVALID_ARGUMENT)
+    logprobs: tuple[Logprobs, ...] = ()  # with sampling.logprobs: one per new token
+    prompt_logprobs: PromptLogprobs | None = None  # newly computed prompt positions (never twice)
 
 
 class Request:
@@ -104,6 +107,7 @@ class Request:
         "prefix_ids",
         "queue_token",
         "run_key",
+        "prompt_logprobs_end",
     )
 
     def __init__(
@@ -152,6 +156,7 @@ class Request:
         self.prefix_ids: list[int] = []  # content identities of this request's cached blocks
         self.queue_token: int | None = None  # live entry in the waiting queue
         self.run_key: tuple = ()  # policy order while running (fixed when it starts running)
+        self.prompt_logprobs_end = 1  # prompt logprobs delivered for positions [1, end)
 
     def commit_token(self, token: int) -> None:
         self.output_token_ids.append(token)
@@ -184,6 +189,11 @@ class Request:
     @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt logprobs still to compute: the prompt may not come from the prefix cache."""
+        return self.sampling.prompt_logprobs is not None and self.prompt_logprobs_end < self.num_prompt_tokens
 
     def all_token_ids(self) -> tuple[int, ...]:
         return self.prompt_token_ids + tuple(self.output_token_ids)

@@ -4,7 +4,8 @@ Per step: running requests first (policy order; on block shortage the worst runn
 preempted), then swapped, then waiting; one token budget and one sequence budget. Async: up
 to `max_concurrent_batches` plans in flight, in-flight samples counted as placeholders,
 results committed in plan order; results for requests preempted / finished / aborted since
-are stale (epoch check).
+are stale (epoch check). The per-request token rules (how many tokens a step computes,
+when a token ends a request) live in `token_rules.py`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
+from scheduler_service.logprob_events import logprobs_of, take_prompt_logprobs
 from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.request import (
     FINISHED_STATUS,
@@ -32,6 +34,7 @@ from scheduler_service.request import (
 )
 from scheduler_service.stats import SchedulerStats, build_stats
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
+from scheduler_service.token_rules import num_new_tokens, stop_reason
 from stepahead.plan import StepPlan, StepResult
 
 __all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
@@ -156,7 +159,7 @@ class Scheduler:
         while i < len(running) and b.token_budget > 0 and b.seq_budget > 0:
             req = running[i]
             remaining = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
-            n = self._num_new_tokens(req, remaining, b.token_budget)
+            n = num_new_tokens(self.config, req, remaining, b.token_budget)
             if n:
                 first_new_block = len(req.block_ids)
                 end = req.num_scheduled_tokens + n
@@ -180,28 +183,6 @@ class Scheduler:
                 return _Admission.NO_BLOCKS
         return _Admission.OK
 
-    def _num_new_tokens(self, req: Request, remaining: int, tokens_left: int) -> int:
-        """Tokens to compute this step (0: none), honouring chunking and max_tokens."""
-        cfg = self.config
-        if remaining <= 0 or tokens_left <= 0:
-            return 0
-        if remaining == 1:  # a decode: the common case
-            n = 1
-        elif not cfg.enable_chunked_prefill:
-            n = remaining if remaining <= tokens_left else 0
-        else:
-            n = min(remaining, tokens_left)
-            if cfg.long_prefill_token_threshold:
-                n = min(n, cfg.long_prefill_token_threshold)
-        if n == remaining:  # the step samples: never past max_tokens / max_model_len
-            pending = req.num_output_placeholders
-            if (
-                len(req.output_token_ids) + pending >= req.sampling.max_tokens
-                or req.num_tokens + pending >= cfg.max_model_len
-            ):
-                return 0  # its pending placeholders may already complete it
-        return n
-
     def _add_running(self, req: Request, now: float) -> None:
         req.status = RequestStatus.RUNNING
         req.run_key = self._policy.running_key(req, now)
@@ -215,7 +196,7 @@ class Scheduler:
             req = self._swapped[0]
             if self._outranked_by_waiting(req, now):
                 return False
-            n = self._num_new_tokens(req, req.num_tokens - req.num_computed_tokens, b.token_budget)
+            n = num_new_tokens(self.config, req, req.num_tokens - req.num_computed_tokens, b.token_budget)
             need = max(len(req.host_block_ids), cdiv(req.num_computed_tokens + n, self.config.block_size))
             full = b.seq_budget == 0 or len(self._running) >= self.config.max_num_seqs
             if full or n == 0 or need > self._kv.device.num_free:
@@ -252,7 +233,7 @@ class Scheduler:
             return _Admission.NO_SEQ
         hit = self._kv.find_prefix_hit(req)
         computed = hit.num_blocks * self.config.block_size
-        n = self._num_new_tokens(req, req.num_tokens - computed, b.token_budget)
+        n = num_new_tokens(self.config, req, req.num_tokens - computed, b.token_budget)
         if n == 0:
             return _Admission.NO_BUDGET
         need = cdiv(computed + n, self.config.block_size) - hit.num_blocks + hit.num_free_hits
@@ -351,7 +332,7 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result for step {result.step_id} given with plan {plan.step_id}")
         record = self._in_flight[0]
-        record.check_result(result, self.config.vocab_size)
+        record.check_result(result, self.config.vocab_size, self.config.max_logprobs)
         self._in_flight.popleft()
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
@@ -369,6 +350,7 @@ class Scheduler:
                                            f"worker: {failed[req.request_id]}", rejected=req.request_id in result.invalid_ids))
                 continue
             req.num_computed_tokens += num_tokens
+            prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
             if samples:
                 req.num_output_placeholders -= 1
                 req.commit_token(tokens[req.request_id])
@@ -376,23 +358,17 @@ class Scheduler:
                 self._kv.register_computed(req)
             if samples:
                 token = tokens[req.request_id]
-                reason = self._stop_reason(req, token)
+                reason = stop_reason(self.config, self._eos, req, token)
                 if reason is not None:
                     self._finish(req, reason)
                 events.append(
                     RequestEvent(req.request_id, (token,), reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                 queue_time=req.queue_time if req.num_output_tokens == 1 else None)
+                                 queue_time=req.queue_time if req.num_output_tokens == 1 else None,
+                                 logprobs=logprobs_of(result, req.request_id), prompt_logprobs=prompt_lp)
                 )
+            elif prompt_lp is not None:
+                events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
         return events
-
-    def _stop_reason(self, req: Request, token: int) -> FinishReason | None:
-        sp, num_output = req.sampling, len(req.output_token_ids)
-        if num_output >= sp.min_tokens:
-            if (token in self._eos and not sp.ignore_eos) or token in sp.stop_token_ids:
-                return FinishReason.STOP
-        if num_output >= sp.max_tokens or req.num_tokens >= self.config.max_model_len:
-            return FinishReason.LENGTH
-        return None
 
     @staticmethod
     def _event(req: Request, tokens: tuple[int, ...], reason: FinishReason | None, message: str = "") -> RequestEvent:

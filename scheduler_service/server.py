@@ -20,6 +20,7 @@ from prometheus_client import REGISTRY, start_http_server
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from scheduler_service.engine import Engine, EngineOptions
+from scheduler_service.groups import Joiner
 from scheduler_service.links import (
     GatewaySession,
     NoWorker,
@@ -115,6 +116,7 @@ class SchedulerDaemonConfig:
             max_concurrent_batches=self.max_concurrent_batches,
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
+            max_logprobs=info.max_logprobs,
             max_queued_requests=self.max_queued_requests,
             score_priority_weight=self.score_priority_weight,
             score_wait_weight=self.score_wait_weight,
@@ -147,7 +149,7 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo, scope
 
 
 def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.TokenEvent:
-    return scheduler_pb2.TokenEvent(
+    msg = scheduler_pb2.TokenEvent(
         request_id=event.request_id[scope_len:],
         token_ids=event.new_token_ids,
         finish_reason=codec.finish_reason_to_proto(event.finish_reason),
@@ -155,7 +157,12 @@ def event_to_proto(event: RequestEvent, scope_len: int = 0) -> scheduler_pb2.Tok
         num_cached_tokens=event.num_cached_tokens,
         message=event.message,
         rejected=event.rejected,  # its reject_code is the default, REJECT_CODE_INVALID
+        logprobs=[codec.logprobs_to_proto(lp) for lp in event.logprobs],
     )
+    if event.prompt_logprobs is not None:
+        msg.prompt_logprobs_start = event.prompt_logprobs.start
+        msg.prompt_logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.prompt_logprobs.entries)
+    return msg
 
 
 REJECT_CODES = {
@@ -230,12 +237,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             session.put_many([Rejected(msg.request_id, str(exc), RejectCode.UNAVAILABLE)])
 
     def GetStats(self, request, context):
-        stats = self.engine.stats()
+        stats, per_replica = self.engine.stats()
         if stats is None:
             fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
             totals = {k: v for k, v in self.engine.carried_counts.items() if k in fields}
             return scheduler_pb2.SchedulerStats(worker_attached=False, **totals)
-        return stats_to_proto(stats)
+        msg = stats_to_proto(stats)
+        msg.replicas.extend(scheduler_pb2.ReplicaStats(worker_id=name, stats=stats_to_proto(s))
+                            for name, s in per_replica.items())
+        return msg
 
     def GetModel(self, request, context):
         info = self.engine.worker
@@ -259,7 +269,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             limits.check_worker_info(info)
         except limits.LimitError as exc:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
-        outbox = PlanOutbox()
+        outbox = PlanOutbox(on_accept=lambda: context.send_initial_metadata((daemon.ATTACH_ACCEPTED,)))
         context.add_callback(outbox.close)  # call over: end the writer
         handle = self.engine.attach_worker(info, outbox)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
@@ -268,6 +278,30 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         if outbox.error is not None:  # refused or dropped: the worker learns why
             self.log.warning("worker_stream_closed", worker_id=info.worker_id, error=str(outbox.error))
             context.abort(REFUSAL_STATUS[outbox.error.kind], str(outbox.error))
+
+    def JoinGroup(self, request, context):
+        """Blocks until the caller's tensor-parallel group is complete (see scheduler.proto)."""
+        try:
+            limits.check_group_place(request.tensor_parallel_size, 0)
+            limits.check_id("worker_id", request.worker_id)
+            limits.check_id("rendezvous_host", request.rendezvous_host)
+            if request.tensor_parallel_size < 2:
+                raise limits.LimitError("tensor_parallel_size", "must be >= 2 to form a group")
+            if not 0 < request.rendezvous_port < 65536:
+                raise limits.LimitError("rendezvous_port", f"must be in [1, 65535], got {request.rendezvous_port}")
+        except limits.LimitError as exc:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        joiner = Joiner(request.worker_id, request.tensor_parallel_size,
+                        request.rendezvous_host or peer_host(context.peer()), request.rendezvous_port)
+        context.add_callback(lambda: self.engine.groups.cancel(joiner))  # caller gone: out of the queue
+        assignment = self.engine.groups.join(joiner)
+        if assignment is None:
+            context.abort(grpc.StatusCode.CANCELLED, "the call ended before its group was complete")
+        self.log.info("group_joined", worker_id=request.worker_id, group_id=assignment.group_id,
+                      rank=assignment.rank, world_size=assignment.world_size)
+        return scheduler_pb2.GroupAssignment(
+            group_id=assignment.group_id, rank=assignment.rank, world_size=assignment.world_size,
+            master_addr=assignment.master_addr, master_port=assignment.master_port)
 
     def _read_results(self, request_iterator, handle: WorkerHandle) -> None:
         """Results up to the engine; a clean end of the stream is a worker leaving (info),
@@ -282,12 +316,22 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     reason = "the worker sent something other than a result after its hello"
                     error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
                     break
+                if handle.info.tp_rank:
+                    reason = "a tensor-parallel rank other than 0 sent a result (only rank 0 reports)"
+                    error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
+                    break
                 handle.on_result(codec.result_from_proto(msg.result))
             else:
                 clean = True
         except grpc.RpcError as exc:  # the server side raises a bare RpcError (no code) on reset
             reason = f"attach stream failed: {exc!r}"
         handle.on_lost(reason, error, clean)
+
+
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string (`ipv4:10.0.0.5:4321`, `ipv6:[::1]:4321`)."""
+    address = peer.split(":", 1)[1] if ":" in peer else peer
+    return address.rsplit(":", 1)[0].strip("[]")
 
 
 def build_server(

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
 
 
@@ -27,7 +29,8 @@ class InFlightPlan:
     entries: tuple[InFlightEntry, ...]
     sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
 
-    def check_result(self, result: StepResult, vocab_size: int | None = None) -> None:
+    def check_result(self, result: StepResult, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS
+                     ) -> None:
         """Tokens exactly for the requests that sample (stale or failed ones may be missing),
         each inside the vocabulary; failures only for requests of this plan. A result is a
         network message: raises ValueError naming what is wrong, before anything changes."""
@@ -46,6 +49,9 @@ class InFlightPlan:
             missing = {req.request_id for req, epoch, _, _ in self.entries if req.request_id in missing and req.epoch == epoch}
         if missing:
             raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)[:8]}")
+        if result.logprobs or result.prompt_logprobs:
+            check_result_logprobs(result, tokens, {req.request_id for req, *_ in self.entries}, vocab_size,
+                                  max_logprobs)
 
     def _check_failed(self, result: StepResult) -> None:
         failed = result.failed

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from stepahead.flight_recorder import StepRecord
+from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import (
     FinishReason,
     NewRequest,
@@ -65,6 +66,10 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.repetition_penalty = p.repetition_penalty
     if p.structured is not None:
         msg.structured_outputs.CopyFrom(structured_to_proto(p.structured))
+    if p.logprobs is not None:
+        msg.logprobs = p.logprobs
+    if p.prompt_logprobs is not None:
+        msg.prompt_logprobs = p.prompt_logprobs
     return msg
 
 
@@ -113,7 +118,20 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
         structured=structured_from_proto(msg),
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
+
+
+def logprobs_to_proto(lp: Logprobs) -> common_pb2.Logprobs:
+    return common_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
+                               top_logprobs=[v for _, v in lp.top])
+
+
+def logprobs_from_proto(msg: common_pb2.Logprobs) -> Logprobs:
+    if len(msg.top_token_ids) != len(msg.top_logprobs):
+        raise ValueError(f"logprobs: {len(msg.top_token_ids)} top_token_ids but {len(msg.top_logprobs)} values")
+    return Logprobs(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
 def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
@@ -189,14 +207,18 @@ def timing_from_proto(msg: scheduler_pb2.WorkerTiming) -> WorkerTiming:
 def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
     return scheduler_pb2.StepResult(
         step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing),
-        failed=result.failed, invalid_ids=result.invalid_ids,
+        failed=result.failed, invalid_ids=result.invalid_ids, logprobs={k: logprobs_to_proto(v) for k, v in result.logprobs.items()},
+        prompt_logprobs={k: scheduler_pb2.PromptLogprobs(start=v.start, entries=map(logprobs_to_proto, v.entries))
+                         for k, v in result.prompt_logprobs.items()},
     )
 
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing),
-        failed=dict(msg.failed), invalid_ids=tuple(msg.invalid_ids),
+        failed=dict(msg.failed), invalid_ids=tuple(msg.invalid_ids), logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
+        prompt_logprobs={k: PromptLogprobs(v.start, tuple(map(logprobs_from_proto, v.entries)))
+                         for k, v in msg.prompt_logprobs.items()},
     )
 
 
@@ -223,6 +245,10 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         max_model_len=info.max_model_len,
         vocab_size=info.vocab_size,
         eos_token_ids=info.eos_token_ids,
+        max_logprobs=info.max_logprobs,
+        group_id=info.group_id,
+        tensor_parallel_rank=info.tp_rank,
+        tensor_parallel_size=info.tp_size,
     )
 
 
@@ -239,4 +265,8 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         max_model_len=msg.max_model_len,
         vocab_size=msg.vocab_size,
         eos_token_ids=tuple(msg.eos_token_ids),
+        max_logprobs=msg.max_logprobs or MAX_LOGPROBS,
+        group_id=msg.group_id,
+        tp_rank=msg.tensor_parallel_rank,
+        tp_size=max(msg.tensor_parallel_size, 1),
     )

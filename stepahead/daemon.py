@@ -12,6 +12,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# Initial metadata of AttachWorker once the scheduler made the worker a replica.
+ATTACH_ACCEPTED = ("stepahead-attach", "accepted")
 
 
 class Health:

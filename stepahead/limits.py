@@ -24,6 +24,7 @@ The rules (each names its field in the error; `check_*` return the normalised va
 | logit_bias | ≤ 1024 distinct ids below vocab_size, each bias finite in [-100, 100] | |
 | repetition_penalty | finite, 0 < p ≤ 10 | |
 | presence_penalty, frequency_penalty | finite, -2 ≤ p ≤ 2 | |
+| logprobs, prompt_logprobs | unset, or 0 ≤ k ≤ max_logprobs (`--max-logprobs` on the worker, announced in its hello; default 20) | |
 | request_id, cache_salt | ≤ 256 characters | |
 | structured_outputs | one constraint; json: a JSON object that is a valid JSON schema (its meta-schema); regex: compiles with Python's `re`; choice: 1–256 non-empty strings ≤ 1024 characters; grammar: non-empty; each text ≤ 64 KiB; not with ignore_eos or min_tokens > 0 | |
 
@@ -44,6 +45,7 @@ from dataclasses import dataclass
 
 import jsonschema
 
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
 
 MAX_TEMPERATURE = 100.0
@@ -86,6 +88,7 @@ class ModelLimits:
     max_model_len: int
     vocab_size: int
     max_request_bytes: int = MAX_REQUEST_BYTES
+    max_logprobs: int = MAX_LOGPROBS
 
 
 def as_float32(value: float) -> float:
@@ -93,8 +96,10 @@ def as_float32(value: float) -> float:
     return ctypes.c_float(value).value
 
 
-def check_sampling(p: SamplingParams, vocab_size: int) -> SamplingParams:
+def check_sampling(p: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
     """Every sampling field except the length budget; returns the normalised params."""
+    check_logprobs("sampling.logprobs", p.logprobs, max_logprobs)
+    check_logprobs("sampling.prompt_logprobs", p.prompt_logprobs, max_logprobs)
     return dataclasses.replace(
         p,
         temperature=check_temperature(p.temperature),
@@ -118,7 +123,14 @@ def check_request(prompt_ids: Sequence[int], sampling: SamplingParams, priority:
     check_prompt(prompt_ids, model, prompt_field)
     check_max_tokens(sampling.max_tokens, len(prompt_ids), model.max_model_len)
     check_priority(priority)
-    return check_sampling(sampling, model.vocab_size)
+    return check_sampling(sampling, model.vocab_size, model.max_logprobs)
+
+
+def check_logprobs(field: str, value: int | None, max_logprobs: int) -> int | None:
+    """None (off) or a k in [0, max_logprobs]."""
+    if value is not None and not 0 <= value <= max_logprobs:
+        raise LimitError(field, f"must be in [0, {max_logprobs}] (--max-logprobs), got {value}")
+    return value
 
 
 def _finite(field: str, value: float) -> float:
@@ -338,6 +350,7 @@ MAX_BLOCK_SIZE = 1024
 MAX_MODEL_LEN = 1 << 24
 MAX_VOCAB_SIZE = 1 << 24
 MAX_BLOCKS = 1 << 26
+MAX_TENSOR_PARALLEL_SIZE = 1024
 
 
 def check_worker_info(info) -> None:
@@ -348,6 +361,7 @@ def check_worker_info(info) -> None:
         ("num_host_blocks", 0, MAX_BLOCKS),
         ("max_model_len", 2, MAX_MODEL_LEN),
         ("vocab_size", 1, MAX_VOCAB_SIZE),
+        ("max_logprobs", 0, MAX_VOCAB_SIZE),
     ):
         value = getattr(info, name)
         if not lo <= value <= hi:
@@ -355,3 +369,15 @@ def check_worker_info(info) -> None:
     for name in ("worker_id", "model_name", "model_type", "dtype", "device"):
         check_id(name, getattr(info, name))
     check_token_ids("eos_token_ids", info.eos_token_ids, info.vocab_size, MAX_STOP_TOKEN_IDS)
+    check_group_place(info.tp_size, info.tp_rank)
+    check_id("group_id", info.group_id)
+    if (info.tp_size > 1) != bool(info.group_id):
+        raise LimitError("group_id", "must be set exactly when tensor_parallel_size > 1")
+
+
+def check_group_place(size: int, rank: int) -> None:
+    """A tensor-parallel size and rank (a hello's or a group request's)."""
+    if not 1 <= size <= MAX_TENSOR_PARALLEL_SIZE:
+        raise LimitError("tensor_parallel_size", f"must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {size}")
+    if not 0 <= rank < size:
+        raise LimitError("tensor_parallel_rank", f"must be in [0, {size}), got {rank}")

@@ -30,12 +30,17 @@ Worker-side semantics (the contract both sides rely on):
   `StepResult.invalid_ids` as well as `failed` (the client gets INVALID_ARGUMENT / 400).
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
+- Tensor-parallel groups (`WorkerInfo.group_id`): every rank receives the same plans and
+  applies them identically; rank 0 samples and broadcasts the ids inside the step, and only
+  rank 0 sends `StepResult`s (the other ranks send none).
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+
+from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 
 
 class FinishReason(enum.Enum):
@@ -91,6 +96,9 @@ class SamplingParams:
     presence_penalty: float = 0.0  # 0 disables
     frequency_penalty: float = 0.0  # 0 disables
     structured: StructuredOutput | None = None  # constrain the output to a grammar (None: free text)
+    # Raw logprobs (`stepahead.logprobs`): None = none; 0 = the sampled token's; k = also the top k.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None  # the same for each prompt token after the first
 
     @property
     def greedy(self) -> bool:
@@ -174,6 +182,8 @@ class StepResult:
     # request id -> reason: requests that failed alone on the worker (bad sampling row,
     # sampling error); they sampled nothing and the worker forgot them.
     failed: dict[str, str] = field(default_factory=dict)
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request id -> its sampled token's
+    prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)  # request id -> this chunk's
     # Of `failed`: the requests that are themselves invalid (a grammar that does not compile);
     # the client gets INVALID_ARGUMENT / HTTP 400 rather than a server error.
     invalid_ids: tuple[str, ...] = ()
@@ -194,3 +204,7 @@ class WorkerInfo:
     max_model_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    max_logprobs: int = MAX_LOGPROBS  # --max-logprobs: the largest logprobs / prompt_logprobs k served
+    group_id: str = ""  # the tensor-parallel group this worker is a rank of ("" = a replica alone)
+    tp_rank: int = 0  # rank in the group; rank 0 alone reports results
+    tp_size: int = 1  # the group's size k

@@ -23,9 +23,11 @@ from prometheus_client import REGISTRY, start_http_server
 
 from stepahead import codec, daemon, logs
 from stepahead import config as cfg
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import WorkerInfo
 from worker_service.metrics import WorkerMetrics
 from worker_service.attention_names import AttentionBackendName
+from worker_service.health import NoHealth, WorkerHealth
 from stepahead.security import SchedulerClientConfig
 
 
@@ -56,15 +58,32 @@ class WorkerConfig(SchedulerClientConfig):
     seed: int = cfg.field(0, "seed of unseeded sampling")
     structured_outputs_cache_size: int = cfg.field(
         256, "compiled grammars (structured outputs) kept per worker, least recently used evicted")
+    max_logprobs: int = cfg.field(
+        MAX_LOGPROBS, "largest logprobs / prompt_logprobs k a request may ask for (announced to the scheduler "
+        "and gateways, which refuse larger ones)")
     num_threads: int | None = cfg.field(
         None, "torch intra-op threads on CPU (default: torch's choice; serve: one core less than the machine)"
     )
     reconnect_max_backoff_s: float = cfg.field(5.0, "longest wait between attach attempts")
+    tensor_parallel_size: int = cfg.field(
+        1, "ranks of this worker's tensor-parallel group: the scheduler groups workers of the same size in "
+        "attach order, each loads 1/k of the weights (torch.distributed)")
+    advertise_host: str | None = cfg.field(
+        None, "host the other ranks reach this worker's rendezvous at, should it be rank 0 (default: the "
+        "address the scheduler sees)")
+    distributed_backend: str | None = cfg.field(None, "torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
+    distributed_timeout: float = cfg.field(
+        60.0, "seconds a tensor-parallel rendezvous or collective may take before the group is torn down")
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
+    health_port: int | None = cfg.field(
+        None, "serve gRPC health (grpc.health.v1) on this port for readiness probes: SERVING while attached "
+        "to a scheduler, NOT_SERVING while loading, re-attaching or draining (off when unset)")
+    health_host: str = cfg.field("127.0.0.1", "address --health-port listens on (0.0.0.0 for Kubernetes probes)")
     log_level: str = cfg.field("info", "log level")
 
 
-def build_runner(config: WorkerConfig):
+def build_runner(config: WorkerConfig, group=None):
+    """(runner, model dir); `group` (a `parallel.group.GroupSpec`): this rank's shard only."""
     if config.device == "sim":
         from worker_service.sim.build import build_sim_runner
 
@@ -84,7 +103,14 @@ def build_runner(config: WorkerConfig):
     model_cfg = ModelConfig.from_dir(model_dir)
     dtype = config.dtype or "float32"
     host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(dtype))
-    runner = ModelRunner(
+    runner_class = ModelRunner
+    if group is not None:
+        from functools import partial
+
+        from worker_service.parallel.runner import TPModelRunner
+
+        runner_class = partial(TPModelRunner, rank=group.rank, size=group.size)
+    runner = runner_class(
         model_dir,
         dtype=dtype,
         device=config.device,
@@ -97,6 +123,7 @@ def build_runner(config: WorkerConfig):
         seed=config.seed,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        max_logprobs=config.max_logprobs,
         attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
                                        config.block_size),
         structured_outputs_cache_size=config.structured_outputs_cache_size,
@@ -117,6 +144,7 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
         max_model_len=runner.max_model_len,
         vocab_size=runner.vocab_size,
         eos_token_ids=tuple(runner.eos_token_ids),
+        max_logprobs=getattr(runner, "max_logprobs", 0),
     )
 
 
@@ -137,8 +165,9 @@ class _Pipeline:
     FATAL_GRACE_S = 30.0  # generous: under load a scheduler may take seconds to read the reason
 
     def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None,
-                 metrics: WorkerMetrics | None = None) -> None:
+                 metrics: WorkerMetrics | None = None, report: bool = True) -> None:
         self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
+        self.report = report  # False on tensor-parallel ranks other than 0: they send no results
         self.metrics = metrics or WorkerMetrics()
         self.plans: queue.Queue = queue.Queue()
         self.launched: queue.Queue = queue.Queue()
@@ -200,7 +229,8 @@ class _Pipeline:
                 for rid, reason in result.failed.items():
                     self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
                 result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
-                self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
+                if self.report:
+                    self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
                 self.metrics.on_result(result)
         except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
             self._fail(exc, "wait")
@@ -220,14 +250,16 @@ class _StopWatch:
 
     GRACE_S = 2.0
 
-    def __init__(self, stop: threading.Event) -> None:
+    def __init__(self, stop: threading.Event, on_stop=lambda: None) -> None:
         self._lock = threading.Lock()
         self._session = None
         self._stopped = False
+        self._on_stop = on_stop
         threading.Thread(target=self._watch, args=(stop,), name="stop-watch", daemon=True).start()
 
     def _watch(self, stop: threading.Event) -> None:
         stop.wait()
+        self._on_stop()  # draining: not ready any more
         with self._lock:
             self._stopped = True
             if self._session is not None:
@@ -247,8 +279,9 @@ class _StopWatch:
 
 
 def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
-                metrics: WorkerMetrics | None = None) -> None:
-    """One attach session: hello, then execute plans until the stream ends."""
+                metrics: WorkerMetrics | None = None, health: WorkerHealth | NoHealth = NoHealth()) -> None:
+    """One attach session: hello, then execute plans until the stream ends. Health is
+    SERVING from the scheduler's acceptance (initial metadata) until the stream ends."""
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     outbox: queue.Queue = queue.Queue()
@@ -256,14 +289,17 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
     watch.track(responses, outbox)
     log.info("attached", worker_id=info.worker_id)
-    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel, metrics=metrics)
+    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel, metrics=metrics, report=info.tp_rank == 0)
     try:
+        if daemon.ATTACH_ACCEPTED in (responses.initial_metadata() or ()):  # blocks until accepted or refused
+            health.attached()
         for msg in responses:
             pipeline.submit(msg.plan, time.time())
     except Exception:
         if pipeline.error is None:
             raise  # the stream broke (scheduler gone or refused us): the caller logs it
     finally:
+        health.detached()
         watch.track(None)
         pipeline.close()
         responses.cancel()
@@ -272,22 +308,26 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
         raise pipeline.error
 
 
-def serve(config: WorkerConfig, stop: threading.Event, log) -> None:
+def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth | NoHealth = NoHealth()) -> None:
     import grpc
 
+    if config.tensor_parallel_size > 1:
+        from worker_service.parallel.session import serve_group
+
+        return serve_group(config, stop, log, health)
     runner, model_dir = build_runner(config)
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
     metrics.watch_grammars(runner)
-    watch = _StopWatch(stop)
+    watch = _StopWatch(stop, on_stop=health.stopping)
     backoff, failures = 0.05, 0
     while not stop.is_set():
         with config.scheduler_channel(config.scheduler) as channel:
             try:
                 grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
                 backoff = 0.05
-                attach_once(channel, runner, info, watch, log, metrics)
+                attach_once(channel, runner, info, watch, log, metrics, health)
                 failures = 0
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
                 failures += 1
@@ -312,5 +352,20 @@ def run(args: argparse.Namespace) -> int:
     stop = daemon.install_stop_handlers()
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, registry=REGISTRY)
-    serve(config, stop, log)
+    from worker_service.parallel.geometry import GeometryError
+
+    try:  # up before the model loads: a probe sees NOT_SERVING, not a refused connection
+        health = WorkerHealth(config.health_host, config.health_port) if config.health_port is not None else NoHealth()
+    except RuntimeError as exc:  # grpc cannot bind the port
+        log.error("bad_configuration", error=f"--health-port {config.health_port}: {exc}")
+        return 2
+    if health.port is not None:
+        log.info("health_listening", address=f"{config.health_host}:{health.port}")
+    try:
+        serve(config, stop, log, health)
+    except GeometryError as exc:  # the model does not split over --tensor-parallel-size
+        log.error("bad_tensor_parallel_geometry", error=str(exc))
+        return 2
+    finally:
+        health.close()
     return 0

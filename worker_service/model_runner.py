@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
@@ -30,6 +31,7 @@ from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing
+from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.models.llama import ForwardContext
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
@@ -52,6 +54,7 @@ class PendingStep:
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
     invalid_ids: tuple[str, ...] = ()  # of failed: requests whose grammar does not compile
+    logprobs: StepLogprobs | None = None  # the step's logprob copies (None: no row asked)
     _ids: list[int] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -74,8 +77,9 @@ class PendingStep:
 
     def wait(self) -> StepResult:
         ids = self.fill()
+        lp, prompt_lp = self.logprobs.collect(self.failed) if self.logprobs else ({}, {})
         return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
-                          self.invalid_ids)
+                          lp, prompt_lp, self.invalid_ids)
 
 
 class ModelRunner:
@@ -85,7 +89,8 @@ class ModelRunner:
                  num_host_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
-                 pad_decode_batches: bool | None = None, structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE):
+                 pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
+                 structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -93,7 +98,7 @@ class ModelRunner:
                              f"({max_num_batched_tokens}) must be positive")
         self.dtype = parse_dtype(dtype)
         self.device = torch.device(device)
-        self.model, cfg = load_model(model_dir, self.dtype, self.device)
+        self.model, cfg = self._load_model(model_dir)  # model.config: the KV geometry (a shard's under TP)
         self.config = cfg
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
         self.max_model_len = _max_model_len(cfg, max_model_len)
@@ -106,6 +111,8 @@ class ModelRunner:
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
         self.grammar = GrammarMasks(GrammarCache(model_dir, self.vocab_size, self.eos_token_ids,
                                                  structured_outputs_cache_size), self.device)
+        self.logprobs = LogprobsTracker(self.device)
+        self.max_logprobs = min(max_logprobs, self.vocab_size)  # --max-logprobs
         self.streams = DeviceStreams(self.device)
         self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
         self.requests: dict[str, CachedRequest] = {}
@@ -119,24 +126,28 @@ class ModelRunner:
         self._inputs_copied = [StepEvent(), StepEvent()]  # H1: the slot's pinned host inputs are free
         self._pending: list[PendingStep | None] = [None, None]  # H2: the slot's sampled ids' reader
         self._num_launched = 0
-        self.kv_cache = KVCache(cfg, num_blocks=0, num_host_blocks=0, block_size=block_size, dtype=self.dtype,
+        self.kv_cache = KVCache(self.model.config, num_blocks=0, num_host_blocks=0, block_size=block_size, dtype=self.dtype,
                                 device=self.device)  # the dummy block only, for the profiling run
         self.memory_split: MemorySplit | None = None  # set when the KV cache was sized by profiling
         if num_blocks is None and kv_cache_bytes is None and self.streams.cuda:
             self.memory_split = profile_memory(self, gpu_memory_utilization)
             kv_cache_bytes = self.memory_split.kv_cache
-        self.num_blocks = plan_num_blocks(cfg, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
+        self.num_blocks = plan_num_blocks(self.model.config, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
                                           num_blocks=num_blocks)
         self.num_host_blocks = num_host_blocks
-        self.kv_cache = KVCache(cfg, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
+        self.kv_cache = KVCache(self.model.config, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
                                 block_size=block_size, dtype=self.dtype, device=self.device)
         self.table = RequestTable(self.max_blocks_per_req, self.kv_cache.dummy_block)
         self._prev_sampled = self._sampled[0, :0]  # [n] last step's ids (a view of one slot)
         self._prev_rows: dict[str, int] = {}  # request id -> row in _prev_sampled
         self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
+        self._step_lp: StepLogprobs | None = None  # the launching step's logprob work
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
         self.streams.wait_for_constructor()  # W0
+
+    def _load_model(self, model_dir):
+        return load_model(model_dir, self.dtype, self.device)
 
     def execute(self, plan: StepPlan) -> StepResult:
         """Run one plan to completion (launch, then wait for its sampled ids)."""
@@ -153,7 +164,7 @@ class ModelRunner:
         prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
-        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, self.max_logprobs)
         plan, invalid = split_bad_grammars(plan, self.grammar, self._failed_ids, failed)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
@@ -169,12 +180,13 @@ class ModelRunner:
             slot = self._num_launched & 1
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
+            self._step_lp = self.logprobs.begin_step(sched)  # None when no live request asks
             for state, n in zip(sched.states, sched.num_scheduled):
                 state.num_computed += n
             forward_start = time.time()
             sampled, reqs = self._device_step(inputs, slot, failed)
             slots = self._reserve_slots(reqs)
-            pending = self._to_host(sampled, slot, plan.step_id, reqs, slots)
+            pending = self._to_host(sampled, slot, plan.step_id, reqs, slots, self._step_lp)
             pending.failed, pending.invalid_ids = failed, invalid
         forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
         pending.timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
@@ -232,18 +244,23 @@ class ModelRunner:
         if old is not None:
             old.ids()
 
-    def _to_host(self, sampled: torch.Tensor, slot: int, step_id: int, reqs, slots) -> PendingStep:
-        """D2H of the sampled ids into the slot's pinned buffer on the output stream."""
+    def _to_host(self, sampled: torch.Tensor, slot: int, step_id: int, reqs, slots,
+                 lp: StepLogprobs | None) -> PendingStep:
+        """D2H of the sampled ids (and logprobs) into pinned buffers on the output stream."""
         host = self._host_ids[slot, : len(sampled)]
         if self.streams.cuda:
             self.streams.output_waits_for_compute()  # W3
             with self.streams.on_output_stream():
                 host.copy_(sampled, non_blocking=True)
+                if lp is not None:
+                    lp.to_host(pinned=True)
             done = self.streams.record("output")
         else:
             host.copy_(sampled)
+            if lp is not None:
+                lp.to_host(pinned=False)
             done = StepEvent()
-        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0))
+        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), logprobs=lp)
         self._pending[slot] = pending
         return pending
 
@@ -271,6 +288,7 @@ class ModelRunner:
             if state is not None:
                 self.table.free(state.row)
                 self._num_min_tokens -= state.sampling.min_tokens > 0
+                self.logprobs.forget(state)
             self.logits_processing.forget(rid)
             self.grammar.forget(rid)
             self._failed_ids.discard(rid)
@@ -292,6 +310,7 @@ class ModelRunner:
             self.requests[r.request_id] = state
             self.logits_processing.register(r.request_id, r.sampling, r.token_ids, num_prompt)
             self._num_min_tokens += r.sampling.min_tokens > 0
+            self.logprobs.register(state)
             n = r.num_scheduled_tokens
             (decodes if n == 1 else chunks).add(state, n, False)
         requests = self.requests
@@ -321,6 +340,8 @@ class ModelRunner:
         cos, sin = self.rotary.lookup(inputs.meta.positions)
         ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin)
         hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
+        if self._step_lp is not None:
+            self._step_lp.prompt(hidden, self.model.compute_logits)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
 
     def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]
@@ -335,11 +356,16 @@ class ModelRunner:
         self.last_logits_ids = tuple(r.request_id for r in reqs)
         if not reqs:
             return torch.zeros(0, dtype=torch.int64, device=self.device), [], {}
+        if self._step_lp is not None:
+            self._step_lp.raw(logits, reqs)  # raw logprobs: before the stop mask, bias and penalties
         self._mask_stops_before_min_tokens(logits, reqs)
         try:
-            return self._sample_rows(logits, reqs), reqs, {}
+            out = self._sample_rows(logits, reqs), reqs, {}
         except Exception:  # isolated below, row by row; each failure is reported with its reason
-            return self._sample_each_row(logits, reqs)
+            out = self._sample_each_row(logits, reqs)
+        if self._step_lp is not None:
+            self._step_lp.sampled(out[0], reqs, out[1])
+        return out
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
         # each row passed stepahead.limits when its request was admitted (split_bad_sampling_rows)

@@ -6,6 +6,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from stepahead import limits
+from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import StepPlan
 
 if TYPE_CHECKING:  # torch-free at run time: the sim worker checks plans with these rules too
@@ -100,10 +101,12 @@ def _check_span(rid: str, known: int, computed: int, scheduled: int, blocks: int
                         f"short for {end} tokens")
 
 
-def split_bad_sampling_rows(plan: StepPlan, vocab_size: int, failed_ids: set[str]) -> tuple[StepPlan, dict[str, str]]:
+def split_bad_sampling_rows(plan: StepPlan, vocab_size: int, failed_ids: set[str],
+                            max_logprobs: int | None = MAX_LOGPROBS) -> tuple[StepPlan, dict[str, str]]:
     """Take out of `plan` the new requests whose sampling rows break the shared limits
     (`stepahead.limits`), and deltas of requests that already failed here; returns the plan
     that runs and {request id: reason} for the newly failed ones (added to `failed_ids`).
+    `max_logprobs=None`: this worker computes no logprobs (`--device sim`); rows asking fail.
 
     Rows that pass are normalised by the same rules, so the sampler sees exactly what the
     gateway and the scheduler accepted. One bad row never fails its step.
@@ -111,7 +114,9 @@ def split_bad_sampling_rows(plan: StepPlan, vocab_size: int, failed_ids: set[str
     new, failed = [], {}
     for r in plan.new_requests:
         try:
-            sampling = limits.check_sampling(r.sampling, vocab_size)
+            if max_logprobs is None and (r.sampling.logprobs, r.sampling.prompt_logprobs) != (None, None):
+                raise limits.LimitError("sampling.logprobs", "this worker does not compute logprobs (--device sim)")
+            sampling = limits.check_sampling(r.sampling, vocab_size, max_logprobs or 0)
         except limits.LimitError as exc:
             failed[r.request_id] = f"invalid sampling row: {exc}"
             continue

@@ -3,6 +3,7 @@
     stepahead generate --target 127.0.0.1:50050 --max-tokens 32 "def fibonacci(n):"
     stepahead generate --json --temperature 0 "import os"   # one JSON object per message
     stepahead generate --chat --system "Be brief." "Write a sort."  # the prompt is a user message
+    stepahead generate --logprobs 3 "x ="   # per-token logprobs (and the top 3) on stderr
 """
 
 from __future__ import annotations
@@ -38,6 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-penalty", type=float, default=None)
     parser.add_argument("--presence-penalty", type=float, default=0.0)
     parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--logprobs", type=int, default=None, metavar="N",
+                        help="raw logprobs of each output token and its N most likely alternatives (0: the token's "
+                        "only); with --json in each message, else one line per token on stderr")
+    parser.add_argument("--prompt-logprobs", type=int, default=None, metavar="N",
+                        help="the same for each prompt token after the first")
 
 
 def build_request(args: argparse.Namespace):
@@ -48,7 +54,7 @@ def build_request(args: argparse.Namespace):
         stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos,
         presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty,
     )
-    for name in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty"):
+    for name in ("temperature", "top_p", "seed", "max_tokens", "repetition_penalty", "logprobs", "prompt_logprobs"):
         value = getattr(args, name)
         if value is not None:
             setattr(sampling, name, value)
@@ -65,6 +71,14 @@ def build_request(args: argparse.Namespace):
     else:
         request.text = args.prompt
     return request
+
+
+def _print_logprobs(msg) -> None:
+    """`prompt|output <index> token_id logprob [top_id:logprob ...]` per entry, on stderr."""
+    for kind, entries in (("prompt", msg.prompt_logprobs), ("output", msg.logprobs)):
+        for e in entries:
+            top = " ".join(f"{t}:{v:.4f}" for t, v in zip(e.top_token_ids, e.top_logprobs))
+            print(f"{kind} {msg.index} {e.token_id} {e.logprob:.4f} {top}".rstrip(), file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -90,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
                 else:
                     sys.stdout.write(msg.text)
                     sys.stdout.flush()
+                    _print_logprobs(msg)
         except grpc.RpcError as exc:
             print(f"\nerror: {exc.code().name}: {exc.details()}", file=sys.stderr)
             return 1

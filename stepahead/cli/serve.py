@@ -1,8 +1,10 @@
 """`stepahead serve`: scheduler, worker(s) and gateway as OS processes, one command.
 
-Starts the scheduler, then `--data-parallel-size` workers that attach to it (one replica
-each), then the gateway; waits until
-the scheduler (worker attached) and the gateway report SERVING on gRPC health; prints
+Starts the scheduler, then `--data-parallel-size` × `--tensor-parallel-size` workers that
+attach to it (one replica per data-parallel rank; with k > 1 the scheduler groups each k
+workers into one tensor-parallel replica), each with its own `--health-port` on loopback,
+then the gateway; waits until the scheduler, every worker (attached) and the gateway report
+SERVING on gRPC health; prints
 the endpoint. The internal plane stays on loopback and carries a cluster token made for
 this run (or STEPAHEAD_CLUSTER_TOKEN), handed to the children in their environment.
 
@@ -35,7 +37,7 @@ _GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
-    "attention_backend",
+    "attention_backend", "max_logprobs", "tensor_parallel_size", "distributed_backend", "distributed_timeout",
     "sim_profile", "sim_num_devices", "sim_eos_probability",
 )
 # flags the scheduler declares; the worker sizes its step buffers with the same values
@@ -61,6 +63,18 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct free ports (all bound at once while they are picked)."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
 
 
 def _die_with_parent() -> None:
@@ -205,13 +219,14 @@ def run(args: argparse.Namespace) -> int:
         # The CPU is the device here: leave a core to the scheduler and the gateway so that
         # planning and streaming overlap with the forward pass instead of preempting it.
         # Each replica gets its share.
-        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size, 1))
+        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1))
         worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
     if config.data_parallel_size < 1:
         raise SystemExit(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     model_dir = str(resolve_model(config.model))  # build a built-in model once, here
     port = config.port or free_port(config.host)
-    sched_addr = f"127.0.0.1:{config.scheduler_port or free_port()}"
+    sched_port, *health_ports = free_ports(1 + config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1))
+    sched_addr = f"127.0.0.1:{config.scheduler_port or sched_port}"
     log = ["--log-level", config.log_level]
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -222,9 +237,10 @@ def run(args: argparse.Namespace) -> int:
         Child("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
                             *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus, token),
         *(Child(f"worker{i}" if i else "worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
+                                                   "--health-port", str(health_port),
                                                    *cfg.to_flags(worker_cfg, _WORKER_FIELDS + _SHARED_FIELDS)],
                 worker_cpus, token)
-          for i in range(config.data_parallel_size)),
+          for i, health_port in enumerate(health_ports)),
         Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                           "--http-port", str(config.http_port), "--model", model_dir,
                           *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],
@@ -234,7 +250,8 @@ def run(args: argparse.Namespace) -> int:
         child.start()
     try:
         deadline = time.monotonic() + config.startup_timeout_s
-        for address in (sched_addr, f"{config.host}:{port}"):
+        workers = [f"127.0.0.1:{p}" for p in health_ports]  # SERVING: attached as a replica
+        for address in (sched_addr, *workers, f"{config.host}:{port}"):
             if not wait_healthy(address, [c.proc for c in children], deadline, stop):
                 if not stop.is_set():
                     print(f"stepahead: {address} did not become healthy", file=sys.stderr, flush=True)

@@ -61,6 +61,11 @@ class SchedulerStub:
                 request_serializer=stepahead_dot_v1_dot_scheduler__pb2.WorkerMessage.SerializeToString,
                 response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
                 _registered_method=True)
+        self.JoinGroup = channel.unary_unary(
+                '/stepahead.v1.Scheduler/JoinGroup',
+                request_serializer=stepahead_dot_v1_dot_scheduler__pb2.JoinGroupRequest.SerializeToString,
+                response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.GroupAssignment.FromString,
+                _registered_method=True)
 
 
 class SchedulerServicer:
@@ -98,7 +103,20 @@ class SchedulerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def AttachWorker(self, request_iterator, context):
-        """Opened by a worker: hello then step results up; step plans down.
+        """Opened by a worker: hello then step results up; step plans down. Once the worker is
+        a replica the scheduler sends the initial metadata `stepahead-attach: accepted` (a
+        refused worker gets an error status instead); the worker's health reports SERVING then.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def JoinGroup(self, request, context):
+        """Called by a worker started with --tensor-parallel-size k > 1, before it loads its
+        shard: answers once k workers of the same size have called (grouped in call order),
+        each with its rank and rank 0's rendezvous address. The worker then initialises its
+        torch.distributed group, loads its slice of the weights and opens AttachWorker with
+        the group in its hello. A call that ends before its group is complete leaves no trace.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -131,6 +149,11 @@ def add_SchedulerServicer_to_server(servicer, server):
                     servicer.AttachWorker,
                     request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.WorkerMessage.FromString,
                     response_serializer=stepahead_dot_v1_dot_scheduler__pb2.SchedulerMessage.SerializeToString,
+            ),
+            'JoinGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.JoinGroup,
+                    request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.JoinGroupRequest.FromString,
+                    response_serializer=stepahead_dot_v1_dot_scheduler__pb2.GroupAssignment.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -270,6 +293,33 @@ class Scheduler:
             '/stepahead.v1.Scheduler/AttachWorker',
             stepahead_dot_v1_dot_scheduler__pb2.WorkerMessage.SerializeToString,
             stepahead_dot_v1_dot_scheduler__pb2.SchedulerMessage.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def JoinGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/stepahead.v1.Scheduler/JoinGroup',
+            stepahead_dot_v1_dot_scheduler__pb2.JoinGroupRequest.SerializeToString,
+            stepahead_dot_v1_dot_scheduler__pb2.GroupAssignment.FromString,
             options,
             channel_credentials,
             insecure,

@@ -26,6 +26,8 @@ class LocalEngine:
         self.plans: list[StepPlan] = []  # every plan, in order
         self.outputs: dict[str, list[int]] = collections.defaultdict(list)
         self.finish: dict[str, object] = {}
+        self.logprobs: dict[str, list] = collections.defaultdict(list)  # per request: Logprobs per token
+        self.prompt_logprobs: dict[str, list] = collections.defaultdict(list)  # per request: PromptLogprobs parts
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -42,6 +44,9 @@ class LocalEngine:
         self.scheduler.check_integrity()
         for e in events:
             self.outputs[e.request_id] += e.new_token_ids
+            self.logprobs[e.request_id] += e.logprobs
+            if e.prompt_logprobs is not None:
+                self.prompt_logprobs[e.request_id].append(e.prompt_logprobs)
             if e.finish_reason is not None:
                 self.finish[e.request_id] = e.finish_reason
         return events

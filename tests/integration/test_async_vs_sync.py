@@ -175,3 +175,39 @@ def test_penalties_and_bias_are_the_same_in_both_modes_with_preemption(model_dir
     assert sync.outputs == asyn.outputs == sync_big.outputs
     plain, _ = run_both(model_dir, [(p, greedy(24)) for p, _ in reqs[6:]])
     assert sum(plain.outputs[f"r{i}"] != sync_big.outputs[f"r{i + 6}"] for i in range(6)) >= 3
+
+
+def _values(lps) -> list[float]:
+    return [v for lp in lps for v in (lp.logprob, *(x for _, x in lp.top))]
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.RECOMPUTE, PreemptionMode.SWAP])
+def test_logprobs_are_the_same_in_both_modes_with_preemption_and_chunks(model_dir, mode):
+    """Sampled and prompt logprobs: equal in async and sync, with and without preemption;
+    each prompt position is delivered exactly once, chunk by chunk, even when recomputed."""
+    asks = [dict(logprobs=3, prompt_logprobs=2), dict(logprobs=0), {}, dict(prompt_logprobs=0)]
+    reqs = [(p, SamplingParams(temperature=0.8, seed=11 + i, max_tokens=10, repetition_penalty=1.2, **asks[i % 4]))
+            for i, p in enumerate(prompts(5, seed=10, lo=16, hi=30))]
+    chunked = dict(long_prefill_token_threshold=8)
+    sync_big, _ = run_both(model_dir, reqs, **chunked)
+    sync, asyn = run_both(model_dir, reqs, num_blocks=24, preemption_mode=mode, **chunked)
+    assert asyn.scheduler.stats().num_preemptions > 0
+    for i, (prompt, sampling) in enumerate(reqs):
+        rid = f"r{i}"
+        assert sync.outputs[rid] == asyn.outputs[rid] == sync_big.outputs[rid]
+        for e in (sync, asyn):
+            lps = e.logprobs[rid]
+            assert len(lps) == (len(e.outputs[rid]) if sampling.logprobs is not None else 0)
+            assert [lp.token_id for lp in lps] == e.outputs[rid][: len(lps)]
+            assert _values(lps) == pytest.approx(_values(sync_big.logprobs[rid]), abs=1e-4)
+            parts = e.prompt_logprobs[rid]
+            if sampling.prompt_logprobs is None:
+                assert not parts
+                continue
+            assert len(parts) > 1  # one part per prefill chunk
+            positions = [p.start + j for p in parts for j in range(len(p.entries))]
+            assert positions == list(range(1, len(prompt)))  # each once, in order
+            entries = [lp for p in parts for lp in p.entries]
+            assert [lp.token_id for lp in entries] == prompt[1:]
+            reference = [lp for p in sync_big.prompt_logprobs[rid] for lp in p.entries]
+            assert _values(entries) == pytest.approx(_values(reference), abs=1e-4)

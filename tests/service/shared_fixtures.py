@@ -1,6 +1,7 @@
-"""Module-scoped fixtures several service-test modules share; import them into a module:
-
-    from tests.service.shared_fixtures import hf, serve  # noqa: F401
+"""Session-scoped fixtures several service-test modules share. `tests/service/conftest.py`
+registers them: a module just names `serve` / `hf` as arguments (importing them here into a
+module would start a second daemon set that lives until the session ends). A test using
+`serve` must leave it as it found it: every request finished, every block free.
 """
 
 from __future__ import annotations
@@ -12,14 +13,23 @@ from tests.service.harness import Serve
 from tests.service.hf_oracle import HFGreedy
 
 
-@pytest.fixture(scope="module")
-def serve(tiny_model_dir):  # noqa: F811
-    """`stepahead serve` of the tiny model, 64 sequences per step."""
-    with Serve(tiny_model_dir, "--max-num-seqs", "64") as s:
+@pytest.fixture(scope="session")
+def metrics_port() -> int:
+    """The shared `serve`'s scheduler --metrics-port."""
+    from stepahead.cli.serve import free_port
+
+    return free_port()
+
+
+@pytest.fixture(scope="session")
+def serve(tiny_model_dir, metrics_port):  # noqa: F811
+    """`stepahead serve` of the tiny model, 64 sequences per step, scheduler metrics on
+    `metrics_port`."""
+    with Serve(tiny_model_dir, "--max-num-seqs", "64", "--metrics-port", str(metrics_port)) as s:
         yield s
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def hf(tiny_model_dir):  # noqa: F811
     """Hugging Face greedy generation of the tiny model (the oracle)."""
     return HFGreedy(tiny_model_dir)

@@ -37,9 +37,10 @@ def parse_cli(argv: list[str]) -> argparse.Namespace:
     return parser.parse_args(argv[2:])
 
 
-def local_command(argv: list[str], ports: dict[str, int], models: Path, own_port: int | None) -> list[str]:
+def local_command(argv: list[str], ports: dict[str, int], models: Path, own_port: int | None,
+                  health_port: int | None = None) -> list[str]:
     """A compose command as a local process: service names resolve to 127.0.0.1 and each
-    service's listening port becomes a free one."""
+    service's listening ports become free ones."""
     out = []
     for arg in argv:
         for name, port in ports.items():
@@ -48,6 +49,8 @@ def local_command(argv: list[str], ports: dict[str, int], models: Path, own_port
         out.append(arg)
     if own_port is not None:
         out[out.index("--port") + 1] = str(own_port)
+    if health_port is not None:
+        out[out.index("--health-port") + 1] = str(health_port)
     if "--http-port" in out:
         out[out.index("--http-port") + 1] = str(free_port())
     if out[0] == "stepahead":
@@ -58,8 +61,8 @@ def local_command(argv: list[str], ports: dict[str, int], models: Path, own_port
 def healthy(service: dict, port: int) -> bool:
     test = service["healthcheck"]["test"][1:]  # ["CMD", ...]
     argv = [sys.executable if a == "python" else a for a in test]
-    argv = [a.replace("127.0.0.1:50051", f"127.0.0.1:{port}").replace("127.0.0.1:50050", f"127.0.0.1:{port}")
-            for a in argv]
+    for fixed in ("127.0.0.1:50050", "127.0.0.1:50051", "127.0.0.1:50052"):  # gateway, scheduler, worker health
+        argv = [a.replace(fixed, f"127.0.0.1:{port}") for a in argv]
     return subprocess.run(argv, capture_output=True).returncode == 0
 
 
@@ -87,10 +90,13 @@ def test_compose_services_run_as_processes_at_two_workers_and_two_gateways(tmp_p
         assert (tmp_path / "tiny" / "config.json").exists()
         scheduler = services["scheduler"]
         procs.append(subprocess.Popen(local_command(scheduler["command"], ports, tmp_path, sched_port), env=env))
-        for _ in range(2):  # --scale worker=2
-            procs.append(subprocess.Popen(local_command(services["worker"]["command"], ports, tmp_path, None),
+        worker_health_ports = [free_port(), free_port()]
+        for port in worker_health_ports:  # --scale worker=2
+            procs.append(subprocess.Popen(local_command(services["worker"]["command"], ports, tmp_path, None, port),
                                           env=env))
         wait_healthy(scheduler, sched_port, procs)
+        for port in worker_health_ports:  # each worker's own check: attached as a replica
+            wait_healthy(services["worker"], port, procs)
         gateway_ports = [free_port(), free_port()]  # --scale gateway=2
         for port in gateway_ports:
             procs.append(subprocess.Popen(local_command(services["gateway"]["command"], ports, tmp_path, port),
@@ -121,6 +127,9 @@ def test_compose_file_shape():
         assert "ports" not in services[name] or all(":" not in str(p) for p in services[name]["ports"]), \
             "a fixed host port cannot scale"
         parse_cli(services[name]["command"])
+    for name in ("worker", "worker-gpu"):  # the health check asks the port the worker serves health on
+        command, test = services[name]["command"], services[name]["healthcheck"]["test"]
+        assert test[-1] == f"127.0.0.1:{command[command.index('--health-port') + 1]}", (command, test)
     gpu = services["worker-gpu"]
     assert gpu["profiles"] == ["gpu"] and gpu["deploy"]["resources"]["reservations"]["devices"][0]["driver"] == "nvidia"
     parse_cli(gpu["command"])
@@ -155,8 +164,12 @@ def test_kubernetes_manifests_validate_against_the_schemas():
             env = doc["spec"]["template"]["spec"]["containers"][0]["env"]
             assert any(e["name"] == "STEPAHEAD_CLUSTER_TOKEN" and "secretKeyRef" in e["valueFrom"] for e in env)
     worker = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "worker")
-    limits = worker["spec"]["template"]["spec"]["containers"][0]["resources"]["limits"]
-    assert limits["nvidia.com/gpu"] == "1"
+    container = worker["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    health_port = int(parse_cli(container["args"]).health_port)
+    assert parse_cli(container["args"]).health_host == "0.0.0.0", "the kubelet probes the pod's address"
+    for probe in ("startupProbe", "readinessProbe"):
+        assert container[probe]["grpc"]["port"] == health_port, probe
 
 
 def test_a_broken_manifest_is_caught():

@@ -1,4 +1,5 @@
-"""Real daemons end to end: gateway → scheduler → worker on 127.0.0.1, against HF."""
+"""Real daemons end to end: gateway → scheduler → worker on 127.0.0.1, against HF. `serve`,
+`hf` and `metrics_port` are the session's (tests/service/conftest.py)."""
 
 from __future__ import annotations
 
@@ -12,26 +13,8 @@ import pytest
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.service.harness import Serve
-from tests.model.oracle import assert_matches_hf
 from tests.service.hf_oracle import HFGreedy
-
-
-@pytest.fixture(scope="module")
-def metrics_port() -> int:
-    from stepahead.cli.serve import free_port
-
-    return free_port()
-
-
-@pytest.fixture(scope="module")
-def serve(tiny_model_dir, metrics_port):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-num-seqs", "64", "--metrics-port", str(metrics_port)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):  # noqa: F811
-    return HFGreedy(tiny_model_dir)
+from tests.model.oracle import assert_matches_hf
 
 
 def greedy_request(ids, max_tokens: int, **kw) -> generation_pb2.GenerateRequest:
@@ -193,7 +176,8 @@ def test_prometheus_metrics_follow_the_traffic(serve, metrics_port):
     assert after[itl] - before.get(itl, 0) >= 1
     running = [v for k, v in after.items() if k.startswith("stepahead:num_requests_running{replica=")]
     assert running == [0.0] and after["stepahead:workers_attached"] == 1, running  # one replica, by worker id
-    assert after["stepahead:scheduler_steps_total"] > before.get("stepahead:scheduler_steps_total", 0)
+    steps = [k for k in after if k.startswith("stepahead:scheduler_steps_total{replica=")]
+    assert len(steps) == 1 and after[steps[0]] > before.get(steps[0], 0), steps  # counters per replica too
     assert not [k for k in after if k.startswith("stepahead:num_requests") and k.endswith("_total")]
 
 

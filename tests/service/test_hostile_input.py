@@ -15,7 +15,6 @@ import pytest
 from stepahead.v1 import common_pb2, generation_pb2, scheduler_pb2
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
-from tests.service.shared_fixtures import hf, serve  # noqa: F401
 from tests.service.streams import ConnectSession, LongStream
 
 

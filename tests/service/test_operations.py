@@ -90,36 +90,36 @@ def test_overload_and_deadlines_get_a_status(tiny_model_dir):  # noqa: F811
         assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
 
 
-def test_gateway_metrics_and_json_logs(tiny_model_dir):  # noqa: F811
-    """A gateway run alone: its own Prometheus metrics, and JSON lines only on stderr, even
-    for a request of garbage bytes (grpc's own error goes through the JSON logger)."""
-    with Serve(tiny_model_dir) as serve:
-        port, metrics_port = free_port(), free_port()
-        env = dict(os.environ, STEPAHEAD_CLUSTER_TOKEN=serve.cluster_token, STEPAHEAD_LOG_LEVEL="info")
-        gateway = subprocess.Popen(
-            [sys.executable, "-m", "stepahead.cli", "gateway", "--scheduler", serve.scheduler_addr, "--port",
-             str(port), "--model", str(tiny_model_dir), "--metrics-port", str(metrics_port), "--http-port", "0"],
-            env=env, stderr=subprocess.PIPE, text=True)
+def test_gateway_metrics_and_json_logs(tiny_model_dir, serve):  # noqa: F811
+    """A gateway of its own on the shared system's scheduler: its own Prometheus metrics, and
+    JSON lines only on stderr, even for a request of garbage bytes (grpc's own error goes
+    through the JSON logger)."""
+    port, metrics_port = free_port(), free_port()
+    env = dict(os.environ, STEPAHEAD_CLUSTER_TOKEN=serve.cluster_token, STEPAHEAD_LOG_LEVEL="info")
+    gateway = subprocess.Popen(
+        [sys.executable, "-m", "stepahead.cli", "gateway", "--scheduler", serve.scheduler_addr, "--port",
+         str(port), "--model", str(tiny_model_dir), "--metrics-port", str(metrics_port), "--http-port", "0"],
+        env=env, stderr=subprocess.PIPE, text=True)
+    try:
+        channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+        grpc.channel_ready_future(channel).result(timeout=120)
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        list(stub.Generate(greedy([5, 6], 5), timeout=60, wait_for_ready=True))
+        raw = channel.unary_stream("/stepahead.v1.Generation/Generate")
         try:
-            channel = grpc.insecure_channel(f"127.0.0.1:{port}")
-            grpc.channel_ready_future(channel).result(timeout=120)
-            stub = generation_pb2_grpc.GenerationStub(channel)
-            list(stub.Generate(greedy([5, 6], 5), timeout=60, wait_for_ready=True))
-            raw = channel.unary_stream("/stepahead.v1.Generation/Generate")
-            try:
-                list(raw(b"\xff\xff\xff garbage", timeout=10))
-            except grpc.RpcError:
-                pass
-            text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
-            assert 'stepahead:gateway_sequences_finished_total{reason="length",transport="grpc"} 1.0' in text
-            assert 'stepahead:gateway_generation_tokens_total{transport="grpc"} 5.0' in text
-            assert "stepahead:gateway_active_requests 0.0" in text
-        finally:
-            gateway.send_signal(signal.SIGTERM)
-            _, err = gateway.communicate(timeout=60)
-        assert gateway.returncode == 0
-        lines = [line for line in err.splitlines() if line.strip()]
-        records = [json.loads(line) for line in lines]  # every line is JSON
-        assert any(r.get("logger", "").startswith("grpc") for r in records), "grpc's own log went elsewhere"
-        shutdown = records[[r.get("event") for r in records].index("gateway_ready") + 1:]
-        assert all(r["level"] in ("debug", "info") or r.get("logger", "").startswith("grpc") for r in shutdown), shutdown
+            list(raw(b"\xff\xff\xff garbage", timeout=10))
+        except grpc.RpcError:
+            pass
+        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        assert 'stepahead:gateway_sequences_finished_total{reason="length",transport="grpc"} 1.0' in text
+        assert 'stepahead:gateway_generation_tokens_total{transport="grpc"} 5.0' in text
+        assert "stepahead:gateway_active_requests 0.0" in text
+    finally:
+        gateway.send_signal(signal.SIGTERM)
+        _, err = gateway.communicate(timeout=60)
+    assert gateway.returncode == 0
+    lines = [line for line in err.splitlines() if line.strip()]
+    records = [json.loads(line) for line in lines]  # every line is JSON
+    assert any(r.get("logger", "").startswith("grpc") for r in records), "grpc's own log went elsewhere"
+    shutdown = records[[r.get("event") for r in records].index("gateway_ready") + 1:]
+    assert all(r["level"] in ("debug", "info") or r.get("logger", "").startswith("grpc") for r in shutdown), shutdown

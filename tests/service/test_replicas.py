@@ -98,11 +98,6 @@ def cluster(tiny_model_dir):  # noqa: F811
         c.close()
 
 
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):  # noqa: F811
-    return HFGreedy(tiny_model_dir)
-
-
 class Stream:
     """One greedy request read in the background; `started` once its first token arrived."""
 

@@ -15,14 +15,8 @@ import pytest
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
-from tests.service.hf_oracle import HFGreedy
 from tests.service.streams import wait_health
 from tests.service.test_replicas import Stream, check_streams, spawn
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_model_dir):  # noqa: F811
-    return HFGreedy(tiny_model_dir)
 
 
 def start_scheduler(port: int):

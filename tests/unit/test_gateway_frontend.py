@@ -93,7 +93,7 @@ def test_derived_seed_keeps_none_and_wraps():
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
-    ({"prompt": "x", "logprobs": 0}, "logprobs"),
+    ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": [[1], [2]]}, "prompt"),
 ])

@@ -121,7 +121,7 @@ class SimRunner:
         for rid in (*plan.finished_ids, *plan.preempted_ids):
             self.requests.pop(rid, None)
             self._failed_ids.discard(rid)
-        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids)
+        plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, max_logprobs=None)
         plan = _refuse_structured(plan, failed, self._failed_ids)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
                    block_size=self.block_size, max_model_len=self.max_model_len)

@@ -1,0 +1,42 @@
+"""The per-request token rules of the scheduler core, as pure functions: how many tokens a
+request computes in a step (chunking, the budget, never past `max_tokens` /
+`max_model_len`), and whether a committed token ends it (EOS, stop ids, lengths)."""
+
+from __future__ import annotations
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.request import FinishReason, Request
+
+
+def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_left: int) -> int:
+    """Tokens to compute this step (0: none), honouring chunking and max_tokens.
+    `remaining`: tokens not scheduled yet (placeholders included); `tokens_left`: the budget."""
+    if remaining <= 0 or tokens_left <= 0:
+        return 0
+    if remaining == 1:  # a decode: the common case
+        n = 1
+    elif not cfg.enable_chunked_prefill:
+        n = remaining if remaining <= tokens_left else 0
+    else:
+        n = min(remaining, tokens_left)
+        if cfg.long_prefill_token_threshold:
+            n = min(n, cfg.long_prefill_token_threshold)
+    if n == remaining:  # the step samples: never past max_tokens / max_model_len
+        pending = req.num_output_placeholders
+        if (
+            len(req.output_token_ids) + pending >= req.sampling.max_tokens
+            or req.num_tokens + pending >= cfg.max_model_len
+        ):
+            return 0  # its pending placeholders may already complete it
+    return n
+
+
+def stop_reason(cfg: SchedulerConfig, eos: frozenset[int], req: Request, token: int) -> FinishReason | None:
+    """Why `req` ends with its newly committed `token`, or None when it goes on."""
+    sp, num_output = req.sampling, len(req.output_token_ids)
+    if num_output >= sp.min_tokens:
+        if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
+            return FinishReason.STOP
+    if num_output >= sp.max_tokens or req.num_tokens >= cfg.max_model_len:
+        return FinishReason.LENGTH
+    return None

@@ -1,0 +1,152 @@
+"""Tensor parallelism in process: two ranks (spawned processes, gloo) run the sharded model
+and must agree with the unsharded `ModelRunner` on every step's logits (float tolerance:
+only the reduction order differs) and on the tokens (greedy, and one seeded sampled
+request: rank 0 draws as k = 1 does), through chunked prefill, placeholder decodes and
+swap/recompute preemption. Also: the geometry refusals."""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from stepahead.plan import SamplingParams
+from tests.model.checkpoints import VARIANTS, build_checkpoint
+from tests.model.driver import ToyRequest, ToyScheduler
+from tests.model.oracle import random_prompts
+from worker_service.model_config import ModelConfig
+from worker_service.model_runner import ModelRunner
+from worker_service.parallel.geometry import GeometryError, ShardGeometry
+
+CHECKPOINTS = ("llama_tied_gqa4", "qwen2_untied_gqa4", "qwen3_tied_gqa1")
+PROMPT_LENS = [3, 40, 21, 9]
+MAX_NEW = 12
+RTOL = 1e-4
+SEEDED = SamplingParams(temperature=0.8, top_p=0.9, seed=1234, max_tokens=1 << 30)  # same draws as k = 1
+
+
+def drive(runner) -> tuple[dict[str, list[int]], list[tuple[tuple[str, ...], torch.Tensor | None]]]:
+    """The toy scheduler over `runner`: (outputs by request, (ids, logits) of every step)."""
+    steps = []
+    execute = runner.execute
+
+    def recording(plan):
+        result = execute(plan)
+        logits = runner.last_logits
+        steps.append((runner.last_logits_ids, None if logits is None else logits.to("cpu", copy=True)))
+        return result
+
+    runner.execute = recording
+    sched = ToyScheduler(runner, chunk=8, token_budget=24, max_running=4, preempt_every=3)
+    for i, p in enumerate(random_prompts(seed=7, lens=PROMPT_LENS)):
+        sched.add(ToyRequest(f"r{i}", p, MAX_NEW, arrival_step=i))
+    sched.add(ToyRequest("seeded", random_prompts(seed=8, lens=[15])[0], MAX_NEW, arrival_step=1, sampling=SEEDED))
+    sched.run()
+    assert sched.stats.swaps and sched.stats.recomputes and sched.stats.placeholder_decodes
+    return {r.request_id: r.output for r in sched.finished}, steps
+
+
+def runner_kwargs() -> dict:
+    return dict(num_blocks=64, num_host_blocks=32, block_size=4)
+
+
+def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, backend: str) -> None:
+    from worker_service.parallel.group import GroupSpec, destroy_group, init_group
+    from worker_service.parallel.runner import TPModelRunner
+
+    torch.set_num_threads(1)
+    device = "cpu"
+    if backend == "nccl":
+        device = f"cuda:{rank}"
+        torch.cuda.set_device(device)
+    init_group(GroupSpec("test", rank, size, "127.0.0.1", port, backend, timeout_s=60))
+    try:
+        results = [drive(TPModelRunner(p, rank=rank, size=size, device=device, **runner_kwargs())) for p in paths]
+        torch.save(results, f"{out}.{rank}")
+    finally:
+        destroy_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(size: int, paths: list[str], out: str, backend: str = "gloo") -> list:
+    mp.spawn(_rank_main, args=(size, free_port(), paths, out, backend), nprocs=size, join=True)
+    return [torch.load(f"{out}.{r}", weights_only=False) for r in range(size)]
+
+
+_built: dict[str, str] = {}
+
+
+def checkpoint(name: str, tmp_path_factory) -> str:
+    if name not in _built:
+        model_type, overrides = VARIANTS[name]
+        path = tmp_path_factory.mktemp(name)
+        build_checkpoint(path, model_type, seed=4, **overrides)
+        _built[name] = str(path)
+    return _built[name]
+
+
+def assert_same_as_unsharded(paths: list[str], per_rank: list) -> None:
+    for i, path in enumerate(paths):
+        expected_out, expected_steps = drive(ModelRunner(path, **runner_kwargs()))
+        rank0_out, rank0_steps = per_rank[0][i]
+        assert rank0_out == expected_out, f"{path}: greedy tokens differ from the unsharded model"
+        for r, rank_results in enumerate(per_rank[1:], start=1):
+            assert rank_results[i][0] == rank0_out, f"{path}: rank {r} kept other sampled ids than rank 0"
+        assert len(rank0_steps) == len(expected_steps)
+        for (ids, ours), (exp_ids, exp) in zip(rank0_steps, expected_steps):
+            assert ids == exp_ids
+            if exp is None or not len(exp):
+                continue
+            assert ours.shape == exp.shape
+            err = (ours - exp).abs().amax() / exp.abs().amax()
+            assert err.item() < RTOL, f"{path}: relative logit error {err.item():.3g}"
+
+
+def test_two_ranks_match_the_unsharded_model_qwen2_gqa(tmp_path_factory, tmp_path):
+    """The default-suite case: qwen2 (q/k/v biases, 8 heads over 2 KV heads), untied."""
+    paths = [checkpoint("qwen2_untied_gqa4", tmp_path_factory)]
+    assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))
+
+
+@pytest.mark.slow
+def test_two_ranks_match_the_unsharded_model_all_families(tmp_path_factory, tmp_path):
+    """llama (tied, llama3 RoPE), qwen2, qwen3 (q/k norms, head_dim 24)."""
+    paths = [checkpoint(name, tmp_path_factory) for name in CHECKPOINTS]
+    assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))
+
+
+@pytest.mark.slow
+def test_four_ranks_replicate_kv_heads(tmp_path_factory, tmp_path):
+    """k = 4 > 2 KV heads (llama, qwen2): each KV head lives on two ranks, as in vLLM."""
+    paths = [checkpoint(name, tmp_path_factory) for name in CHECKPOINTS[:2]]
+    assert_same_as_unsharded(paths, run_ranks(4, paths, str(tmp_path / "out")))
+
+
+def test_geometry_that_does_not_divide_is_refused_naming_the_dimension(tmp_path_factory):
+    cfg = ModelConfig.from_dir(checkpoint("qwen2_untied_gqa4", tmp_path_factory))  # 8 heads, 2 KV, 128, 512
+    for field, value, k in [("num_heads", 6, 4), ("intermediate_size", 130, 4), ("vocab_size", 510, 4)]:
+        name = {"num_heads": "num_attention_heads"}.get(field, field)
+        with pytest.raises(GeometryError, match=name):
+            ShardGeometry.of(dataclasses.replace(cfg, **{field: value}), 0, k)
+    with pytest.raises(GeometryError, match="num_key_value_heads"):
+        ShardGeometry.of(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), 0, 2)
+    with pytest.raises(GeometryError, match="num_key_value_heads"):
+        ShardGeometry.of(dataclasses.replace(cfg, num_heads=12, num_kv_heads=3), 0, 4)  # 4 > 3 KV heads
+    geom = ShardGeometry.of(cfg, 3, 4)  # k = 4 > 2 KV heads: ranks 2 and 3 share KV head 1
+    assert (geom.num_kv_heads, geom.kv_head_start, geom.num_heads) == (1, 1, 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_two_cuda_ranks_over_nccl_match_the_unsharded_model(tmp_path_factory, tmp_path):
+    """The NCCL path: ranks on cuda:0 and cuda:1 against the unsharded model on the CPU."""
+    paths = [checkpoint(name, tmp_path_factory) for name in CHECKPOINTS]
+    assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out"), backend="nccl"))

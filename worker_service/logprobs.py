@@ -1,0 +1,184 @@
+"""Raw logprobs on the device: the sampled token's, the top k, and prompt logprobs (`echo`).
+
+Everything is the log-softmax of the model's *raw* logits (before logit bias, penalties,
+the min_tokens stop mask, temperature and truncation; vLLM's default "raw logprobs"),
+computed on the device for the rows that ask only, and copied to the host with the sampled
+ids (pinned, non-blocking, on the output stream; `PendingStep.wait()` reads them after the
+step's one synchronisation).
+
+Costs: a step where no live request asks pays one integer test (`Logprobs.begin_step`
+returns None); a mixed step computes a log-softmax over its asking rows only.
+
+Prompt logprobs follow chunked prefill: a chunk computing positions `[s, s + n)` returns the
+logprobs of prompt positions `s + 1 ... min(s + n, P - 1)` (each predicted by the position
+before it), so each chunk returns its own part. A recomputed request (preemption) returns
+them again; the scheduler forwards only positions it has not delivered yet
+(`PromptLogprobs.after`). Top-k ties come out in `torch.topk` order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from stepahead.logprobs import Logprobs, PromptLogprobs
+from worker_service.input_batch import CachedRequest, ScheduledBatch
+from worker_service.streams import host_to_device
+
+_PROMPT_ROWS_PER_PASS = 512  # bounds the [rows, vocab] float32 logits of a long prompt chunk
+
+
+class _DeviceRows:
+    """Logprobs of m positions on the device: own token's [m], top ids [m, k], top values [m, k]."""
+
+    def __init__(self, own: torch.Tensor, top_ids: torch.Tensor, top_lp: torch.Tensor) -> None:
+        self.own, self.top_ids, self.top_lp = own, top_ids, top_lp
+        self.host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+
+    def to_host(self, pinned: bool) -> None:
+        """Start the D2H copies (call on the output stream after it waited for compute)."""
+        self.host = tuple(_pinned_copy(t, pinned) for t in (self.own, self.top_ids, self.top_lp))
+
+    def rows(self, token_ids: list[int], ks: list[int]) -> list[Logprobs]:
+        """After the step's synchronisation: one `Logprobs` per row (top trimmed to its k)."""
+        own, top_ids, top_lp = (t.tolist() for t in self.host)
+        return [Logprobs(t, lp, tuple(zip(ids[:k], vals[:k])))
+                for t, lp, ids, vals, k in zip(token_ids, own, top_ids, top_lp, ks)]
+
+
+def _pinned_copy(t: torch.Tensor, pinned: bool) -> torch.Tensor:
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=pinned)
+    host.copy_(t, non_blocking=pinned)
+    return host
+
+
+def _log_softmax_rows(logits: torch.Tensor, targets: torch.Tensor, k: int) -> _DeviceRows:
+    """logits [m, vocab] → logprobs of `targets` [m] and the top k of each row."""
+    lp = logits.float().log_softmax(dim=-1)  # [m, vocab]
+    own = lp.gather(-1, targets[:, None]).squeeze(-1)  # [m]
+    top = lp.topk(k, dim=-1)  # values, indices: [m, k] descending
+    return _DeviceRows(own, top.indices, top.values)
+
+
+class StepLogprobs:
+    """One step's logprob work: raw sampling rows, then prompt chunks, then the host copy."""
+
+    def __init__(self, device: torch.device, prompt_chunks: list[tuple[CachedRequest, int, int, int]]) -> None:
+        self.device = device
+        self._prompt_chunks = prompt_chunks  # (request, token offset in the step, first position, count)
+        self._prompt: list[_DeviceRows] = []  # one per pass of at most _PROMPT_ROWS_PER_PASS rows
+        self._prompt_owners: list[tuple[CachedRequest, int, int]] = []  # (request, first position, count)
+        self._raw: torch.Tensor | None = None  # [m, vocab] float32 log-softmax of the asking rows
+        self._raw_rows: list[int] = []  # their rows in the step's sampling batch
+        self._sampled: _DeviceRows | None = None
+        self._sampled_reqs: list[CachedRequest] = []
+        self._sampled_tokens: torch.Tensor | None = None  # [m] on the device
+
+    # -- on the compute stream --------------------------------------------------------------
+
+    def prompt(self, hidden: torch.Tensor, compute_logits: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """hidden [num_tokens, hidden]: logprobs of the prompt tokens these chunks predict."""
+        index, targets, owners = [], [], []
+        for req, offset, start, count in self._prompt_chunks:
+            index += range(offset, offset + count)
+            targets += req.token_ids[start + 1 : start + 1 + count]
+            owners.append((req, start + 1, count))
+        k = max([req.sampling.prompt_logprobs for req, *_ in self._prompt_chunks] + [1])
+        for lo in range(0, len(index), _PROMPT_ROWS_PER_PASS):
+            idx = host_to_device(index[lo : lo + _PROMPT_ROWS_PER_PASS], torch.int64, self.device)  # [t]
+            tgt = host_to_device(targets[lo : lo + _PROMPT_ROWS_PER_PASS], torch.int64, self.device)  # [t]
+            logits = compute_logits(hidden.index_select(0, idx))  # [t, vocab]
+            self._prompt.append(_log_softmax_rows(logits, tgt, k))
+        self._prompt_owners = owners
+
+    def raw(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
+        """logits [n, vocab] of the sampling rows, before any processing: keep the asking rows' log-softmax."""
+        rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+        if rows:
+            self._raw_rows = rows
+            self._raw = logits.index_select(0, host_to_device(rows, torch.int64, self.device)).float().log_softmax(-1)
+
+    def sampled(self, sampled: torch.Tensor, reqs_in: list[CachedRequest], reqs_out: list[CachedRequest]) -> None:
+        """sampled [len(reqs_out)]: ids of the requests that sampled (reqs_out ⊆ reqs_in, in order)."""
+        if self._raw is None:
+            return
+        out_row = {r.request_id: i for i, r in enumerate(reqs_out)}
+        keep = [(j, out_row[reqs_in[i].request_id]) for j, i in enumerate(self._raw_rows)
+                if reqs_in[i].request_id in out_row]
+        if not keep:
+            return
+        lp_rows, id_rows = (host_to_device(list(c), torch.int64, self.device) for c in zip(*keep))
+        lp = self._raw.index_select(0, lp_rows)  # [m, vocab]
+        tokens = sampled.index_select(0, id_rows)  # [m]
+        k = max(max(reqs_out[i].sampling.logprobs for _, i in keep), 1)
+        top = lp.topk(k, dim=-1)
+        self._sampled = _DeviceRows(lp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values)
+        self._sampled_reqs = [reqs_out[i] for _, i in keep]
+        self._sampled_tokens = tokens
+        self._raw = None
+
+    def to_host(self, pinned: bool) -> None:
+        """Start every D2H copy of this step (on the output stream)."""
+        if self._sampled is not None:
+            self._sampled.to_host(pinned)
+            self._sampled_tokens = _pinned_copy(self._sampled_tokens, pinned)
+        for rows in self._prompt:
+            rows.to_host(pinned)
+
+    # -- on the host, after the step's synchronisation -----------------------------------------
+
+    def collect(self, failed: dict[str, str]) -> tuple[dict[str, Logprobs], dict[str, PromptLogprobs]]:
+        sampled = {}
+        if self._sampled is not None:
+            reqs = self._sampled_reqs
+            entries = self._sampled.rows(self._sampled_tokens.tolist(), [r.sampling.logprobs for r in reqs])
+            sampled = {r.request_id: e for r, e in zip(reqs, entries)}
+        return sampled, self._collect_prompt(failed)
+
+    def _collect_prompt(self, failed: dict[str, str]) -> dict[str, PromptLogprobs]:
+        if not self._prompt:
+            return {}
+        ks = [req.sampling.prompt_logprobs for req, _, count in self._prompt_owners for _ in range(count)]
+        targets = [t for req, start, count in self._prompt_owners for t in req.token_ids[start : start + count]]
+        flat: list[Logprobs] = []
+        for lo, rows in zip(range(0, len(ks), _PROMPT_ROWS_PER_PASS), self._prompt):
+            flat += rows.rows(targets[lo : lo + _PROMPT_ROWS_PER_PASS], ks[lo : lo + _PROMPT_ROWS_PER_PASS])
+        out, pos = {}, 0
+        for req, start, count in self._prompt_owners:
+            if req.request_id not in failed:
+                out[req.request_id] = PromptLogprobs(start, tuple(flat[pos : pos + count]))
+            pos += count
+        return out
+
+
+class LogprobsTracker:
+    """Counts the live requests that ask, so a step without any pays nothing."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._asking = 0
+
+    def register(self, req: CachedRequest) -> None:
+        self._asking += _asks(req)
+
+    def forget(self, req: CachedRequest) -> None:
+        self._asking -= _asks(req)
+
+    def begin_step(self, sched: ScheduledBatch) -> StepLogprobs | None:
+        """Before the step's `num_computed` advance: None when no live request asks."""
+        if not self._asking:
+            return None
+        chunks, offset = [], 0
+        for req, n in zip(sched.states, sched.num_scheduled):
+            if req.sampling.prompt_logprobs is not None:
+                start = req.num_computed
+                count = min(start + n, req.num_prompt_tokens - 1) - start  # positions predicting prompt tokens
+                if count > 0:
+                    chunks.append((req, offset, start, count))
+            offset += n
+        return StepLogprobs(self.device, chunks)
+
+
+def _asks(req: CachedRequest) -> bool:
+    return req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None

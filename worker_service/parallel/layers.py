@@ -1,0 +1,75 @@
+"""The layers that differ on a tensor-parallel rank. Each keeps `weight`/`bias` names, so
+the loader fills them like the single-device modules they replace.
+
+Every rank runs the same ops on the same token batch; the collectives below are the only
+communication of a forward: one all-reduce per row-parallel linear (2 per layer), one
+all-reduce for the embedding and one gather of the logits onto rank 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from worker_service.parallel.geometry import ShardGeometry
+
+
+class RowParallelLinear(nn.Linear):
+    """y = all_reduce(x_local @ W_local^T) + b: the input features are split over ranks.
+
+    The bias (replicated) is added once, after the reduction.
+    """
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)  # [n, out] partial sum of this rank's input slice
+        dist.all_reduce(y)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """Rows [start, start + num_embeddings) of the table; other ids give zeros, summed over ranks."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, start: int):
+        super().__init__(num_embeddings, embedding_dim)
+        self.start = start
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        local = ids - self.start  # [n]
+        outside = (local < 0) | (local >= self.num_embeddings)  # [n] ids another rank holds
+        x = F.embedding(local.masked_fill(outside, 0), self.weight)  # [n, hidden]
+        x = x.masked_fill(outside.unsqueeze(-1), 0.0)
+        dist.all_reduce(x)  # exactly one rank contributes a non-zero row per id
+        return x
+
+
+class GatheredLMHead(nn.Linear):
+    """Logits of this rank's vocabulary slice, gathered on rank 0 in vocabulary order.
+
+    Rank 0 gets `[rows, vocab]`; the other ranks get an empty `[rows, 0]` (they never sample).
+    """
+
+    def __init__(self, in_features: int, out_features: int, rank: int, size: int):
+        super().__init__(in_features, out_features, bias=False)
+        self.rank, self.size = rank, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = F.linear(x, self.weight).contiguous()  # [rows, vocab / k]
+        if self.rank == 0:
+            parts = [torch.empty_like(local) for _ in range(self.size)]
+            dist.gather(local, parts, dst=0)
+            return torch.cat(parts, dim=1)  # [rows, vocab]
+        dist.gather(local, None, dst=0)
+        return local[:, :0]
+
+
+def shard_modules(model: nn.Module, geom: ShardGeometry) -> None:
+    """Swap the layers that communicate into `model` (built from `geom.local_config`, on meta)."""
+    cfg = model.config
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, bias=attn.o_proj.bias is not None)
+        mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+    model.model.embed_tokens = VocabParallelEmbedding(geom.vocab, cfg.hidden_size, geom.vocab_start)
+    model.lm_head = GatheredLMHead(cfg.hidden_size, geom.vocab, geom.rank, geom.size)

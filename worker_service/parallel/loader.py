@@ -1,0 +1,53 @@
+"""Load one tensor-parallel rank's shard of a local checkpoint: only its slices are read."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from worker_service.loader import load_weights, weight_files
+from worker_service.model_config import ModelConfig
+from worker_service.models import model_class
+from worker_service.models.llama import LlamaForCausalLM
+from worker_service.parallel.geometry import ShardGeometry
+from worker_service.parallel.layers import shard_modules
+
+
+def load_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int,
+               size: int) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """(the rank's model, the *global* config); `model.config` is the shard's config.
+
+    Raises GeometryError (naming the dimension) when the model does not split k ways.
+    """
+    model_dir = Path(model_dir)
+    cfg = ModelConfig.from_dir(model_dir)
+    geom = ShardGeometry.of(cfg, rank, size)
+    files = weight_files(model_dir)
+    with torch.device("meta"):
+        model = model_class(cfg.model_type)(geom.local_config(cfg))
+        shard_modules(model, geom)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    load_weights(model, iter_slices(files, geom))
+    return model.eval(), cfg
+
+
+def iter_slices(files: list[Path], geom: ShardGeometry) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, this rank's slice of the tensor), each read alone from the file."""
+    for path in files:
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                for name in f.keys():
+                    cut = geom.slice_of(name)
+                    if cut is None:
+                        yield name, f.get_tensor(name)
+                        continue
+                    dim, start, length = cut
+                    index = (slice(None),) * dim + (slice(start, start + length),)
+                    yield name, f.get_slice(name)[index]
+        except SafetensorError as e:
+            raise ValueError(f"weight file {path} is truncated or corrupt: {e}") from e
