@@ -5,8 +5,8 @@ model's logits before logit bias, penalties, the min_tokens stop mask, temperatu
 truncation, so they describe the model, not the sampling settings. A request asks with
 `SamplingParams.logprobs` (k: the sampled token's logprob, plus the k most likely tokens;
 0: the sampled token's only) and `SamplingParams.prompt_logprobs` (the same for every prompt
-token after the first, given the tokens before it). Top-k lists are most likely first;
-among equal values the lower token id comes first.
+token after the first, given the tokens before it). Top-k lists are most likely first
+(equal values in `torch.topk`'s order; the tests compare sets with the HF oracle's tie rule).
 """
 
 from __future__ import annotations

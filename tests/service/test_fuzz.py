@@ -77,8 +77,7 @@ def check_one(stub, request: generation_pb2.GenerateRequest) -> None:
 def test_fuzz_every_request_field(serve, hf):
     long = LongStream(serve.gateway, max_tokens=600)
 
-    @settings(max_examples=settings.default.max_examples // 4, deadline=None,  # 50; 1,250 with --slow
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
     @given(request=generate_requests())
     def one(request):
         check_one(serve.gateway, request)
@@ -124,8 +123,7 @@ def test_random_bytes_on_every_method(serve, hf):
                 serve.scheduler_addr: serve.scheduler_channel()}
     methods = [(addr, *m) for addr, service in targets for m in _methods(addr, service)]
 
-    @settings(max_examples=settings.default.max_examples // 3, deadline=None,  # 66; 1,666 with --slow
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=200, deadline=None, suppress_health_check=list(HealthCheck))
     @given(which=st.integers(0, len(methods) - 1), payload=st.binary(max_size=64))
     def one(which, payload):
         addr, path, cs, ss = methods[which]
