@@ -4,6 +4,12 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 # An exact pin: on a CPU-only machine pip takes the local CPU wheel, never a CUDA build.
 TORCH  ?= torch==2.13.0
+# Structured outputs (worker only). xgrammar declares a dependency on triton (~1 GB, GPU
+# kernels stepahead does not use: the worker applies the token bitmask with plain torch ops)
+# but imports and works without it, so it is installed with --no-deps; its real runtime
+# dependencies (apache-tvm-ffi, pydantic, torch, transformers, numpy, typing-extensions)
+# are in pyproject.toml. pyproject cannot list xgrammar itself without pulling triton in.
+XGRAMMAR ?= xgrammar==0.2.8
 STAMP  := $(VENV)/.installed
 
 .PHONY: test install serve bench clean
@@ -12,6 +18,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
+	$(PY) -m pip install -q --no-deps "$(XGRAMMAR)"
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 

@@ -13,11 +13,13 @@ sampled token only; with `echo`, the prompt's too); chat `logprobs: true` with a
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.validation import RawGenerateRequest, ValidationError
+from stepahead.plan import StructuredKind, StructuredOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI completions default
 
@@ -29,6 +31,30 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+
+
+class StructuredOutputsParams(_Strict):
+    """vLLM's `structured_outputs`: exactly one constraint."""
+
+    json_: str | dict[str, Any] | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's `response_format`."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Strict):
@@ -56,6 +82,8 @@ class _SamplingFields(_Strict):
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
     stop_token_ids: list[int] | None = None
+    structured_outputs: StructuredOutputsParams | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -106,6 +134,34 @@ def _stop(stop: str | list[str] | None) -> list[str]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+def _structured(body: _SamplingFields) -> StructuredOutput | None:
+    """vLLM's `structured_outputs` or OpenAI's `response_format` (not both) as one constraint."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        if body.structured_outputs is not None:
+            raise ValidationError("response_format", "set response_format or structured_outputs, not both")
+        if fmt.type == "json_object":
+            return StructuredOutput(StructuredKind.JSON_OBJECT)
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise ValidationError("response_format.json_schema.schema", "is required with type json_schema")
+        return StructuredOutput(StructuredKind.JSON_SCHEMA, spec=json.dumps(fmt.json_schema.schema_))
+    so = body.structured_outputs
+    if so is None:
+        return None
+    given = [(k, v) for k, v in (("json", so.json_), ("regex", so.regex), ("choice", so.choice),
+                                 ("grammar", so.grammar), ("json_object", so.json_object or None)) if v is not None]
+    if len(given) != 1:
+        raise ValidationError("structured_outputs", "set exactly one of json, regex, choice, grammar, json_object")
+    key, value = given[0]
+    if key == "json_object":
+        return StructuredOutput(StructuredKind.JSON_OBJECT)
+    if key == "choice":
+        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(value))
+    if key == "json" and not isinstance(value, str):
+        value = json.dumps(value)
+    return StructuredOutput(StructuredKind(key), spec=value)
+
+
 def _common(body: _SamplingFields, max_tokens: int | None, size_bytes: int) -> dict[str, Any]:
     return dict(
         model=body.model or "",
@@ -127,6 +183,7 @@ def _common(body: _SamplingFields, max_tokens: int | None, size_bytes: int) -> d
         repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
+        structured=_structured(body),
         size_bytes=size_bytes,
     )
 

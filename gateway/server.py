@@ -101,6 +101,7 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
         presence_penalty=s.presence_penalty,
         frequency_penalty=s.frequency_penalty,
+        structured=codec.structured_from_proto(s),
         logprobs=s.logprobs if s.HasField("logprobs") else None,
         prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         size_bytes=msg.ByteSize(),

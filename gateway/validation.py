@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from stepahead import limits
 from stepahead.limits import LimitError as ValidationError
 from stepahead.limits import ModelLimits
-from stepahead.plan import SamplingParams
+from stepahead.plan import SamplingParams, StructuredOutput
 
 __all__ = ["ModelLimits", "RawGenerateRequest", "ValidRequest", "ValidationError", "validate"]
 
@@ -47,6 +47,7 @@ class RawGenerateRequest:
     repetition_penalty: float | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    structured: StructuredOutput | None = None  # constrain the output to a grammar
     logprobs: int | None = None  # raw logprobs of each output token (+ the top k); None = off
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
     size_bytes: int = 0  # serialized size of the whole request
@@ -86,6 +87,7 @@ def validate(
         repetition_penalty=1.0 if raw.repetition_penalty is None else raw.repetition_penalty,
         presence_penalty=raw.presence_penalty,
         frequency_penalty=raw.frequency_penalty,
+        structured=raw.structured,
         logprobs=raw.logprobs,
         prompt_logprobs=raw.prompt_logprobs,
     )

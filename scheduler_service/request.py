@@ -75,6 +75,7 @@ class RequestEvent:
     num_cached_tokens: int
     message: str = ""  # with FinishReason.ERROR: what failed
     queue_time: float | None = None  # on the first token's event: arrival to first scheduled
+    rejected: bool = False  # with ERROR: the request itself was invalid (the client gets INVALID_ARGUMENT)
     logprobs: tuple[Logprobs, ...] = ()  # with sampling.logprobs: one per new token
     prompt_logprobs: PromptLogprobs | None = None  # newly computed prompt positions (never twice)
     # speculative decoding, on the final event: drafts verified and accepted over the request

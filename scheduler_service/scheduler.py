@@ -352,7 +352,8 @@ class Scheduler:
                 continue  # preempted, finished or aborted since the plan was built: stale
             if failed and req.request_id in failed:
                 self._finish(req, FinishReason.ERROR)
-                events.append(self._event(req, (), FinishReason.ERROR, f"worker: {failed[req.request_id]}"))
+                events.append(RequestEvent(req.request_id, (), FinishReason.ERROR, req.num_prompt_tokens, req.num_cached_tokens,
+                                           f"worker: {failed[req.request_id]}", rejected=req.request_id in result.invalid_ids))
                 continue
             prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
             if not samples:

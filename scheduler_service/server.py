@@ -164,6 +164,8 @@ def add_event(batch: scheduler_pb2.EventBatch, event: RequestEvent, scope_len: i
         msg.num_cached_tokens = event.num_cached_tokens
     if event.message:
         msg.message = event.message
+    if event.rejected:  # its reject_code is the default, REJECT_CODE_INVALID
+        msg.rejected = True
     if event.logprobs:
         msg.logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.logprobs)
     if event.num_draft_tokens:

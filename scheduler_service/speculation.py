@@ -21,7 +21,7 @@ def draft_allowance(config: SchedulerConfig, req: Request, token_budget: int) ->
     output placeholders count 1 + k each and this step may add 1 + k more tokens.
     """
     k = config.num_speculative_tokens
-    if not k or wants_logprobs(req):
+    if not k or never_speculates(req):
         return 0
     pending = req.num_output_placeholders
     room_output = req.sampling.max_tokens - len(req.output_token_ids) - pending - 1
@@ -29,10 +29,12 @@ def draft_allowance(config: SchedulerConfig, req: Request, token_budget: int) ->
     return max(0, min(k, token_budget - 1, room_output, room_length))
 
 
-def wants_logprobs(req: Request) -> bool:
-    """Logprobs are not computed on verified positions yet: such requests never speculate,
-    and a step holding one verifies no drafts (`StepBuilder.build`)."""
-    return req.sampling.logprobs is not None or req.sampling.prompt_logprobs is not None
+def never_speculates(req: Request) -> bool:
+    """Logprobs are not computed, and grammar masks not applied, on verified positions yet:
+    requests asking for logprobs or a structured output never speculate, and a step holding
+    one verifies no drafts (`StepBuilder.build`)."""
+    s = req.sampling
+    return s.logprobs is not None or s.prompt_logprobs is not None or s.structured is not None
 
 
 def settle(req: Request, num_tokens: int, num_drafts: int, result: StepResult) -> tuple[int, ...]:

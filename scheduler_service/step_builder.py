@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
 from stepahead.logprobs import MAX_LOGPROBS
-from scheduler_service.speculation import check_outcomes, wants_logprobs
+from scheduler_service.speculation import check_outcomes, never_speculates
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
 
 
@@ -46,7 +46,7 @@ class InFlightPlan:
             if bad:
                 raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
         check_outcomes(result, self.draft_allowance, vocab_size)
-        if failed:
+        if failed or result.invalid_ids:
             self._check_failed(result)
         missing = self.sampling_ids - tokens.keys() - failed.keys()
         if missing:  # only fresh entries must have a token
@@ -62,6 +62,8 @@ class InFlightPlan:
         both = failed.keys() & result.sampled_token_ids.keys()
         if both:
             raise ValueError(f"result {result.step_id} has both a token and a failure for {sorted(both)[:8]}")
+        if not failed.keys() >= set(result.invalid_ids):
+            raise ValueError(f"result {result.step_id} lists invalid requests that did not fail")
         unknown = failed.keys() - {req.request_id for req, *_ in self.entries}
         if unknown:
             raise ValueError(f"result {result.step_id} reports failures of requests it did not run: {sorted(unknown)[:8]}")
@@ -104,7 +106,7 @@ class StepBuilder:
         """Apply the schedule to the requests' counters and emit the plan."""
         new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
-        no_drafts = any(wants_logprobs(e.request) for e in self.entries.values())
+        no_drafts = any(never_speculates(e.request) for e in self.entries.values())
         for entry in self.entries.values():
             req, n, drafts = entry.request, entry.num_new_tokens, entry.num_drafts
             if drafts and no_drafts:  # the budget and blocks reserved for them stay unused this step

@@ -17,6 +17,8 @@ from stepahead.plan import (
     SpecOutcome,
     StepPlan,
     StepResult,
+    StructuredKind,
+    StructuredOutput,
     WorkerInfo,
     WorkerTiming,
 )
@@ -63,11 +65,41 @@ def sampling_to_proto(p: SamplingParams) -> common_pb2.SamplingParams:
         msg.seed = p.seed
     if p.repetition_penalty != 1.0:
         msg.repetition_penalty = p.repetition_penalty
+    if p.structured is not None:
+        msg.structured_outputs.CopyFrom(structured_to_proto(p.structured))
     if p.logprobs is not None:
         msg.logprobs = p.logprobs
     if p.prompt_logprobs is not None:
         msg.prompt_logprobs = p.prompt_logprobs
     return msg
+
+
+_STRUCTURED_TEXT_FIELDS = {StructuredKind.JSON_SCHEMA: "json", StructuredKind.REGEX: "regex",
+                           StructuredKind.GRAMMAR: "grammar"}
+_STRUCTURED_FROM_FIELD = {v: k for k, v in _STRUCTURED_TEXT_FIELDS.items()}
+
+
+def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutputs:
+    if s.kind is StructuredKind.JSON_OBJECT:
+        return common_pb2.StructuredOutputs(json_object=True)
+    if s.kind is StructuredKind.CHOICE:
+        return common_pb2.StructuredOutputs(choice=common_pb2.Choices(choices=s.choices))
+    return common_pb2.StructuredOutputs(**{_STRUCTURED_TEXT_FIELDS[s.kind]: s.spec})
+
+
+def structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
+    """None when `structured_outputs` is unset or holds no constraint (`json_object: false` included)."""
+    if not msg.HasField("structured_outputs"):
+        return None
+    so = msg.structured_outputs
+    which = so.WhichOneof("constraint")
+    if which is None or (which == "json_object" and not so.json_object):
+        return None
+    if which == "json_object":
+        return StructuredOutput(StructuredKind.JSON_OBJECT)
+    if which == "choice":
+        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(so.choice.choices))
+    return StructuredOutput(_STRUCTURED_FROM_FIELD[which], spec=getattr(so, which))
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:
@@ -86,6 +118,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
+        structured=structured_from_proto(msg),
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
@@ -177,7 +210,7 @@ def timing_from_proto(msg: scheduler_pb2.WorkerTiming) -> WorkerTiming:
 def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
     return scheduler_pb2.StepResult(
         step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing),
-        failed=result.failed, logprobs={k: logprobs_to_proto(v) for k, v in result.logprobs.items()},
+        failed=result.failed, invalid_ids=result.invalid_ids, logprobs={k: logprobs_to_proto(v) for k, v in result.logprobs.items()},
         prompt_logprobs={k: scheduler_pb2.PromptLogprobs(start=v.start, entries=map(logprobs_to_proto, v.entries))
                          for k, v in result.prompt_logprobs.items()},
         speculation={rid: scheduler_pb2.SpecOutcome(num_draft_tokens=o.num_draft_tokens,
@@ -189,7 +222,7 @@ def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
     return StepResult(
         step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing),
-        failed=dict(msg.failed), logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
+        failed=dict(msg.failed), invalid_ids=tuple(msg.invalid_ids), logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
         prompt_logprobs={k: PromptLogprobs(v.start, tuple(map(logprobs_from_proto, v.entries)))
                          for k, v in msg.prompt_logprobs.items()},
         speculation={rid: SpecOutcome(o.num_draft_tokens, tuple(o.accepted_token_ids))

@@ -26,18 +26,27 @@ The rules (each names its field in the error; `check_*` return the normalised va
 | presence_penalty, frequency_penalty | finite, -2 ≤ p ≤ 2 | |
 | logprobs, prompt_logprobs | unset, or 0 ≤ k ≤ max_logprobs (`--max-logprobs` on the worker, announced in its hello; default 20) | |
 | request_id, cache_salt | ≤ 256 characters | |
+| structured_outputs | one constraint; json: a JSON object that is a valid JSON schema (its meta-schema); regex: compiles with Python's `re`; choice: 1–256 non-empty strings ≤ 1024 characters; grammar: non-empty; each text ≤ 64 KiB; not with ignore_eos or min_tokens > 0 | |
+
+Structured outputs are checked here as far as pure Python can; whether xgrammar compiles
+the constraint is known only on the worker, which fails that request alone with
+INVALID_ARGUMENT (`StepResult.invalid_ids`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import dataclasses
+import json
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import jsonschema
+
 from stepahead.logprobs import MAX_LOGPROBS
-from stepahead.plan import SamplingParams
+from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
 
 MAX_TEMPERATURE = 100.0
 GREEDY_BELOW = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS)
@@ -56,6 +65,10 @@ MAX_LOGIT_BIAS_IDS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_REPETITION_PENALTY = 10.0
 PRESENCE_FREQUENCY_RANGE = (-2.0, 2.0)
+MAX_STRUCTURED_SPEC_BYTES = 64 * 1024
+MAX_CHOICES = 256
+MAX_CHOICE_CHARS = 1024
+MAX_SCHEMA_DEPTH = 64
 
 
 class LimitError(ValueError):
@@ -100,6 +113,7 @@ def check_sampling(p: SamplingParams, vocab_size: int, max_logprobs: int = MAX_L
         repetition_penalty=check_repetition_penalty(p.repetition_penalty),
         presence_penalty=check_penalty("sampling.presence_penalty", p.presence_penalty),
         frequency_penalty=check_penalty("sampling.frequency_penalty", p.frequency_penalty),
+        structured=check_structured(p),
     )
 
 
@@ -242,6 +256,77 @@ def check_penalty(field: str, value: float) -> float:
     if not lo <= value <= hi:
         raise LimitError(field, f"must be in [{lo:g}, {hi:g}], got {value!r}")
     return value
+
+
+def check_structured(p: SamplingParams) -> StructuredOutput | None:
+    """`p.structured` as far as pure Python can judge it (the worker compiles it)."""
+    s = p.structured
+    if s is None:
+        return None
+    field = f"structured_outputs.{s.kind.value}"
+    if p.ignore_eos:
+        raise LimitError("sampling.ignore_eos", "cannot be combined with structured outputs (the grammar ends with EOS)")
+    if p.min_tokens:
+        raise LimitError("sampling.min_tokens", "cannot be combined with structured outputs")
+    if s.kind is StructuredKind.CHOICE:
+        return _check_choices(field, s)
+    if len(s.spec.encode("utf-8", "surrogatepass")) > MAX_STRUCTURED_SPEC_BYTES:
+        raise LimitError(field, f"longer than {MAX_STRUCTURED_SPEC_BYTES} bytes")
+    if s.choices:
+        raise LimitError(field, "choices are only for a choice constraint")
+    if s.kind is StructuredKind.JSON_OBJECT:
+        if s.spec:
+            raise LimitError(field, "takes no text")
+    elif s.kind is StructuredKind.JSON_SCHEMA:
+        _check_json_schema(field, s.spec)
+    elif s.kind is StructuredKind.REGEX:
+        _check_regex(field, s.spec)
+    elif not s.spec.strip():
+        raise LimitError(field, "the grammar is empty")
+    return s
+
+
+def _check_choices(field: str, s: StructuredOutput) -> StructuredOutput:
+    if s.spec:
+        raise LimitError(field, "takes its alternatives in choices, not as text")
+    if not 1 <= len(s.choices) <= MAX_CHOICES:
+        raise LimitError(field, f"needs 1 to {MAX_CHOICES} alternatives, got {len(s.choices)}")
+    for c in s.choices:
+        if not 1 <= len(c) <= MAX_CHOICE_CHARS:
+            raise LimitError(field, f"each alternative must have 1 to {MAX_CHOICE_CHARS} characters")
+    return s
+
+
+def _check_json_schema(field: str, text: str) -> None:
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise LimitError(field, f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise LimitError(field, "must be a JSON object (a JSON schema)")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise LimitError(field, f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        raise LimitError(field, f"is not a valid JSON schema: {exc.message}") from None
+
+
+def _depth(value, level: int = 0) -> int:
+    """How deep JSON containers nest (checked before jsonschema recurses into them)."""
+    if level > MAX_SCHEMA_DEPTH:
+        return level
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+    return max((_depth(c, level + 1) for c in children), default=level)
+
+
+def _check_regex(field: str, pattern: str) -> None:
+    if not pattern:
+        raise LimitError(field, "the regular expression is empty")
+    try:
+        re.compile(pattern)
+    except (re.error, RecursionError, OverflowError) as exc:
+        raise LimitError(field, f"is not a valid regular expression: {exc}") from None
 
 
 def check_id(field: str, value: str) -> str:

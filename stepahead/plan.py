@@ -23,6 +23,11 @@ Worker-side semantics (the contract both sides rely on):
   sampling still fails, fails alone: it is listed in `StepResult.failed` with a reason,
   samples nothing and is forgotten; later deltas for it (planned before the scheduler
   saw the failure) are skipped. The rest of the step runs as if it had not been there.
+- A request with `SamplingParams.structured` samples only tokens its grammar allows (the
+  worker compiles the grammar once per request, advances it on the request's committed
+  tokens, and masks the logits after bias/penalties, before temperature and truncation).
+  A grammar the worker cannot compile fails its request alone and is listed in
+  `StepResult.invalid_ids` as well as `failed` (the client gets INVALID_ARGUMENT / 400).
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
 - Tensor-parallel groups (`WorkerInfo.group_id`): every rank receives the same plans and
@@ -63,6 +68,25 @@ class FinishReason(enum.Enum):
     ERROR = "error"  # the request failed on the server
 
 
+class StructuredKind(enum.Enum):
+    """What a `StructuredOutput.spec` holds (vLLM's `structured_outputs` / OpenAI's `response_format`)."""
+
+    JSON_SCHEMA = "json"  # spec: a JSON schema, as JSON text
+    JSON_OBJECT = "json_object"  # any JSON object; spec is empty
+    REGEX = "regex"  # spec: a regular expression the whole output matches
+    CHOICE = "choice"  # choices: the output is exactly one of them
+    GRAMMAR = "grammar"  # spec: an EBNF grammar (xgrammar's dialect, root rule `root`)
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on a request's output; hashable: the worker caches compiled grammars by it."""
+
+    kind: StructuredKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling settings, validated by the gateway before they get here."""
@@ -84,6 +108,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # 1 disables; > 1 discourages repeats
     presence_penalty: float = 0.0  # 0 disables
     frequency_penalty: float = 0.0  # 0 disables
+    structured: StructuredOutput | None = None  # constrain the output to a grammar (None: free text)
     # Raw logprobs (`stepahead.logprobs`): None = none; 0 = the sampled token's; k = also the top k.
     logprobs: int | None = None
     prompt_logprobs: int | None = None  # the same for each prompt token after the first
@@ -184,6 +209,9 @@ class StepResult:
     # request id -> outcome, for requests that were allowed drafts; their committed tokens
     # this step are the accepted drafts followed by the sampled token.
     speculation: dict[str, SpecOutcome] = field(default_factory=dict)
+    # Of `failed`: the requests that are themselves invalid (a grammar that does not compile);
+    # the client gets INVALID_ARGUMENT / HTTP 400 rather than a server error.
+    invalid_ids: tuple[str, ...] = ()
 
     def new_token_ids(self, request_id: str) -> tuple[int, ...]:
         """The tokens a request produced in this step (accepted drafts + sampled token)."""

@@ -57,6 +57,8 @@ class WorkerConfig(SchedulerClientConfig):
         AttentionBackendName.TORCH, "paged attention: torch (reference) or paged (device-side decode "
         "metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
+    structured_outputs_cache_size: int = cfg.field(
+        256, "compiled grammars (structured outputs) kept per worker, least recently used evicted")
     max_logprobs: int = cfg.field(
         MAX_LOGPROBS, "largest logprobs / prompt_logprobs k a request may ask for (announced to the scheduler "
         "and gateways, which refuse larger ones)")
@@ -131,6 +133,7 @@ def build_runner(config: WorkerConfig, group=None):
         attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
                                        config.block_size),
         speculative_config=parse_speculative_config(config.speculative_config),
+        structured_outputs_cache_size=config.structured_outputs_cache_size,
     )
     return runner, model_dir
 
@@ -323,6 +326,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
+    metrics.watch_grammars(runner)
     watch = _StopWatch(stop, on_stop=health.stopping)
     backoff, failures = 0.05, 0
     while not stop.is_set():

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from stepahead.plan import StepPlan, StepResult
 
+_COMPILE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0)
 _STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
 P = "stepahead:worker_"
 
@@ -27,6 +28,27 @@ class WorkerMetrics:
         self.failed = Counter(P + "failed_requests", "requests that failed alone on this worker", registry=r)
         self.swapped = Counter(P + "swapped_blocks", "KV blocks copied between device and host",
                                ["direction"], registry=r)
+        self.grammar_compile = Histogram(P + "grammar_compile_seconds", "structured outputs: one grammar compiled "
+                                         "(cache misses)", registry=r, buckets=_COMPILE_BUCKETS)
+        self.grammar_cache_hits = Counter(P + "grammar_cache_hits", "structured outputs: compiled grammar reused",
+                                          registry=r)
+        self.grammar_cache_misses = Counter(P + "grammar_cache_misses", "structured outputs: grammar compiled "
+                                            "(or refused) because the cache did not hold it", registry=r)
+
+    def watch_grammars(self, runner) -> None:
+        """Observe the runner's grammar compilations (the sim runner has none)."""
+        grammar = getattr(runner, "grammar", None)
+        if grammar is not None:
+            grammar.cache.observer = self
+
+    def on_grammar_cache_hit(self) -> None:
+        self.grammar_cache_hits.inc()
+
+    def on_grammar_cache_miss(self) -> None:
+        self.grammar_cache_misses.inc()
+
+    def on_grammar_compiled(self, seconds: float) -> None:
+        self.grammar_compile.observe(seconds)
 
     def on_plan(self, plan: StepPlan) -> None:
         if plan.swap_out:

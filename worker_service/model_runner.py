@@ -26,6 +26,7 @@ from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, SpecOutcome, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
+from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, plan_num_blocks
@@ -54,6 +55,7 @@ class PendingStep:
     done: StepEvent
     timing: WorkerTiming  # forward_end is set by wait() on CUDA
     failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
+    invalid_ids: tuple[str, ...] = ()  # of failed: requests whose grammar does not compile
     logprobs: StepLogprobs | None = None  # the step's logprob copies (None: no row asked)
     spec: SpecOutputs | None = None  # a speculative step's runs (resolved into the token lists once)
     outcomes: dict[str, SpecOutcome] = field(default_factory=dict)
@@ -81,7 +83,7 @@ class PendingStep:
         ids = self.ids()
         lp, prompt_lp = self.logprobs.collect(self.failed) if self.logprobs else ({}, {})
         return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
-                          lp, prompt_lp, self.outcomes)
+                          lp, prompt_lp, self.outcomes, self.invalid_ids)
 
 
 class ModelRunner:
@@ -92,7 +94,8 @@ class ModelRunner:
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
-                 speculative_config: SpeculativeConfig | None = None):
+                 speculative_config: SpeculativeConfig | None = None,
+                 structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -111,6 +114,8 @@ class ModelRunner:
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
+        self.grammar = GrammarMasks(GrammarCache(model_dir, self.vocab_size, self.eos_token_ids,
+                                                 structured_outputs_cache_size), self.device)
         self.logprobs = LogprobsTracker(self.device)
         self.max_logprobs = min(max_logprobs, self.vocab_size)  # --max-logprobs
         self.streams = DeviceStreams(self.device)
@@ -167,6 +172,7 @@ class ModelRunner:
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, self.max_logprobs)
+        plan, invalid = split_bad_grammars(plan, self.grammar, self._failed_ids, failed)
         if self.speculator is not None:
             self.speculator.resolve_before(plan, self._pending)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
@@ -179,7 +185,7 @@ class ModelRunner:
                 self._set_sampled([], self._sampled[0, :0])
                 now = time.time()
                 return PendingStep(plan.step_id, [], [], self._host_ids[0, :0], StepEvent(),
-                                   WorkerTiming(received or prep_start, prep_start, now, now), failed=failed)
+                                   WorkerTiming(received or prep_start, prep_start, now, now), failed, invalid)
             slot = self._num_launched & 1
             self._num_launched += 1
             inputs = self._copy_inputs(sched, slot)
@@ -194,7 +200,7 @@ class ModelRunner:
             sampled, reqs = self._device_step(inputs, slot, failed)
             slots = self._reserve_slots(reqs)
             pending = self._to_host(sampled, slot, plan.step_id, reqs, slots, self._step_lp)
-            pending.failed = failed
+            pending.failed, pending.invalid_ids = failed, invalid
         forward_end = 0.0 if self.streams.cuda else time.time()  # CPU: the work is done here
         pending.timing = WorkerTiming(received or prep_start, prep_start, forward_start, forward_end)
         return pending
@@ -292,6 +298,7 @@ class ModelRunner:
             self._forget((rid,))
         with self.streams.on_compute_stream():  # its buffers are zeroed where the steps use them
             self.logits_processing = LogitsProcessing(self.vocab_size, self.device)
+        self.grammar.clear()
         self._failed_ids.clear()
         self._pending = [None, None]
         self._spec_out = None
@@ -312,6 +319,7 @@ class ModelRunner:
                 self._num_min_tokens -= state.sampling.min_tokens > 0
                 self.logprobs.forget(state)
             self.logits_processing.forget(rid)
+            self.grammar.forget(rid)
             self._failed_ids.discard(rid)
 
     def _fail(self, newly: dict[str, str], failed: dict[str, str]) -> None:
@@ -402,6 +410,7 @@ class ModelRunner:
                                       validated=True)
         # bias and penalties (a new tensor, or `logits` itself when no row uses them)
         processed = self.logits_processing.apply(logits, [r.request_id for r in reqs], params)
+        processed = self.grammar.apply(processed, reqs, self._settle_placeholders)  # structured outputs
         sampled = self.sampler(processed, meta)
         self.logits_processing.record(sampled)  # penalty counts see this step's ids, on the device
         return sampled
@@ -437,6 +446,12 @@ class ModelRunner:
         if flat:
             index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
             logits.view(-1).index_fill_(0, index, float("-inf"))  # logits: [n, vocab] contiguous
+
+    def _settle_placeholders(self) -> None:
+        """Put the sampled ids of steps still in flight into their requests' token lists."""
+        for pending in self._pending:
+            if pending is not None:
+                pending.ids()
 
     def _set_sampled(self, reqs: list[CachedRequest], sampled: torch.Tensor) -> None:
         """sampled: [len(reqs)] a view of one slot of the persistent sampled-ids buffer."""

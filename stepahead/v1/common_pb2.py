@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stepahead/v1/common.proto\x12\x0cstepahead.v1\"\xb0\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.stepahead.v1.SamplingParams.LogitBiasEntry\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"Z\n\x08Logprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xca\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11spec_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\r\x12\x1c\n\x14spec_acceptance_rate\x18\x06 \x01(\x01\x12!\n\x19spec_mean_accepted_length\x18\x07 \x01(\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19stepahead/v1/common.proto\x12\x0cstepahead.v1\"\xed\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x01\x12\x11\n\x04seed\x18\x05 \x01(\x03H\x02\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x03\x88\x01\x01\x12\x12\n\nmin_tokens\x18\x07 \x01(\r\x12\x16\n\x0estop_token_ids\x18\x08 \x03(\r\x12\x12\n\nignore_eos\x18\t \x01(\x08\x12?\n\nlogit_bias\x18\n \x03(\x0b\x32+.stepahead.v1.SamplingParams.LogitBiasEntry\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x01H\x04\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\x0c \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\r \x01(\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\x05\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x0f \x01(\x05H\x06\x88\x01\x01\x12;\n\x12structured_outputs\x18\x10 \x01(\x0b\x32\x1f.stepahead.v1.StructuredOutputs\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\x15\n\x13_repetition_penaltyB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x95\x01\n\x11StructuredOutputs\x12\x0e\n\x04json\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12\'\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x15.stepahead.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"Z\n\x08Logprobs\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x15\n\rtop_token_ids\x18\x03 \x03(\r\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"\xca\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\x12\x19\n\x11spec_draft_tokens\x18\x04 \x01(\r\x12\x1c\n\x14spec_accepted_tokens\x18\x05 \x01(\r\x12\x1c\n\x14spec_acceptance_rate\x18\x06 \x01(\x01\x12!\n\x19spec_mean_accepted_length\x18\x07 \x01(\x01*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,18 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=904
-  _globals['_FINISHREASON']._serialized_end=1049
+  _globals['_FINISHREASON']._serialized_start=1145
+  _globals['_FINISHREASON']._serialized_end=1290
   _globals['_SAMPLINGPARAMS']._serialized_start=44
-  _globals['_SAMPLINGPARAMS']._serialized_end=604
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=450
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=498
-  _globals['_LOGPROBS']._serialized_start=606
-  _globals['_LOGPROBS']._serialized_end=696
-  _globals['_USAGE']._serialized_start=699
-  _globals['_USAGE']._serialized_end=901
+  _globals['_SAMPLINGPARAMS']._serialized_end=665
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=511
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=559
+  _globals['_STRUCTUREDOUTPUTS']._serialized_start=668
+  _globals['_STRUCTUREDOUTPUTS']._serialized_end=817
+  _globals['_CHOICES']._serialized_start=819
+  _globals['_CHOICES']._serialized_end=845
+  _globals['_LOGPROBS']._serialized_start=847
+  _globals['_LOGPROBS']._serialized_end=937
+  _globals['_USAGE']._serialized_start=940
+  _globals['_USAGE']._serialized_end=1142
 # @@protoc_insertion_point(module_scope)

@@ -280,7 +280,7 @@ class StepPlan(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs", "speculation")
+    __slots__ = ("step_id", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs", "speculation", "invalid_ids")
     class SampledTokenIdsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +323,7 @@ class StepResult(_message.Message):
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    INVALID_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     sampled_token_ids: _containers.ScalarMap[str, int]
     timing: WorkerTiming
@@ -330,7 +331,8 @@ class StepResult(_message.Message):
     logprobs: _containers.MessageMap[str, _common_pb2.Logprobs]
     prompt_logprobs: _containers.MessageMap[str, PromptLogprobs]
     speculation: _containers.MessageMap[str, SpecOutcome]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., speculation: _Optional[_Mapping[str, SpecOutcome]] = ...) -> None: ...
+    invalid_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., speculation: _Optional[_Mapping[str, SpecOutcome]] = ..., invalid_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("start", "entries")

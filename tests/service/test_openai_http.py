@@ -202,6 +202,14 @@ BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
     "chat both max token fields": (CH, {"messages": USER, "max_tokens": 2, "max_completion_tokens": 2}, 400,
                                    "max_completion_tokens"),
     "oversized body": (C, {"prompt": "x" * (2 << 20)}, 413, None),
+    "schema not a schema": (C, {"prompt": "x", "structured_outputs": {"json": {"type": 5}}}, 400,
+                            "structured_outputs.json"),
+    "regex does not compile": (C, {"prompt": "x", "structured_outputs": {"regex": "(a"}}, 400,
+                               "structured_outputs.regex"),
+    "two constraints": (C, {"prompt": "x", "structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+                        "structured_outputs"),
+    "json_schema without schema": (CH, {"messages": USER, "response_format": {"type": "json_schema"}}, 400,
+                                   "response_format.json_schema.schema"),
 }
 
 
@@ -306,6 +314,46 @@ def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(serve, client
     assert cli.stdout == http.choices[0].message.content + "\n"
 
 
+PET_SCHEMA = {
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 20},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["kind", "age", "tags"],
+    "additionalProperties": False,
+}
+
+
+def test_structured_outputs_and_a_grammar_the_worker_refuses_fails_alone(serve, client):
+    import grpc
+    import jsonschema
+
+    from stepahead.v1 import common_pb2, generation_pb2
+
+    def pet():
+        return client.chat.completions.create(
+            model="tiny", messages=USER, max_tokens=60, temperature=1.0, seed=5,
+            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}})
+
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(pet)
+        # Python's re accepts a look-ahead, xgrammar does not: only the worker finds out
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                      extra_body={"structured_outputs": {"regex": "(?=a)b"}})
+        assert "structured_outputs.regex: does not compile" in str(refused.value)
+        sampling = common_pb2.SamplingParams(
+            max_tokens=5, structured_outputs=common_pb2.StructuredOutputs(grammar="root ::= undefined_rule"))
+        with pytest.raises(grpc.RpcError) as rpc:
+            list(serve.gateway.Generate(generation_pb2.GenerateRequest(text="x", sampling=sampling), timeout=120))
+        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "structured_outputs.grammar" in rpc.value.details()
+        answer = good.result()
+    assert answer.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), PET_SCHEMA)
+    choice = client.completions.create(model="tiny", prompt="Yes or no?", max_tokens=10, temperature=1.0, seed=3,
+                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
+    assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
+    wait_idle(serve)
 # ---- logprobs -------------------------------------------------------------------------------------------
 
 

@@ -159,3 +159,15 @@ def test_a_bad_sampling_row_fails_alone_as_on_the_torch_worker(sim_model_dir, fa
     later = sim.execute(plan(2, running=(RunningRequest("a", (), 1, input_is_placeholder=True),
                                          RunningRequest("bad", (), 1))))
     assert set(later.sampled_token_ids) == {"a"}, "deltas of a failed request are skipped"
+
+
+def test_structured_outputs_are_refused_alone(sim_model_dir, fast_profile):
+    from stepahead.plan import StructuredKind, StructuredOutput
+    from worker_service.sim.runner import STRUCTURED_UNSUPPORTED
+
+    sim = runner(sim_model_dir, fast_profile)
+    choice = SamplingParams(max_tokens=4, structured=StructuredOutput(StructuredKind.CHOICE, choices=("a",)))
+    plan = StepPlan(0, new_requests=(NewRequest("g", (1, 2, 3), choice, (0,), 0, 3),
+                                      NewRequest("free", (1, 2, 3), SamplingParams(max_tokens=4), (1,), 0, 3)))
+    result = sim.execute(plan)
+    assert result.failed == {"g": STRUCTURED_UNSUPPORTED} and set(result.sampled_token_ids) == {"free"}

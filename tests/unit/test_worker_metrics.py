@@ -27,3 +27,16 @@ def test_steps_tokens_failures_and_swaps_are_counted():
     assert value(registry, "stepahead:worker_swapped_blocks_total", {"direction": "in"}) == 1
     assert abs(value(registry, "stepahead:worker_step_seconds_sum") - 0.013) < 1e-9
     assert abs(value(registry, "stepahead:worker_forward_seconds_sum") - 0.010) < 1e-9
+
+
+def test_grammar_compile_time_and_cache_hits_and_misses():
+    registry = CollectorRegistry()
+    m = WorkerMetrics(registry)
+    m.on_grammar_cache_miss()
+    m.on_grammar_compiled(0.02)
+    m.on_grammar_cache_hit()
+    m.on_grammar_cache_hit()
+    assert value(registry, "stepahead:worker_grammar_cache_misses_total") == 1
+    assert value(registry, "stepahead:worker_grammar_cache_hits_total") == 2
+    assert value(registry, "stepahead:worker_grammar_compile_seconds_count") == 1
+    assert value(registry, "stepahead:worker_grammar_compile_seconds_sum") == 0.02

@@ -10,6 +10,7 @@ uses no CPU). No torch anywhere.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -132,6 +133,7 @@ class SimRunner:
             self.requests.pop(rid, None)
             self._failed_ids.discard(rid)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, max_logprobs=None)
+        plan = _refuse_structured(plan, failed, self._failed_ids)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
                    block_size=self.block_size, max_model_len=self.max_model_len)
         for _, host in plan.swap_out:
@@ -191,6 +193,19 @@ class SimRunner:
         state.token_ids.append(token)
         state.history_hash = tokens.extend(state.history_hash, (token,))
         return token
+
+
+STRUCTURED_UNSUPPORTED = "structured outputs are not supported by the sim worker (--device sim): it has no logits"
+
+
+def _refuse_structured(plan: StepPlan, failed: dict[str, str], failed_ids: set[str]) -> StepPlan:
+    """Take out new requests with a grammar; each fails alone with `STRUCTURED_UNSUPPORTED`."""
+    refused = {r.request_id for r in plan.new_requests if r.sampling.structured is not None}
+    if not refused:
+        return plan
+    failed.update(dict.fromkeys(refused, STRUCTURED_UNSUPPORTED))
+    failed_ids.update(refused)
+    return dataclasses.replace(plan, new_requests=tuple(r for r in plan.new_requests if r.request_id not in refused))
 
 
 def token_vocab_size(model_dir: Path, config_vocab: int) -> int:

@@ -1,0 +1,237 @@
+"""Structured outputs on the random-weight built-in `tiny` model: the real scheduler core and
+the real ModelRunner in one process (xgrammar on the worker side).
+
+The oracle for "the output follows the constraint" is independent of xgrammar: `jsonschema`
+for JSON schemas, Python's `re.fullmatch` for regexes, set membership for choices. Async
+scheduling is checked against the synchronous loop token for token, with the next step
+launched before the previous step's ids were read (the worker's placeholder path).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import re
+
+import jsonschema
+
+from scheduler_service.config import PreemptionMode, SchedulerConfig
+from scheduler_service.request import Request
+from scheduler_service.scheduler import FinishReason
+from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
+from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
+from tests.integration.local_engine import LocalEngine
+from worker_service.grammar import GrammarCache
+from worker_service.model_runner import ModelRunner
+
+BLOCK = 16
+
+# Short keys keep outputs short (the test's cost is its decode steps). Strings are bounded
+# by a pattern, not maxLength: xgrammar 0.2.8's maxLength rule admits raw control
+# characters, which JSON forbids.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "string", "pattern": "^[a-z]{1,5}$"},
+        "k": {"enum": ["cat", "dog", "bird"]},
+        "a": {"type": "integer", "minimum": 0, "maximum": 30},
+        "w": {"type": "number", "minimum": 0.5, "maximum": 9.5},
+        "o": {
+            "type": "object",
+            "properties": {"i": {"type": "integer", "minimum": 1, "maximum": 999}, "v": {"type": "boolean"}},
+            "required": ["i", "v"],
+            "additionalProperties": False,
+        },
+        "t": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
+    },
+    "required": ["n", "k", "a", "w", "o", "t"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps(SCHEMA))
+SMALL_SCHEMA = StructuredOutput(StructuredKind.JSON_SCHEMA, json.dumps({
+    "type": "object",
+    "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 30},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+    "required": ["kind", "age", "tags"], "additionalProperties": False}))
+REGEX = StructuredOutput(StructuredKind.REGEX, r"[a-z]{2,6}@[a-z]{2,5}\.(com|org)")
+CHOICE = StructuredOutput(StructuredKind.CHOICE, choices=("yes", "no", "it depends"))
+
+
+def sampled(structured: StructuredOutput, seed: int, max_tokens: int = 200) -> SamplingParams:
+    return SamplingParams(temperature=1.0, seed=seed, max_tokens=max_tokens, structured=structured)
+
+
+class LaunchAheadEngine(LocalEngine):
+    """Launches every planned step at once (step t+1 before step t's ids were read), as the
+    worker daemon does, so a grammar row's previous token is still a placeholder."""
+
+    def __init__(self, runner, config) -> None:
+        super().__init__(runner, config)
+        self.launched: collections.deque = collections.deque()
+        self.settled_by_mask = 0
+
+    def plan_ahead(self) -> None:
+        before = len(self.plans)
+        super().plan_ahead()
+        for plan in self.plans[before:]:
+            self.launched.append(self.runner.launch(plan))
+
+    def commit_oldest(self):
+        result = self.launched.popleft().wait()
+        # a row whose grammar ended (EOS sampled, the next step already planned) is masked to
+        # EOS, not failed: a failure would push the whole step onto the row-by-row path
+        assert not set(result.failed) - set(result.invalid_ids), result.failed
+        _, events = self.loop.commit(result)
+        self.scheduler.check_integrity()
+        for e in events:
+            self.outputs[e.request_id] += e.new_token_ids
+            if e.finish_reason is not None:
+                self.finish[e.request_id] = e.finish_reason
+        return events
+
+
+def make_engine(model_dir, *, async_on=True, launch_ahead=False, num_blocks=1024, **overrides) -> LocalEngine:
+    runner = ModelRunner(model_dir, block_size=BLOCK, num_blocks=num_blocks, num_host_blocks=256)
+    config = SchedulerConfig(num_gpu_blocks=num_blocks, num_cpu_blocks=256, max_model_len=runner.max_model_len,
+                             block_size=BLOCK, max_num_batched_tokens=1024, async_scheduling=async_on,
+                             eos_token_ids=runner.eos_token_ids, **overrides)
+    return (LaunchAheadEngine if launch_ahead else LocalEngine)(runner, config)
+
+
+def run(engine: LocalEngine, requests: dict[str, tuple[list[int], SamplingParams]]) -> LocalEngine:
+    for rid, (prompt, sampling) in requests.items():
+        engine.add(Request(rid, prompt, sampling))
+    engine.run()
+    engine.assert_no_leaks()
+    return engine
+
+
+def prompt(tokenizer, i: int) -> list[int]:
+    return tokenizer.encode(f"Describe pet number {i} as JSON:")
+
+
+def text(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def test_fifty_json_schema_requests_parse_and_validate(tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    engine = run(make_engine(tiny_model_dir, launch_ahead=True),
+                 {f"j{i}": (prompt(tiny_tokenizer, i), sampled(JSON_SCHEMA, seed=i)) for i in range(50)})
+    docs = []
+    for i in range(50):
+        assert engine.finish[f"j{i}"] is FinishReason.STOP, engine.outputs[f"j{i}"]
+        doc = json.loads(text(tiny_tokenizer, engine.outputs[f"j{i}"]))
+        jsonschema.validate(doc, SCHEMA)
+        docs.append(doc)
+    assert len({json.dumps(d) for d in docs}) > 25  # really sampled, not one forced path
+    # one compile for fifty requests; matchers only for requests the worker still holds (the
+    # last finished ones are forgotten with the next plan's finished_ids)
+    assert len(engine.runner.grammar.cache) == 1
+    assert len(engine.runner.grammar) == len(engine.runner.requests) < 50
+
+
+def test_regex_and_choice_outputs_match_next_to_free_text(tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    free = SamplingParams(temperature=1.0, seed=7, max_tokens=12, ignore_eos=True)
+    requests = {f"re{i}": (prompt(tiny_tokenizer, i), sampled(REGEX, seed=i)) for i in range(8)}
+    requests |= {f"ch{i}": (prompt(tiny_tokenizer, i), sampled(CHOICE, seed=100 + i)) for i in range(8)}
+    requests["free"] = (prompt(tiny_tokenizer, 99), free)
+    engine = run(make_engine(tiny_model_dir, launch_ahead=True), requests)
+    for i in range(8):
+        assert re.fullmatch(REGEX.spec, text(tiny_tokenizer, engine.outputs[f"re{i}"]))
+        assert text(tiny_tokenizer, engine.outputs[f"ch{i}"]) in CHOICE.choices
+        assert engine.finish[f"ch{i}"] is FinishReason.STOP
+    assert len({text(tiny_tokenizer, engine.outputs[f"ch{i}"]) for i in range(8)}) > 1
+    alone = run(make_engine(tiny_model_dir), {"free": requests["free"]})
+    assert engine.outputs["free"] == alone.outputs["free"]  # grammar rows leave other rows alone
+
+
+def test_async_equals_sync_token_for_token_with_preemption(tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    requests = {f"j{i}": (prompt(tiny_tokenizer, i), sampled(SMALL_SCHEMA, seed=i, max_tokens=48)) for i in range(4)}
+    requests |= {f"re{i}": (prompt(tiny_tokenizer, i), sampled(REGEX, seed=i, max_tokens=48)) for i in range(2)}
+    sync = run(make_engine(tiny_model_dir, async_on=False), requests)
+    for mode in (PreemptionMode.RECOMPUTE, PreemptionMode.SWAP):
+        asyn = run(make_engine(tiny_model_dir, async_on=True, launch_ahead=True, num_blocks=8, preemption_mode=mode),
+                   requests)
+        assert asyn.outputs == sync.outputs, mode  # seeded draws: neither async nor preemption changes a token
+        assert asyn.scheduler.stats().num_preemptions > 0, mode
+        assert any(r.input_is_placeholder for p in asyn.plans for r in p.running)
+    for i in range(4):
+        jsonschema.validate(json.loads(text(tiny_tokenizer, sync.outputs[f"j{i}"])), json.loads(SMALL_SCHEMA.spec))
+
+
+def test_a_grammar_the_worker_cannot_compile_fails_alone_as_invalid(tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    bad = {
+        "lookahead": StructuredOutput(StructuredKind.REGEX, "(?=a)b"),  # Python's re accepts it
+        "ebnf": StructuredOutput(StructuredKind.GRAMMAR, "root ::= undefined_rule"),
+    }
+    requests = {rid: (prompt(tiny_tokenizer, 0), sampled(s, seed=1)) for rid, s in bad.items()}
+    requests["good"] = (prompt(tiny_tokenizer, 1), sampled(CHOICE, seed=3))
+    engine = make_engine(tiny_model_dir)
+    for rid, (ids, sampling) in requests.items():
+        engine.add(Request(rid, ids, sampling))
+    engine.plan_ahead()
+    plan = engine.loop.oldest
+    result = engine.runner.execute(plan)
+    assert set(result.invalid_ids) == set(bad) <= result.failed.keys()
+    for rid in bad:
+        assert result.failed[rid].startswith(f"structured_outputs.{bad[rid].kind.value}: does not compile")
+    _, events = engine.loop.commit(result)
+    assert {e.request_id for e in events if e.rejected} == set(bad)
+    for e in events:
+        engine.outputs[e.request_id] += e.new_token_ids
+    engine.run()
+    engine.assert_no_leaks()
+    assert text(tiny_tokenizer, engine.outputs["good"]) in CHOICE.choices
+
+
+def test_compiled_grammars_are_an_lru_cache_with_hit_and_miss_counts(tiny_model_dir):  # noqa: F811
+    seen = collections.Counter()
+
+    class Observer:
+        def on_grammar_cache_hit(self):
+            seen["hit"] += 1
+
+        def on_grammar_cache_miss(self):
+            seen["miss"] += 1
+
+        def on_grammar_compiled(self, seconds):
+            assert seconds >= 0.0
+            seen["compiled"] += 1
+
+    cache = GrammarCache(tiny_model_dir, 4096, (2,), capacity=2)
+    cache.observer = Observer()
+    a, b, c = (StructuredOutput(StructuredKind.CHOICE, choices=(x,)) for x in "abc")
+    first = cache.get(a)
+    assert cache.get(a) is first
+    cache.get(b)
+    cache.get(c)  # evicts a (least recently used)
+    assert len(cache) == 2
+    assert cache.get(a) is not first
+    assert seen == {"hit": 1, "miss": 4, "compiled": 4}
+
+
+def test_structured_requests_do_not_speculate(tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    """Grammar masks are not applied on verified draft positions yet: a step holding a
+    structured request verifies no drafts, the request still follows its grammar, and the
+    free-text requests beside it get exactly their tokens without speculation."""
+    from stepahead.speculative import SpeculativeConfig
+
+    def spec_engine(k: int) -> LocalEngine:
+        runner = ModelRunner(tiny_model_dir, block_size=BLOCK, num_blocks=256, num_host_blocks=0,
+                             speculative_config=SpeculativeConfig(k, 1, 3) if k else None)
+        config = SchedulerConfig(num_gpu_blocks=256, num_cpu_blocks=0, max_model_len=runner.max_model_len,
+                                 block_size=BLOCK, max_num_batched_tokens=256, async_scheduling=True,
+                                 eos_token_ids=runner.eos_token_ids, num_speculative_tokens=k)
+        return LocalEngine(runner, config)
+
+    free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    requests = {"ch": (prompt(tiny_tokenizer, 1), sampled(CHOICE, seed=5)),
+                "f1": (prompt(tiny_tokenizer, 2) * 3, free), "f2": (prompt(tiny_tokenizer, 3) * 3, free)}
+    plain = run(spec_engine(0), requests)
+    spec = run(spec_engine(4), requests)
+    assert spec.outputs == plain.outputs
+    assert text(tiny_tokenizer, spec.outputs["ch"]) in CHOICE.choices
+    for plan in spec.plans:
+        if any(r.request_id == "ch" for r in (*plan.new_requests, *plan.running)):
+            assert not any(r.num_draft_tokens for r in plan.running), plan.step_id
+    assert any(r.num_draft_tokens for p in spec.plans for r in p.running), "free text speculates once ch is done"

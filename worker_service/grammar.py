@@ -1,0 +1,265 @@
+"""Structured outputs on the worker: xgrammar grammars, one matcher per request, the token mask.
+
+Only the worker imports xgrammar (it imports torch and transformers); the gateway and the
+scheduler check what pure Python can (`stepahead.limits.check_structured`).
+
+- `GrammarCache` compiles a `StructuredOutput` into an xgrammar `CompiledGrammar`, once per
+  distinct constraint, with an LRU bound (`--structured-outputs-cache-size`). xgrammar and
+  the tokenizer are loaded on first use, so a worker that never sees a grammar never pays.
+- `RequestGrammar` is a request's `GrammarMatcher`. It is advanced only on tokens the
+  request really holds: `advance(output)` accepts the output tokens it has not seen yet,
+  so a request resumed after preemption (recompute or swap: it comes back as a new
+  request with prompt + committed output) rebuilds its state from the committed output.
+- `GrammarMasks.apply(logits, reqs, settle)` masks the rows of requests with a grammar:
+  it first makes sure every such request's last token is on the host (`settle()` waits
+  for the previous step's sampled ids when one of them is still a placeholder — the
+  current step's forward is already queued on the device, so the wait and the mask build
+  overlap it), advances the matchers, fills a host bitmask, uploads it without a host
+  wait and applies it on the device. Never an all-allowed mask: a row whose matcher cannot
+  go on raises, and its request fails alone.
+
+Speculative decoding (later): verifying k draft tokens is `accept_token` on each in turn
+(stopping at the first refused one), filling the bitmask row for each accepted prefix
+position, then `rollback(k - accepted)` for the drafts the target rejected (xgrammar 0.2
+keeps unlimited rollback history).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections import OrderedDict
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+from stepahead.plan import StructuredKind, StructuredOutput
+from worker_service.streams import host_to_device
+
+DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
+
+
+class GrammarError(ValueError):
+    """The constraint does not compile: the request itself is invalid (INVALID_ARGUMENT)."""
+
+
+class GrammarViolation(RuntimeError):
+    """A request's tokens left its grammar, or its grammar ended without the request ending."""
+
+
+class CompileObserver(Protocol):
+    def on_grammar_cache_hit(self) -> None: ...
+    def on_grammar_cache_miss(self) -> None: ...
+    def on_grammar_compiled(self, seconds: float) -> None: ...
+
+
+class _NoObserver:
+    def on_grammar_cache_hit(self) -> None:
+        pass
+
+    def on_grammar_cache_miss(self) -> None:
+        pass
+
+    def on_grammar_compiled(self, seconds: float) -> None:
+        pass
+
+
+class GrammarCache:
+    """StructuredOutput → xgrammar CompiledGrammar, LRU-bounded; xgrammar loaded lazily."""
+
+    def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
+                 capacity: int = DEFAULT_CACHE_SIZE) -> None:
+        if capacity < 1:
+            raise ValueError(f"structured outputs cache size must be >= 1, got {capacity}")
+        self.model_dir, self.vocab_size, self.eos_token_ids = Path(model_dir), vocab_size, eos_token_ids
+        self.capacity = capacity
+        self.observer: CompileObserver = _NoObserver()
+        self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._compiler = None
+
+    def get(self, structured: StructuredOutput):
+        """The compiled grammar (raises GrammarError when xgrammar refuses the constraint)."""
+        compiled = self._compiled.get(structured)
+        if compiled is not None:
+            self._compiled.move_to_end(structured)
+            self.observer.on_grammar_cache_hit()
+            return compiled
+        self.observer.on_grammar_cache_miss()
+        compiler = self._load()
+        start = time.perf_counter()
+        try:
+            compiled = _COMPILE[structured.kind](compiler, structured)
+        except Exception as exc:  # xgrammar raises RuntimeError / its own errors for a bad constraint
+            field = f"structured_outputs.{structured.kind.value}"
+            raise GrammarError(f"{field}: does not compile: {str(exc)[:300]}") from None
+        self.observer.on_grammar_compiled(time.perf_counter() - start)
+        self._compiled[structured] = compiled
+        if len(self._compiled) > self.capacity:
+            self._compiled.popitem(last=False)
+        return compiled
+
+    def __len__(self) -> int:
+        return len(self._compiled)
+
+    def _load(self):
+        if self._compiler is None:
+            import xgrammar  # noqa: PLC0415 (lazy: imports transformers, takes seconds)
+            from transformers import AutoTokenizer  # noqa: PLC0415
+
+            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
+                                                           stop_token_ids=list(self.eos_token_ids))
+            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+        return self._compiler
+
+
+def _json_schema(compiler, s: StructuredOutput):
+    # compact JSON (no free whitespace): a weak model cannot loop on blanks forever
+    return compiler.compile_json_schema(s.spec, any_whitespace=False)
+
+
+def _json_object(compiler, s: StructuredOutput):
+    return compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+
+
+def _regex(compiler, s: StructuredOutput):
+    return compiler.compile_regex(s.spec)
+
+
+def _choice(compiler, s: StructuredOutput):
+    # EBNF string literals take JSON's escapes
+    return compiler.compile_grammar("root ::= " + " | ".join(json.dumps(c) for c in s.choices))
+
+
+def _grammar(compiler, s: StructuredOutput):
+    return compiler.compile_grammar(s.spec)
+
+
+_COMPILE = {
+    StructuredKind.JSON_SCHEMA: _json_schema,
+    StructuredKind.JSON_OBJECT: _json_object,
+    StructuredKind.REGEX: _regex,
+    StructuredKind.CHOICE: _choice,
+    StructuredKind.GRAMMAR: _grammar,
+}
+
+
+class RequestGrammar:
+    """One request's matcher, advanced only over tokens the request holds."""
+
+    def __init__(self, compiled) -> None:
+        import xgrammar  # noqa: PLC0415 (already loaded by the cache)
+
+        self.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
+        self.num_accepted = 0  # output tokens the matcher has consumed
+
+    def advance(self, output: list[int]) -> None:
+        """Accept `output[num_accepted:]` (every id known on the host, none a placeholder)."""
+        for token in output[self.num_accepted:]:
+            if not self.matcher.accept_token(token):
+                raise GrammarViolation(f"token {token} (output position {self.num_accepted}) breaks the grammar")
+            self.num_accepted += 1
+
+    def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: tuple[int, ...]) -> None:
+        """bitmask: [rows, words] int32 on the host; writes row `row`.
+
+        A grammar that has ended (its EOS was sampled) allows only EOS: under async scheduling
+        the step after the EOS was planned before the scheduler saw it, and the scheduler
+        drops that step's token for the finished request anyway.
+        """
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            return
+        words = [0] * bitmask.shape[1]
+        for t in eos_token_ids:
+            words[t // 32] |= 1 << (t % 32)
+        bitmask[row] = torch.tensor([w - (1 << 32) if w >= 1 << 31 else w for w in words], dtype=torch.int32)
+
+
+class GrammarMasks:
+    """The runner's structured-output state: matchers of live requests and the per-step mask."""
+
+    def __init__(self, cache: GrammarCache, device: torch.device) -> None:
+        self.cache = cache
+        self.device = device
+        self._requests: dict[str, RequestGrammar] = {}
+        self._bitmask: torch.Tensor | None = None  # [rows, words] int32 host buffer, grown on demand
+        self.last_build_s = 0.0  # host seconds the last mask took to build (wait excluded)
+        self.last_wait_s = 0.0  # host seconds the last mask waited for the previous step's ids
+
+    def __len__(self) -> int:
+        return len(self._requests)
+
+    def register(self, request_id: str, structured: StructuredOutput) -> None:
+        """Compile (or find) the grammar and start a fresh matcher; GrammarError if it does not compile."""
+        self._requests[request_id] = RequestGrammar(self.cache.get(structured))
+
+    def forget(self, request_id: str) -> None:
+        self._requests.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._requests.clear()
+
+    def apply(self, logits: torch.Tensor, reqs, settle) -> torch.Tensor:
+        """logits [n, vocab] → logits with disallowed tokens at -inf on grammar rows (a new
+        tensor; `logits` itself when no row has a grammar). `reqs`: the n CachedRequests;
+        `settle()` puts every placeholder's sampled id into its request's token_ids."""
+        rows = [i for i, r in enumerate(reqs) if r.request_id in self._requests]
+        if not rows:
+            return logits
+        start = time.perf_counter()
+        if any(reqs[i].token_ids[-1] < 0 for i in rows):
+            settle()  # waits for the previous step's ids; this step's forward is already queued
+        built = time.perf_counter()
+        bitmask = self._host_bitmask(len(rows), logits.shape[1])
+        for k, i in enumerate(rows):
+            r = reqs[i]
+            grammar = self._requests[r.request_id]
+            grammar.advance(r.token_ids[r.num_prompt_tokens:])
+            grammar.fill(bitmask, k, self.cache.eos_token_ids)
+        allowed = unpack_bitmask(host_to_device(bitmask[: len(rows)], torch.int32, logits.device),
+                                 logits.shape[1])  # [m, vocab] bool
+        index = host_to_device(rows, torch.int64, logits.device)  # [m]
+        masked = logits.index_select(0, index).masked_fill_(~allowed, float("-inf"))  # [m, vocab]
+        self.last_wait_s, self.last_build_s = built - start, time.perf_counter() - built
+        return logits.index_put((index,), masked)
+
+    def _host_bitmask(self, rows: int, vocab: int) -> torch.Tensor:
+        words = -(-vocab // 32)
+        if self._bitmask is None or self._bitmask.shape[0] < rows or self._bitmask.shape[1] != words:
+            self._bitmask = torch.zeros(max(rows, 8), words, dtype=torch.int32)
+        return self._bitmask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """bitmask [m, words] int32 (bit j of word w: token 32w + j allowed) → [m, vocab] bool."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32], made on the device
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [m, words, 32]
+    return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def split_bad_grammars(plan, masks: GrammarMasks, failed_ids: set[str], failed: dict[str, str]):
+    """Register the grammars of `plan`'s new requests; take out those that fail.
+
+    Returns (the plan that runs, ids of requests whose constraint does not compile). Failures
+    are added to `failed` (id → reason) and `failed_ids`; one bad grammar never fails its step.
+    """
+    keep, invalid = [], []
+    for r in plan.new_requests:
+        if r.sampling.structured is None:
+            keep.append(r)
+            continue
+        try:
+            masks.register(r.request_id, r.sampling.structured)
+            keep.append(r)
+        except GrammarError as exc:
+            failed[r.request_id] = str(exc)
+            invalid.append(r.request_id)
+        except ImportError as exc:  # a server problem, not the request's: an error finish
+            failed[r.request_id] = f"structured outputs need xgrammar on the worker: {exc}"
+    if len(keep) == len(plan.new_requests):
+        return plan, ()
+    failed_ids.update(r.request_id for r in plan.new_requests if r.request_id in failed)
+    return dataclasses.replace(plan, new_requests=tuple(keep)), tuple(invalid)
