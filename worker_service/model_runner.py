@@ -15,15 +15,14 @@ sampling rows, `last_logits_ids` the matching request ids (`logits_of(request_id
 from __future__ import annotations
 
 import logging
-import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 from stepahead.logprobs import MAX_LOGPROBS
-from stepahead.plan import NewRequest, RunningRequest, SpecOutcome, StepPlan, StepResult, WorkerTiming
+from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
@@ -35,6 +34,7 @@ from worker_service.logits_processing import LogitsProcessing
 from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.models.llama import ForwardContext
+from worker_service.pending_step import PendingStep, copy_to_host
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
@@ -42,48 +42,6 @@ from worker_service.speculation import SpecOutputs, Speculator
 from worker_service.streams import DeviceStreams, StepEvent, host_to_device
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class PendingStep:
-    """A launched step whose sampled ids may still be on their way to the host."""
-
-    step_id: int
-    reqs: list[CachedRequest]  # sampling requests, in row order
-    slots: list[int]  # index in each request's token_ids reserved for its sampled id
-    host_ids: torch.Tensor  # [num_sampling] int64 view of a pinned buffer, valid once `done` completed
-    done: StepEvent
-    timing: WorkerTiming  # forward_end is set by wait() on CUDA
-    failed: dict[str, str] = field(default_factory=dict)  # request id -> why it failed alone
-    invalid_ids: tuple[str, ...] = ()  # of failed: requests whose grammar does not compile
-    logprobs: StepLogprobs | None = None  # the step's logprob copies (None: no row asked)
-    spec: SpecOutputs | None = None  # a speculative step's runs (resolved into the token lists once)
-    outcomes: dict[str, SpecOutcome] = field(default_factory=dict)
-    _ids: list[int] | None = None
-    _lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def ids(self) -> list[int]:
-        """The sampled ids, read from the host buffer once (before the runner reuses it); fills
-        the reserved slots of the token lists (a speculative step: writes its runs there)."""
-        with self._lock:
-            if self._ids is None:
-                self.done.synchronize()  # the step's one host synchronisation
-                if self.spec is None:
-                    self._ids = self.host_ids.tolist()
-                    for r, slot, t in zip(self.reqs, self.slots, self._ids):
-                        r.token_ids[slot] = t
-                else:
-                    self._ids, self.outcomes = self.spec.resolve(self.reqs, self.slots)
-                if not self.timing.forward_end:
-                    self.timing = replace(self.timing, forward_end=time.time())
-            return self._ids
-
-    def wait(self) -> StepResult:
-        """Block until the ids are on the host and in the token lists."""
-        ids = self.ids()
-        lp, prompt_lp = self.logprobs.collect(self.failed) if self.logprobs else ({}, {})
-        return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
-                          lp, prompt_lp, self.outcomes, self.invalid_ids)
 
 
 class ModelRunner:
@@ -265,30 +223,10 @@ class ModelRunner:
 
     def _to_host(self, sampled: torch.Tensor, slot: int, step_id: int, reqs, slots,
                  lp: StepLogprobs | None) -> PendingStep:
-        """D2H of the sampled ids (and logprobs) into pinned buffers on the output stream."""
-        host = self._host_ids[slot, : len(sampled)]
-        spec_dev, self._spec_out = self._spec_out, None  # a speculative step's runs [n, 2 + K] on the device
-        spec = None if spec_dev is None else replace(
-            spec_dev, host=torch.empty(spec_dev.host.shape, dtype=torch.int64, pin_memory=self.streams.cuda))
-        if self.streams.cuda:
-            self.streams.output_waits_for_compute()  # W3
-            with self.streams.on_output_stream():
-                host.copy_(sampled, non_blocking=True)
-                if spec is not None:
-                    spec.host.copy_(spec_dev.host, non_blocking=True)
-                    spec_dev.host.record_stream(self.streams.output)  # not reused before the copy ran
-                if lp is not None:
-                    lp.to_host(pinned=True)
-            done = self.streams.record("output")
-        else:
-            host.copy_(sampled)
-            if spec is not None:
-                spec.host.copy_(spec_dev.host)
-            if lp is not None:
-                lp.to_host(pinned=False)
-            done = StepEvent()
-        pending = PendingStep(step_id, reqs, slots, host, done, WorkerTiming(0.0, 0.0, 0.0, 0.0), logprobs=lp,
-                              spec=spec)
+        """D2H of the sampled ids (and logprobs, a speculative step's runs) into pinned buffers."""
+        spec_dev, self._spec_out = self._spec_out, None
+        pending = copy_to_host(self.streams, sampled, self._host_ids[slot, : len(sampled)], step_id, reqs, slots,
+                               lp, spec_dev)
         self._pending[slot] = pending
         return pending
 
