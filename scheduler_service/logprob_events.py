@@ -26,6 +26,15 @@ def check_result_logprobs(result: StepResult, sampled_ids: dict[str, int], plan_
         if sampled_ids.get(rid) != lp.token_id:
             raise ValueError(f"result {step} has logprobs for {rid!r} that are not of its sampled token")
         _check_entry(step, lp, vocab_size, max_logprobs)
+    for rid, outcome in result.speculation.items():  # one entry per accepted draft, of that draft
+        if not (rid in result.logprobs or outcome.accepted_logprobs):
+            continue
+        if rid not in result.logprobs or \
+                tuple(lp.token_id for lp in outcome.accepted_logprobs) != outcome.accepted_token_ids:
+            raise ValueError(f"result {step} has accepted-draft logprobs for {rid!r} that are not of its "
+                             "accepted drafts")
+        for lp in outcome.accepted_logprobs:
+            _check_entry(step, lp, vocab_size, max_logprobs)
     for rid, part in result.prompt_logprobs.items():
         if rid not in plan_ids:
             raise ValueError(f"result {step} has prompt logprobs for a request it did not run: {rid!r}")
@@ -60,6 +69,10 @@ def take_prompt_logprobs(req: Request, result: StepResult) -> PromptLogprobs | N
 
 
 def logprobs_of(result: StepResult, request_id: str) -> tuple[Logprobs, ...]:
-    """The sampled token's logprobs as an event carries them (empty when not asked)."""
+    """The new tokens' logprobs as an event carries them, one per token in order: the accepted
+    drafts' (speculative decoding), then the sampled token's (empty when not asked)."""
     lp = result.logprobs.get(request_id) if result.logprobs else None
-    return () if lp is None else (lp,)
+    if lp is None:
+        return ()
+    outcome = result.speculation.get(request_id)
+    return (*outcome.accepted_logprobs, lp) if outcome is not None else (lp,)

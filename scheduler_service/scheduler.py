@@ -373,7 +373,7 @@ class Scheduler:
                 events.append(
                     RequestEvent(req.request_id, committed, reason, len(req.prompt_token_ids), req.num_cached_tokens,
                                  queue_time=req.queue_time if first else None,
-                                 logprobs=logprobs_of(result, req.request_id), prompt_logprobs=prompt_lp,
+                                 logprobs=logprobs_of(result, req.request_id)[: len(committed)], prompt_logprobs=prompt_lp,
                                  num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
                                  num_spec_steps=req.num_spec_steps)
                 )

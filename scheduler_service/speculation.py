@@ -30,11 +30,10 @@ def draft_allowance(config: SchedulerConfig, req: Request, token_budget: int) ->
 
 
 def never_speculates(req: Request) -> bool:
-    """Logprobs are not computed, and grammar masks not applied, on verified positions yet:
-    requests asking for logprobs or a structured output never speculate, and a step holding
-    one verifies no drafts (`StepBuilder.build`)."""
-    s = req.sampling
-    return s.logprobs is not None or s.prompt_logprobs is not None or s.structured is not None
+    """Grammar masks are not applied on verified positions yet: requests with a structured
+    output never speculate, and a step holding one verifies no drafts (`StepBuilder.build`).
+    Logprobs are computed on every verified position (worker_service/speculation.py)."""
+    return req.sampling.structured is not None
 
 
 def settle(req: Request, num_tokens: int, num_drafts: int, result: StepResult) -> tuple[int, ...]:

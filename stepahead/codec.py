@@ -214,7 +214,8 @@ def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
         prompt_logprobs={k: scheduler_pb2.PromptLogprobs(start=v.start, entries=map(logprobs_to_proto, v.entries))
                          for k, v in result.prompt_logprobs.items()},
         speculation={rid: scheduler_pb2.SpecOutcome(num_draft_tokens=o.num_draft_tokens,
-                                                    accepted_token_ids=o.accepted_token_ids)
+                                                    accepted_token_ids=o.accepted_token_ids,
+                                                    accepted_logprobs=map(logprobs_to_proto, o.accepted_logprobs))
                      for rid, o in result.speculation.items()},
     )
 
@@ -225,7 +226,8 @@ def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
         failed=dict(msg.failed), invalid_ids=tuple(msg.invalid_ids), logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
         prompt_logprobs={k: PromptLogprobs(v.start, tuple(map(logprobs_from_proto, v.entries)))
                          for k, v in msg.prompt_logprobs.items()},
-        speculation={rid: SpecOutcome(o.num_draft_tokens, tuple(o.accepted_token_ids))
+        speculation={rid: SpecOutcome(o.num_draft_tokens, tuple(o.accepted_token_ids),
+                                      tuple(map(logprobs_from_proto, o.accepted_logprobs)))
                      for rid, o in msg.speculation.items()},
     )
 

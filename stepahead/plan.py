@@ -192,6 +192,9 @@ class SpecOutcome:
 
     num_draft_tokens: int  # drafts the worker proposed (<= the plan's num_draft_tokens)
     accepted_token_ids: tuple[int, ...] = ()  # the accepted drafts, in order (a prefix of the proposal)
+    # with sampling.logprobs: each accepted draft's raw logprobs, in order (the sampled token's
+    # are in StepResult.logprobs); empty otherwise
+    accepted_logprobs: tuple[Logprobs, ...] = ()
 
 
 @dataclass(frozen=True)

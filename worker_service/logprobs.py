@@ -118,6 +118,27 @@ class StepLogprobs:
         self._sampled_tokens = tokens
         self._raw = None
 
+    def raw_verified(self, logits: torch.Tensor, reqs: list[CachedRequest], row_req: list[int]) -> None:
+        """A speculative step: logits [rows, vocab] of every verified position, before any
+        processing; `row_req[row]` is the row's request in `reqs`. Keeps the asking rows'."""
+        self.raw(logits, [reqs[i] for i in row_req])
+
+    def emitted(self, row_tokens: torch.Tensor, reqs: list[CachedRequest], row_req: list[int]) -> None:
+        """A speculative step: row_tokens [rows] int64, the token each verified position emits
+        (-1 past the accepted run; those rows are dropped on the host)."""
+        if self._raw is None:
+            return
+        rows = self._raw_rows
+        tokens = row_tokens.index_select(0, host_to_device(rows, torch.int64, self.device))  # [m]
+        owners = [reqs[row_req[r]] for r in rows]
+        k = max(max(r.sampling.logprobs for r in owners), 1)
+        top = self._raw.topk(k, dim=-1)
+        own = self._raw.gather(-1, tokens.clamp(min=0)[:, None]).squeeze(-1)  # [m]
+        self._sampled = _DeviceRows(own, top.indices, top.values)
+        self._sampled_reqs = owners
+        self._sampled_tokens = tokens
+        self._raw = None
+
     def to_host(self, pinned: bool) -> None:
         """Start every D2H copy of this step (on the output stream)."""
         if self._sampled is not None:
@@ -128,13 +149,21 @@ class StepLogprobs:
 
     # -- on the host, after the step's synchronisation -----------------------------------------
 
-    def collect(self, failed: dict[str, str]) -> tuple[dict[str, Logprobs], dict[str, PromptLogprobs]]:
-        sampled = {}
-        if self._sampled is not None:
-            reqs = self._sampled_reqs
-            entries = self._sampled.rows(self._sampled_tokens.tolist(), [r.sampling.logprobs for r in reqs])
-            sampled = {r.request_id: e for r, e in zip(reqs, entries)}
-        return sampled, self._collect_prompt(failed)
+    def collect(self, failed: dict[str, str]) -> tuple[dict[str, list[Logprobs]], dict[str, PromptLogprobs]]:
+        """(per request, the logprobs of each token it emitted this step, in order: a plain
+        step's one, a speculative step's accepted drafts then sampled token; the prompt logprobs)."""
+        return self._collect_runs(), self._collect_prompt(failed)
+
+    def _collect_runs(self) -> dict[str, list[Logprobs]]:
+        if self._sampled is None:
+            return {}
+        reqs, tokens = self._sampled_reqs, self._sampled_tokens.tolist()
+        entries = self._sampled.rows(tokens, [r.sampling.logprobs for r in reqs])
+        runs: dict[str, list[Logprobs]] = {}
+        for r, t, e in zip(reqs, tokens, entries):  # a speculative step's rows are in run order
+            if t >= 0:
+                runs.setdefault(r.request_id, []).append(e)
+        return runs
 
     def _collect_prompt(self, failed: dict[str, str]) -> dict[str, PromptLogprobs]:
         if not self._prompt:

@@ -189,7 +189,7 @@ class ModelRunner:
         spec = self.speculator.batch if self.speculator is not None else None
         if spec is not None:  # sampled: [len(reqs)] the last token of each run; the runs go to the host
             reqs, sample_failed = inputs.sampling_reqs, {}
-            sampled, self._spec_out = self.speculator.verify(self, logits, reqs)
+            sampled, self._spec_out = self.speculator.verify(self, logits, reqs, self._step_lp)
             self.last_logits, self.last_logits_ids = logits, tuple(r.request_id for r in reqs)
         else:
             sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64

@@ -54,9 +54,14 @@ class PendingStep:
     def wait(self) -> StepResult:
         """Block until the ids are on the host and in the token lists."""
         ids = self.ids()
-        lp, prompt_lp = self.logprobs.collect(self.failed) if self.logprobs else ({}, {})
+        runs, prompt_lp = self.logprobs.collect(self.failed) if self.logprobs else ({}, {})
+        outcomes = self.outcomes
+        for rid, run in runs.items():  # accepted drafts' logprobs travel with their outcome
+            if len(run) > 1:
+                outcomes = {**outcomes, rid: replace(outcomes[rid], accepted_logprobs=tuple(run[:-1]))}
+        lp = {rid: run[-1] for rid, run in runs.items()}
         return StepResult(self.step_id, {r.request_id: t for r, t in zip(self.reqs, ids)}, self.timing, self.failed,
-                          lp, prompt_lp, self.outcomes, self.invalid_ids)
+                          lp, prompt_lp, outcomes, self.invalid_ids)
 
 
 def copy_to_host(streams: DeviceStreams, sampled: torch.Tensor, host: torch.Tensor, step_id: int,

@@ -29,6 +29,7 @@ import torch
 from stepahead.plan import RunningRequest, SpecOutcome, StepPlan
 from stepahead.speculative import SpeculativeConfig
 from worker_service.input_batch import CachedRequest
+from worker_service.logprobs import StepLogprobs
 from worker_service.ngram import propose_ngram
 from worker_service.sampler import SamplingMetadata, inverse_cdf_sample, seeded_uniforms
 from worker_service.streams import host_to_device
@@ -122,13 +123,17 @@ class Speculator:
         base = last_index.repeat_interleave(repeat, output_size=len(offsets))  # [rows]
         return base + host_to_device(offsets, torch.int64, last_index.device)
 
-    def verify(self, runner, logits: torch.Tensor, reqs: list[CachedRequest]) -> tuple[torch.Tensor, SpecOutputs]:
-        """logits [rows, vocab] (rows as `logits_indices`) → (last ids [n], the step's outputs)."""
+    def verify(self, runner, logits: torch.Tensor, reqs: list[CachedRequest], step_lp: StepLogprobs | None = None
+               ) -> tuple[torch.Tensor, SpecOutputs]:
+        """logits [rows, vocab] (rows as `logits_indices`) → (last ids [n], the step's outputs);
+        `step_lp` (a request asks for logprobs) gets every verified position's raw logprobs."""
         drafts = [self.batch.drafts.get(r.request_id, []) for r in reqs]
         ks = [len(d) for d in drafts]
         kmax = max(ks, default=0)
         row_req = [i for i, k in enumerate(ks) for _ in range(k + 1)]  # [rows] request of each row
         row_j = [j for k in ks for j in range(k + 1)]  # [rows] drafts before the row
+        if step_lp is not None:  # raw logprobs: before the stop mask, bias and penalties
+            step_lp.raw_verified(logits, reqs, row_req)
         self._mask_stops(logits, reqs, row_req, row_j)
         params = [reqs[i].sampling for i in row_req]
         ntok = [len(reqs[i].token_ids) + j for i, j in zip(row_req, row_j)]
@@ -152,6 +157,10 @@ class Speculator:
                           draft[idx], torch.full_like(idx, -1))  # [n, kmax + 1]
         run.scatter_(1, num_acc[:, None], last[:, None])
         num_out = num_acc + 1  # [n]
+        if step_lp is not None:  # the token each row emits: run[i, j], -1 past the run
+            flat = [i * (kmax + 1) + j for i, j in zip(row_req, row_j)]  # [rows]
+            step_lp.emitted(run.view(-1).index_select(0, host_to_device(flat, torch.int64, runner.device)),
+                            reqs, row_req)
         runner.logits_processing.record_runs([r.request_id for r in reqs], run, num_out)
         packed = torch.cat([num_out[:, None], run], dim=1)  # [n, kmax + 2]
         allowed = [r.request_id in self.batch.drafts for r in reqs]

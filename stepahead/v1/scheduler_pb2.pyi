@@ -343,12 +343,14 @@ class PromptLogprobs(_message.Message):
     def __init__(self, start: _Optional[int] = ..., entries: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
 
 class SpecOutcome(_message.Message):
-    __slots__ = ("num_draft_tokens", "accepted_token_ids")
+    __slots__ = ("num_draft_tokens", "accepted_token_ids", "accepted_logprobs")
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     num_draft_tokens: int
     accepted_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, num_draft_tokens: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    accepted_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
+    def __init__(self, num_draft_tokens: _Optional[int] = ..., accepted_token_ids: _Optional[_Iterable[int]] = ..., accepted_logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
 
 class WorkerTiming(_message.Message):
     __slots__ = ("plan_received", "prep_start", "forward_start", "forward_end", "result_sent", "device_busy_s")

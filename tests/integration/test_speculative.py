@@ -141,26 +141,32 @@ def test_penalties_and_min_tokens(checkpoint):
     assert plain.outputs["r0"] != probe.outputs["r0"], "the penalty changed nothing: a weak test"
 
 
-def test_logprobs_requests_do_not_speculate(checkpoint):
-    """Verified positions carry no logprobs yet: a step holding a request that asks for them
-    verifies no drafts, and that request still gets its logprobs (one per token)."""
+def test_logprobs_with_speculation_equal_plain_logprobs(checkpoint):
+    """A request asking for logprobs speculates, and every token it emits (accepted drafts and
+    the sampled token) gets the raw logprob and top k of its verified position: the same
+    tokens and logprobs (within 1e-5) as without speculation, one per token in each event."""
     path, _ = checkpoint
     prompts = repetitive_prompts(3, seed=6)
-    requests = [(prompts[0], greedy(max_tokens=5, logprobs=2)), (prompts[1], greedy()), (prompts[2], greedy())]
+    requests = [(prompts[0], greedy(logprobs=3)), (prompts[1], greedy(logprobs=0)), (prompts[2], greedy())]
     plain = run(path, 0, True, requests)
-    e = engine(path, 4, True)
-    for i, (prompt, sampling) in enumerate(requests):
-        e.add(Request(f"r{i}", prompt, sampling))
-    logprobs = []
-    while e.scheduler.has_unfinished_requests() or e.pending:
-        for event in e.step():
-            if event.request_id == "r0":
-                assert len(event.logprobs) == len(event.new_token_ids)
-                logprobs += event.logprobs
-    e.assert_no_leaks()
-    assert e.outputs == plain.outputs
-    assert len(logprobs) == 5
-    for plan in e.plans:
-        if any(r.request_id == "r0" for r in (*plan.new_requests, *plan.running)):
-            assert not any(r.num_draft_tokens for r in plan.running), plan.step_id
-    assert any(r.num_draft_tokens for p in e.plans for r in p.running), "the others speculated once r0 was done"
+    for async_on in (True, False):
+        e = engine(path, 4, async_on)
+        for i, (prompt, sampling) in enumerate(requests):
+            e.add(Request(f"r{i}", prompt, sampling))
+        multi = 0  # events of a logprobs request carrying accepted drafts
+        while e.scheduler.has_unfinished_requests() or e.pending:
+            for event in e.step():
+                asks = event.request_id != "r2"
+                assert len(event.logprobs) == (len(event.new_token_ids) if asks else 0)
+                multi += asks and len(event.new_token_ids) > 1
+        e.assert_no_leaks()
+        assert_speculated(e)
+        assert multi > 0, "no accepted draft of a logprobs request: a weak test"
+        assert e.outputs == plain.outputs
+        for rid in ("r0", "r1"):
+            assert [lp.token_id for lp in e.logprobs[rid]] == e.outputs[rid]
+            for got, want in zip(e.logprobs[rid], plain.logprobs[rid], strict=True):
+                assert got.token_id == want.token_id
+                assert abs(got.logprob - want.logprob) < 1e-5
+                assert [t for t, _ in got.top] == [t for t, _ in want.top]
+                assert all(abs(g - w) < 1e-5 for (_, g), (_, w) in zip(got.top, want.top, strict=True))

@@ -11,7 +11,7 @@ from scheduler_service.logprob_events import check_result_logprobs, take_prompt_
 from scheduler_service.request import Request
 from stepahead import codec, limits
 from stepahead.logprobs import Logprobs, PromptLogprobs
-from stepahead.plan import SamplingParams, StepResult
+from stepahead.plan import SamplingParams, SpecOutcome, StepResult
 
 ASKS = SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=1)
 
@@ -29,6 +29,14 @@ def result(**kw) -> StepResult:
     (dict(logprobs={"a": Logprobs(5, -1.0, ((999, -1.0),))}), "vocabulary"),
     (dict(prompt_logprobs={"z": PromptLogprobs(1, ())}), "did not run"),
     (dict(prompt_logprobs={"a": PromptLogprobs(0, (Logprobs(1, -1.0),))}), "position 0"),
+    # speculative decoding: one entry per accepted draft, of that draft, with the sampled token's
+    (dict(logprobs={"a": Logprobs(5, -1.0)}, speculation={"a": SpecOutcome(2, (3, 4), (Logprobs(3, -1.0),))}),
+     "accepted drafts"),
+    (dict(logprobs={"a": Logprobs(5, -1.0)}, speculation={"a": SpecOutcome(1, (3,), (Logprobs(4, -1.0),))}),
+     "accepted drafts"),
+    (dict(speculation={"a": SpecOutcome(1, (3,), (Logprobs(3, -1.0),))}), "accepted drafts"),
+    (dict(logprobs={"a": Logprobs(5, -1.0)}, speculation={"a": SpecOutcome(1, (3,), (Logprobs(3, 0.5),))}),
+     "malformed"),
 ])
 def test_forged_logprobs_are_refused(bad, why):
     with pytest.raises(ValueError, match=why):
@@ -61,7 +69,8 @@ def test_limits_and_codec_round_trip():
     plain = codec.sampling_from_proto(codec.sampling_to_proto(SamplingParams()), 1)
     assert (plain.logprobs, plain.prompt_logprobs) == (None, None)
     r = StepResult(3, {"a": 5}, logprobs={"a": Logprobs(5, -0.5, ((5, -0.5), (7, -2.0)))},
-                   prompt_logprobs={"a": PromptLogprobs(2, (Logprobs(9, -4.0),))})
+                   prompt_logprobs={"a": PromptLogprobs(2, (Logprobs(9, -4.0),))},
+                   speculation={"a": SpecOutcome(2, (3,), (Logprobs(3, -0.25, ((3, -0.25),)),))})
     assert codec.result_from_proto(codec.result_to_proto(r)) == r
 
 
