@@ -21,19 +21,12 @@ def draft_allowance(config: SchedulerConfig, req: Request, token_budget: int) ->
     output placeholders count 1 + k each and this step may add 1 + k more tokens.
     """
     k = config.num_speculative_tokens
-    if not k or never_speculates(req):
+    if not k:
         return 0
     pending = req.num_output_placeholders
     room_output = req.sampling.max_tokens - len(req.output_token_ids) - pending - 1
     room_length = config.max_model_len - req.num_tokens - pending - 1
     return max(0, min(k, token_budget - 1, room_output, room_length))
-
-
-def never_speculates(req: Request) -> bool:
-    """Grammar masks are not applied on verified positions yet: requests with a structured
-    output never speculate, and a step holding one verifies no drafts (`StepBuilder.build`).
-    Logprobs are computed on every verified position (worker_service/speculation.py)."""
-    return req.sampling.structured is not None
 
 
 def settle(req: Request, num_tokens: int, num_drafts: int, result: StepResult) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
 from stepahead.logprobs import MAX_LOGPROBS
-from scheduler_service.speculation import check_outcomes, never_speculates
+from scheduler_service.speculation import check_outcomes
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
 
 
@@ -106,11 +106,8 @@ class StepBuilder:
         """Apply the schedule to the requests' counters and emit the plan."""
         new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
-        no_drafts = any(never_speculates(e.request) for e in self.entries.values())
         for entry in self.entries.values():
             req, n, drafts = entry.request, entry.num_new_tokens, entry.num_drafts
-            if drafts and no_drafts:  # the budget and blocks reserved for them stay unused this step
-                n, drafts = n - drafts, 0
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
             samples = end - drafts == req.num_tokens + req.num_output_placeholders

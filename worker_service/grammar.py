@@ -18,15 +18,17 @@ scheduler check what pure Python can (`stepahead.limits.check_structured`).
   wait and applies it on the device. Never an all-allowed mask: a row whose matcher cannot
   go on raises, and its request fails alone.
 
-Speculative decoding (later): verifying k draft tokens is `accept_token` on each in turn
-(stopping at the first refused one), filling the bitmask row for each accepted prefix
-position, then `rollback(k - accepted)` for the drafts the target rejected (xgrammar 0.2
-keeps unlimited rollback history).
+Speculative decoding: `cut_drafts` keeps the longest prefix of a request's n-gram drafts
+its grammar allows (`accept_token` over them, then `rollback`); `apply(..., drafts)` fills
+one mask row per verified position (row j: the matcher after the output and d_1..d_j),
+then rolls the drafts back. The matcher advances over the tokens really emitted only, at
+the next step (`advance` reads the token list, where the resolved run is written).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections import OrderedDict
@@ -162,6 +164,17 @@ class RequestGrammar:
                 raise GrammarViolation(f"token {token} (output position {self.num_accepted}) breaks the grammar")
             self.num_accepted += 1
 
+    def allowed_prefix(self, drafts: list[int]) -> int:
+        """How many leading `drafts` the grammar accepts after the consumed output (state unchanged)."""
+        n = 0
+        for token in drafts:
+            if not self.matcher.accept_token(token):
+                break
+            n += 1
+        if n:
+            self.matcher.rollback(n)
+        return n
+
     def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: tuple[int, ...]) -> None:
         """bitmask: [rows, words] int32 on the host; writes row `row`.
 
@@ -202,23 +215,47 @@ class GrammarMasks:
     def clear(self) -> None:
         self._requests.clear()
 
-    def apply(self, logits: torch.Tensor, reqs, settle) -> torch.Tensor:
-        """logits [n, vocab] → logits with disallowed tokens at -inf on grammar rows (a new
+    def cut_drafts(self, req, drafts: list[int]) -> list[int]:
+        """The longest prefix of `drafts` that `req`'s grammar allows after its output (every
+        id of `req.token_ids` known on the host); all of them for a request without one."""
+        grammar = self._requests.get(req.request_id)
+        if grammar is None or not drafts:
+            return drafts
+        grammar.advance(req.token_ids[req.num_prompt_tokens:])
+        return drafts[: grammar.allowed_prefix(drafts)]
+
+    def apply(self, logits: torch.Tensor, reqs, settle, drafts: list[list[int]] | None = None) -> torch.Tensor:
+        """logits [rows, vocab] → logits with disallowed tokens at -inf on grammar rows (a new
         tensor; `logits` itself when no row has a grammar). `reqs`: the n CachedRequests;
-        `settle()` puts every placeholder's sampled id into its request's token_ids."""
-        rows = [i for i, r in enumerate(reqs) if r.request_id in self._requests]
-        if not rows:
+        `settle()` puts every placeholder's sampled id into its request's token_ids.
+        `drafts` (a speculative step): request i has 1 + len(drafts[i]) consecutive rows, row j
+        masked by the grammar after its output and drafts[i][:j] (drafts the grammar allows:
+        `cut_drafts`); without, one row per request."""
+        ks = [len(d) for d in drafts] if drafts is not None else [0] * len(reqs)
+        first = list(itertools.accumulate([k + 1 for k in ks], initial=0))  # each request's first row
+        grammar_reqs = [i for i, r in enumerate(reqs) if r.request_id in self._requests]
+        if not grammar_reqs:
             return logits
         start = time.perf_counter()
-        if any(reqs[i].token_ids[-1] < 0 for i in rows):
+        if any(reqs[i].token_ids[-1] < 0 for i in grammar_reqs):
             settle()  # waits for the previous step's ids; this step's forward is already queued
         built = time.perf_counter()
+        rows = [first[i] + j for i in grammar_reqs for j in range(ks[i] + 1)]  # [m] masked rows
         bitmask = self._host_bitmask(len(rows), logits.shape[1])
-        for k, i in enumerate(rows):
+        m = 0
+        for i in grammar_reqs:
             r = reqs[i]
             grammar = self._requests[r.request_id]
             grammar.advance(r.token_ids[r.num_prompt_tokens:])
-            grammar.fill(bitmask, k, self.cache.eos_token_ids)
+            grammar.fill(bitmask, m, self.cache.eos_token_ids)
+            m += 1
+            if ks[i]:
+                for token in drafts[i]:
+                    if not grammar.matcher.accept_token(token):
+                        raise GrammarViolation(f"draft {token} breaks the grammar (drafts are cut before)")
+                    grammar.fill(bitmask, m, self.cache.eos_token_ids)
+                    m += 1
+                grammar.matcher.rollback(ks[i])  # the matcher advances over emitted tokens only
         allowed = unpack_bitmask(host_to_device(bitmask[: len(rows)], torch.int32, logits.device),
                                  logits.shape[1])  # [m, vocab] bool
         index = host_to_device(rows, torch.int64, logits.device)  # [m]

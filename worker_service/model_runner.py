@@ -77,7 +77,7 @@ class ModelRunner:
         self.logprobs = LogprobsTracker(self.device)
         self.max_logprobs = min(max_logprobs, self.vocab_size)  # --max-logprobs
         self.streams = DeviceStreams(self.device)
-        self.speculator = Speculator(speculative_config, self.eos_token_ids) if speculative_config else None
+        self.speculator = Speculator(speculative_config, self.eos_token_ids, self.grammar) if speculative_config else None
         self._spec_out: SpecOutputs | None = None  # between verification and the D2H copy
         self.pad_decode_batches = self.streams.cuda if pad_decode_batches is None else pad_decode_batches
         self.requests: dict[str, CachedRequest] = {}

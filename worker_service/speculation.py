@@ -9,7 +9,9 @@ applies the run on the host once its D2H copy completed.
 
 Verification per request with drafts d_1..d_k (row j predicts the token after d_j):
 - every row gets exactly the processing a normal sample would at that length: min_tokens
-  stop masks, bias, penalties counting d_1..d_j as output, temperature, top-k/p, min-p;
+  stop masks, bias, penalties counting d_1..d_j as output, the grammar mask after d_1..d_j
+  (structured outputs: drafts were cut at the first token the grammar refuses), temperature,
+  top-k/p, min-p;
 - greedy rows accept d_{j+1} iff it is the row's argmax;
 - sampled rows accept d_{j+1} with probability p_j(d_{j+1}) (vLLM V1's rejection sampling
   with a one-hot draft distribution); the first rejected row samples from p_j with d_{j+1}
@@ -28,6 +30,7 @@ import torch
 
 from stepahead.plan import RunningRequest, SpecOutcome, StepPlan
 from stepahead.speculative import SpeculativeConfig
+from worker_service.grammar import GrammarMasks
 from worker_service.input_batch import CachedRequest
 from worker_service.logprobs import StepLogprobs
 from worker_service.ngram import propose_ngram
@@ -69,9 +72,11 @@ class SpecBatch:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, config: SpeculativeConfig, eos_token_ids: tuple[int, ...],
+                 grammar: GrammarMasks | None = None) -> None:
         self.config = config
         self.eos_token_ids = eos_token_ids
+        self.grammar = grammar  # structured outputs: drafts are cut to what the grammar allows
         self.batch: SpecBatch | None = None  # the step being launched
 
     def resolve_before(self, plan: StepPlan, pending: list) -> None:
@@ -94,6 +99,8 @@ class Speculator:
         cfg = self.config
         drafts = propose_ngram(state.token_ids, min(allowed, cfg.num_speculative_tokens),
                                cfg.prompt_lookup_min, cfg.prompt_lookup_max)
+        if self.grammar is not None:
+            drafts = self.grammar.cut_drafts(state, drafts)
         if self.batch is None:
             self.batch = SpecBatch()
         self.batch.drafts[state.request_id] = drafts
@@ -139,6 +146,8 @@ class Speculator:
         ntok = [len(reqs[i].token_ids) + j for i, j in zip(row_req, row_j)]
         preceding = [drafts[i][:j] for i, j in zip(row_req, row_j)]
         processed = runner.logits_processing.apply(logits, [reqs[i].request_id for i in row_req], params, preceding)
+        if self.grammar is not None:  # one mask row per verified position of a structured request
+            processed = self.grammar.apply(processed, reqs, runner._settle_placeholders, drafts)
         meta = SamplingMetadata.build(params, ntok, runner.vocab_size, runner.device, validated=True)
         x, top = runner.sampler.truncated(processed, meta)  # [rows, vocab], [rows]
         nxt = [drafts[i][j] if j < ks[i] else -1 for i, j in zip(row_req, row_j)]  # [rows] draft to check

@@ -14,6 +14,7 @@ import json
 import re
 
 import jsonschema
+import torch
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 from scheduler_service.request import Request
@@ -210,28 +211,74 @@ def test_compiled_grammars_are_an_lru_cache_with_hit_and_miss_counts(tiny_model_
     assert seen == {"hit": 1, "miss": 4, "compiled": 4}
 
 
-def test_structured_requests_do_not_speculate(tiny_model_dir, tiny_tokenizer):  # noqa: F811
-    """Grammar masks are not applied on verified draft positions yet: a step holding a
-    structured request verifies no drafts, the request still follows its grammar, and the
-    free-text requests beside it get exactly their tokens without speculation."""
+def spec_engine(model_dir, k: int, async_on: bool = True) -> LocalEngine:
     from stepahead.speculative import SpeculativeConfig
 
-    def spec_engine(k: int) -> LocalEngine:
-        runner = ModelRunner(tiny_model_dir, block_size=BLOCK, num_blocks=256, num_host_blocks=0,
-                             speculative_config=SpeculativeConfig(k, 1, 3) if k else None)
-        config = SchedulerConfig(num_gpu_blocks=256, num_cpu_blocks=0, max_model_len=runner.max_model_len,
-                                 block_size=BLOCK, max_num_batched_tokens=256, async_scheduling=True,
-                                 eos_token_ids=runner.eos_token_ids, num_speculative_tokens=k)
-        return LocalEngine(runner, config)
+    runner = ModelRunner(model_dir, block_size=BLOCK, num_blocks=256, num_host_blocks=0,
+                         speculative_config=SpeculativeConfig(k, 1, 3) if k else None)
+    config = SchedulerConfig(num_gpu_blocks=256, num_cpu_blocks=0, max_model_len=runner.max_model_len,
+                             block_size=BLOCK, max_num_batched_tokens=256, async_scheduling=async_on,
+                             eos_token_ids=runner.eos_token_ids, num_speculative_tokens=k)
+    return LocalEngine(runner, config)
 
+
+def test_structured_requests_speculate_and_still_follow_their_grammar(tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    """Structured requests get drafts (cut where the grammar refuses them) verified under one
+    grammar mask per position: greedy output equals the run without speculation token for
+    token (async and sync), sampled output still validates, free text beside them is unchanged."""
+    example = tiny_tokenizer.encode('Example: {"kind":"cat","age":3,"tags":["a","b"]} it depends yes@abc.com Now:')
+    greedy_json = SamplingParams(temperature=0.0, max_tokens=60, structured=SMALL_SCHEMA)
     free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    requests = {"ch": (prompt(tiny_tokenizer, 1), sampled(CHOICE, seed=5)),
-                "f1": (prompt(tiny_tokenizer, 2) * 3, free), "f2": (prompt(tiny_tokenizer, 3) * 3, free)}
-    plain = run(spec_engine(0), requests)
-    spec = run(spec_engine(4), requests)
-    assert spec.outputs == plain.outputs
-    assert text(tiny_tokenizer, spec.outputs["ch"]) in CHOICE.choices
-    for plan in spec.plans:
-        if any(r.request_id == "ch" for r in (*plan.new_requests, *plan.running)):
-            assert not any(r.num_draft_tokens for r in plan.running), plan.step_id
-    assert any(r.num_draft_tokens for p in spec.plans for r in p.running), "free text speculates once ch is done"
+    requests = {"js": (example, greedy_json), "js2": (example + example[:5], greedy_json),
+                "ch": (example, SamplingParams(temperature=0.0, max_tokens=20, structured=CHOICE)),
+                "re": (example, sampled(REGEX, seed=5, max_tokens=40)),
+                "sj": (example, sampled(SMALL_SCHEMA, seed=9, max_tokens=60)),
+                "f1": (prompt(tiny_tokenizer, 2) * 3, free)}
+    plain = run(spec_engine(tiny_model_dir, 0), requests)
+    for async_on in (True, False):
+        spec = spec_engine(tiny_model_dir, 4, async_on)
+        for rid, (ids, sampling) in requests.items():
+            spec.add(Request(rid, ids, sampling))
+        runs = collections.Counter()  # steps that committed accepted drafts, per request
+        while spec.scheduler.has_unfinished_requests() or spec.pending:
+            for event in spec.step():
+                runs[event.request_id] += len(event.new_token_ids) > 1
+        spec.assert_no_leaks()
+        for rid in ("js", "js2", "ch", "f1"):
+            assert spec.outputs[rid] == plain.outputs[rid], rid
+        for rid in ("js", "js2", "sj"):
+            jsonschema.validate(json.loads(text(tiny_tokenizer, spec.outputs[rid])), json.loads(SMALL_SCHEMA.spec))
+        assert text(tiny_tokenizer, spec.outputs["ch"]) in CHOICE.choices
+        assert re.fullmatch(REGEX.spec, text(tiny_tokenizer, spec.outputs["re"]))
+        assert runs["js"] and runs["js2"], "no accepted drafts of a greedy JSON request: a weak test"
+
+
+def test_drafts_are_cut_at_the_grammar_and_masked_per_position(tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    """`cut_drafts` keeps the allowed prefix and leaves the matcher as it was; verified row j's
+    mask equals the plain one-row mask of the request holding drafts d_1..d_j."""
+    from worker_service.grammar import GrammarMasks
+    from worker_service.input_batch import CachedRequest
+
+    masks = GrammarMasks(GrammarCache(tiny_model_dir, len(tiny_tokenizer), (tiny_tokenizer.eos_token_id,)),
+                         torch.device("cpu"))
+    vocab = len(tiny_tokenizer)
+    prompt_ids = tiny_tokenizer.encode("Answer:")
+    good = tiny_tokenizer.encode("it depends", add_special_tokens=False)
+    drafts = good + tiny_tokenizer.encode("xyz", add_special_tokens=False)
+    sampling = SamplingParams(temperature=0.0, max_tokens=20, structured=CHOICE)
+    req = CachedRequest("r", list(prompt_ids), sampling, [], 0, len(prompt_ids))
+    masks.register("r", CHOICE)
+    cut = masks.cut_drafts(req, drafts)
+    assert cut == good
+    assert masks.cut_drafts(req, drafts) == good  # the matcher was rolled back
+    logits = torch.zeros(1 + len(cut), vocab)
+    verified = masks.apply(logits, [req], lambda: None, [cut])  # [1 + k, vocab]
+    for j in range(len(cut) + 1):
+        other = GrammarMasks(masks.cache, torch.device("cpu"))
+        other.register("r", CHOICE)
+        held = CachedRequest("r", prompt_ids + cut[:j], sampling, [], 0, len(prompt_ids))
+        plain = other.apply(torch.zeros(1, vocab), [held], lambda: None)
+        assert torch.equal(torch.isfinite(verified[j]), torch.isfinite(plain[0])), j
+        assert 0 < int(torch.isfinite(verified[j]).sum()) < vocab  # never an all-allowed mask
+        if j < len(cut):
+            assert torch.isfinite(verified[j, cut[j]])
