@@ -211,7 +211,7 @@ def test_compiled_grammars_are_an_lru_cache_with_hit_and_miss_counts(tiny_model_
     assert seen == {"hit": 1, "miss": 4, "compiled": 4}
 
 
-def spec_engine(model_dir, k: int, async_on: bool = True) -> LocalEngine:
+def spec_engine(model_dir, k: int, async_on: bool = True, launch_ahead: bool = False) -> LocalEngine:
     from stepahead.speculative import SpeculativeConfig
 
     runner = ModelRunner(model_dir, block_size=BLOCK, num_blocks=256, num_host_blocks=0,
@@ -219,13 +219,14 @@ def spec_engine(model_dir, k: int, async_on: bool = True) -> LocalEngine:
     config = SchedulerConfig(num_gpu_blocks=256, num_cpu_blocks=0, max_model_len=runner.max_model_len,
                              block_size=BLOCK, max_num_batched_tokens=256, async_scheduling=async_on,
                              eos_token_ids=runner.eos_token_ids, num_speculative_tokens=k)
-    return LocalEngine(runner, config)
+    return (LaunchAheadEngine if launch_ahead else LocalEngine)(runner, config)
 
 
 def test_structured_requests_speculate_and_still_follow_their_grammar(tiny_model_dir, tiny_tokenizer):  # noqa: F811
     """Structured requests get drafts (cut where the grammar refuses them) verified under one
     grammar mask per position: greedy output equals the run without speculation token for
-    token (async and sync), sampled output still validates, free text beside them is unchanged."""
+    token (sync, and async with each step launched before the previous one's ids were read),
+    sampled output still validates, free text beside them is unchanged."""
     example = tiny_tokenizer.encode('Example: {"kind":"cat","age":3,"tags":["a","b"]} it depends yes@abc.com Now:')
     greedy_json = SamplingParams(temperature=0.0, max_tokens=60, structured=SMALL_SCHEMA)
     free = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -235,8 +236,8 @@ def test_structured_requests_speculate_and_still_follow_their_grammar(tiny_model
                 "sj": (example, sampled(SMALL_SCHEMA, seed=9, max_tokens=60)),
                 "f1": (prompt(tiny_tokenizer, 2) * 3, free)}
     plain = run(spec_engine(tiny_model_dir, 0), requests)
-    for async_on in (True, False):
-        spec = spec_engine(tiny_model_dir, 4, async_on)
+    for async_on in (False, True):
+        spec = spec_engine(tiny_model_dir, 4, async_on, launch_ahead=async_on)
         for rid, (ids, sampling) in requests.items():
             spec.add(Request(rid, ids, sampling))
         runs = collections.Counter()  # steps that committed accepted drafts, per request
