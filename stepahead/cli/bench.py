@@ -41,6 +41,15 @@ class RequestMetrics:
     token_times: list[float] = field(default_factory=list)
     error: str = ""
 
+    def on_message(self, msg) -> None:
+        """One streamed GenerateResponse arrived now."""
+        if msg.token_ids:
+            now = time.perf_counter()
+            if not self.first_token:
+                self.first_token = now
+            self.token_times.append(now)
+            self.output_len += len(msg.token_ids)
+
     @property
     def ttft(self) -> float:
         return self.first_token - self.start
@@ -86,22 +95,21 @@ def make_workload(args: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
     return [WorkItem(p, o, a) for p, o, a in zip(prompts, outs, arrivals)]
 
 
-def one_request(stub, item: WorkItem, ignore_eos: bool) -> RequestMetrics:
+def _request_of(item: WorkItem, ignore_eos: bool):
     from stepahead.v1 import common_pb2, generation_pb2
 
-    m = RequestMetrics(prompt_len=len(item.prompt), priority=item.priority)
     sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=ignore_eos)
-    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=item.prompt),
-                                             sampling=sampling, priority=item.priority)
+    return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=item.prompt),
+                                          sampling=sampling, priority=item.priority)
+
+
+def one_request(stub, item: WorkItem, ignore_eos: bool) -> RequestMetrics:
+    m = RequestMetrics(prompt_len=len(item.prompt), priority=item.priority)
+    request = _request_of(item, ignore_eos)
     m.start = time.perf_counter()
     try:
         for msg in stub.Generate(request, timeout=3600):
-            now = time.perf_counter()
-            if msg.token_ids:
-                if not m.first_token:
-                    m.first_token = now
-                m.token_times.append(now)
-                m.output_len += len(msg.token_ids)
+            m.on_message(msg)
     except Exception as exc:  # recorded per request and reported, never hidden
         m.error = repr(exc)[:200]
     m.end = time.perf_counter()
@@ -137,21 +145,12 @@ def run_workload(stub, workload: list[WorkItem], args: argparse.Namespace) -> tu
 
 async def _one_request_async(stub, item: WorkItem, ignore_eos: bool, metadata) -> RequestMetrics:
     """`one_request` on a grpc.aio stub (same metrics)."""
-    from stepahead.v1 import common_pb2, generation_pb2
-
     m = RequestMetrics(prompt_len=len(item.prompt), priority=item.priority)
-    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=ignore_eos)
-    request = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=item.prompt),
-                                             sampling=sampling, priority=item.priority)
+    request = _request_of(item, ignore_eos)
     m.start = time.perf_counter()
     try:
         async for msg in stub.Generate(request, timeout=3600, metadata=metadata):
-            now = time.perf_counter()
-            if msg.token_ids:
-                if not m.first_token:
-                    m.first_token = now
-                m.token_times.append(now)
-                m.output_len += len(msg.token_ids)
+            m.on_message(msg)
     except Exception as exc:  # recorded per request and reported, never hidden
         m.error = repr(exc)[:200]
     m.end = time.perf_counter()

@@ -93,6 +93,7 @@ def run_group(channel, config: WorkerConfig, spec: GroupSpec, watch, log, metric
              master=f"{spec.master_addr}:{spec.master_port}", backend=spec.backend)
     init_group(spec)
     runner, model_dir = build_runner(config, spec)
+    metrics.watch_grammars(runner)
     info = dataclasses.replace(worker_info(config, runner, model_dir), group_id=spec.group_id,
                                tp_rank=spec.rank, tp_size=spec.size)
     log.info("shard_loaded", group_id=spec.group_id, rank=spec.rank, num_device_blocks=info.num_device_blocks)
