@@ -15,6 +15,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from enum import Enum, auto
+from operator import attrgetter
 
 from scheduler_service.admission import check_submission
 from scheduler_service.block_pool import BlockHashFn, default_block_hash
@@ -35,14 +36,13 @@ from scheduler_service.request import (
 )
 from scheduler_service.stats import SchedulerStats, build_stats
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
-from scheduler_service.token_rules import num_new_tokens, stop_reason
+from scheduler_service.token_rules import commit_run, num_new_tokens
 from stepahead.plan import StepPlan, StepResult
 
 __all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
 
 
-def _run_key(request: Request) -> tuple:
-    return request.run_key
+_run_key = attrgetter("run_key")  # the policy's order of running / swapped requests
 
 
 class _Admission(Enum):
@@ -99,7 +99,8 @@ class Scheduler:
         if request is None:
             return None
         self._finish(request, FinishReason.ABORT)
-        return self._event(request, (), FinishReason.ABORT)
+        return RequestEvent(request.request_id, (), FinishReason.ABORT, request.num_prompt_tokens,
+                            request.num_cached_tokens)
 
     def adopt(self, request: Request) -> None:
         """Take over an unfinished request of a lost replica, as recompute: its committed
@@ -359,11 +360,11 @@ class Scheduler:
             if not samples:
                 req.num_computed_tokens += num_tokens
             elif drafts:
-                committed, reason = self._commit_run(req, settle(req, num_tokens, drafts, result))
+                committed, reason = commit_run(self.config, self._eos, req, settle(req, num_tokens, drafts, result))
             else:
                 req.num_computed_tokens += num_tokens
                 req.num_output_placeholders -= 1
-                committed, reason = self._commit_run(req, (tokens[req.request_id],))
+                committed, reason = commit_run(self.config, self._eos, req, (tokens[req.request_id],))
             if caching and min(req.num_computed_tokens, req.num_tokens) >= (len(req.prefix_ids) + 1) * bs:
                 self._kv.register_computed(req)
             if samples:
@@ -380,19 +381,6 @@ class Scheduler:
             elif prompt_lp is not None:
                 events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
         return events
-
-    def _commit_run(self, req: Request, new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
-        """Commit a step's tokens in order, up to the first that finishes the request."""
-        for i, token in enumerate(new):
-            req.commit_token(token)
-            reason = stop_reason(self.config, self._eos, req, token)
-            if reason is not None:
-                return new[: i + 1], reason
-        return new, None
-
-    @staticmethod
-    def _event(req: Request, tokens: tuple[int, ...], reason: FinishReason | None, message: str = "") -> RequestEvent:
-        return RequestEvent(req.request_id, tokens, reason, req.num_prompt_tokens, req.num_cached_tokens, message)
 
     # ---- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> Request | None:

@@ -40,3 +40,14 @@ def stop_reason(cfg: SchedulerConfig, eos: frozenset[int], req: Request, token: 
     if num_output >= sp.max_tokens or req.num_tokens >= cfg.max_model_len:
         return FinishReason.LENGTH
     return None
+
+
+def commit_run(cfg: SchedulerConfig, eos: frozenset[int], req: Request,
+               new: tuple[int, ...]) -> tuple[tuple[int, ...], FinishReason | None]:
+    """Commit a step's tokens in order, up to the first that finishes the request."""
+    for i, token in enumerate(new):
+        req.commit_token(token)
+        reason = stop_reason(cfg, eos, req, token)
+        if reason is not None:
+            return new[: i + 1], reason
+    return new, None

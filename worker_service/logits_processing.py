@@ -161,3 +161,26 @@ class LogitsProcessing:
         x = x - freq[:, None] * counts.to(x.dtype) - pres[:, None] * seen.to(x.dtype)
         logits.index_copy_(0, rows_t, x)
         self._pending = (rows_t, slots)
+
+
+def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: Sequence, eos_token_ids: Sequence[int],
+                                 rows: Sequence[tuple[int, int]] | None = None) -> None:
+    """logits[row, stop ids] = -inf for rows whose request is still short of min_tokens.
+
+    `rows`: per logits row, (index into `reqs`, tokens the row comes after beyond the
+    request's output: a speculative step's j-th verified position); default one row per
+    request at its output length. The flat indices go up from pinned memory without
+    blocking: a pageable `torch.tensor(..., device=cuda)` would make the host wait.
+    """
+    vocab = logits.shape[1]  # logits: [num_rows, vocab] contiguous
+    flat = []
+    for row, (i, j) in enumerate(rows if rows is not None else ((i, 0) for i in range(len(reqs)))):
+        r = reqs[i]
+        if r.num_output_tokens + j < r.sampling.min_tokens:
+            stops = set(r.sampling.stop_token_ids)
+            if not r.sampling.ignore_eos:
+                stops.update(eos_token_ids)
+            flat += [row * vocab + t for t in stops if 0 <= t < vocab]
+    if flat:
+        index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
+        logits.view(-1).index_fill_(0, index, float("-inf"))

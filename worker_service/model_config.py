@@ -126,3 +126,14 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
         ),
     )
 
+
+def resolve_max_model_len(cfg, requested: int | None) -> int:
+    """--max-model-len checked against the model's positions (and sliding window); default: all of them."""
+    limit = cfg.max_position_embeddings
+    if cfg.sliding_window is not None:
+        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay within it
+    if requested is None:
+        return limit
+    if not 0 < requested <= limit:
+        raise ValueError(f"max_model_len {requested} outside (0, {limit}] for this model")
+    return requested

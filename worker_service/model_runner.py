@@ -30,16 +30,17 @@ from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, plan_num_blocks
 from worker_service.loader import load_model, parse_dtype
-from worker_service.logits_processing import LogitsProcessing
+from worker_service.logits_processing import LogitsProcessing, mask_stops_before_min_tokens
 from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
+from worker_service.model_config import resolve_max_model_len
 from worker_service.models.llama import ForwardContext
 from worker_service.pending_step import PendingStep, copy_to_host
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
 from worker_service.speculation import SpecOutputs, Speculator
-from worker_service.streams import DeviceStreams, StepEvent, host_to_device
+from worker_service.streams import DeviceStreams, StepEvent
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ class ModelRunner:
         self.model, cfg = self._load_model(model_dir)  # model.config: the KV geometry (a shard's under TP)
         self.config = cfg
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
-        self.max_model_len = _max_model_len(cfg, max_model_len)
+        self.max_model_len = resolve_max_model_len(cfg, max_model_len)
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_blocks_per_req = -(-self.max_model_len // block_size)
@@ -332,7 +333,8 @@ class ModelRunner:
             return torch.zeros(0, dtype=torch.int64, device=self.device), [], {}
         if self._step_lp is not None:
             self._step_lp.raw(logits, reqs)  # raw logprobs: before the stop mask, bias and penalties
-        self._mask_stops_before_min_tokens(logits, reqs)
+        if self._num_min_tokens:  # live requests with min_tokens (usually none)
+            mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids)
         try:
             out = self._sample_rows(logits, reqs), reqs, {}
         except Exception:  # isolated below, row by row; each failure is reported with its reason
@@ -365,26 +367,6 @@ class ModelRunner:
         sampled = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)
         return sampled, good, failed
 
-    def _mask_stops_before_min_tokens(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
-        """logits[row, stop ids] = -inf for rows still short of min_tokens (usually none).
-
-        The flat indices go up from pinned memory without blocking: a pageable
-        `torch.tensor(..., device=cuda)` would make the host wait for the running step.
-        """
-        if not self._num_min_tokens:
-            return
-        vocab = logits.shape[1]
-        flat = []
-        for i, r in enumerate(reqs):
-            if r.num_output_tokens < r.sampling.min_tokens:
-                stops = set(r.sampling.stop_token_ids)
-                if not r.sampling.ignore_eos:
-                    stops.update(self.eos_token_ids)
-                flat += [i * vocab + t for t in stops if 0 <= t < vocab]
-        if flat:
-            index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
-            logits.view(-1).index_fill_(0, index, float("-inf"))  # logits: [n, vocab] contiguous
-
     def _settle_placeholders(self) -> None:
         """Put the sampled ids of steps still in flight into their requests' token lists."""
         for pending in self._pending:
@@ -407,15 +389,4 @@ class ModelRunner:
             slots.append(len(r.token_ids))
             r.token_ids.append(-1)
         return slots
-
-
-def _max_model_len(cfg, requested: int | None) -> int:
-    limit = cfg.max_position_embeddings
-    if cfg.sliding_window is not None:
-        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay within it
-    if requested is None:
-        return limit
-    if not 0 < requested <= limit:
-        raise ValueError(f"max_model_len {requested} outside (0, {limit}] for this model")
-    return requested
 

@@ -32,6 +32,7 @@ from stepahead.plan import RunningRequest, SpecOutcome, StepPlan
 from stepahead.speculative import SpeculativeConfig
 from worker_service.grammar import GrammarMasks
 from worker_service.input_batch import CachedRequest
+from worker_service.logits_processing import mask_stops_before_min_tokens
 from worker_service.logprobs import StepLogprobs
 from worker_service.ngram import propose_ngram
 from worker_service.sampler import SamplingMetadata, inverse_cdf_sample, seeded_uniforms
@@ -141,7 +142,8 @@ class Speculator:
         row_j = [j for k in ks for j in range(k + 1)]  # [rows] drafts before the row
         if step_lp is not None:  # raw logprobs: before the stop mask, bias and penalties
             step_lp.raw_verified(logits, reqs, row_req)
-        self._mask_stops(logits, reqs, row_req, row_j)
+        if runner._num_min_tokens:  # EOS / stop ids -inf on rows short of min_tokens, earlier drafts counted
+            mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids, list(zip(row_req, row_j)))
         params = [reqs[i].sampling for i in row_req]
         ntok = [len(reqs[i].token_ids) + j for i, j in zip(row_req, row_j)]
         preceding = [drafts[i][:j] for i, j in zip(row_req, row_j)]
@@ -195,20 +197,6 @@ class Speculator:
             accept = torch.where(meta.greedy, has & (top == draft), accept)
             candidate = torch.where(meta.greedy, top, candidate)
         return accept, candidate
-
-    def _mask_stops(self, logits: torch.Tensor, reqs: list[CachedRequest], row_req: list[int], row_j: list[int]) -> None:
-        """EOS / stop ids -inf on rows still short of min_tokens (counting earlier drafts)."""
-        vocab = logits.shape[1]
-        flat = []
-        for row, (i, j) in enumerate(zip(row_req, row_j)):
-            r = reqs[i]
-            if r.num_output_tokens + j < r.sampling.min_tokens:
-                stops = set(r.sampling.stop_token_ids)
-                if not r.sampling.ignore_eos:
-                    stops.update(self.eos_token_ids)
-                flat += [row * vocab + t for t in stops if 0 <= t < vocab]
-        if flat:
-            logits.view(-1).index_fill_(0, host_to_device(flat, torch.int64, logits.device), _NEG_INF)
 
 
 def _acceptance_uniforms(runner, params, ntok) -> torch.Tensor:

@@ -4,4 +4,4 @@ Hugging Face oracle for every module that asks for `serve` / `hf` without defini
 import them into a module: an imported copy would be a second daemon set."""
 
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
-from tests.service.shared_fixtures import hf, metrics_port, serve  # noqa: F401
+from tests.service.shared_fixtures import hf, metrics_port, openai_client, openai_serve, serve  # noqa: F401

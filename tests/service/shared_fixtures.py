@@ -6,6 +6,7 @@ module would start a second daemon set that lives until the session ends). A tes
 
 from __future__ import annotations
 
+import openai
 import pytest
 
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
@@ -33,3 +34,16 @@ def serve(tiny_model_dir, metrics_port):  # noqa: F811
 def hf(tiny_model_dir):  # noqa: F811
     """Hugging Face greedy generation of the tiny model (the oracle)."""
     return HFGreedy(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def openai_serve(tiny_model_dir):  # noqa: F811
+    """The daemons the OpenAI HTTP tests talk to (their own: they check every block comes back)."""
+    with Serve(tiny_model_dir, "--max-num-seqs", "32") as s:
+        yield s
+
+
+@pytest.fixture(scope="session")
+def openai_client(openai_serve) -> openai.OpenAI:
+    with openai.OpenAI(base_url=openai_serve.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
+        yield c

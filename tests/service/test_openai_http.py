@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx2 as httpx
@@ -12,70 +11,29 @@ import pytest
 
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.model.oracle import TIE_GAP
-from tests.service.harness import Serve
-from tests.service.hf_oracle import HFGreedy
+from tests.service.openai_helpers import IGNORE_EOS, USER, assert_hf_text, hf_text, wait_idle
 
-IGNORE_EOS = {"ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def serve(tiny_model_dir):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-num-seqs", "32") as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(serve) -> openai.OpenAI:
-    with openai.OpenAI(base_url=serve.http_url + "/v1", api_key="unused", max_retries=0, timeout=120) as c:
-        yield c
-
-
-def hf_text(hf: HFGreedy, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
-    """(HF's greedy text, the part of it before the first near-tie): ours must start with
-    the second and equal the first when there is no tie."""
-    tokens, gaps = hf.generate(prompt_ids, max_tokens)
-    tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), len(tokens))
-    return tokenizer.decode(tokens, skip_special_tokens=True), tokenizer.decode(tokens[:tie], skip_special_tokens=True)
-
-
-def assert_hf_text(got: str, expected: tuple[str, str]) -> None:
-    full, before_tie = expected
-    if full == before_tie:
-        assert got == full
-    else:
-        assert got.startswith(before_tie)
-
-
-def wait_idle(serve, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = serve.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
-            return stats
-        assert time.monotonic() < deadline, f"not idle within {timeout_s} s: {stats}"
-
-
-def test_models_health_version_metrics(serve, client):
-    models = client.models.list().data
+def test_models_health_version_metrics(openai_serve, openai_client):
+    models = openai_client.models.list().data
     assert [m.id for m in models] == ["tiny"]
-    assert httpx.get(serve.http_url + "/health").status_code == 200
-    assert httpx.get(serve.http_url + "/version").json()["version"]
-    client.completions.create(model="tiny", prompt="x", max_tokens=2)
-    metrics = httpx.get(serve.http_url + "/metrics").text
+    assert httpx.get(openai_serve.http_url + "/health").status_code == 200
+    assert httpx.get(openai_serve.http_url + "/version").json()["version"]
+    openai_client.completions.create(model="tiny", prompt="x", max_tokens=2)
+    metrics = httpx.get(openai_serve.http_url + "/metrics").text
     assert 'stepahead:gateway_requests_started_total{transport="http"}' in metrics
     assert 'stepahead:gateway_sequences_finished_total{reason="length",transport="http"}' in metrics
 
 
-def test_completion_greedy_equals_hf_streaming_or_not(client, hf, tiny_tokenizer):  # noqa: F811
+def test_completion_greedy_equals_hf_streaming_or_not(openai_client, hf, tiny_tokenizer):  # noqa: F811
     prompt = "def fibonacci(n):\n"
-    full = client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=IGNORE_EOS)
+    full = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, extra_body=IGNORE_EOS)
     expected = hf_text(hf, tiny_tokenizer, tiny_tokenizer.encode(prompt), 24)
     assert_hf_text(full.choices[0].text, expected)
     assert full.choices[0].finish_reason == "length"
     assert full.usage.completion_tokens == 24
     assert full.usage.prompt_tokens == len(tiny_tokenizer.encode(prompt))
 
-    chunks = list(client.completions.create(
+    chunks = list(openai_client.completions.create(
         model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True,
         stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
@@ -84,25 +42,25 @@ def test_completion_greedy_equals_hf_streaming_or_not(client, hf, tiny_tokenizer
     assert chunks[-2].choices[0].finish_reason == "length"
 
 
-def test_completion_token_prompt_and_echo(client, hf, tiny_tokenizer):  # noqa: F811
+def test_completion_token_prompt_and_echo(openai_client, hf, tiny_tokenizer):  # noqa: F811
     ids = tiny_tokenizer.encode("import numpy as np\n")
-    out = client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, echo=True,
+    out = openai_client.completions.create(model="tiny", prompt=ids, max_tokens=10, temperature=0, echo=True,
                                     extra_body=IGNORE_EOS)
     echoed = tiny_tokenizer.decode(ids)
     assert out.choices[0].text.startswith(echoed)
     assert_hf_text(out.choices[0].text[len(echoed):], hf_text(hf, tiny_tokenizer, ids, 10))
 
 
-def test_chat_prompt_is_the_chat_template_and_greedy_equals_hf(client, hf, tiny_tokenizer):  # noqa: F811
+def test_chat_prompt_is_the_chat_template_and_greedy_equals_hf(openai_client, hf, tiny_tokenizer):  # noqa: F811
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Sort a list."}]
     ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    out = client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16,
+    out = openai_client.chat.completions.create(model="tiny", messages=messages, max_completion_tokens=16,
                                          temperature=0, extra_body=IGNORE_EOS)
     assert out.usage.prompt_tokens == len(ids)
     assert out.choices[0].message.role == "assistant"
     assert_hf_text(out.choices[0].message.content, hf_text(hf, tiny_tokenizer, list(ids), 16))
 
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
+    chunks = list(openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0,
                                                  stream=True, stream_options={"include_usage": True},
                                                  extra_body=IGNORE_EOS))
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -112,18 +70,18 @@ def test_chat_prompt_is_the_chat_template_and_greedy_equals_hf(client, hf, tiny_
     assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 16
 
 
-def test_n_choices_are_distinct_and_reproducible_with_a_seed(client):
+def test_n_choices_are_distinct_and_reproducible_with_a_seed(openai_client):
     def run(stream: bool) -> list[str]:
         kw = dict(model="tiny", prompt="class Stack:", max_tokens=12, temperature=1.0, seed=1234, n=4,
                   extra_body=IGNORE_EOS)
         if not stream:
-            out = client.completions.create(**kw)
+            out = openai_client.completions.create(**kw)
             assert sorted(c.index for c in out.choices) == [0, 1, 2, 3]
             assert out.usage.completion_tokens == 48
             return [c.text for c in sorted(out.choices, key=lambda c: c.index)]
         texts = [""] * 4
         finished = set()
-        for chunk in client.completions.create(stream=True, **kw):
+        for chunk in openai_client.completions.create(stream=True, **kw):
             for c in chunk.choices:
                 texts[c.index] += c.text
                 if c.finish_reason:
@@ -135,32 +93,31 @@ def test_n_choices_are_distinct_and_reproducible_with_a_seed(client):
     assert len(set(first)) == 4  # distinct seeds: distinct samples
     assert run(stream=False) == first
     assert run(stream=True) == first
-    one = client.completions.create(model="tiny", prompt="class Stack:", max_tokens=12, temperature=1.0,
+    one = openai_client.completions.create(model="tiny", prompt="class Stack:", max_tokens=12, temperature=1.0,
                                     seed=1234, extra_body=IGNORE_EOS)
     assert one.choices[0].text == first[0]  # choice 0 samples with the request's own seed
 
 
-def test_closing_an_n4_stream_aborts_all_and_frees_every_block(serve):
-    before = serve.stats()
+def test_closing_an_n4_stream_aborts_all_and_frees_every_block(openai_serve):
+    before = openai_serve.stats()
     body = {"model": "tiny", "prompt": "x = [", "max_tokens": 1500, "n": 4, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", serve.http_url + "/v1/completions", json=body, timeout=60) as response:
+    with httpx.stream("POST", openai_serve.http_url + "/v1/completions", json=body, timeout=60) as response:
         lines = response.iter_lines()
         assert next(line for line in lines if line.startswith("data:"))
-    stats = wait_idle(serve)
+    stats = wait_idle(openai_serve)
     assert stats.num_aborted == before.num_aborted + 4
 
 
-def test_disconnect_before_a_non_streaming_answer_aborts_upstream(serve):
-    before = serve.stats()
+def test_disconnect_before_a_non_streaming_answer_aborts_upstream(openai_serve):
+    before = openai_serve.stats()
     body = {"model": "tiny", "prompt": "y = (", "max_tokens": 1500, "n": 2, "ignore_eos": True}
     with pytest.raises(httpx.TimeoutException):
-        httpx.post(serve.http_url + "/v1/completions", json=body, timeout=1.0)
-    stats = wait_idle(serve, timeout_s=10)
+        httpx.post(openai_serve.http_url + "/v1/completions", json=body, timeout=1.0)
+    stats = wait_idle(openai_serve, timeout_s=10)
     assert stats.num_aborted == before.num_aborted + 2
 
 
 C, CH = "/v1/completions", "/v1/chat/completions"
-USER = [{"role": "user", "content": "hi"}]
 BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
     "invalid json": (C, b"{not json", 400, None),
     "prompt missing": (C, {"max_tokens": 3}, 422, "prompt"),
@@ -213,24 +170,24 @@ BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
 }
 
 
-def post(serve, path: str, body) -> httpx.Response:
+def post(openai_serve, path: str, body) -> httpx.Response:
     if isinstance(body, bytes):
-        return httpx.post(serve.http_url + path, content=body, headers={"content-type": "application/json"},
+        return httpx.post(openai_serve.http_url + path, content=body, headers={"content-type": "application/json"},
                           timeout=30)
-    return httpx.post(serve.http_url + path, json=body, timeout=30)
+    return httpx.post(openai_serve.http_url + path, json=body, timeout=30)
 
 
-def test_bad_http_inputs_get_openai_errors_while_good_requests_finish(serve, client, hf, tiny_tokenizer):  # noqa: F811
+def test_bad_http_inputs_get_openai_errors_while_good_requests_finish(openai_serve, openai_client, hf, tiny_tokenizer):  # noqa: F811
     prompts = ["def add(a, b):", "for i in range(10):", "while x:", "import os\n"]
 
     def good(prompt: str) -> str:
-        return client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
+        return openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=20, temperature=0,
                                          extra_body=IGNORE_EOS).choices[0].text
 
     with ThreadPoolExecutor(len(prompts)) as pool:
         futures = [pool.submit(good, p) for p in prompts]
         for name, (path, body, status, param) in BAD_HTTP.items():
-            response = post(serve, path, body)
+            response = post(openai_serve, path, body)
             assert response.status_code == status, (name, response.text)
             error = response.json()["error"]
             assert set(error) == {"message", "type", "param", "code"}, name
@@ -241,13 +198,13 @@ def test_bad_http_inputs_get_openai_errors_while_good_requests_finish(serve, cli
     for prompt, text in zip(prompts, outputs):
         assert_hf_text(text, hf_text(hf, tiny_tokenizer, tiny_tokenizer.encode(prompt), 20))
     with pytest.raises(openai.NotFoundError):
-        client.completions.create(model="gpt-9", prompt="x")
-    wait_idle(serve)
+        openai_client.completions.create(model="gpt-9", prompt="x")
+    wait_idle(openai_serve)
 
 
-def test_sse_frames_are_json_and_end_with_done(serve):
+def test_sse_frames_are_json_and_end_with_done(openai_serve):
     body = {"model": "tiny", "messages": USER, "max_tokens": 4, "stream": True, "ignore_eos": True}
-    with httpx.stream("POST", serve.http_url + CH, json=body, timeout=60) as response:
+    with httpx.stream("POST", openai_serve.http_url + CH, json=body, timeout=60) as response:
         assert response.headers["content-type"].startswith("text/event-stream")
         data = [line[len("data:"):].strip() for line in response.iter_lines() if line.startswith("data:")]
     assert data[-1] == "[DONE]"
@@ -256,29 +213,29 @@ def test_sse_frames_are_json_and_end_with_done(serve):
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-def test_grpc_and_http_share_one_path_n_choices_and_seeds(serve, client):
+def test_grpc_and_http_share_one_path_n_choices_and_seeds(openai_serve, openai_client):
     from stepahead.v1 import common_pb2, generation_pb2
 
     sampling = common_pb2.SamplingParams(temperature=1.0, seed=99, max_tokens=10, ignore_eos=True)
     texts = ["", "", ""]
     finals = []
-    for msg in serve.gateway.Generate(generation_pb2.GenerateRequest(text="if x:", sampling=sampling, n=3),
+    for msg in openai_serve.gateway.Generate(generation_pb2.GenerateRequest(text="if x:", sampling=sampling, n=3),
                                       timeout=120):
         texts[msg.index] += msg.text
         if msg.finish_reason:
             finals.append(msg.index)
     assert sorted(finals) == [0, 1, 2]
-    http = client.completions.create(model="tiny", prompt="if x:", max_tokens=10, temperature=1.0, seed=99, n=3,
+    http = openai_client.completions.create(model="tiny", prompt="if x:", max_tokens=10, temperature=1.0, seed=99, n=3,
                                      extra_body=IGNORE_EOS)
     assert texts == [c.text for c in sorted(http.choices, key=lambda c: c.index)]
 
 
-def test_penalties_and_logit_bias_over_http_equal_hf_processors(client, hf, tiny_tokenizer):  # noqa: F811
+def test_penalties_and_logit_bias_over_http_equal_hf_processors(openai_client, hf, tiny_tokenizer):  # noqa: F811
     prompt = "def parse(line):\n"
     ids = tiny_tokenizer.encode(prompt)
     plain_tokens, _ = hf.generate(ids, 16)
     bias = {plain_tokens[0]: -100.0, ids[-1]: 2.5}  # the plain first token is ruled out
-    out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+    out = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
                                     logit_bias={str(k): v for k, v in bias.items()},
                                     extra_body={"repetition_penalty": 1.8, **IGNORE_EOS})
     tokens, gaps = hf.generate(ids, 16, repetition_penalty=1.8, sequence_bias={(k,): v for k, v in bias.items()})
@@ -286,12 +243,12 @@ def test_penalties_and_logit_bias_over_http_equal_hf_processors(client, hf, tiny
     expected = (tiny_tokenizer.decode(tokens, skip_special_tokens=True),
                 tiny_tokenizer.decode(tokens[:tie], skip_special_tokens=True))
     assert_hf_text(out.choices[0].text, expected)
-    plain = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+    plain = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
                                       extra_body=IGNORE_EOS)
     assert plain.choices[0].text != out.choices[0].text
 
 
-def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(serve, client, tiny_tokenizer):  # noqa: F811
+def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(openai_serve, openai_client, tiny_tokenizer):  # noqa: F811
     import subprocess
     import sys
 
@@ -299,185 +256,16 @@ def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(serve, client
 
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Write a sort."}]
     ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    http = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
+    http = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=0,
                                           extra_body=IGNORE_EOS)
     chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(**m) for m in messages])
     sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    msgs = list(serve.gateway.Generate(generation_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+    msgs = list(openai_serve.gateway.Generate(generation_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
     assert msgs[-1].usage.prompt_tokens == len(ids) == http.usage.prompt_tokens
     assert "".join(m.text for m in msgs) == http.choices[0].message.content
     cli = subprocess.run(
-        [sys.executable, "-m", "stepahead.cli", "generate", "--target", serve.gateway_addr, "--chat",
+        [sys.executable, "-m", "stepahead.cli", "generate", "--target", openai_serve.gateway_addr, "--chat",
          "--system", "Be brief.", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "Write a sort."],
         capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout == http.choices[0].message.content + "\n"
-
-
-PET_SCHEMA = {
-    "type": "object",
-    "properties": {"kind": {"enum": ["cat", "dog"]}, "age": {"type": "integer", "minimum": 0, "maximum": 20},
-                   "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
-    "required": ["kind", "age", "tags"],
-    "additionalProperties": False,
-}
-
-
-def test_structured_outputs_and_a_grammar_the_worker_refuses_fails_alone(serve, client):
-    import grpc
-    import jsonschema
-
-    from stepahead.v1 import common_pb2, generation_pb2
-
-    def pet():
-        return client.chat.completions.create(
-            model="tiny", messages=USER, max_tokens=60, temperature=1.0, seed=5,
-            response_format={"type": "json_schema", "json_schema": {"name": "pet", "schema": PET_SCHEMA}})
-
-    with ThreadPoolExecutor(2) as pool:
-        good = pool.submit(pet)
-        # Python's re accepts a look-ahead, xgrammar does not: only the worker finds out
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.completions.create(model="tiny", prompt="x", max_tokens=5,
-                                      extra_body={"structured_outputs": {"regex": "(?=a)b"}})
-        assert "structured_outputs.regex: does not compile" in str(refused.value)
-        sampling = common_pb2.SamplingParams(
-            max_tokens=5, structured_outputs=common_pb2.StructuredOutputs(grammar="root ::= undefined_rule"))
-        with pytest.raises(grpc.RpcError) as rpc:
-            list(serve.gateway.Generate(generation_pb2.GenerateRequest(text="x", sampling=sampling), timeout=120))
-        assert rpc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert "structured_outputs.grammar" in rpc.value.details()
-        answer = good.result()
-    assert answer.choices[0].finish_reason == "stop"
-    jsonschema.validate(json.loads(answer.choices[0].message.content), PET_SCHEMA)
-    choice = client.completions.create(model="tiny", prompt="Yes or no?", max_tokens=10, temperature=1.0, seed=3,
-                                       extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
-    assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
-    wait_idle(serve)
-# ---- logprobs -------------------------------------------------------------------------------------------
-
-
-def hf_log_softmax(hf: HFGreedy, ids: list[int]):
-    """[len(ids), vocab]: HF's log-softmax at every position of `ids` (row i predicts ids[i + 1])."""
-    import torch
-
-    with torch.inference_mode():
-        return hf.model(torch.tensor([ids])).logits[0].float().log_softmax(-1)
-
-
-def assert_completion_logprobs(lp, text: str, k: int) -> None:
-    """The pieces concatenate to the text, offsets follow them, top dicts hold k (+ the token)."""
-    assert "".join(lp.tokens) == text
-    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
-    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs):
-        if value is None:
-            assert top is None
-            continue
-        assert top[token] == value and k <= len(top) <= k + 1
-        assert max(top.values()) <= 0.0
-
-
-def test_completion_logprobs_with_echo_equal_hf_log_softmax(client, hf, tiny_tokenizer):  # noqa: F811
-    ids = tiny_tokenizer.encode("import numpy as np\nx = np.")
-    kw = dict(model="tiny", prompt=ids, max_tokens=8, temperature=0, echo=True, logprobs=3, extra_body=IGNORE_EOS)
-    out = client.completions.create(**kw)
-    choice = out.choices[0]
-    lp = choice.logprobs
-    assert_completion_logprobs(lp, choice.text, 3)
-    assert len(lp.tokens) == len(ids) + 8 and lp.token_logprobs[0] is None
-    # every position against HF's log-softmax over the same ids: the generated ids are the argmax
-    generated = tiny_tokenizer.encode(choice.text[len(tiny_tokenizer.decode(ids)):], add_special_tokens=False)
-    full = hf_log_softmax(hf, ids + generated)
-    if len(generated) == 8:  # re-tokenizing the text can merge pieces; then only the prompt part is checked
-        for i in range(1, len(ids) + 8):
-            target = (ids + generated)[i]
-            assert abs(lp.token_logprobs[i] - float(full[i - 1, target])) < 1e-4, i
-    for i in range(1, len(ids)):
-        assert abs(lp.token_logprobs[i] - float(full[i - 1, ids[i]])) < 1e-4, i
-        top = full[i - 1].topk(3)
-        assert sorted(lp.top_logprobs[i].values())[-3:] == pytest.approx(sorted(top.values.tolist()), abs=1e-4)
-    streamed = list(client.completions.create(stream=True, **kw))
-    merged = {key: sum((getattr(c.choices[0].logprobs, key) for c in streamed if c.choices and c.choices[0].logprobs),
-                       []) for key in ("tokens", "token_logprobs", "text_offset")}
-    assert merged["tokens"] == lp.tokens and merged["text_offset"] == lp.text_offset
-    assert merged["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
-
-
-def test_completion_logprobs_0_is_the_sampled_token_only_and_stop_strings_cut_them(client):
-    out = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0,
-                                    logprobs=0, extra_body=IGNORE_EOS)
-    lp = out.choices[0].logprobs
-    assert_completion_logprobs(lp, out.choices[0].text, 0)
-    assert all(len(top) == 1 for top in lp.top_logprobs) and len(lp.tokens) == 12
-    stop = out.choices[0].text[5:8]  # a stop string inside the greedy text
-    cut = client.completions.create(model="tiny", prompt="def add(a, b):", max_tokens=12, temperature=0,
-                                    logprobs=0, stop=[stop], extra_body=IGNORE_EOS)
-    text, cut_lp = cut.choices[0].text, cut.choices[0].logprobs
-    assert cut.choices[0].finish_reason == "stop" and len(text) < 5 + len(stop)
-    assert "".join(cut_lp.tokens).startswith(text) and cut_lp.text_offset[-1] < max(len(text), 1)
-    assert cut_lp.token_logprobs == lp.token_logprobs[: len(cut_lp.tokens)]
-
-
-def test_chat_logprobs_format_streamed_or_not_and_n2(client, hf, tiny_tokenizer):  # noqa: F811
-    messages = [{"role": "user", "content": "Sort a list."}]
-    plain = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                           logprobs=True, extra_body=IGNORE_EOS)  # no top_logprobs: vLLM #4795
-    content = plain.choices[0].logprobs.content
-    assert len(content) == 6 and all(c.top_logprobs == [] for c in content)
-    assert "".join(c.token for c in content) == plain.choices[0].message.content
-    assert all(bytes(c.bytes) == c.token.encode() for c in content)
-    out = client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                         logprobs=True, top_logprobs=2, extra_body=IGNORE_EOS)
-    content = out.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx([c.logprob for c in plain.choices[0].logprobs.content],
-                                                         abs=1e-4)  # another batch: float rounding differs
-    for c in content:
-        assert len(c.top_logprobs) == 2 and c.top_logprobs[0].logprob == pytest.approx(c.logprob)  # greedy
-    prompt = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-    first = hf_log_softmax(hf, list(prompt))[-1]
-    assert content[0].logprob == pytest.approx(float(first.max()), abs=1e-4)
-    chunks = list(client.chat.completions.create(model="tiny", messages=messages, max_tokens=6, temperature=0,
-                                                 logprobs=True, top_logprobs=2, stream=True, extra_body=IGNORE_EOS))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
-    assert [e.token for e in streamed] == [e.token for e in content]
-    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
-    two = client.chat.completions.create(model="tiny", messages=messages, max_tokens=8, temperature=1.0, seed=3, n=2,
-                                         logprobs=True, top_logprobs=1, extra_body=IGNORE_EOS)
-    for choice in two.choices:
-        assert "".join(c.token for c in choice.logprobs.content) == choice.message.content
-    assert two.choices[0].logprobs.content != two.choices[1].logprobs.content
-
-
-def test_grpc_logprobs_and_prompt_logprobs_match_http(serve, client, tiny_tokenizer):  # noqa: F811
-    import grpc
-
-    from stepahead.v1 import common_pb2, generation_pb2
-
-    ids = tiny_tokenizer.encode("while True:")
-    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=2, prompt_logprobs=2)
-    msgs = list(serve.gateway.Generate(generation_pb2.GenerateRequest(
-        token_ids=generation_pb2.TokenIds(ids=ids), sampling=sampling), timeout=120))
-    token_ids = [t for m in msgs for t in m.token_ids]
-    logprobs = [e for m in msgs for e in m.logprobs]
-    prompt = [e for m in msgs for e in m.prompt_logprobs]
-    assert [e.token_id for e in logprobs] == token_ids and all(len(e.top_token_ids) == 2 for e in logprobs)
-    assert [e.token_id for e in prompt] == ids[1:]
-    http = client.completions.create(model="tiny", prompt=ids, max_tokens=6, temperature=0, echo=True, logprobs=2,
-                                     extra_body=IGNORE_EOS).choices[0].logprobs
-    ours = [e.logprob for e in prompt] + [e.logprob for e in logprobs]
-    assert ours == pytest.approx(http.token_logprobs[1:], abs=1e-6)
-    import subprocess
-    import sys
-
-    cli = subprocess.run(
-        [sys.executable, "-m", "stepahead.cli", "generate", "--target", serve.gateway_addr, "--temperature", "0",
-         "--max-tokens", "6", "--ignore-eos", "--logprobs", "2", "while True:"], capture_output=True, text=True,
-        timeout=120)
-    assert cli.returncode == 0, cli.stderr
-    lines = [line.split() for line in cli.stderr.splitlines() if line.startswith("output ")]
-    assert [int(f[2]) for f in lines] == token_ids and all(len(f) == 6 for f in lines)
-    assert [float(f[3]) for f in lines] == pytest.approx([e.logprob for e in logprobs], abs=1e-3)
-    bad = common_pb2.SamplingParams(max_tokens=2, logprobs=21)
-    with pytest.raises(grpc.RpcError) as info:
-        list(serve.gateway.Generate(generation_pb2.GenerateRequest(text="x", sampling=bad), timeout=30))
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "logprobs" in info.value.details()

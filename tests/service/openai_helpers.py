@@ -1,0 +1,37 @@
+"""Helpers of the OpenAI HTTP service tests (fixtures: `openai_serve`, `openai_client` in
+`shared_fixtures.py`)."""
+
+from __future__ import annotations
+
+import time
+
+from tests.model.oracle import TIE_GAP
+from tests.service.hf_oracle import HFGreedy
+
+IGNORE_EOS = {"ignore_eos": True}
+USER = [{"role": "user", "content": "hi"}]
+
+
+def hf_text(hf: HFGreedy, tokenizer, prompt_ids: list[int], max_tokens: int) -> tuple[str, str]:
+    """(HF's greedy text, the part of it before the first near-tie): ours must start with
+    the second and equal the first when there is no tie."""
+    tokens, gaps = hf.generate(prompt_ids, max_tokens)
+    tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), len(tokens))
+    return tokenizer.decode(tokens, skip_special_tokens=True), tokenizer.decode(tokens[:tie], skip_special_tokens=True)
+
+
+def assert_hf_text(got: str, expected: tuple[str, str]) -> None:
+    full, before_tie = expected
+    if full == before_tie:
+        assert got == full
+    else:
+        assert got.startswith(before_tie)
+
+
+def wait_idle(serve, timeout_s: float = 5.0):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = serve.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            return stats
+        assert time.monotonic() < deadline, f"not idle within {timeout_s} s: {stats}"
