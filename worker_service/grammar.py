@@ -157,9 +157,10 @@ class RequestGrammar:
         self.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
         self.num_accepted = 0  # output tokens the matcher has consumed
 
-    def advance(self, output: list[int]) -> None:
-        """Accept `output[num_accepted:]` (every id known on the host, none a placeholder)."""
-        for token in output[self.num_accepted:]:
+    def advance(self, token_ids: list[int], num_prompt_tokens: int) -> None:
+        """Accept the output tokens not accepted yet, `token_ids[num_prompt_tokens + num_accepted:]`
+        (every id known on the host, none a placeholder); only the new ones are read."""
+        for token in token_ids[num_prompt_tokens + self.num_accepted:]:
             if not self.matcher.accept_token(token):
                 raise GrammarViolation(f"token {token} (output position {self.num_accepted}) breaks the grammar")
             self.num_accepted += 1
@@ -221,7 +222,7 @@ class GrammarMasks:
         grammar = self._requests.get(req.request_id)
         if grammar is None or not drafts:
             return drafts
-        grammar.advance(req.token_ids[req.num_prompt_tokens:])
+        grammar.advance(req.token_ids, req.num_prompt_tokens)
         return drafts[: grammar.allowed_prefix(drafts)]
 
     def apply(self, logits: torch.Tensor, reqs, settle, drafts: list[list[int]] | None = None) -> torch.Tensor:
@@ -231,11 +232,13 @@ class GrammarMasks:
         `drafts` (a speculative step): request i has 1 + len(drafts[i]) consecutive rows, row j
         masked by the grammar after its output and drafts[i][:j] (drafts the grammar allows:
         `cut_drafts`); without, one row per request."""
-        ks = [len(d) for d in drafts] if drafts is not None else [0] * len(reqs)
-        first = list(itertools.accumulate([k + 1 for k in ks], initial=0))  # each request's first row
+        if not self._requests:  # the common case: no live request has a grammar
+            return logits
         grammar_reqs = [i for i, r in enumerate(reqs) if r.request_id in self._requests]
         if not grammar_reqs:
             return logits
+        ks = [len(d) for d in drafts] if drafts is not None else [0] * len(reqs)
+        first = list(itertools.accumulate([k + 1 for k in ks], initial=0))  # each request's first row
         start = time.perf_counter()
         if any(reqs[i].token_ids[-1] < 0 for i in grammar_reqs):
             settle()  # waits for the previous step's ids; this step's forward is already queued
@@ -246,7 +249,7 @@ class GrammarMasks:
         for i in grammar_reqs:
             r = reqs[i]
             grammar = self._requests[r.request_id]
-            grammar.advance(r.token_ids[r.num_prompt_tokens:])
+            grammar.advance(r.token_ids, r.num_prompt_tokens)
             grammar.fill(bitmask, m, self.cache.eos_token_ids)
             m += 1
             if ks[i]:
