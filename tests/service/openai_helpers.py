@@ -3,8 +3,6 @@
 
 from __future__ import annotations
 
-import time
-
 from tests.model.oracle import TIE_GAP
 from tests.service.hf_oracle import HFGreedy
 
@@ -26,12 +24,3 @@ def assert_hf_text(got: str, expected: tuple[str, str]) -> None:
         assert got == full
     else:
         assert got.startswith(before_tie)
-
-
-def wait_idle(serve, timeout_s: float = 5.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = serve.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
-            return stats
-        assert time.monotonic() < deadline, f"not idle within {timeout_s} s: {stats}"

@@ -1,10 +1,11 @@
-"""Helpers the hostile-input service tests share: a long greedy stream that must survive
-whatever else is sent, and a raw Connect session on the scheduler."""
+"""Helpers the service tests share: a long greedy stream that must survive whatever else
+is sent, a raw Connect session on the scheduler, waiting for health or for an idle pool."""
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from concurrent.futures import Future
 
 import grpc
@@ -119,3 +120,13 @@ def wait_health(address: str, serving: bool, timeout_s: float = 120.0) -> None:
                 updates.cancel()
                 return
     raise AssertionError(f"{address} never reported serving={serving}")
+
+
+def wait_idle(serve, timeout_s: float = 5.0):
+    """The scheduler's stats once nothing runs or waits and every block is free."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        stats = serve.stats()
+        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            return stats
+        assert time.monotonic() < deadline, f"not idle within {timeout_s} s: {stats}"

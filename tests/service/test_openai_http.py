@@ -11,7 +11,8 @@ import pytest
 
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.model.oracle import TIE_GAP
-from tests.service.openai_helpers import IGNORE_EOS, USER, assert_hf_text, hf_text, wait_idle
+from tests.service.openai_helpers import IGNORE_EOS, USER, assert_hf_text, hf_text
+from tests.service.streams import wait_idle
 
 def test_models_health_version_metrics(openai_serve, openai_client):
     models = openai_client.models.list().data

@@ -12,7 +12,8 @@ import pytest
 
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.service.hf_oracle import HFGreedy
-from tests.service.openai_helpers import IGNORE_EOS, USER, wait_idle
+from tests.service.openai_helpers import IGNORE_EOS, USER
+from tests.service.streams import wait_idle
 
 PET_SCHEMA = {
     "type": "object",

@@ -4,7 +4,6 @@ tokens in async and sync mode; the worker process never maps torch."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from stepahead.plan import SamplingParams
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.service.harness import Serve
+from tests.service.streams import wait_idle
 from tests.sim.workload import mixed_workload
 from worker_service.sim.profiles import load_profile
 from worker_service.sim.runner import SimRunner
@@ -54,15 +54,6 @@ def run_all(serve, work, aborted: set[int]) -> list[list[int]]:
         return [f.result() for f in futures]
 
 
-def wait_all_free(serve, timeout_s: float = 10.0):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = serve.stats()
-        if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
-            return stats
-        assert time.monotonic() < deadline, f"blocks not freed: {stats}"
-
-
 def worker_maps(serve) -> str:
     for pid in serve.child_pids():
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
@@ -85,7 +76,7 @@ def test_64_requests_match_the_reference_through_three_daemons(sim_model_dir, fa
     aborted = set(range(3, 64, 10))
     with Serve(sim_model_dir, *flags("h200", async_on)) as serve:  # real step times: requests overlap
         outputs = run_all(serve, work, aborted)
-        stats = wait_all_free(serve)
+        stats = wait_idle(serve, timeout_s=10)
         maps = worker_maps(serve)
     assert "libtorch" not in maps and "torch/lib" not in maps, "the sim worker loaded torch"
     assert stats.num_preemptions > 0, "the pool was meant to be too small"
