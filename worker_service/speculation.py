@@ -142,8 +142,8 @@ class Speculator:
         row_j = [j for k in ks for j in range(k + 1)]  # [rows] drafts before the row
         if step_lp is not None:  # raw logprobs: before the stop mask, bias and penalties
             step_lp.raw_verified(logits, reqs, row_req)
-        if runner._num_min_tokens:  # EOS / stop ids -inf on rows short of min_tokens, earlier drafts counted
-            mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids, list(zip(row_req, row_j)))
+        # EOS / stop ids -inf on rows short of min_tokens, earlier drafts counted
+        mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids, list(zip(row_req, row_j)))
         params = [reqs[i].sampling for i in row_req]
         ntok = [len(reqs[i].token_ids) + j for i, j in zip(row_req, row_j)]
         preceding = [drafts[i][:j] for i, j in zip(row_req, row_j)]
