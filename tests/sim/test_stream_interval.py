@@ -26,6 +26,7 @@ def test_stream_interval_sends_fewer_larger_messages_with_the_same_tokens(sim_mo
     for (prompt, sampling), messages in zip(work, replies):
         sizes = [len(m.token_ids) for m in messages if m.token_ids]
         assert [t for m in messages for t in m.token_ids] == reference_output(rule, prompt, sampling, 1 << 20)
-        assert sizes[0] == 1, "the first token goes out at once"
+        # the first message is not held for the interval, but it carries every token that was
+        # already queued when the gateway sent it (more than one on a loaded machine)
         assert all(n >= INTERVAL for n in sizes[1:-1]), sizes
         assert len(sizes) <= 2 + sampling.max_tokens // INTERVAL, sizes
