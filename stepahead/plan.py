@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 
@@ -136,9 +137,14 @@ class NewRequest:
     num_prompt_tokens: int | None = None  # the prompt's share of token_ids (None: all of them)
 
 
-@dataclass(frozen=True)
-class RunningRequest:
-    """A delta for a request the worker already holds."""
+class RunningRequest(NamedTuple):
+    """A delta for a request the worker already holds.
+
+    Built per request per step on both sides (the scheduler's plan, the worker's decode), so a
+    named tuple rather than a frozen dataclass: as immutable, but built at C speed in bulk
+    (`stepahead.codec` makes a step's deltas with `tuple.__new__` over zipped columns) and
+    ~5x cheaper to build one by one than a frozen dataclass's `__init__`.
+    """
 
     request_id: str
     new_block_ids: tuple[int, ...]  # appended to the request's block table
