@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
 
 import numpy as np
 
@@ -101,13 +102,14 @@ class TokenRule:
         k = _mix_array(h ^ (np.array(positions, dtype=np.uint64) * _GOLDEN))
         drawn = _mix_array(k + _GOLDEN) % np.uint64(self.vocab_size)
         redo = np.zeros(n, dtype=bool)
-        if self.eos_token_ids:
-            redo |= np.isin(drawn, self.eos_token_ids)
-            if self.eos_probability > 0.0:
-                redo |= (k >> np.uint64(11)).astype(np.float64) * _UNIT53 < self.eos_probability
+        for eos in self._eos:  # a drawn EOS id is re-drawn (np.isin costs more for a few ids)
+            redo |= drawn == np.uint64(eos)
+        if self._eos and self.eos_probability > 0.0:
+            redo |= (k >> _S11).astype(np.float64) * _UNIT53 < self.eos_probability
         out = drawn.tolist()
         redo_rows = set(np.flatnonzero(redo).tolist())
-        redo_rows.update(i for i, (o, s) in enumerate(zip(num_outputs, samplings)) if o < s.min_tokens)
+        if max(map(_MIN_TOKENS, samplings)) > 0:  # rows whose EOS / stop ids are still masked
+            redo_rows.update(i for i, (o, s) in enumerate(zip(num_outputs, samplings)) if o < s.min_tokens)
         for i in redo_rows:
             out[i] = self.next_token(hashes[i], positions[i], num_outputs[i], samplings[i])
         if redo_rows:
@@ -120,7 +122,8 @@ class TokenRule:
 
 _MIN_VECTOR_ROWS = 16  # below this, numpy's per-call overhead costs more than the rows
 _GOLDEN, _FNV_PRIME = np.uint64(GOLDEN), np.uint64(FNV_PRIME)
-_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+_MIN_TOKENS = attrgetter("min_tokens")
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
 
 
