@@ -3,16 +3,21 @@
 Names follow vLLM's `vllm:*` set under `stepahead:` where the concept is the same; gauges
 carry no `_total`. Per-replica gauges and counters carry a `replica` label (the worker id):
 `sum(stepahead:prefix_cache_hits_total)` is the scheduler's total, one series a replica's
-own. Counters are fed from each replica core's monotonic counters (deltas per replica); a
-lost replica's gauges are removed, its counter series stay (totals never go back). The engine calls these hooks from its own thread;
-prometheus_client is thread-safe.
+own. The per-replica gauges and counters are read when /metrics is scraped, never per step
+(`ReplicaStatsCollector`: one snapshot of every replica core, taken on the engine thread);
+counters come from each core's monotonic counters plus those of earlier cores under the same
+replica name (a lost replica's gauges go, its counter series stay: totals never go back).
+The engine calls the hooks below from its own thread; prometheus_client is thread-safe.
 """
 
 from __future__ import annotations
 
+import collections
 import time
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from scheduler_service.scheduler import RequestEvent, SchedulerStats
 from stepahead.flight_recorder import StepRecord
@@ -61,9 +66,6 @@ class SchedulerMetrics:
         self.workers_attached = Gauge(P + "workers_attached", "replicas (workers) attached now", registry=r)
         self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
                                          registry=r)
-        self.gauges = {f: Gauge(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _GAUGES.items()}
-        self.counters = {f: Counter(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _COUNTERS.items()}
-        self._seen: dict[str, dict[str, int]] = {}  # replica -> last value of each monotonic stat
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
         self._last_forward_end: dict[str, float] = {}  # per replica
@@ -97,20 +99,16 @@ class SchedulerMetrics:
         self._arrival.pop(request_id, None)
         self._last_token.pop(request_id, None)
 
-    def on_step(self, record: StepRecord, stats: SchedulerStats, replica: str = "") -> None:
+    def on_step(self, record: StepRecord, replica: str = "") -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
         last_end = self._last_forward_end.get(replica, 0.0)
         if record.worker.forward_start and last_end:
             self.idle_gap.observe(max(0.0, record.worker.forward_start - last_end))
         self._last_forward_end[replica] = record.worker.forward_end or last_end
-        for name, gauge in self.gauges.items():
-            gauge.labels(replica).set(getattr(stats, name))
-        seen = self._seen.setdefault(replica, dict.fromkeys(_COUNTERS, 0))
-        for name, counter in self.counters.items():
-            value = getattr(stats, name)
-            if value > seen[name]:
-                counter.labels(replica).inc(value - seen[name])
-            seen[name] = value
+
+    def watch_replicas(self, snapshot: Callable[[], ReplicaSnapshot]) -> None:
+        """Serve the per-replica gauges and counters from `snapshot()` at scrape time."""
+        self.registry.register(ReplicaStatsCollector(snapshot))
 
     def on_replica_attached(self, num_replicas: int) -> None:
         self.workers_attached.set(num_replicas)
@@ -122,9 +120,36 @@ class SchedulerMetrics:
         self.requests_migrated.inc(num_moved)
         self.workers_attached.set(num_left)
         self._last_forward_end.pop(replica, None)
-        self._seen.pop(replica, None)
-        for gauge in self.gauges.values():
-            try:
-                gauge.remove(replica)
-            except KeyError:  # that replica never finished a step
-                pass
+
+
+# (each attached replica's stats by name, the monotonic counters of earlier cores by replica name)
+ReplicaSnapshot = tuple[Mapping[str, SchedulerStats], Mapping[str, collections.Counter]]
+
+
+class ReplicaStatsCollector:
+    """The `replica`-labelled gauges and counters, built from one snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], ReplicaSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self):
+        gauges, counters = self._families()
+        return [*gauges.values(), *counters.values()]
+
+    @staticmethod
+    def _families() -> tuple[dict[str, GaugeMetricFamily], dict[str, CounterMetricFamily]]:
+        return ({f: GaugeMetricFamily(P + name, doc, labels=["replica"]) for f, (name, doc) in _GAUGES.items()},
+                {f: CounterMetricFamily(P + name, doc, labels=["replica"]) for f, (name, doc) in _COUNTERS.items()})
+
+    def collect(self):
+        live, earlier = self._snapshot()
+        gauges, counters = self._families()
+        for field, family in gauges.items():
+            for replica, stats in live.items():
+                family.add_metric([replica], getattr(stats, field))
+        for field, family in counters.items():
+            for replica in {**earlier, **live}:
+                now = getattr(live[replica], field) if replica in live else 0
+                family.add_metric([replica], now + earlier.get(replica, {}).get(field, 0))
+        yield from gauges.values()
+        yield from counters.values()
