@@ -12,12 +12,14 @@ The engine calls the hooks below from its own thread; prometheus_client is threa
 
 from __future__ import annotations
 
+import bisect
 import collections
 import time
 from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from scheduler_service.scheduler import RequestEvent, SchedulerStats
 from stepahead.flight_recorder import StepRecord
@@ -51,8 +53,8 @@ class SchedulerMetrics:
         self.registry = r
         self.ttft = Histogram(P + "time_to_first_token_seconds", "submit to first committed token", registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "between committed tokens", registry=r,
-                             buckets=_LATENCY_BUCKETS)
+        self.itl = HotHistogram(P + "inter_token_latency_seconds", "between committed tokens", _LATENCY_BUCKETS)
+        r.register(self.itl)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "submit to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
         self.queue = Histogram(P + "request_queue_time_seconds", "submit to first scheduled", registry=r,
@@ -74,25 +76,33 @@ class SchedulerMetrics:
         self._arrival[request_id] = time.monotonic()
 
     def on_events(self, events: list[RequestEvent]) -> None:
-        now = time.monotonic()
+        now, last_token, itl = time.monotonic(), self._last_token, self.itl
         for e in events:
-            arrival = self._arrival.get(e.request_id)
-            if arrival is None:
-                continue
-            if e.new_token_ids:
-                last = self._last_token.get(e.request_id)
-                if last is None:
-                    self.ttft.observe(now - arrival)
-                else:
-                    self.itl.observe((now - last) / len(e.new_token_ids))
-                self._last_token[e.request_id] = now
-            if e.queue_time is not None:
-                self.queue.observe(e.queue_time)
-            if e.finish_reason is not None:
-                self.e2e.observe(now - arrival)
-                self.finished.labels(e.finish_reason.name.lower()).inc()
-                self._arrival.pop(e.request_id, None)
-                self._last_token.pop(e.request_id, None)
+            last = last_token.get(e.request_id)
+            if last is not None and e.new_token_ids and e.finish_reason is None and e.queue_time is None:
+                itl.observe((now - last) / len(e.new_token_ids))  # a decode's event: the hot path
+                last_token[e.request_id] = now
+            else:
+                self._on_event(e, now)
+
+    def _on_event(self, e: RequestEvent, now: float) -> None:
+        arrival = self._arrival.get(e.request_id)
+        if arrival is None:
+            return
+        if e.new_token_ids:
+            last = self._last_token.get(e.request_id)
+            if last is None:
+                self.ttft.observe(now - arrival)
+            else:
+                self.itl.observe((now - last) / len(e.new_token_ids))
+            self._last_token[e.request_id] = now
+        if e.queue_time is not None:
+            self.queue.observe(e.queue_time)
+        if e.finish_reason is not None:
+            self.e2e.observe(now - arrival)
+            self.finished.labels(e.finish_reason.name.lower()).inc()
+            self._arrival.pop(e.request_id, None)
+            self._last_token.pop(e.request_id, None)
 
     def forget(self, request_id: str) -> None:
         """The request ended without an event the metrics see (refused after waiting)."""
@@ -153,3 +163,30 @@ class ReplicaStatsCollector:
                 family.add_metric([replica], now + earlier.get(replica, {}).get(field, 0))
         yield from gauges.values()
         yield from counters.values()
+
+
+class HotHistogram:
+    """A Prometheus histogram for a per-token hot path, observed from one thread (the engine's):
+    an observation is a bisect and two adds, no lock (prometheus_client's `Histogram.observe`
+    takes two locks and scans the buckets). Exposed as a collector: read at scrape time from one
+    copy of the counts (a single C-level list copy, atomic under the GIL)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self._name, self._doc, self._bounds = name, documentation, tuple(buckets)
+        self._counts = [0] * (len(self._bounds) + 1) + [0.0]  # per bucket (le), +Inf, then the sum
+
+    def observe(self, value: float) -> None:
+        counts = self._counts
+        counts[bisect.bisect_left(self._bounds, value)] += 1
+        counts[-1] += value
+
+    def describe(self):
+        return [HistogramMetricFamily(self._name, self._doc)]
+
+    def collect(self):
+        counts = list(self._counts)
+        total, cumulative, buckets = counts.pop(), 0, []
+        for bound, n in zip((*self._bounds, float("inf")), counts):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        return [HistogramMetricFamily(self._name, self._doc, buckets=buckets, sum_value=total)]

@@ -36,7 +36,7 @@ from scheduler_service.request import (
 )
 from scheduler_service.stats import SchedulerStats, build_stats
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
-from scheduler_service.token_rules import commit_run, num_new_tokens
+from scheduler_service.token_rules import commit_one, commit_run, num_new_tokens
 from stepahead.plan import StepPlan, StepResult
 
 __all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
@@ -367,7 +367,8 @@ class Scheduler:
             else:
                 req.num_computed_tokens += num_tokens
                 req.num_output_placeholders -= 1
-                committed, reason = commit_run(cfg, eos, req, (tokens[rid],))
+                token = tokens[rid]
+                committed, reason = (token,), commit_one(cfg, eos, req, token)
             if caching and req.num_computed_tokens >= (len(req.prefix_ids) + 1) * bs <= req.num_tokens:
                 self._kv.register_computed(req)
             if samples:
