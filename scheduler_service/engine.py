@@ -263,7 +263,7 @@ class Engine:
             session.put_many([Rejected(request.request_id, str(exc), RejectCode.UNAVAILABLE)])
 
     def _add(self, request: Request, stream: GatewaySession) -> None:
-        """Runs on the engine thread; RequestRejected reaches the submitting caller."""
+        """Runs on the engine thread; raises RequestRejected (QueueFull) or NoWorker."""
         if self._model is None:
             raise NoWorker("no worker attached yet")
         if request.request_id in self._streams:
