@@ -32,7 +32,7 @@ from scheduler_service.links import (
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.request import Request
+from scheduler_service.request import QueueFull, Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
@@ -55,6 +55,12 @@ class EngineOptions:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: Request
+    session: GatewaySession
 
 
 @dataclass(frozen=True)
@@ -106,9 +112,11 @@ class Engine:
         self._parked: dict[str, tuple[Request, float]] = {}  # no replica: request, monotonic deadline
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
         self._carried_counts: collections.Counter = collections.Counter()  # monotonic counters of lost replicas
+        self._earlier_counts: dict[str, collections.Counter] = {}  # ... by replica name (for /metrics)
         self.groups = GroupFormer()  # JoinGroup callers (servicer threads) -> tensor-parallel groups
         self._assembly = GroupAssembly(self.groups.formed, options.group_attach_timeout_s)  # one replica per group
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.metrics.watch_replicas(self._metrics_snapshot)
 
     # ---- thread-safe entry points -------------------------------------------------
     def start(self) -> None:
@@ -124,8 +132,10 @@ class Engine:
         return self._model
 
     def submit(self, request: Request, session: GatewaySession) -> None:
-        """Queue a request whose events go to `session`; raises RequestRejected or NoWorker."""
-        self._call(lambda: self._add(request, session))
+        """Queue a request whose events go to `session` (in order with this thread's aborts;
+        no round trip: the caller never waits for the engine). A request the engine refuses
+        gets one `Rejected` event on `session` (QUEUE_FULL, INVALID or UNAVAILABLE)."""
+        self._inbox.put(_Submit(request, session))
 
     def close_session(self, session: GatewaySession) -> None:
         """The gateway's stream ended: abort every request it still has, then close."""
@@ -154,15 +164,27 @@ class Engine:
 
         return self._call(snapshot)
 
+    def _metrics_snapshot(self):
+        """Every replica's stats and the earlier cores' counters by name, for a /metrics scrape
+        (nothing when the engine does not answer within 5 s: a scrape never hangs)."""
+        if self.crashed or not self._thread.is_alive():
+            return {}, {}
+        try:
+            return self._call(lambda: ({r.name: r.scheduler.stats() for r in self._replicas.values()},
+                                       {k: collections.Counter(v) for k, v in self._earlier_counts.items()}), 5.0)
+        except queue.Empty:
+            return {}, {}
+
     def flight_records(self) -> list[tuple[str, list[StepRecord]]]:
         """(worker id, its recent steps) per attached replica: one trace lane each."""
         return self._call(lambda: [(r.name, r.recorder.snapshot()) for r in self._replicas.values()])
 
-    def _call(self, fn: Callable[[], object]) -> object:
-        """Run fn on the engine thread and return its result (or raise its exception)."""
+    def _call(self, fn: Callable[[], object], timeout: float | None = None) -> object:
+        """Run fn on the engine thread and return its result (or raise its exception);
+        queue.Empty when `timeout` passes first."""
         reply: queue.Queue = queue.Queue(maxsize=1)
         self._inbox.put(_Call(fn, reply))
-        ok, value = reply.get()
+        ok, value = reply.get(timeout=timeout)
         if not ok:
             raise value
         return value
@@ -197,6 +219,8 @@ class Engine:
 
     def _handle(self, item) -> None:
         match item:
+            case _Submit(request, session):
+                self._submit(request, session)
             case _Abort(request_id):
                 self._abort(request_id)
             case WorkerResult(handle, result):
@@ -227,8 +251,19 @@ class Engine:
                 raise AssertionError(f"unknown inbox item {item!r}")
 
     # ---- requests ------------------------------------------------------------------
+    def _submit(self, request: Request, session: GatewaySession) -> None:
+        """Add a request; whatever is wrong with it is answered to it alone, on its session."""
+        try:
+            self._add(request, session)
+        except QueueFull as exc:
+            session.put_many([Rejected(request.request_id, str(exc), RejectCode.QUEUE_FULL)])
+        except RequestRejected as exc:  # the scheduler's own check of the shared limits
+            session.put_many([Rejected(request.request_id, str(exc))])
+        except NoWorker as exc:
+            session.put_many([Rejected(request.request_id, str(exc), RejectCode.UNAVAILABLE)])
+
     def _add(self, request: Request, stream: GatewaySession) -> None:
-        """Runs on the engine thread; RequestRejected reaches the submitting caller."""
+        """Runs on the engine thread; raises RequestRejected (QueueFull) or NoWorker."""
         if self._model is None:
             raise NoWorker("no worker attached yet")
         if request.request_id in self._streams:
@@ -321,7 +356,9 @@ class Engine:
         del self._replicas[replica.handle]
         self._assembly.forget(replica.handle)
         self._router.forget(replica.handle)
-        self._carried_counts += replica.scheduler.counters()  # totals go on without it
+        counts = replica.scheduler.counters()
+        self._carried_counts += counts  # totals go on without it
+        self._earlier_counts[replica.name] = self._earlier_counts.get(replica.name, collections.Counter()) + counts
         log = self._log.info if clean and not moving else self._log.warning
         log("worker_detached" if clean else "worker_lost", worker_id=replica.name, reason=reason,
             requests_moved=len(moving), replicas=len(self._replicas))
