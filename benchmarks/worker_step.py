@@ -1,7 +1,10 @@
 """CPU of the sim worker's per-step path, and of the scheduler's side of the plan/result codec.
 
     python benchmarks/worker_step.py [--rows 32 256 1024] [--steps 200] [--profile-rows 256]
-                                     [--out benchmarks/results/worker_step.json]
+                                     [--label after] [--out benchmarks/results/worker_step.json]
+
+Before / after in one file: copy this script into a checkout of the old commit and run it
+there with `--label before` and the same `--out` (the file keeps each label's run).
 
 Drives `--device sim` exactly as the worker daemon does, in one process, no gRPC and no
 sleeping: for each decode step the "scheduler" encodes a `StepPlan` (`plan_to_proto`, the
@@ -19,7 +22,8 @@ The workload is the capacity benchmark's steady state (h200 + llama3-8b-sim): `r
 requests with 512-token prompts (staggered by up to 15 tokens, so 1 in 16 gets a new KV
 block per step), registered by one prefill plan, then decode steps with placeholder inputs
 (the async loop's plans). `--profile-rows N` also prints a cProfile of the worker's path at
-N rows. `calibration_us` times `sum(range(10_000))` the same way (machine speed and load).
+N rows. `--evict-mb 64` starts every step with cold CPU caches (the daemon's steps are ~20 ms
+apart, with other processes running in between). `calibration_us` times `sum(range(10_000))` the same way (machine speed and load).
 """
 
 from __future__ import annotations
@@ -123,7 +127,8 @@ def stamp_sent(result):
     return dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
 
 
-def measure(model_dir: Path, rows: int, steps: int, profile: cProfile.Profile | None = None) -> dict:
+def measure(model_dir: Path, rows: int, steps: int, profile: cProfile.Profile | None = None,
+            evict_mb: int = 0) -> dict:
     runner = SimRunner(model_dir, load_profile("h200"), num_blocks=rows * ((PROMPT + 2 * BLOCK + steps) // BLOCK + 2),
                        block_size=BLOCK, eos_probability=0.0)
     metrics = WorkerMetrics()
@@ -132,8 +137,11 @@ def measure(model_dir: Path, rows: int, steps: int, profile: cProfile.Profile | 
     samples: dict[str, list[int]] = {p: [] for p in (*SCHEDULER_PARTS, *WORKER_PARTS)}
     sizes = (0, 0)
     cpu0 = time.process_time()
+    evict = (bytearray(evict_mb << 20), bytes(evict_mb << 20)) if evict_mb else None
     for _ in range(steps):
         plan = work.decode()
+        if evict:  # the daemon sleeps ~20 ms between steps while other processes run: cold caches
+            evict[0][:] = evict[1]
         clock = Clock()
         if profile is not None:
             profile.enable()
@@ -153,7 +161,7 @@ def measure(model_dir: Path, rows: int, steps: int, profile: cProfile.Profile | 
         "worker_us_per_step": round(worker, 1), "worker_us_per_request": round(worker / rows, 2),
         "scheduler_codec_us_per_step": round(sched, 1), "scheduler_codec_us_per_request": round(sched / rows, 2),
         "process_cpu_us_per_step": round(cpu / steps * 1e6, 1),
-        "plan_bytes": sizes[0], "result_bytes": sizes[1],
+        "plan_bytes": sizes[0], "result_bytes": sizes[1], "evict_mb": evict_mb,
     }
 
 
@@ -180,12 +188,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[32, 256, 1024])
     ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--evict-mb", type=int, default=0,
+                    help="copy this many MiB between steps (not timed), so each step starts with cold CPU caches, "
+                         "as in the daemon; 0: back-to-back steps, warm caches")
     ap.add_argument("--profile-rows", type=int, default=None, help="print a cProfile of the path at this many rows")
-    ap.add_argument("--label", default="", help="stored with the numbers (e.g. before / after)")
+    ap.add_argument("--label", default="", help="the run's key in --out (e.g. before / after); other labels are kept")
     ap.add_argument("--out", type=Path, default=None, help="write the numbers as JSON here")
     args = ap.parse_args()
     model_dir = resolve_model("llama3-8b-sim")
-    results = [measure(model_dir, rows, args.steps) for rows in args.rows]
+    results = [measure(model_dir, rows, args.steps, evict_mb=args.evict_mb) for rows in args.rows]
     print("µs per step (median over steps); per request = per step / rows")
     print_table(results)
     cal = calibration_us()
@@ -195,9 +206,17 @@ def main() -> None:
         measure(model_dir, args.profile_rows, args.steps, prof)
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"label": args.label, "calibration_us": cal, "results": results}, indent=1) + "\n")
-        print(f"wrote {args.out}")
+        write_run(args.out, args.label or "run", {"calibration_us": cal, "results": results})
+
+
+def write_run(path: Path, label: str, run: dict) -> None:
+    """Runs are kept by label in one file, so before (another checkout, same script) and after
+    land side by side: {"runs": {label: {...}}}."""
+    data = json.loads(path.read_text()) if path.is_file() else {}
+    data.setdefault("runs", {})[label] = run
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {label} into {path}")
 
 
 if __name__ == "__main__":
