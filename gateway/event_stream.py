@@ -1,7 +1,7 @@
 """How a request's scheduler events reach the asyncio code that streams them (both transports).
 
 The scheduler link's reader thread calls a request's sink once per event. `LoopEvents` turns
-those calls into puts on the request's `asyncio.Queue` with one event-loop wake-up per burst
+those calls into puts on the request's `Mailbox` with one event-loop wake-up per burst
 of events (one `call_soon_threadsafe`, i.e. one self-pipe write, per step's batch instead of
 one per request per step). `choices()` is the consumer side both the gRPC servicer and the
 HTTP server iterate: it merges the token events that queued up while the consumer was busy,
@@ -12,10 +12,40 @@ N tokens of a sequence, its first token and its end always at once).
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import AsyncIterator, Callable
 
 from stepahead.v1 import scheduler_pb2
+
+
+class Mailbox:
+    """One request's events on its event loop, for its one consumer: the part of
+    `asyncio.Queue` the merger uses (`put_nowait`, `get`, `empty`), without the queue's
+    bookkeeping (task counts, put waiters) on the per-token path. Loop thread only."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put_nowait(self, item: object) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():  # a cancelled consumer's future stays cancelled
+                waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    async def get(self) -> object:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        return self._items.popleft()
 
 
 class LoopEvents:
@@ -24,10 +54,10 @@ class LoopEvents:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, object]] = []
+        self._pending: list[tuple[Mailbox | asyncio.Queue, object]] = []
         self._scheduled = False
 
-    def sink(self, events: asyncio.Queue) -> Callable[[object], None]:
+    def sink(self, events: Mailbox | asyncio.Queue) -> Callable[[object], None]:
         def put(event: object) -> None:
             with self._lock:
                 self._pending.append((events, event))
@@ -58,7 +88,7 @@ class EventMerger:
     a sequence's tokens are also held until N of them are there (its first token and its
     final event are never held)."""
 
-    def __init__(self, events: asyncio.Queue, stream_interval: int = 1) -> None:
+    def __init__(self, events: Mailbox | asyncio.Queue, stream_interval: int = 1) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self._events = events
@@ -68,6 +98,8 @@ class EventMerger:
 
     async def next(self):
         event, self._held = (self._held, None) if self._held is not None else (await self._events.get(), None)
+        if self._interval == 1 and self._events.empty():
+            return event  # the usual case when the consumer keeps up: nothing to merge or hold
         while _mergeable(event):
             if self._events.empty() and self._due(event):
                 break
@@ -105,7 +137,7 @@ def _mergeable_into(event, more) -> bool:
             and not (event.prompt_logprobs or more.prompt_logprobs))  # prompt parts stay events of their own
 
 
-async def choices(gen, events: asyncio.Queue, stream_interval: int = 1) -> AsyncIterator:
+async def choices(gen, events: Mailbox | asyncio.Queue, stream_interval: int = 1) -> AsyncIterator:
     """The `ChoiceOutput`s of `gen` (a `generation.Generation`) until it is done."""
     merger = EventMerger(events, stream_interval)
     while not gen.done:
