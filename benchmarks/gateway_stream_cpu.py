@@ -10,7 +10,10 @@ sim worker's h200 + Llama-3-8B decode steps at 256 streams) and a real `stepahea
 client (its grpc.aio workload code, in a child process). Per round: `--streams` requests at
 once, each of `--input-len` random prompt ids and `--output-len` tokens. Reported per round:
 the gateway process's CPU (/proc, user + system) and the client process's CPU (getrusage),
-each divided by the tokens the client received. The replay scheduler's CPU is not counted.
+each divided by the tokens the client received, and the tokens per streamed message (above 1
+at stream interval 1 when the gateway fell behind the steps and merged queued tokens: fewer
+messages, less CPU per token; compare rows at the same tokens/message). The replay
+scheduler's CPU is not counted.
 
 `--baseline DIR` runs a second gateway and client from another checkout (e.g. `git archive`
 of the commit before a change) on the same replay scheduler, rounds alternating, so before
@@ -82,6 +85,7 @@ def client_round(target: str, streams: int, input_len: int, output_len: int) -> 
     results, elapsed = asyncio.run(bench.run_workload_async(target, None, workload, wargs))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"tokens": sum(r.output_len for r in results if not r.error), "failed": sum(1 for r in results if r.error),
+            "messages": sum(len(r.token_times) for r in results if not r.error),
             "wall_s": elapsed, "client_cpu_s": usage.ru_utime + usage.ru_stime - cpu0}
 
 
@@ -103,7 +107,8 @@ def one_round(target: str, pid: int, tree: Path, args, streams: int, output_len:
     r = json.loads(out.stdout.strip().splitlines()[-1])
     tokens = max(r["tokens"], 1)
     return {"tokens": r["tokens"], "failed": r["failed"], "wall_s": round(r["wall_s"], 3),
-            "output_tok_s": round(r["tokens"] / r["wall_s"]), "gateway_cpu_s": round(gw, 3),
+            "output_tok_s": round(r["tokens"] / r["wall_s"]), "tokens_per_message": round(tokens / max(r["messages"], 1), 3),
+            "gateway_cpu_s": round(gw, 3),
             "client_cpu_s": round(r["client_cpu_s"], 3), "gateway_us_per_token": round(gw / tokens * 1e6, 1),
             "client_us_per_token": round(r["client_cpu_s"] / tokens * 1e6, 1)}
 
@@ -168,7 +173,8 @@ def run_interval(args, interval: int, sched_addr: str) -> list[dict]:
         row = {"code": name, "stream_interval": interval, "rounds": rounds,
                "gateway_us_per_token": statistics.median(x["gateway_us_per_token"] for x in rounds),
                "client_us_per_token": statistics.median(x["client_us_per_token"] for x in rounds),
-               "output_tok_s": statistics.median(x["output_tok_s"] for x in rounds)}
+               "output_tok_s": statistics.median(x["output_tok_s"] for x in rounds),
+               "tokens_per_message": statistics.median(x["tokens_per_message"] for x in rounds)}
         profile = args.out.parent / f"gateway_cpu_profile_{name}_si{interval}.txt" if args.out else None
         if args.profile and profile and profile.exists():
             row["gateway_top_leaf_us_per_token"] = top_frames(profile, rounds[-1]["gateway_us_per_token"])
@@ -207,7 +213,8 @@ def main() -> None:
           f"load {os.getloadavg()[0]:.2f}, medians of {args.rounds} rounds")
     for row in rows:
         print(f"  {row['code']:<15} stream interval {row['stream_interval']}: gateway {row['gateway_us_per_token']:6.1f}"
-              f" us/token, client {row['client_us_per_token']:6.1f} us/token, {row['output_tok_s']} tok/s")
+              f" us/token, client {row['client_us_per_token']:6.1f} us/token, {row['output_tok_s']} tok/s, "
+              f"{row['tokens_per_message']:.2f} tokens/message")
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": rows,
