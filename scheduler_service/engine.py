@@ -106,9 +106,11 @@ class Engine:
         self._parked: dict[str, tuple[Request, float]] = {}  # no replica: request, monotonic deadline
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
         self._carried_counts: collections.Counter = collections.Counter()  # monotonic counters of lost replicas
+        self._earlier_counts: dict[str, collections.Counter] = {}  # ... by replica name (for /metrics)
         self.groups = GroupFormer()  # JoinGroup callers (servicer threads) -> tensor-parallel groups
         self._assembly = GroupAssembly(self.groups.formed, options.group_attach_timeout_s)  # one replica per group
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self.metrics.watch_replicas(self._metrics_snapshot)
 
     # ---- thread-safe entry points -------------------------------------------------
     def start(self) -> None:
@@ -154,15 +156,27 @@ class Engine:
 
         return self._call(snapshot)
 
+    def _metrics_snapshot(self):
+        """Every replica's stats and the earlier cores' counters by name, for a /metrics scrape
+        (nothing when the engine does not answer within 5 s: a scrape never hangs)."""
+        if self.crashed or not self._thread.is_alive():
+            return {}, {}
+        try:
+            return self._call(lambda: ({r.name: r.scheduler.stats() for r in self._replicas.values()},
+                                       {k: collections.Counter(v) for k, v in self._earlier_counts.items()}), 5.0)
+        except queue.Empty:
+            return {}, {}
+
     def flight_records(self) -> list[tuple[str, list[StepRecord]]]:
         """(worker id, its recent steps) per attached replica: one trace lane each."""
         return self._call(lambda: [(r.name, r.recorder.snapshot()) for r in self._replicas.values()])
 
-    def _call(self, fn: Callable[[], object]) -> object:
-        """Run fn on the engine thread and return its result (or raise its exception)."""
+    def _call(self, fn: Callable[[], object], timeout: float | None = None) -> object:
+        """Run fn on the engine thread and return its result (or raise its exception);
+        queue.Empty when `timeout` passes first."""
         reply: queue.Queue = queue.Queue(maxsize=1)
         self._inbox.put(_Call(fn, reply))
-        ok, value = reply.get()
+        ok, value = reply.get(timeout=timeout)
         if not ok:
             raise value
         return value
@@ -321,7 +335,9 @@ class Engine:
         del self._replicas[replica.handle]
         self._assembly.forget(replica.handle)
         self._router.forget(replica.handle)
-        self._carried_counts += replica.scheduler.counters()  # totals go on without it
+        counts = replica.scheduler.counters()
+        self._carried_counts += counts  # totals go on without it
+        self._earlier_counts[replica.name] = self._earlier_counts.get(replica.name, collections.Counter()) + counts
         log = self._log.info if clean and not moving else self._log.warning
         log("worker_detached" if clean else "worker_lost", worker_id=replica.name, reason=reason,
             requests_moved=len(moving), replicas=len(self._replicas))

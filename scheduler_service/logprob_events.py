@@ -1,4 +1,5 @@
-"""Logprobs on the scheduler: checked in a worker's result, forwarded in events (pure Python).
+"""Logprobs on the scheduler: checked in a worker's result, forwarded in events (pure Python);
+and the event of a request that committed tokens (`token_event`), which carries them.
 
 A result's logprobs are a network message like its tokens: entries only for requests that
 sampled (each naming the sampled token) or ran in the step, ids inside the vocabulary, no
@@ -13,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from scheduler_service.request import Request
+from scheduler_service.request import FinishReason, Request, RequestEvent
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import StepResult
 
@@ -76,3 +77,19 @@ def logprobs_of(result: StepResult, request_id: str) -> tuple[Logprobs, ...]:
         return ()
     outcome = result.speculation.get(request_id)
     return (*outcome.accepted_logprobs, lp) if outcome is not None else (lp,)
+
+
+def token_event(req: Request, committed: tuple[int, ...], reason: FinishReason | None,
+                lp_result: StepResult | None, prompt_lp: PromptLogprobs | None) -> RequestEvent:
+    """The event of a request that committed `committed` (its logprobs from `lp_result`, None
+    when the step has none); the extras are set only where they apply: one event per running
+    request per step."""
+    first = req.num_output_tokens == len(committed)
+    if not (first or lp_result or prompt_lp or req.num_draft_tokens):
+        return RequestEvent(req.request_id, committed, reason, len(req.prompt_token_ids), req.num_cached_tokens)
+    return RequestEvent(
+        req.request_id, committed, reason, len(req.prompt_token_ids), req.num_cached_tokens,
+        queue_time=req.queue_time if first else None,
+        logprobs=logprobs_of(lp_result, req.request_id)[: len(committed)] if lp_result else (),
+        prompt_logprobs=prompt_lp, num_draft_tokens=req.num_draft_tokens,
+        num_accepted_tokens=req.num_accepted_tokens, num_spec_steps=req.num_spec_steps)

@@ -3,16 +3,23 @@
 Names follow vLLM's `vllm:*` set under `stepahead:` where the concept is the same; gauges
 carry no `_total`. Per-replica gauges and counters carry a `replica` label (the worker id):
 `sum(stepahead:prefix_cache_hits_total)` is the scheduler's total, one series a replica's
-own. Counters are fed from each replica core's monotonic counters (deltas per replica); a
-lost replica's gauges are removed, its counter series stay (totals never go back). The engine calls these hooks from its own thread;
-prometheus_client is thread-safe.
+own. The per-replica gauges and counters are read when /metrics is scraped, never per step
+(`ReplicaStatsCollector`: one snapshot of every replica core, taken on the engine thread);
+counters come from each core's monotonic counters plus those of earlier cores under the same
+replica name (a lost replica's gauges go, its counter series stay: totals never go back).
+The engine calls the hooks below from its own thread; prometheus_client is thread-safe.
 """
 
 from __future__ import annotations
 
+import bisect
+import collections
 import time
+from collections.abc import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+from prometheus_client.utils import floatToGoString
 
 from scheduler_service.scheduler import RequestEvent, SchedulerStats
 from stepahead.flight_recorder import StepRecord
@@ -46,8 +53,8 @@ class SchedulerMetrics:
         self.registry = r
         self.ttft = Histogram(P + "time_to_first_token_seconds", "submit to first committed token", registry=r,
                               buckets=_LATENCY_BUCKETS)
-        self.itl = Histogram(P + "inter_token_latency_seconds", "between committed tokens", registry=r,
-                             buckets=_LATENCY_BUCKETS)
+        self.itl = HotHistogram(P + "inter_token_latency_seconds", "between committed tokens", _LATENCY_BUCKETS)
+        r.register(self.itl)
         self.e2e = Histogram(P + "e2e_request_latency_seconds", "submit to finish", registry=r,
                              buckets=_LATENCY_BUCKETS)
         self.queue = Histogram(P + "request_queue_time_seconds", "submit to first scheduled", registry=r,
@@ -61,9 +68,6 @@ class SchedulerMetrics:
         self.workers_attached = Gauge(P + "workers_attached", "replicas (workers) attached now", registry=r)
         self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
                                          registry=r)
-        self.gauges = {f: Gauge(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _GAUGES.items()}
-        self.counters = {f: Counter(P + name, doc, ["replica"], registry=r) for f, (name, doc) in _COUNTERS.items()}
-        self._seen: dict[str, dict[str, int]] = {}  # replica -> last value of each monotonic stat
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
         self._last_forward_end: dict[str, float] = {}  # per replica
@@ -72,45 +76,49 @@ class SchedulerMetrics:
         self._arrival[request_id] = time.monotonic()
 
     def on_events(self, events: list[RequestEvent]) -> None:
-        now = time.monotonic()
+        now, last_token, itl = time.monotonic(), self._last_token, self.itl
         for e in events:
-            arrival = self._arrival.get(e.request_id)
-            if arrival is None:
-                continue
-            if e.new_token_ids:
-                last = self._last_token.get(e.request_id)
-                if last is None:
-                    self.ttft.observe(now - arrival)
-                else:
-                    self.itl.observe((now - last) / len(e.new_token_ids))
-                self._last_token[e.request_id] = now
-            if e.queue_time is not None:
-                self.queue.observe(e.queue_time)
-            if e.finish_reason is not None:
-                self.e2e.observe(now - arrival)
-                self.finished.labels(e.finish_reason.name.lower()).inc()
-                self._arrival.pop(e.request_id, None)
-                self._last_token.pop(e.request_id, None)
+            last = last_token.get(e.request_id)
+            if last is not None and e.new_token_ids and e.finish_reason is None and e.queue_time is None:
+                itl.observe((now - last) / len(e.new_token_ids))  # a decode's event: the hot path
+                last_token[e.request_id] = now
+            else:
+                self._on_event(e, now)
+
+    def _on_event(self, e: RequestEvent, now: float) -> None:
+        arrival = self._arrival.get(e.request_id)
+        if arrival is None:
+            return
+        if e.new_token_ids:
+            last = self._last_token.get(e.request_id)
+            if last is None:
+                self.ttft.observe(now - arrival)
+            else:
+                self.itl.observe((now - last) / len(e.new_token_ids))
+            self._last_token[e.request_id] = now
+        if e.queue_time is not None:
+            self.queue.observe(e.queue_time)
+        if e.finish_reason is not None:
+            self.e2e.observe(now - arrival)
+            self.finished.labels(e.finish_reason.name.lower()).inc()
+            self._arrival.pop(e.request_id, None)
+            self._last_token.pop(e.request_id, None)
 
     def forget(self, request_id: str) -> None:
         """The request ended without an event the metrics see (refused after waiting)."""
         self._arrival.pop(request_id, None)
         self._last_token.pop(request_id, None)
 
-    def on_step(self, record: StepRecord, stats: SchedulerStats, replica: str = "") -> None:
+    def on_step(self, record: StepRecord, replica: str = "") -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
         last_end = self._last_forward_end.get(replica, 0.0)
         if record.worker.forward_start and last_end:
             self.idle_gap.observe(max(0.0, record.worker.forward_start - last_end))
         self._last_forward_end[replica] = record.worker.forward_end or last_end
-        for name, gauge in self.gauges.items():
-            gauge.labels(replica).set(getattr(stats, name))
-        seen = self._seen.setdefault(replica, dict.fromkeys(_COUNTERS, 0))
-        for name, counter in self.counters.items():
-            value = getattr(stats, name)
-            if value > seen[name]:
-                counter.labels(replica).inc(value - seen[name])
-            seen[name] = value
+
+    def watch_replicas(self, snapshot: Callable[[], ReplicaSnapshot]) -> None:
+        """Serve the per-replica gauges and counters from `snapshot()` at scrape time."""
+        self.registry.register(ReplicaStatsCollector(snapshot))
 
     def on_replica_attached(self, num_replicas: int) -> None:
         self.workers_attached.set(num_replicas)
@@ -122,9 +130,63 @@ class SchedulerMetrics:
         self.requests_migrated.inc(num_moved)
         self.workers_attached.set(num_left)
         self._last_forward_end.pop(replica, None)
-        self._seen.pop(replica, None)
-        for gauge in self.gauges.values():
-            try:
-                gauge.remove(replica)
-            except KeyError:  # that replica never finished a step
-                pass
+
+
+# (each attached replica's stats by name, the monotonic counters of earlier cores by replica name)
+ReplicaSnapshot = tuple[Mapping[str, SchedulerStats], Mapping[str, collections.Counter]]
+
+
+class ReplicaStatsCollector:
+    """The `replica`-labelled gauges and counters, built from one snapshot per scrape."""
+
+    def __init__(self, snapshot: Callable[[], ReplicaSnapshot]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self):
+        gauges, counters = self._families()
+        return [*gauges.values(), *counters.values()]
+
+    @staticmethod
+    def _families() -> tuple[dict[str, GaugeMetricFamily], dict[str, CounterMetricFamily]]:
+        return ({f: GaugeMetricFamily(P + name, doc, labels=["replica"]) for f, (name, doc) in _GAUGES.items()},
+                {f: CounterMetricFamily(P + name, doc, labels=["replica"]) for f, (name, doc) in _COUNTERS.items()})
+
+    def collect(self):
+        live, earlier = self._snapshot()
+        gauges, counters = self._families()
+        for field, family in gauges.items():
+            for replica, stats in live.items():
+                family.add_metric([replica], getattr(stats, field))
+        for field, family in counters.items():
+            for replica in {**earlier, **live}:
+                now = getattr(live[replica], field) if replica in live else 0
+                family.add_metric([replica], now + earlier.get(replica, {}).get(field, 0))
+        yield from gauges.values()
+        yield from counters.values()
+
+
+class HotHistogram:
+    """A Prometheus histogram for a per-token hot path, observed from one thread (the engine's):
+    an observation is a bisect and two adds, no lock (prometheus_client's `Histogram.observe`
+    takes two locks and scans the buckets). Exposed as a collector: read at scrape time from one
+    copy of the counts (a single C-level list copy, atomic under the GIL)."""
+
+    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
+        self._name, self._doc, self._bounds = name, documentation, tuple(buckets)
+        self._counts = [0] * (len(self._bounds) + 1) + [0.0]  # per bucket (le), +Inf, then the sum
+
+    def observe(self, value: float) -> None:
+        counts = self._counts
+        counts[bisect.bisect_left(self._bounds, value)] += 1
+        counts[-1] += value
+
+    def describe(self):
+        return [HistogramMetricFamily(self._name, self._doc)]
+
+    def collect(self):
+        counts = list(self._counts)
+        total, cumulative, buckets = counts.pop(), 0, []
+        for bound, n in zip((*self._bounds, float("inf")), counts):
+            cumulative += n
+            buckets.append((floatToGoString(bound), cumulative))
+        return [HistogramMetricFamily(self._name, self._doc, buckets=buckets, sum_value=total)]

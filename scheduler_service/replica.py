@@ -63,15 +63,14 @@ class Replica:
         record = self.recorder.get(plan.step_id)
         if record is not None:
             record.commit_start, record.result_committed, record.worker = start, time.time(), result.timing
-            metrics.on_step(record, self.scheduler.stats(), self.name)
+            metrics.on_step(record, self.name)
         return events
 
     def _record(self, plan: StepPlan, start: float) -> StepRecord:
-        stats = self.scheduler.stats()
         record = StepRecord(
             step_id=plan.step_id, schedule_start=start, schedule_end=time.time(),
             num_requests=plan.num_requests, num_tokens=plan.num_scheduled_tokens,
-            num_running=stats.num_running, num_waiting=stats.num_waiting, replica=self.name,
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting, replica=self.name,
         )
         self.recorder.add(record)
         return record

@@ -22,7 +22,7 @@ from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
-from scheduler_service.logprob_events import logprobs_of, take_prompt_logprobs
+from scheduler_service.logprob_events import take_prompt_logprobs, token_event
 from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.speculation import draft_allowance, settle
 from scheduler_service.request import (
@@ -36,7 +36,7 @@ from scheduler_service.request import (
 )
 from scheduler_service.stats import SchedulerStats, build_stats
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
-from scheduler_service.token_rules import commit_run, num_new_tokens
+from scheduler_service.token_rules import commit_one, commit_run, num_new_tokens
 from stepahead.plan import StepPlan, StepResult
 
 __all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
@@ -156,13 +156,14 @@ class Scheduler:
     def _schedule_running(self, b: StepBuilder, now: float) -> bool:
         """Advance running requests in policy order; returns True if one was deferred
         waiting for a fence."""
-        running, bs = self._running, self.config.block_size
+        running, cfg = self._running, self.config
+        bs, speculating = cfg.block_size, cfg.num_speculative_tokens > 0
         deferred, i = False, 0
         while i < len(running) and b.token_budget > 0 and b.seq_budget > 0:
             req = running[i]
             remaining = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
-            n = num_new_tokens(self.config, req, remaining, b.token_budget)
-            drafts = draft_allowance(self.config, req, b.token_budget) if n == remaining == 1 else 0
+            n = num_new_tokens(cfg, req, remaining, b.token_budget)
+            drafts = draft_allowance(cfg, req, b.token_budget) if speculating and n == remaining == 1 else 0
             n += drafts
             if n:
                 first_new_block = len(req.block_ids)
@@ -347,39 +348,35 @@ class Scheduler:
             self._counts["spec_num_draft_tokens"] += outcome.num_draft_tokens
             self._counts["spec_num_accepted_tokens"] += len(outcome.accepted_token_ids)
         events, tokens, failed = [], result.sampled_token_ids, result.failed
-        caching, bs = self.config.enable_prefix_caching, self.config.block_size
+        cfg, eos, with_lp, prompt_lps = self.config, self._eos, bool(result.logprobs), result.prompt_logprobs
+        caching, bs = cfg.enable_prefix_caching, cfg.block_size
         for req, epoch, num_tokens, samples, drafts in record.entries:
             if req.epoch != epoch:
                 continue  # preempted, finished or aborted since the plan was built: stale
-            if failed and req.request_id in failed:
+            rid = req.request_id
+            if failed and rid in failed:
                 self._finish(req, FinishReason.ERROR)
-                events.append(RequestEvent(req.request_id, (), FinishReason.ERROR, req.num_prompt_tokens, req.num_cached_tokens,
-                                           f"worker: {failed[req.request_id]}", rejected=req.request_id in result.invalid_ids))
+                events.append(RequestEvent(rid, (), FinishReason.ERROR, req.num_prompt_tokens, req.num_cached_tokens,
+                                           f"worker: {failed[rid]}", rejected=rid in result.invalid_ids))
                 continue
-            prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
+            prompt_lp = take_prompt_logprobs(req, result) if prompt_lps else None
             if not samples:
                 req.num_computed_tokens += num_tokens
             elif drafts:
-                committed, reason = commit_run(self.config, self._eos, req, settle(req, num_tokens, drafts, result))
+                committed, reason = commit_run(cfg, eos, req, settle(req, num_tokens, drafts, result))
             else:
                 req.num_computed_tokens += num_tokens
                 req.num_output_placeholders -= 1
-                committed, reason = commit_run(self.config, self._eos, req, (tokens[req.request_id],))
-            if caching and min(req.num_computed_tokens, req.num_tokens) >= (len(req.prefix_ids) + 1) * bs:
+                token = tokens[rid]
+                committed, reason = (token,), commit_one(cfg, eos, req, token)
+            if caching and req.num_computed_tokens >= (len(req.prefix_ids) + 1) * bs <= req.num_tokens:
                 self._kv.register_computed(req)
             if samples:
-                first = req.num_output_tokens == len(committed)
                 if reason is not None:
                     self._finish(req, reason)
-                events.append(
-                    RequestEvent(req.request_id, committed, reason, len(req.prompt_token_ids), req.num_cached_tokens,
-                                 queue_time=req.queue_time if first else None,
-                                 logprobs=logprobs_of(result, req.request_id)[: len(committed)], prompt_logprobs=prompt_lp,
-                                 num_draft_tokens=req.num_draft_tokens, num_accepted_tokens=req.num_accepted_tokens,
-                                 num_spec_steps=req.num_spec_steps)
-                )
+                events.append(token_event(req, committed, reason, result if with_lp else None, prompt_lp))
             elif prompt_lp is not None:
-                events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
+                events.append(RequestEvent(rid, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
         return events
 
     # ---- introspection -------------------------------------------------------------------------
@@ -389,6 +386,14 @@ class Scheduler:
     def waiting_requests(self) -> list[Request]:
         return self._waiting.requests()
 
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
     def stats(self) -> SchedulerStats:
         return build_stats(self._kv, self._counts, len(self._running), len(self._waiting), len(self._swapped),
                            len(self._in_flight))
@@ -397,3 +402,4 @@ class Scheduler:
         """Pool accounting, ref counts vs owners, queue membership, per-request counters."""
         check_core(self.config, self._requests, self._running, self._swapped, self._waiting, self._kv,
                    [p.step_id for p in self._in_flight], self._next_step_id)
+

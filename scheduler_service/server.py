@@ -156,8 +156,10 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo, scope
 def add_event(batch: scheduler_pb2.EventBatch, event: RequestEvent, scope_len: int = 0) -> None:
     """Append `event` to `batch`, setting only the fields that differ from their defaults
     (the fan-out's hot path: one event per running request per step)."""
-    msg = batch.events.add(request_id=event.request_id[scope_len:], token_ids=event.new_token_ids,
-                           num_prompt_tokens=event.num_prompt_tokens)
+    msg = batch.events.add()  # then fields one by one: ~2x faster than add(**fields) on upb
+    msg.request_id = event.request_id[scope_len:]
+    msg.token_ids.extend(event.new_token_ids)
+    msg.num_prompt_tokens = event.num_prompt_tokens
     if event.finish_reason is not None:
         msg.finish_reason = codec.finish_reason_to_proto(event.finish_reason)
     if event.num_cached_tokens:

@@ -11,7 +11,7 @@ from scheduler_service.speculation import check_outcomes
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledEntry:
     request: Request
     num_new_tokens: int
@@ -111,7 +111,6 @@ class StepBuilder:
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
             samples = end - drafts == req.num_tokens + req.num_output_placeholders
-            assert samples or not drafts, "only a sampling decode speculates"
             if entry.is_new:
                 assert req.num_output_placeholders == 0, "a request sent in full has no placeholders"
                 new_reqs.append(
@@ -124,12 +123,14 @@ class StepBuilder:
             else:
                 placeholder = start >= req.num_tokens
                 assert not placeholder or n - drafts == 1, "a placeholder input is always a single decode"
-                running.append(RunningRequest(req.request_id, tuple(req.block_ids[entry.first_new_block :]), n,
-                                              placeholder, drafts))
+                first, blocks = entry.first_new_block, req.block_ids
+                running.append(RunningRequest(req.request_id, tuple(blocks[first:]) if first < len(blocks) else (),
+                                              n, placeholder, drafts))
             if samples:
                 req.num_output_placeholders += 1 + drafts  # worst case: every draft accepted
                 sampling.append(req.request_id)
             if drafts:
+                assert samples, "only a sampling decode speculates"
                 allowance[req.request_id] = drafts
             req.last_step_id = step_id
             in_flight.append((req, req.epoch, n, samples, drafts))

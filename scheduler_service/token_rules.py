@@ -51,3 +51,9 @@ def commit_run(cfg: SchedulerConfig, eos: frozenset[int], req: Request,
         if reason is not None:
             return new[: i + 1], reason
     return new, None
+
+
+def commit_one(cfg: SchedulerConfig, eos: frozenset[int], req: Request, token: int) -> FinishReason | None:
+    """`commit_run` of one sampled token (a plain decode: the hot path, one call less)."""
+    req.commit_token(token)
+    return stop_reason(cfg, eos, req, token)

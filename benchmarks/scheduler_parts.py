@@ -1,0 +1,117 @@
+"""The scheduler daemon's CPU per decode step, part by part, in one process (no gRPC).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/scheduler_parts.py [--running 32 256 1024] [--steps 300]
+        [--out benchmarks/results/scheduler_parts.json]
+
+Each step does what the daemon's engine does for one replica with N running decode requests
+(and 1k waiting ones that cannot be admitted): `schedule()`, the plan encoded as the worker
+gets it (`plan_to_proto` + serialize), the worker's result parsed and decoded
+(`result_from_proto`), `update_from_output`, the metrics hooks, and the event fan-out (one
+`EventBatch` per gateway session, encoded and serialized). A minimal worker stand-in (not
+timed) answers each plan. What this leaves out is the daemon's gRPC and thread hand-offs:
+`benchmarks/capacity.py --profile-cpu` measures those in the real daemons.
+Async scheduling (two plans in flight), medians of per-step process CPU time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+
+from benchmarks.scheduler import NUM_WAITING, EchoWorker, add, make_scheduler
+from scheduler_service.metrics import SchedulerMetrics
+from scheduler_service.server import batch_to_proto
+from stepahead import codec
+from stepahead.flight_recorder import StepRecord
+from stepahead.plan import WorkerTiming
+from stepahead.v1 import scheduler_pb2
+
+PARTS = ("schedule", "plan encode", "result decode", "update", "metrics", "event fan-out")
+
+
+class Parts:
+    """One replica's per-step path with a CPU stopwatch per part."""
+
+    def __init__(self, num_running: int, num_sessions: int) -> None:
+        self.sched = make_scheduler(num_running, True)
+        self.worker, self.metrics = EchoWorker(), SchedulerMetrics()
+        self.in_flight: deque = deque()
+        self.times = {p: 0.0 for p in PARTS}
+        self.num_sessions = num_sessions
+        self.scope = "1/"
+
+    def _timed(self, part: str, fn, *args):
+        t0 = time.process_time()
+        out = fn(*args)
+        self.times[part] += time.process_time() - t0
+        return out
+
+    def step(self) -> dict[str, float]:
+        self.times = dict.fromkeys(PARTS, 0.0)
+        while self.sched.can_schedule():
+            plan = self._timed("schedule", self.sched.schedule)
+            if plan is None:
+                break
+            self._timed("plan encode", lambda p: codec.plan_to_proto(p).SerializeToString(), plan)
+            wire = codec.result_to_proto(self.worker.execute(plan)).SerializeToString()
+            self.in_flight.append((plan, wire))
+        plan, wire = self.in_flight.popleft()
+        result = self._timed("result decode", lambda w: codec.result_from_proto(scheduler_pb2.StepResult.FromString(w)),
+                             wire)
+        events = self._timed("update", self.sched.update_from_output, plan, result)
+        record = StepRecord(step_id=plan.step_id, schedule_start=0.0, schedule_end=1e-4, num_requests=0, num_tokens=0,
+                            num_running=0, num_waiting=0, worker=WorkerTiming())
+        self._timed("metrics", lambda: (self.metrics.on_events(events), self.metrics.on_step(record, "r0")))
+        self._timed("event fan-out", self._fan_out, events)
+        return self.times
+
+    def _fan_out(self, events) -> None:
+        """Events grouped per gateway session (request i on session i % sessions), encoded."""
+        batches: list[list] = [[] for _ in range(self.num_sessions)]
+        for i, event in enumerate(events):
+            batches[i % self.num_sessions].append(event)
+        for batch in batches:
+            batch_to_proto(batch, len(self.scope)).SerializeToString()
+
+
+def measure(num_running: int, steps: int, num_sessions: int) -> dict:
+    parts = Parts(num_running, num_sessions)
+    add(parts.sched, parts.scope + "run", num_running)
+    for i in range(num_running):
+        parts.metrics.on_submit(f"{parts.scope}run{i}")
+    while parts.sched.num_running < num_running:
+        parts.step()
+    for _ in range(4):
+        parts.step()
+    add(parts.sched, parts.scope + "wait", NUM_WAITING)
+    rows = [parts.step() for _ in range(steps)]
+    assert parts.sched.num_running == num_running, parts.sched.stats()
+    parts.sched.check_integrity()
+    out = {"running": num_running, "gateway_sessions": num_sessions}
+    out.update({f"{p}_ms": statistics.median(r[p] for r in rows) * 1e3 for p in PARTS})
+    out["total_ms"] = statistics.median(sum(r.values()) for r in rows) * 1e3
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", type=int, nargs="+", default=[32, 256, 1024])
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--gateway-sessions", type=int, default=1)
+    parser.add_argument("--out", help="write the rows as JSON")
+    args = parser.parse_args()
+    rows = [measure(n, args.steps, args.gateway_sessions) for n in args.running]
+    print(f"{'running':>8} " + " ".join(f"{p:>14}" for p in PARTS) + f" {'total':>8}  (ms CPU per step, median)")
+    for r in rows:
+        print(f"{r['running']:>8} " + " ".join(f"{r[p + '_ms']:>14.3f}" for p in PARTS) + f" {r['total_ms']:>8.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
