@@ -31,6 +31,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -46,6 +47,30 @@ REPO = HERE.parent
 def proc_cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
+
+
+def python_thread_names(pid: int) -> dict[int, str]:
+    """OS thread id -> Python thread name, from one `py-spy dump` (Python 3.11 does not name
+    OS threads); {} when py-spy is not there."""
+    spy = Path(sys.executable).with_name("py-spy")
+    if not spy.exists():
+        return {}
+    dump = subprocess.run([str(spy), "dump", "-p", str(pid)], capture_output=True, text=True, timeout=60).stdout
+    return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
+
+
+def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
+    """CPU seconds (user + system) per thread of process `pid`: Python threads by their name,
+    the others (grpc core's) by their OS name, threads of one name summed."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended
+        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
+        out[names.get(int(task.name), f"{comm} (not Python)")] += (int(fields[11]) + int(fields[12])) / TICK
+    return out
 
 
 def start(argv: list[str], tree: Path) -> subprocess.Popen:
@@ -96,11 +121,12 @@ def one_round(target: str, pid: int, tree: Path, args, streams: int, output_len:
                                 "-o", str(spy_out), "-p", str(pid)], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
-    gw0 = proc_cpu(pid)
+    names = python_thread_names(pid)
+    gw0, threads0 = proc_cpu(pid), thread_cpu(pid, names)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-round", target, "--streams",
                           str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len)],
                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
-    gw = proc_cpu(pid) - gw0
+    gw, threads = proc_cpu(pid) - gw0, thread_cpu(pid, names)
     if spy is not None:
         spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
         spy.wait(60)
@@ -110,7 +136,10 @@ def one_round(target: str, pid: int, tree: Path, args, streams: int, output_len:
             "output_tok_s": round(r["tokens"] / r["wall_s"]), "tokens_per_message": round(tokens / max(r["messages"], 1), 3),
             "gateway_cpu_s": round(gw, 3),
             "client_cpu_s": round(r["client_cpu_s"], 3), "gateway_us_per_token": round(gw / tokens * 1e6, 1),
-            "client_us_per_token": round(r["client_cpu_s"] / tokens * 1e6, 1)}
+            "client_us_per_token": round(r["client_cpu_s"] / tokens * 1e6, 1),
+            "gateway_threads_us_per_token": {name: round((t - threads0.get(name, 0.0)) / tokens * 1e6, 1)
+                                             for name, t in sorted(threads.items(), key=lambda kv: -kv[1])
+                                             if t - threads0.get(name, 0.0) > 0}}
 
 
 def top_frames(path: Path, us_per_token: float, n: int = 15) -> dict[str, float]:
