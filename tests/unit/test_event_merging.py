@@ -121,3 +121,20 @@ def test_a_held_sequence_sleeps_until_its_interval_is_queued():
     assert slept
     assert list(held.token_ids) == [2, 3, 4, 5]
     assert list(partial.token_ids) == [6] and other.request_id == "r#1"
+
+
+def test_a_consumer_cancelled_while_waiting_leaves_the_mailbox_usable():
+    """A client that goes away cancels its task inside `get`; the reader's later events must
+    still be accepted (no InvalidStateError from the cancelled future) and stay in order."""
+
+    async def run():
+        q = Mailbox()
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        q.put_nowait(1)
+        q.put_nowait(2)
+        return waiting.cancelled(), [await q.get(), await q.get()], q.empty()
+
+    assert asyncio.run(run()) == (True, [1, 2], True)
