@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 from scheduler_service.config import SchedulerConfig, SchedulingPolicy
 from scheduler_service.request import Request
@@ -37,6 +38,12 @@ class QueuePolicy(ABC):
 
     def is_aged(self, request: Request, now: float) -> bool:
         return False
+
+    def pick_victim(self, candidate: Request, worst_first: Iterable[Request], now: float) -> Request | None:
+        """The running request (given worst first) that the waiting `candidate` preempts to
+        get admitted, or None: the worst one, if the candidate may preempt it."""
+        victim = next(iter(worst_first), None)
+        return victim if victim is not None and self.may_preempt(candidate, victim, now) else None
 
 
 class FcfsPolicy(QueuePolicy):
@@ -108,6 +115,12 @@ class ScorePolicy(QueuePolicy):
         if self.is_aged(candidate, now):
             return True
         return candidate.priority < victim.priority and victim.num_preemptions == 0
+
+    def pick_victim(self, candidate: Request, worst_first: Iterable[Request], now: float) -> Request | None:
+        """The worst running request the candidate may preempt, not only the worst one: when
+        the worst was preempted before (so it is protected), a worse-priority request above
+        it in the order is taken instead of leaving the candidate to wait for a slot."""
+        return next((v for v in worst_first if self.may_preempt(candidate, v, now)), None)
 
 
 def make_policy(config: SchedulerConfig) -> QueuePolicy:
