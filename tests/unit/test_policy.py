@@ -171,3 +171,33 @@ def test_score_policy_preempts_the_worst_request_it_may_not_only_the_worst_one()
     assert protected.num_preemptions == 1 and protected.status is RequestStatus.RUNNING
     assert fresh.num_preemptions == 1 and fresh.status is RequestStatus.PREEMPTED
     assert d.scheduler.get_request("urgent2").status is RequestStatus.RUNNING
+
+
+def test_score_policy_preempts_a_request_past_its_first_token_before_one_still_in_prefill():
+    """Of the worst-priority running requests, a priority-0 arrival takes one that has
+    streamed its first token, not the worse-scored one still in prefill (whose whole wait
+    would go into its TTFT again: at 1.0x those missed the 2 s TTFT goodput target)."""
+    d = _score_driver(max_num_batched_tokens=8)
+    d.scheduler.add_request(req("decoding", None, priority=2, max_tokens=30))
+    d.tick()
+    d.tick()
+    d.scheduler.add_request(req("prefilling", None, priority=2, prompt_len=40, max_tokens=2))
+    d.tick()  # 7 of its 40 prompt tokens: no token yet
+    decoding, prefilling = d.scheduler.get_request("decoding"), d.scheduler.get_request("prefilling")
+    assert decoding.num_output_tokens > 0 and prefilling.num_output_tokens == 0
+    assert d.scheduler._running[-1] is prefilling, "the request in prefill has the worse score"
+    d.scheduler.add_request(req("urgent", None, priority=0, max_tokens=2))
+    d.tick()
+    d.scheduler.check_integrity()
+    assert decoding.status is RequestStatus.PREEMPTED and decoding.num_preemptions == 1
+    assert prefilling.status is RequestStatus.RUNNING and prefilling.num_preemptions == 0
+
+
+def test_score_default_length_weight_bounds_how_long_a_long_request_is_passed_over():
+    """Default weights: 1000 more remaining tokens are worth 5 s of waiting, so a long request
+    goes ahead of a same-priority short one arriving 6 s after it (at 10 s per 1000 tokens,
+    long priority-2 requests waited past the 2 s TTFT target at 1.0x load)."""
+    q = queue_for(SchedulingPolicy.SCORE)
+    q.push(req("long", 0.0, priority=2, max_tokens=1000))
+    q.push(req("short-later", 6.0, priority=2))
+    assert drain(q, now=6.0) == ["long", "short-later"]
