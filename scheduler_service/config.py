@@ -51,7 +51,7 @@ class SchedulerConfig:
     #                       - w_wait * seconds waited; lowest score first.
     score_priority_weight: float = 10.0  # seconds of waiting one priority level is worth (w_wait = 1)
     score_wait_weight: float = 1.0
-    score_length_weight: float = 0.01
+    score_length_weight: float = 0.005
     # score policy: a request waiting longer than this (clock units) jumps ahead of every
     # younger request and may preempt running work that has not aged. inf disables aging.
     max_wait_time: float = 30.0

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 
 from scheduler_service.config import SchedulerConfig, SchedulingPolicy
 from scheduler_service.request import Request
@@ -38,6 +39,12 @@ class QueuePolicy(ABC):
     def is_aged(self, request: Request, now: float) -> bool:
         return False
 
+    def pick_victim(self, candidate: Request, worst_first: Iterable[Request], now: float) -> Request | None:
+        """The running request (given worst first) that the waiting `candidate` preempts to
+        get admitted, or None: the worst one, if the candidate may preempt it."""
+        victim = next(iter(worst_first), None)
+        return victim if victim is not None and self.may_preempt(candidate, victim, now) else None
+
 
 class FcfsPolicy(QueuePolicy):
     def static_key(self, request: Request) -> tuple:
@@ -61,7 +68,10 @@ class ScorePolicy(QueuePolicy):
 
     With the default weights one priority level is worth 10 s of waiting (w_p / w_w), so
     under overload a priority-0 request goes ahead of priority-2 work queued up to 20 s
-    before it (`benchmarks/policies.py` measured 1 s per level to lose that race).
+    before it (`benchmarks/policies.py` measured 1 s per level to lose that race); 1000
+    remaining tokens are worth 5 s (w_l / w_w): short requests go first, but a long one is
+    passed over by same-priority arrivals of at most the next few seconds (at 10 s per 1000
+    tokens, long requests waited past the 2 s TTFT target at 1.0x load).
 
     The wait term is `w_w * (now - arrival)`; `-w_w * now` is common to all requests, so
     the order is static: `w_p * priority + w_l * remaining + w_w * arrival`. A request that
@@ -108,6 +118,19 @@ class ScorePolicy(QueuePolicy):
         if self.is_aged(candidate, now):
             return True
         return candidate.priority < victim.priority and victim.num_preemptions == 0
+
+    def pick_victim(self, candidate: Request, worst_first: Iterable[Request], now: float) -> Request | None:
+        """Among the running requests the candidate may preempt (not only the worst one: a
+        protected, once-preempted tail must not leave the candidate waiting for a slot), those
+        of the worst priority; of these the worst-scored one that has streamed its first token
+        (its TTFT is met: preemption stalls its stream for a while, spread over its TPOT),
+        else the worst-scored one (one still before its first token pays the wait in TTFT)."""
+        eligible = [v for v in worst_first if self.may_preempt(candidate, v, now)]
+        if not eligible:
+            return None
+        worst = max(v.priority for v in eligible)
+        eligible = [v for v in eligible if v.priority == worst]
+        return next((v for v in eligible if v.num_output_tokens), eligible[0])
 
 
 def make_policy(config: SchedulerConfig) -> QueuePolicy:

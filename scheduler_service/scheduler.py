@@ -248,13 +248,11 @@ class Scheduler:
         return _Admission.OK
 
     def _policy_victim(self, candidate: Request, b: StepBuilder, now: float) -> Request | None:
-        """The worst running request the waiting `candidate` may preempt, if any."""
+        """The running request the policy lets the waiting `candidate` preempt, if any."""
         if not self._policy.can_preempt_running:
             return None
-        victim = next((r for r in reversed(self._running) if not b.is_scheduled_new(r)), None)
-        if victim is None or not self._policy.may_preempt(candidate, victim, now):
-            return None
-        return victim
+        worst_first = (r for r in reversed(self._running) if not b.is_scheduled_new(r))
+        return self._policy.pick_victim(candidate, worst_first, now)
 
     # ---- status transitions --------------------------------------------------------------
     def _admit(self, req: Request, hit: PrefixHit, n: int, b: StepBuilder, now: float) -> None:

@@ -64,7 +64,7 @@ class SchedulerDaemonConfig:
     )
     score_priority_weight: float = cfg.field(10.0, "score policy: weight of the priority value")
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
-    score_length_weight: float = cfg.field(0.01, "score policy: weight of remaining tokens")
+    score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
     routing_policy: RoutingPolicy = cfg.field(RoutingPolicy.CACHE_AWARE, "which replica takes a new request")
     balance_abs_threshold: int = cfg.field(
