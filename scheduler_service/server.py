@@ -293,7 +293,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         handle = self.engine.attach_worker(info, outbox)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
         for plan in outbox:
-            yield scheduler_pb2.SchedulerMessage(plan=codec.plan_to_proto(plan))
+            msg = scheduler_pb2.SchedulerMessage()
+            codec.plan_to_proto(plan, msg.plan)  # in place: no copy of a finished plan message
+            yield msg
         if outbox.error is not None:  # refused or dropped: the worker learns why
             self.log.warning("worker_stream_closed", worker_id=info.worker_id, error=str(outbox.error))
             context.abort(REFUSAL_STATUS[outbox.error.kind], str(outbox.error))

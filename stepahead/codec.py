@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 from itertools import accumulate, chain, compress, repeat
-from functools import partial
 
 from stepahead.flight_recorder import StepRecord
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
@@ -23,6 +22,7 @@ from stepahead.plan import (
     StructuredOutput,
     WorkerInfo,
     WorkerTiming,
+    running_request,
 )
 from stepahead.v1 import common_pb2, scheduler_pb2
 
@@ -137,10 +137,14 @@ def logprobs_from_proto(msg: common_pb2.Logprobs) -> Logprobs:
     return Logprobs(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
-def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
-    msg = scheduler_pb2.StepPlan(
-        step_id=plan.step_id,
-        new_requests=[
+def plan_to_proto(plan: StepPlan, out: scheduler_pb2.StepPlan | None = None) -> scheduler_pb2.StepPlan:
+    """The plan as a message; filled into `out` when given (e.g. a `SchedulerMessage`'s
+    `plan`: building a message around a finished one copies it)."""
+    msg = scheduler_pb2.StepPlan() if out is None else out
+    msg.SetInParent()
+    msg.step_id = plan.step_id
+    if plan.new_requests:
+        msg.new_requests.extend(
             scheduler_pb2.NewRequest(
                 request_id=r.request_id,
                 token_ids=r.token_ids,
@@ -151,12 +155,12 @@ def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
                 num_prompt_tokens=len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens,
             )
             for r in plan.new_requests
-        ],
-        finished_ids=plan.finished_ids,
-        preempted_ids=plan.preempted_ids,
-        swap_out=[scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_out],
-        swap_in=[scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_in],
-    )
+        )
+    msg.finished_ids.extend(plan.finished_ids)
+    msg.preempted_ids.extend(plan.preempted_ids)
+    if plan.swap_out or plan.swap_in:
+        msg.swap_out.extend(scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_out)
+        msg.swap_in.extend(scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_in)
     if plan.running:
         _running_to_proto(plan.running, msg.running)
     return msg
@@ -206,10 +210,7 @@ def _running_from_proto(d: scheduler_pb2.RunningDeltas) -> tuple[RunningRequest,
         if len(column) != n:
             raise ValueError(f"StepPlan.running.{name}: {len(column)} entries for {n} request_ids")
     blocks = _split_blocks(d.new_block_ids, d.num_new_blocks) if d.new_block_ids else repeat((), n)
-    return tuple(map(_running_request, zip(ids, blocks, *columns[:3])))
-
-
-_running_request = partial(tuple.__new__, RunningRequest)  # from one zipped row, no Python-level call
+    return tuple(map(running_request, zip(ids, blocks, *columns[:3])))
 
 
 def _split_blocks(flat, counts) -> list[tuple[int, ...]]:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
@@ -151,6 +152,11 @@ class RunningRequest(NamedTuple):
     num_scheduled_tokens: int  # tokens to compute this step (1 for a decode)
     input_is_placeholder: bool = False  # decode input is a token not yet reported back
     num_draft_tokens: int = 0  # speculative decode: drafts the worker may propose and verify (<= K)
+
+
+# A RunningRequest from one (request_id, new_block_ids, num_scheduled_tokens, input_is_placeholder,
+# num_draft_tokens) tuple, all five given: no Python-level __new__ (the per-request hot path).
+running_request = partial(tuple.__new__, RunningRequest)
 
 
 @dataclass(frozen=True)
