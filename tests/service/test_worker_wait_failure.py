@@ -80,7 +80,7 @@ def test_a_failure_in_wait_is_reported_and_the_worker_reattaches(tiny_model_dir,
         assert scripted.sessions[0].get(timeout=TIMEOUT_S), "the stream must end after a fatal error"
         second = scripted.sessions[1].get(timeout=TIMEOUT_S)  # re-attached, state reset: "r" is new again
         assert second is not None and second.HasField("result"), second
-        assert set(second.result.sampled_request_ids) == {"r"}
+        assert list(second.result.sampled_request_ids) == ["r"]
     finally:
         stop.set()
         worker.join(timeout=TIMEOUT_S)
