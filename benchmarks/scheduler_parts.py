@@ -56,7 +56,7 @@ class Parts:
             plan = self._timed("schedule", self.sched.schedule)
             if plan is None:
                 break
-            self._timed("plan encode", lambda p: codec.plan_to_proto(p).SerializeToString(), plan)
+            self._timed("plan encode", self._encode_plan, plan)
             wire = codec.result_to_proto(self.worker.execute(plan)).SerializeToString()
             self.in_flight.append((plan, wire))
         plan, wire = self.in_flight.popleft()
@@ -68,6 +68,13 @@ class Parts:
         self._timed("metrics", lambda: (self.metrics.on_events(events), self.metrics.on_step(record, "r0")))
         self._timed("event fan-out", self._fan_out, events)
         return self.times
+
+    @staticmethod
+    def _encode_plan(plan) -> bytes:
+        """As the daemon's AttachWorker writer: the plan built inside its SchedulerMessage."""
+        msg = scheduler_pb2.SchedulerMessage()
+        codec.plan_to_proto(plan, msg.plan)
+        return msg.SerializeToString()
 
     def _fan_out(self, events) -> None:
         """Events grouped per gateway session (request i on session i % sessions), encoded."""

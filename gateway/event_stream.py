@@ -1,7 +1,7 @@
 """How a request's scheduler events reach the asyncio code that streams them (both transports).
 
 The scheduler link's reader thread calls a request's sink once per event. `LoopEvents` turns
-those calls into puts on the request's `asyncio.Queue` with one event-loop wake-up per burst
+those calls into puts on the request's `Mailbox` with one event-loop wake-up per burst
 of events (one `call_soon_threadsafe`, i.e. one self-pipe write, per step's batch instead of
 one per request per step). `choices()` is the consumer side both the gRPC servicer and the
 HTTP server iterate: it merges the token events that queued up while the consumer was busy,
@@ -12,10 +12,65 @@ N tokens of a sequence, its first token and its end always at once).
 from __future__ import annotations
 
 import asyncio
+import collections
 import threading
 from collections.abc import AsyncIterator, Callable
 
 from stepahead.v1 import scheduler_pb2
+
+
+class Mailbox:
+    """One request's events on its event loop, for its one consumer: `put_nowait`, `get`,
+    `get_nowait`, `empty` like `asyncio.Queue`, without the queue's bookkeeping (task counts,
+    put waiters) on the per-token path; and `wait_tokens`, which sleeps until enough of a
+    sequence's tokens are queued (the stream interval), so a consumer holding tokens is not
+    woken once per token. Loop thread only."""
+
+    __slots__ = ("_items", "_waiter", "_hold_for", "_hold_tokens")
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._hold_for = None  # with wait_tokens: the event whose sequence's tokens are awaited
+        self._hold_tokens = 0  # ... and how many more of them are needed
+
+    def put_nowait(self, item: object) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is None:
+            return
+        if self._hold_for is not None and _mergeable(item) and _mergeable_into(self._hold_for, item):
+            self._hold_tokens -= len(item.token_ids)
+            if self._hold_tokens > 0:
+                return  # more of the same sequence, not enough yet: the consumer sleeps on
+        self._waiter = None
+        if not waiter.done():  # a cancelled consumer's future stays cancelled
+            waiter.set_result(None)
+
+    def empty(self) -> bool:
+        return not self._items
+
+    def get_nowait(self) -> object:
+        return self._items.popleft()
+
+    async def get(self) -> object:
+        while not self._items:
+            await self._wait()
+        return self._items.popleft()
+
+    async def wait_tokens(self, event, count: int) -> None:
+        """Return once `count` more tokens of `event`'s sequence are queued, or anything
+        that ends its merge (its final event, another sequence's event, a wake-up)."""
+        self._hold_for, self._hold_tokens = event, count
+        try:
+            while self._hold_for is not None and not self._items:
+                await self._wait()
+        finally:
+            self._hold_for = None
+
+    async def _wait(self) -> None:
+        self._waiter = asyncio.get_running_loop().create_future()
+        await self._waiter
 
 
 class LoopEvents:
@@ -24,10 +79,10 @@ class LoopEvents:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         self._lock = threading.Lock()
-        self._pending: list[tuple[asyncio.Queue, object]] = []
+        self._pending: list[tuple[Mailbox, object]] = []
         self._scheduled = False
 
-    def sink(self, events: asyncio.Queue) -> Callable[[object], None]:
+    def sink(self, events: Mailbox) -> Callable[[object], None]:
         def put(event: object) -> None:
             with self._lock:
                 self._pending.append((events, event))
@@ -58,7 +113,7 @@ class EventMerger:
     a sequence's tokens are also held until N of them are there (its first token and its
     final event are never held)."""
 
-    def __init__(self, events: asyncio.Queue, stream_interval: int = 1) -> None:
+    def __init__(self, events: Mailbox, stream_interval: int = 1) -> None:
         if stream_interval < 1:
             raise ValueError(f"stream_interval must be >= 1, got {stream_interval}")
         self._events = events
@@ -68,31 +123,42 @@ class EventMerger:
 
     async def next(self):
         event, self._held = (self._held, None) if self._held is not None else (await self._events.get(), None)
-        while _mergeable(event):
-            if self._events.empty() and self._due(event):
-                break
-            more = await self._events.get()
-            if not _mergeable_into(event, more):
+        if self._interval == 1 and self._events.empty():
+            return event  # the usual case when the consumer keeps up: nothing to merge or hold
+        run = [event]
+        while _mergeable(run[-1]):
+            if self._events.empty():
+                missing = self._missing(run)
+                if missing <= 0:
+                    break
+                await self._events.wait_tokens(run[-1], missing)
+                continue
+            more = self._events.get_nowait()
+            if not _mergeable_into(run[-1], more):
                 self._held = more
                 break
-            event = _merged(event, more)
-        if isinstance(event, scheduler_pb2.TokenEvent) and event.token_ids:
+            run.append(more)
+        event = run[0] if len(run) == 1 else _merged(run)
+        if self._interval > 1 and isinstance(event, scheduler_pb2.TokenEvent) and event.token_ids:
             self._started.add(event.request_id)
         return event
 
-    def _due(self, event) -> bool:
-        """Whether `event` goes out now rather than waiting for more of its sequence's tokens."""
-        return (self._interval == 1 or len(event.token_ids) >= self._interval
-                or event.request_id not in self._started)
+    def _missing(self, run: list) -> int:
+        """Tokens the run still needs before it goes out (<= 0: now)."""
+        if self._interval == 1 or run[0].request_id not in self._started:
+            return 0  # its first token is never held
+        return self._interval - sum(len(e.token_ids) for e in run)
 
 
-def _merged(event, more):
+def _merged(run: list):
+    """One event of a run of one sequence's token events: their tokens (and logprobs) in order,
+    the last one's finish reason and counts."""
     merged = scheduler_pb2.TokenEvent()
-    merged.CopyFrom(more)
-    merged.token_ids[:] = [*event.token_ids, *more.token_ids]
-    if event.logprobs or more.logprobs:
+    merged.CopyFrom(run[-1])
+    merged.token_ids[:] = [t for e in run for t in e.token_ids]
+    if any(e.logprobs for e in run):
         merged.ClearField("logprobs")
-        merged.logprobs.extend([*event.logprobs, *more.logprobs])
+        merged.logprobs.extend([lp for e in run for lp in e.logprobs])
     return merged
 
 
@@ -105,7 +171,7 @@ def _mergeable_into(event, more) -> bool:
             and not (event.prompt_logprobs or more.prompt_logprobs))  # prompt parts stay events of their own
 
 
-async def choices(gen, events: asyncio.Queue, stream_interval: int = 1) -> AsyncIterator:
+async def choices(gen, events: Mailbox, stream_interval: int = 1) -> AsyncIterator:
     """The `ChoiceOutput`s of `gen` (a `generation.Generation`) until it is done."""
     merger = EventMerger(events, stream_interval)
     while not gen.done:

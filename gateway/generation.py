@@ -15,6 +15,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from jinja2 import TemplateError
 
@@ -62,16 +63,19 @@ class SpecUsage:
         return 1.0 + self.accepted_tokens / self.steps if self.steps else 0.0
 
 
-@dataclass(frozen=True)
-class ChoiceOutput:
-    """One processed upstream event for choice `index` of a request."""
+NO_SPEC = SpecUsage()
+
+
+class ChoiceOutput(NamedTuple):
+    """One processed upstream event for choice `index` of a request (a NamedTuple: made once
+    per streamed message)."""
 
     index: int
     output: Output
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str = ""  # with FinishReason.ERROR: what failed
-    spec: SpecUsage = SpecUsage()  # speculative decoding totals
+    spec: SpecUsage = NO_SPEC  # speculative decoding totals
 
 
 def derived_seed(seed: int | None, index: int) -> int | None:
@@ -122,8 +126,11 @@ class Generation:
             self.abort()
             raise Rejected(event.message, event.reject_code)
         index = self._index[rid]
-        reason = codec.finish_reason_from_proto(event.finish_reason)
-        out = self._processors[index].on_tokens(event.token_ids, reason, *_logprobs_of(event))
+        reason = codec.finish_reason_from_proto(event.finish_reason) if event.finish_reason else None
+        if event.logprobs or event.prompt_logprobs:
+            out = self._processors[index].on_tokens(event.token_ids, reason, *_logprobs_of(event))
+        else:
+            out = self._processors[index].on_tokens(event.token_ids, reason)
         if out.token_ids and not self._first_token_seen:
             self._first_token_seen = True
             self._metrics.observe_first_token(self._transport, time.monotonic() - self._start)
@@ -133,7 +140,8 @@ class Generation:
             self._close(rid)
             self._metrics.observe_finished(self._transport, out, time.monotonic() - self._start)
         error = event.message if out.finish_reason is FinishReason.ERROR else ""
-        spec = SpecUsage(event.num_draft_tokens, event.num_accepted_tokens, event.num_spec_steps)
+        spec = SpecUsage(event.num_draft_tokens, event.num_accepted_tokens, event.num_spec_steps) \
+            if event.num_spec_steps or event.num_draft_tokens else NO_SPEC
         return ChoiceOutput(index, out, event.num_prompt_tokens, event.num_cached_tokens, error, spec)
 
     def abort(self, upstream_ids: list[str] | None = None) -> None:

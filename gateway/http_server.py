@@ -35,7 +35,7 @@ from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from gateway.admission import RETRY_AFTER_S, Draining, Overloaded
-from gateway.event_stream import LoopEvents, choices
+from gateway.event_stream import LoopEvents, Mailbox, choices
 from gateway.generation import Frontend, Generation, Rejected
 from gateway.openai_format import ChatFormat, CompletionFormat, error_body
 from gateway.openai_protocol import (
@@ -202,7 +202,7 @@ class OpenAIServer:
     async def _respond(self, request: Request, valid, fmt, body):
         if self._loop_events is None:
             self._loop_events = LoopEvents(asyncio.get_running_loop())
-        events: asyncio.Queue = asyncio.Queue()
+        events = Mailbox()
         try:
             gen = self.frontend.start(valid, fmt.id, self._loop_events.sink(events), "http")
         except (Overloaded, Draining) as exc:
@@ -212,7 +212,7 @@ class OpenAIServer:
             return EventSourceResponse(self._stream(gen, events, fmt, usage), ping=15)
         return await self._collect(request, gen, events, fmt)
 
-    async def _stream(self, gen: Generation, events: asyncio.Queue, fmt, include_usage: bool):
+    async def _stream(self, gen: Generation, events: Mailbox, fmt, include_usage: bool):
         try:
             try:
                 async for choice in choices(gen, events, self.frontend.stream_interval):
@@ -227,7 +227,7 @@ class OpenAIServer:
         finally:
             gen.abort()  # the client went away (cancellation) or we are done: a no-op then
 
-    async def _collect(self, request: Request, gen: Generation, events: asyncio.Queue, fmt):
+    async def _collect(self, request: Request, gen: Generation, events: Mailbox, fmt):
         async def accumulate():
             async for choice in choices(gen, events, self.frontend.stream_interval):
                 fmt.accumulate(choice)

@@ -8,9 +8,8 @@ aborts it upstream.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.logprob_output import OutputLogprobs, PromptLogprobsCollector, TokenLogprob, TokenText
@@ -20,9 +19,9 @@ from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
 
 
-@dataclass(frozen=True)
-class Output:
-    """What to send the client for one upstream event."""
+class Output(NamedTuple):
+    """What to send the client for one upstream event (a NamedTuple: immutable, and made once
+    per streamed message, where a frozen dataclass's `__init__` costs several times more)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -51,7 +50,7 @@ class OutputProcessor:
     def on_tokens(self, token_ids: Sequence[int], finish_reason: FinishReason | None,
                   logprobs: Sequence[Logprobs] = (), prompt_logprobs: PromptLogprobs | None = None) -> Output:
         """Feed one upstream event; `finish_reason` is set on the scheduler's last event."""
-        ids = tuple(token_ids)
+        ids = tuple(token_ids)  # a proto's repeated field: copied once, here
         self._num_tokens += len(ids)
         text = self._decode(ids, finish_reason is not None, logprobs)
         safe = self._stop.feed(text)
@@ -85,7 +84,7 @@ class OutputProcessor:
             if prompt_part is not None:
                 self._prompt_logprobs.add(prompt_part.start, prompt_part.entries)
             prompt = self._prompt_logprobs.take()
-        return dataclasses.replace(out, logprobs=lp, prompt_logprobs=prompt)
+        return out._replace(logprobs=lp, prompt_logprobs=prompt)
 
 
 def token_pieces(tokenizer, ids: Sequence[int]) -> list[str]:

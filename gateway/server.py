@@ -21,7 +21,7 @@ import grpc
 from prometheus_client import start_http_server
 
 from gateway.admission import RETRY_AFTER_S, Draining, Overloaded, StreamGate
-from gateway.event_stream import LoopEvents, choices
+from gateway.event_stream import LoopEvents, Mailbox, choices
 from gateway.generation import ChoiceOutput, Frontend, Rejected
 from gateway.grpc_thread import NO_BACKLOG_SHEDDING, AioHealth, GrpcThread
 from gateway.metrics import GatewayMetrics
@@ -144,7 +144,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id = valid.request_id or f"gen-{uuid.uuid4().hex}"
         if self._loop_events is None:
             self._loop_events = LoopEvents(asyncio.get_running_loop())
-        events: asyncio.Queue = asyncio.Queue()
+        events = Mailbox()
         try:
             gen = front.start(valid, request_id, self._loop_events.sink(events), "grpc")
         except ValueError as exc:  # the id is already in flight here
@@ -170,12 +170,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         out = choice.output
         if out.finished:
             return self._final(request_id, choice)
-        if out.text or out.token_ids or out.logprobs:
-            return generation_pb2.GenerateResponse(
-                request_id=request_id, text=out.text, token_ids=out.token_ids, index=choice.index,
-                **_logprobs_fields(out),
-            )
-        return None
+        if not (out.text or out.token_ids or out.logprobs):
+            return None
+        if out.logprobs or out.prompt_logprobs:
+            return generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
+                                                   index=choice.index, **_logprobs_fields(out))
+        # the common message, once per token at stream interval 1: no kwargs dict
+        return generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
+                                               index=choice.index)
 
     def _final(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse:
         out = choice.output

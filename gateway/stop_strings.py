@@ -76,6 +76,8 @@ class StopStringMatcher:
             raise TypeError(f"text delta must be a string, got {delta!r}")
         if self._finished or self.stopped:
             raise RuntimeError("StopStringMatcher.feed called after the text was stopped or finished")
+        if not self._stops:  # nothing to match or hold back
+            return self._emit(delta)
         buffer = self._pending + delta
         match = find_first_stop(buffer, self._stops)
         if match is not None:

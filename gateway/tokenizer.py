@@ -46,7 +46,8 @@ class GatewayTokenizer:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
-        text = self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        text = self._tokenizer.decode(ids if isinstance(ids, list) else list(ids),
+                                      skip_special_tokens=skip_special_tokens)
         if self._clean_up_spaces:
             for before, after in _CLEANUPS:
                 text = text.replace(before, after)

@@ -32,7 +32,7 @@ from scheduler_service.links import (
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.request import Request
+from scheduler_service.request import QueueFull, Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
@@ -55,6 +55,12 @@ class EngineOptions:
 @dataclass(frozen=True)
 class _Abort:
     request_id: str
+
+
+@dataclass(frozen=True)
+class _Submit:
+    request: Request
+    session: GatewaySession
 
 
 @dataclass(frozen=True)
@@ -126,8 +132,10 @@ class Engine:
         return self._model
 
     def submit(self, request: Request, session: GatewaySession) -> None:
-        """Queue a request whose events go to `session`; raises RequestRejected or NoWorker."""
-        self._call(lambda: self._add(request, session))
+        """Queue a request whose events go to `session` (in order with this thread's aborts;
+        no round trip: the caller never waits for the engine). A request the engine refuses
+        gets one `Rejected` event on `session` (QUEUE_FULL, INVALID or UNAVAILABLE)."""
+        self._inbox.put(_Submit(request, session))
 
     def close_session(self, session: GatewaySession) -> None:
         """The gateway's stream ended: abort every request it still has, then close."""
@@ -211,6 +219,8 @@ class Engine:
 
     def _handle(self, item) -> None:
         match item:
+            case _Submit(request, session):
+                self._submit(request, session)
             case _Abort(request_id):
                 self._abort(request_id)
             case WorkerResult(handle, result):
@@ -241,8 +251,19 @@ class Engine:
                 raise AssertionError(f"unknown inbox item {item!r}")
 
     # ---- requests ------------------------------------------------------------------
+    def _submit(self, request: Request, session: GatewaySession) -> None:
+        """Add a request; whatever is wrong with it is answered to it alone, on its session."""
+        try:
+            self._add(request, session)
+        except QueueFull as exc:
+            session.put_many([Rejected(request.request_id, str(exc), RejectCode.QUEUE_FULL)])
+        except RequestRejected as exc:  # the scheduler's own check of the shared limits
+            session.put_many([Rejected(request.request_id, str(exc))])
+        except NoWorker as exc:
+            session.put_many([Rejected(request.request_id, str(exc), RejectCode.UNAVAILABLE)])
+
     def _add(self, request: Request, stream: GatewaySession) -> None:
-        """Runs on the engine thread; RequestRejected reaches the submitting caller."""
+        """Runs on the engine thread; raises RequestRejected (QueueFull) or NoWorker."""
         if self._model is None:
             raise NoWorker("no worker attached yet")
         if request.request_id in self._streams:

@@ -115,7 +115,7 @@ class RejectCode(enum.Enum):
 class Rejected:
     """A submission on a gateway session that the scheduler refused."""
 
-    request_id: str
+    request_id: str  # scoped, like the engine's (the session's writer cuts the scope off)
     message: str
     code: RejectCode = RejectCode.INVALID
 

@@ -212,10 +212,13 @@ class Request:
         return self.prompt_token_ids + tuple(self.output_token_ids)
 
     def token_ids_range(self, start: int, end: int) -> tuple[int, ...]:
-        n = len(self.prompt_token_ids)
+        """Tokens [start, end) of prompt + output, without building the whole sequence."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
         if end <= n:
-            return self.prompt_token_ids[start:end]
-        return self.all_token_ids()[start:end]
+            return prompt[start:end]
+        if start >= n:
+            return tuple(self.output_token_ids[start - n : end - n])
+        return prompt[start:] + tuple(self.output_token_ids[: end - n])
 
     def __repr__(self) -> str:
         return (

@@ -33,7 +33,7 @@ from scheduler_service.links import (
 from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
-from scheduler_service.scheduler import QueueFull, RequestEvent, RequestRejected
+from scheduler_service.scheduler import RequestEvent, RequestRejected
 from stepahead.speculative import num_speculative_tokens
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
@@ -191,19 +191,19 @@ REFUSAL_STATUS = {
 }
 
 
-def rejection_to_proto(r: Rejected) -> scheduler_pb2.TokenEvent:
+def rejection_to_proto(r: Rejected, scope_len: int = 0) -> scheduler_pb2.TokenEvent:
     return scheduler_pb2.TokenEvent(
-        request_id=r.request_id, finish_reason=common_pb2.FINISH_REASON_ERROR, rejected=True,
+        request_id=r.request_id[scope_len:], finish_reason=common_pb2.FINISH_REASON_ERROR, rejected=True,
         message=r.message, reject_code=REJECT_CODES[r.code],
     )
 
 
 def batch_to_proto(batch: list[RequestEvent | Rejected], scope_len: int = 0) -> scheduler_pb2.EventBatch:
-    """Rejections carry the gateway's own id; events the scoped one (the scope is cut off)."""
+    """Events and rejections carry the scoped id; the scope is cut off (the gateway's own id)."""
     out = scheduler_pb2.EventBatch()
     for e in batch:
         if isinstance(e, Rejected):
-            out.events.append(rejection_to_proto(e))
+            out.events.append(rejection_to_proto(e, scope_len))
         else:
             add_event(out, e, scope_len)
     return out
@@ -241,18 +241,19 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             self.engine.close_session(session)
 
     def _submit_on(self, session: GatewaySession, msg: scheduler_pb2.SubmitRequest, scope: str) -> None:
-        """Submit one request; whatever is wrong with it is answered to it alone."""
+        """Submit one request; whatever is wrong with it is answered to it alone (the engine
+        answers what it refuses on the session itself)."""
         info = self.engine.worker
         try:
             if info is None:
                 raise NoWorker("no worker attached yet")
-            self.engine.submit(request_from_proto(msg, info, scope), session)
-        except QueueFull as exc:
-            session.put_many([Rejected(msg.request_id, str(exc), RejectCode.QUEUE_FULL)])
+            request = request_from_proto(msg, info, scope)
         except RequestRejected as exc:  # the scheduler's own check of the shared limits
-            session.put_many([Rejected(msg.request_id, str(exc))])
+            session.put_many([Rejected(scope + msg.request_id, str(exc))])
         except NoWorker as exc:
-            session.put_many([Rejected(msg.request_id, str(exc), RejectCode.UNAVAILABLE)])
+            session.put_many([Rejected(scope + msg.request_id, str(exc), RejectCode.UNAVAILABLE)])
+        else:
+            self.engine.submit(request, session)
 
     def GetStats(self, request, context):
         stats, per_replica = self.engine.stats()
@@ -292,7 +293,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         handle = self.engine.attach_worker(info, outbox)
         threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
         for plan in outbox:
-            yield scheduler_pb2.SchedulerMessage(plan=codec.plan_to_proto(plan))
+            msg = scheduler_pb2.SchedulerMessage()
+            codec.plan_to_proto(plan, msg.plan)  # in place: no copy of a finished plan message
+            yield msg
         if outbox.error is not None:  # refused or dropped: the worker learns why
             self.log.warning("worker_stream_closed", worker_id=info.worker_id, error=str(outbox.error))
             context.abort(REFUSAL_STATUS[outbox.error.kind], str(outbox.error))

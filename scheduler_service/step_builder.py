@@ -8,7 +8,7 @@ from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
 from stepahead.logprobs import MAX_LOGPROBS
 from scheduler_service.speculation import check_outcomes
-from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult
+from stepahead.plan import NewRequest, StepPlan, StepResult, running_request
 
 
 @dataclass(slots=True)
@@ -124,8 +124,8 @@ class StepBuilder:
                 placeholder = start >= req.num_tokens
                 assert not placeholder or n - drafts == 1, "a placeholder input is always a single decode"
                 first, blocks = entry.first_new_block, req.block_ids
-                running.append(RunningRequest(req.request_id, tuple(blocks[first:]) if first < len(blocks) else (),
-                                              n, placeholder, drafts))
+                running.append(running_request((req.request_id, tuple(blocks[first:]) if first < len(blocks) else (),
+                                                n, placeholder, drafts)))
             if samples:
                 req.num_output_placeholders += 1 + drafts  # worst case: every draft accepted
                 sampling.append(req.request_id)

@@ -6,6 +6,7 @@ Servicers stay thin: they call these converters and hand domain objects to domai
 from __future__ import annotations
 
 import dataclasses
+from itertools import accumulate, chain, compress, repeat
 
 from stepahead.flight_recorder import StepRecord
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
@@ -21,6 +22,7 @@ from stepahead.plan import (
     StructuredOutput,
     WorkerInfo,
     WorkerTiming,
+    running_request,
 )
 from stepahead.v1 import common_pb2, scheduler_pb2
 
@@ -135,10 +137,14 @@ def logprobs_from_proto(msg: common_pb2.Logprobs) -> Logprobs:
     return Logprobs(msg.token_id, msg.logprob, tuple(zip(msg.top_token_ids, msg.top_logprobs)))
 
 
-def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
-    return scheduler_pb2.StepPlan(
-        step_id=plan.step_id,
-        new_requests=[
+def plan_to_proto(plan: StepPlan, out: scheduler_pb2.StepPlan | None = None) -> scheduler_pb2.StepPlan:
+    """The plan as a message; filled into `out` when given (e.g. a `SchedulerMessage`'s
+    `plan`: building a message around a finished one copies it)."""
+    msg = scheduler_pb2.StepPlan() if out is None else out
+    msg.SetInParent()
+    msg.step_id = plan.step_id
+    if plan.new_requests:
+        msg.new_requests.extend(
             scheduler_pb2.NewRequest(
                 request_id=r.request_id,
                 token_ids=r.token_ids,
@@ -149,25 +155,30 @@ def plan_to_proto(plan: StepPlan) -> scheduler_pb2.StepPlan:
                 num_prompt_tokens=len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens,
             )
             for r in plan.new_requests
-        ],
-        running=[
-            scheduler_pb2.RunningRequest(
-                request_id=r.request_id,
-                new_block_ids=r.new_block_ids,
-                num_scheduled_tokens=r.num_scheduled_tokens,
-                input_is_placeholder=r.input_is_placeholder,
-                num_draft_tokens=r.num_draft_tokens,
-            )
-            for r in plan.running
-        ],
-        finished_ids=plan.finished_ids,
-        preempted_ids=plan.preempted_ids,
-        swap_out=[scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_out],
-        swap_in=[scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_in],
-    )
+        )
+    msg.finished_ids.extend(plan.finished_ids)
+    msg.preempted_ids.extend(plan.preempted_ids)
+    if plan.swap_out or plan.swap_in:
+        msg.swap_out.extend(scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_out)
+        msg.swap_in.extend(scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_in)
+    if plan.running:
+        _running_to_proto(plan.running, msg.running)
+    return msg
+
+
+def _running_to_proto(running: tuple[RunningRequest, ...], out: scheduler_pb2.RunningDeltas) -> None:
+    """The deltas as columns: one pass over the requests, then one bulk extend per column."""
+    ids, blocks, scheduled, placeholder, drafts = zip(*running)  # RunningRequest is a named tuple
+    out.request_ids.extend(ids)
+    out.num_scheduled_tokens.extend(scheduled)
+    out.input_is_placeholder.extend(placeholder)
+    out.num_draft_tokens.extend(drafts)
+    out.num_new_blocks.extend(map(len, blocks))
+    out.new_block_ids.extend(chain.from_iterable(blocks))
 
 
 def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
+    """Proto → domain; ValueError naming the field when the running columns do not line up."""
     return StepPlan(
         step_id=msg.step_id,
         new_requests=tuple(
@@ -182,16 +193,7 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
             )
             for r in msg.new_requests
         ),
-        running=tuple(
-            RunningRequest(
-                request_id=r.request_id,
-                new_block_ids=tuple(r.new_block_ids),
-                num_scheduled_tokens=r.num_scheduled_tokens,
-                input_is_placeholder=r.input_is_placeholder,
-                num_draft_tokens=r.num_draft_tokens,
-            )
-            for r in msg.running
-        ),
+        running=_running_from_proto(msg.running),
         finished_ids=tuple(msg.finished_ids),
         preempted_ids=tuple(msg.preempted_ids),
         swap_out=tuple((p.src, p.dst) for p in msg.swap_out),
@@ -199,30 +201,73 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
     )
 
 
+def _running_from_proto(d: scheduler_pb2.RunningDeltas) -> tuple[RunningRequest, ...]:
+    ids = tuple(d.request_ids)
+    n = len(ids)
+    columns = (d.num_scheduled_tokens, d.input_is_placeholder, d.num_draft_tokens, d.num_new_blocks)
+    for name, column in zip(("num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens", "num_new_blocks"),
+                            columns):
+        if len(column) != n:
+            raise ValueError(f"StepPlan.running.{name}: {len(column)} entries for {n} request_ids")
+    blocks = _split_blocks(d.new_block_ids, d.num_new_blocks) if d.new_block_ids else repeat((), n)
+    return tuple(map(running_request, zip(ids, blocks, *columns[:3])))
+
+
+def _split_blocks(flat, counts) -> list[tuple[int, ...]]:
+    """Each request's run of the concatenated `new_block_ids` (ValueError when they do not add
+    up). Only requests with new blocks cost a Python step (a decode gets one every block_size steps)."""
+    flat, ends = tuple(flat), list(accumulate(counts))
+    if ends[-1] != len(flat):
+        raise ValueError(f"StepPlan.running.new_block_ids: {len(flat)} blocks but num_new_blocks adds up to {ends[-1]}")
+    out: list[tuple[int, ...]] = [()] * len(ends)
+    for i in compress(range(len(ends)), counts):
+        out[i] = flat[ends[i] - counts[i]:ends[i]]
+    return out
+
+
 def timing_to_proto(t: WorkerTiming) -> scheduler_pb2.WorkerTiming:
-    return scheduler_pb2.WorkerTiming(**dataclasses.asdict(t))
+    return scheduler_pb2.WorkerTiming(plan_received=t.plan_received, prep_start=t.prep_start,
+                                      forward_start=t.forward_start, forward_end=t.forward_end,
+                                      result_sent=t.result_sent, device_busy_s=t.device_busy_s)
 
 
 def timing_from_proto(msg: scheduler_pb2.WorkerTiming) -> WorkerTiming:
-    return WorkerTiming(**{f.name: getattr(msg, f.name) for f in dataclasses.fields(WorkerTiming)})
+    return WorkerTiming(msg.plan_received, msg.prep_start, msg.forward_start, msg.forward_end, msg.result_sent,
+                        msg.device_busy_s)
 
 
 def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
-    return scheduler_pb2.StepResult(
-        step_id=result.step_id, sampled_token_ids=result.sampled_token_ids, timing=timing_to_proto(result.timing),
-        failed=result.failed, invalid_ids=result.invalid_ids, logprobs={k: logprobs_to_proto(v) for k, v in result.logprobs.items()},
-        prompt_logprobs={k: scheduler_pb2.PromptLogprobs(start=v.start, entries=map(logprobs_to_proto, v.entries))
-                         for k, v in result.prompt_logprobs.items()},
-        speculation={rid: scheduler_pb2.SpecOutcome(num_draft_tokens=o.num_draft_tokens,
-                                                    accepted_token_ids=o.accepted_token_ids,
-                                                    accepted_logprobs=map(logprobs_to_proto, o.accepted_logprobs))
-                     for rid, o in result.speculation.items()},
-    )
+    sampled = result.sampled_token_ids
+    msg = scheduler_pb2.StepResult(step_id=result.step_id, sampled_request_ids=list(sampled),
+                                   sampled_token_ids=list(sampled.values()), timing=timing_to_proto(result.timing),
+                                   failed=result.failed, invalid_ids=result.invalid_ids)
+    if result.logprobs or result.prompt_logprobs or result.speculation:
+        _extras_to_proto(result, msg)
+    return msg
+
+
+def _extras_to_proto(result: StepResult, msg: scheduler_pb2.StepResult) -> None:
+    for k, v in result.logprobs.items():
+        msg.logprobs[k].CopyFrom(logprobs_to_proto(v))
+    for k, v in result.prompt_logprobs.items():
+        msg.prompt_logprobs[k].CopyFrom(
+            scheduler_pb2.PromptLogprobs(start=v.start, entries=map(logprobs_to_proto, v.entries)))
+    for rid, o in result.speculation.items():
+        msg.speculation[rid].CopyFrom(scheduler_pb2.SpecOutcome(
+            num_draft_tokens=o.num_draft_tokens, accepted_token_ids=o.accepted_token_ids,
+            accepted_logprobs=map(logprobs_to_proto, o.accepted_logprobs)))
 
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
+    """Proto → domain; ValueError naming the field when the sampled columns are malformed."""
+    ids, tokens = msg.sampled_request_ids, msg.sampled_token_ids
+    if len(ids) != len(tokens):
+        raise ValueError(f"StepResult.sampled_token_ids: {len(tokens)} tokens for {len(ids)} sampled_request_ids")
+    sampled = dict(zip(ids, tokens))
+    if len(sampled) != len(ids):
+        raise ValueError("StepResult.sampled_request_ids: a request id appears more than once")
     return StepResult(
-        step_id=msg.step_id, sampled_token_ids=dict(msg.sampled_token_ids), timing=timing_from_proto(msg.timing),
+        step_id=msg.step_id, sampled_token_ids=sampled, timing=timing_from_proto(msg.timing),
         failed=dict(msg.failed), invalid_ids=tuple(msg.invalid_ids), logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
         prompt_logprobs={k: PromptLogprobs(v.start, tuple(map(logprobs_from_proto, v.entries)))
                          for k, v in msg.prompt_logprobs.items()},

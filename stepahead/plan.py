@@ -52,6 +52,8 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
 
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 
@@ -136,15 +138,25 @@ class NewRequest:
     num_prompt_tokens: int | None = None  # the prompt's share of token_ids (None: all of them)
 
 
-@dataclass(frozen=True)
-class RunningRequest:
-    """A delta for a request the worker already holds."""
+class RunningRequest(NamedTuple):
+    """A delta for a request the worker already holds.
+
+    Built per request per step on both sides (the scheduler's plan, the worker's decode), so a
+    named tuple rather than a frozen dataclass: as immutable, but built at C speed in bulk
+    (`stepahead.codec` makes a step's deltas with `tuple.__new__` over zipped columns) and
+    ~5x cheaper to build one by one than a frozen dataclass's `__init__`.
+    """
 
     request_id: str
     new_block_ids: tuple[int, ...]  # appended to the request's block table
     num_scheduled_tokens: int  # tokens to compute this step (1 for a decode)
     input_is_placeholder: bool = False  # decode input is a token not yet reported back
     num_draft_tokens: int = 0  # speculative decode: drafts the worker may propose and verify (<= K)
+
+
+# A RunningRequest from one (request_id, new_block_ids, num_scheduled_tokens, input_is_placeholder,
+# num_draft_tokens) tuple, all five given: no Python-level __new__ (the per-request hot path).
+running_request = partial(tuple.__new__, RunningRequest)
 
 
 @dataclass(frozen=True)

@@ -247,19 +247,21 @@ class NewRequest(_message.Message):
     num_prompt_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_computed_tokens: _Optional[int] = ..., num_scheduled_tokens: _Optional[int] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
-class RunningRequest(_message.Message):
-    __slots__ = ("request_id", "new_block_ids", "num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+class RunningDeltas(_message.Message):
+    __slots__ = ("request_ids", "num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens", "num_new_blocks", "new_block_ids")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_SCHEDULED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     INPUT_IS_PLACEHOLDER_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
+    NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
+    input_is_placeholder: _containers.RepeatedScalarFieldContainer[bool]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_scheduled_tokens: int
-    input_is_placeholder: bool
-    num_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., new_block_ids: _Optional[_Iterable[int]] = ..., num_scheduled_tokens: _Optional[int] = ..., input_is_placeholder: _Optional[bool] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., input_is_placeholder: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_requests", "running", "finished_ids", "preempted_ids", "swap_out", "swap_in")
@@ -272,22 +274,15 @@ class StepPlan(_message.Message):
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
-    running: _containers.RepeatedCompositeFieldContainer[RunningRequest]
+    running: RunningDeltas
     finished_ids: _containers.RepeatedScalarFieldContainer[str]
     preempted_ids: _containers.RepeatedScalarFieldContainer[str]
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Iterable[_Union[RunningRequest, _Mapping]]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
-    __slots__ = ("step_id", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs", "speculation", "invalid_ids")
-    class SampledTokenIdsEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: int
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs", "speculation", "invalid_ids")
     class FailedEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -317,6 +312,7 @@ class StepResult(_message.Message):
         value: SpecOutcome
         def __init__(self, key: _Optional[str] = ..., value: _Optional[_Union[SpecOutcome, _Mapping]] = ...) -> None: ...
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -325,14 +321,15 @@ class StepResult(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     INVALID_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    sampled_token_ids: _containers.ScalarMap[str, int]
+    sampled_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
     timing: WorkerTiming
     failed: _containers.ScalarMap[str, str]
     logprobs: _containers.MessageMap[str, _common_pb2.Logprobs]
     prompt_logprobs: _containers.MessageMap[str, PromptLogprobs]
     speculation: _containers.MessageMap[str, SpecOutcome]
     invalid_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_token_ids: _Optional[_Mapping[str, int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., speculation: _Optional[_Mapping[str, SpecOutcome]] = ..., invalid_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., speculation: _Optional[_Mapping[str, SpecOutcome]] = ..., invalid_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("start", "entries")

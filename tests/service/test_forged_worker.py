@@ -75,13 +75,16 @@ class FakeWorker:
         except grpc.RpcError:  # closed by the test
             pass
 
-    def send(self, **result) -> None:
-        self.outbox.put(scheduler_pb2.WorkerMessage(result=scheduler_pb2.StepResult(**result)))
+    def send(self, sampled: dict[str, int] | None = None, **result) -> None:
+        """`sampled` (request id -> token) goes out as the two parallel columns."""
+        sampled = sampled or {}
+        self.outbox.put(scheduler_pb2.WorkerMessage(result=scheduler_pb2.StepResult(
+            sampled_request_ids=list(sampled), sampled_token_ids=list(sampled.values()), **result)))
 
     def answer(self, plan: scheduler_pb2.StepPlan, token: int = 7) -> None:
         """An honest answer: a token for every request that samples."""
-        ids = [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.running]
-        self.send(step_id=plan.step_id, sampled_token_ids={rid: token for rid in ids})
+        ids = [r.request_id for r in plan.new_requests] + list(plan.running.request_ids)
+        self.send(step_id=plan.step_id, sampled={rid: token for rid in ids})
 
     def closed_with(self) -> grpc.RpcError:
         with pytest.raises(grpc.RpcError) as info:
@@ -125,12 +128,12 @@ def _tokens(session: ConnectSession, rid: str) -> list[int]:
 
 def _forged(plan: scheduler_pb2.StepPlan, rid: str) -> dict[str, dict]:
     return {
-        "unknown step": dict(step_id=plan.step_id + 1000, sampled_token_ids={rid: 7}),
-        "id it did not schedule": dict(step_id=plan.step_id, sampled_token_ids={rid: 7, "someone-else": 7}),
-        "token outside the vocabulary": dict(step_id=plan.step_id, sampled_token_ids={rid: VOCAB}),
+        "unknown step": dict(step_id=plan.step_id + 1000, sampled={rid: 7}),
+        "id it did not schedule": dict(step_id=plan.step_id, sampled={rid: 7, "someone-else": 7}),
+        "token outside the vocabulary": dict(step_id=plan.step_id, sampled={rid: VOCAB}),
         "missing token": dict(step_id=plan.step_id),
         "failure of a request it did not run": dict(step_id=plan.step_id, failed={"someone-else": "x"}),
-        "nan timing": dict(step_id=plan.step_id, sampled_token_ids={rid: 7},
+        "nan timing": dict(step_id=plan.step_id, sampled={rid: 7},
                            timing=scheduler_pb2.WorkerTiming(forward_start=math.nan)),
     }
 

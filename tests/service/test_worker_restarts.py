@@ -44,8 +44,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         assert result.HasField("result") and result.result.step_id == 0
         self.threads.append(thread_count(self.worker_pid[0]))
         if len(self.threads) % 2:  # a running delta for a request the worker never saw
-            bad = scheduler_pb2.StepPlan(step_id=1, running=[scheduler_pb2.RunningRequest(
-                request_id="ghost", num_scheduled_tokens=1)])
+            bad = scheduler_pb2.StepPlan(step_id=1, running=scheduler_pb2.RunningDeltas(
+                request_ids=["ghost"], num_scheduled_tokens=[1], input_is_placeholder=[False], num_draft_tokens=[0],
+                num_new_blocks=[0]))
             yield scheduler_pb2.SchedulerMessage(plan=bad)
             reply = next(request_iterator, None)
             self.fatal_errors.append(reply.fatal_error if reply is not None else "<stream closed>")

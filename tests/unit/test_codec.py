@@ -42,13 +42,14 @@ running = st.builds(
     new_block_ids=ids,
     num_scheduled_tokens=st.integers(0, 1000),
     input_is_placeholder=st.booleans(),
+    num_draft_tokens=st.integers(0, 16),
 )
 pairs = st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000)), max_size=4).map(tuple)
 plans = st.builds(
     StepPlan,
     step_id=st.integers(0, 2**40),
     new_requests=st.lists(new_req, max_size=3).map(tuple),
-    running=st.lists(running, max_size=3).map(tuple),
+    running=st.lists(running, max_size=6).map(tuple),
     finished_ids=st.lists(st.text(max_size=4), max_size=3).map(tuple),
     preempted_ids=st.lists(st.text(max_size=4), max_size=3).map(tuple),
     swap_out=pairs,
@@ -94,3 +95,38 @@ def test_event_batches_carry_every_field_and_cut_the_scope():
         ("a", [7, 8], 12, 0, ""), ("b", [9], 5, 4, ""), ("c", [], 6, 0, "row failed")]
     assert [e.finish_reason for e in out] == [common_pb2.FINISH_REASON_UNSPECIFIED, common_pb2.FINISH_REASON_LENGTH,
                                               common_pb2.FINISH_REASON_ERROR]
+
+
+def _decode_plan(**running):
+    from stepahead.v1 import scheduler_pb2
+
+    return codec.plan_from_proto(scheduler_pb2.StepPlan(step_id=1, running=scheduler_pb2.RunningDeltas(**running)))
+
+
+def test_running_columns_that_do_not_line_up_are_refused_by_name():
+    import pytest
+
+    good = dict(request_ids=["a", "b"], num_scheduled_tokens=[1, 1], input_is_placeholder=[True, False],
+                num_draft_tokens=[0, 0], num_new_blocks=[0, 2], new_block_ids=[4, 5])
+    assert _decode_plan(**good).running == (RunningRequest("a", (), 1, True), RunningRequest("b", (4, 5), 1, False))
+    for column in ("num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens", "num_new_blocks"):
+        with pytest.raises(ValueError, match=rf"StepPlan\.running\.{column}: 1 entries for 2 request_ids"):
+            _decode_plan(**{**good, column: good[column][:1]})
+    for blocks in ([4], [4, 5, 6]):
+        with pytest.raises(ValueError, match=r"StepPlan\.running\.new_block_ids"):
+            _decode_plan(**{**good, "new_block_ids": blocks})
+
+
+def test_sampled_columns_that_do_not_line_up_are_refused_by_name():
+    import pytest
+
+    from stepahead.v1 import scheduler_pb2
+
+    ok = scheduler_pb2.StepResult(step_id=3, sampled_request_ids=["a", "b"], sampled_token_ids=[7, 8])
+    assert codec.result_from_proto(ok).sampled_token_ids == {"a": 7, "b": 8}
+    short = scheduler_pb2.StepResult(step_id=3, sampled_request_ids=["a", "b"], sampled_token_ids=[7])
+    with pytest.raises(ValueError, match=r"StepResult\.sampled_token_ids: 1 tokens for 2 sampled_request_ids"):
+        codec.result_from_proto(short)
+    twice = scheduler_pb2.StepResult(step_id=3, sampled_request_ids=["a", "a"], sampled_token_ids=[7, 8])
+    with pytest.raises(ValueError, match=r"StepResult\.sampled_request_ids: a request id appears more than once"):
+        codec.result_from_proto(twice)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from gateway.event_stream import EventMerger, LoopEvents
+from gateway.event_stream import EventMerger, LoopEvents, Mailbox
 from gateway.generation import WAKE
 from stepahead.v1 import common_pb2, scheduler_pb2
 
@@ -20,7 +20,7 @@ def drain(*events, interval: int = 1) -> list:
     """What a consumer takes from a queue holding `events`, message by message."""
 
     async def run():
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         for e in events:
             q.put_nowait(e)
         m, out = EventMerger(q, interval), []
@@ -51,7 +51,7 @@ def test_nothing_queued_leaves_the_event_alone():
 
 def test_stream_interval_holds_tokens_but_never_the_first_or_the_end():
     async def run():
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         m = EventMerger(q, stream_interval=3)
         q.put_nowait(ev(1))
         first = await m.next()  # the first token goes out alone, at once
@@ -74,7 +74,7 @@ def test_loop_events_deliver_every_event_in_order_from_another_thread():
     async def run():
         loop = asyncio.get_running_loop()
         events = LoopEvents(loop)
-        queues = [asyncio.Queue() for _ in range(3)]
+        queues = [Mailbox() for _ in range(3)]
         sinks = [events.sink(q) for q in queues]
 
         def reader():
@@ -89,3 +89,52 @@ def test_loop_events_deliver_every_event_in_order_from_another_thread():
 
     got = asyncio.run(run())
     assert got == [list(range(k, 300, 3)) for k in range(3)]
+
+
+def test_a_held_sequence_sleeps_until_its_interval_is_queued():
+    """With stream interval N the consumer is woken once per N tokens, not once per token;
+    another sequence's event wakes it at once (it is kept for after the merged one)."""
+
+    async def settle():
+        for _ in range(3):
+            await asyncio.sleep(0)
+
+    async def run():
+        q = Mailbox()
+        m = EventMerger(q, stream_interval=4)
+        q.put_nowait(ev(1))
+        await m.next()  # the first token goes out at once
+        pending = asyncio.ensure_future(m.next())
+        for t in (2, 3, 4):
+            q.put_nowait(ev(t))
+            await settle()
+        slept = not q.empty() and not pending.done()  # tokens 3 and 4 still queued: not woken for them
+        q.put_nowait(ev(5))
+        held = await pending
+        second = asyncio.ensure_future(m.next())
+        q.put_nowait(ev(6))
+        await settle()
+        q.put_nowait(ev(70, rid="r#1"))  # another sequence: out now, not after three more tokens
+        return slept, held, await second, await m.next()
+
+    slept, held, partial, other = asyncio.run(run())
+    assert slept
+    assert list(held.token_ids) == [2, 3, 4, 5]
+    assert list(partial.token_ids) == [6] and other.request_id == "r#1"
+
+
+def test_a_consumer_cancelled_while_waiting_leaves_the_mailbox_usable():
+    """A client that goes away cancels its task inside `get`; the reader's later events must
+    still be accepted (no InvalidStateError from the cancelled future) and stay in order."""
+
+    async def run():
+        q = Mailbox()
+        waiting = asyncio.ensure_future(q.get())
+        await asyncio.sleep(0)
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        q.put_nowait(1)
+        q.put_nowait(2)
+        return waiting.cancelled(), [await q.get(), await q.get()], q.empty()
+
+    assert asyncio.run(run()) == (True, [1, 2], True)

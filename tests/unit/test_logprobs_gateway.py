@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from gateway.event_stream import EventMerger
+from gateway.event_stream import EventMerger, Mailbox
 from gateway.logprob_output import PromptLogprobsCollector, TokenText
 from gateway.openai_format import CompletionFormat
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_to_raw, completion_to_raw, openai_param
@@ -67,7 +67,7 @@ def test_event_merging_keeps_logprobs_aligned_and_prompt_parts_apart():
     import asyncio
 
     async def run():
-        q: asyncio.Queue = asyncio.Queue()
+        q = Mailbox()
         for e in (event("r", [1], logprobs=[lp(1)]), event("r", [2], logprobs=[lp(2)]),
                   event("r", [3], logprobs=[lp(3)], prompt_logprobs=[lp(9)], prompt_logprobs_start=1)):
             q.put_nowait(e)

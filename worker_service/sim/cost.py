@@ -100,12 +100,18 @@ class CostModel:
     def step(self, batch: list[tuple[int, int]], num_sampled: int, swapped_blocks: int = 0,
              block_size: int = 16) -> StepCost:
         """batch: (tokens already in the KV cache, tokens computed now) per scheduled request."""
-        g = self.geometry
         tokens = context = pairs = 0
         for computed, scheduled in batch:
             tokens += scheduled
             context += computed + scheduled
             pairs += scheduled * computed + scheduled * (scheduled + 1) // 2  # causal
+        return self.step_totals(tokens, context, pairs, num_sampled, swapped_blocks, block_size)
+
+    def step_totals(self, tokens: int, context: int, pairs: int, num_sampled: int, swapped_blocks: int = 0,
+                    block_size: int = 16) -> StepCost:
+        """`step` from the batch's sums: tokens computed, context (Σ computed + scheduled) and
+        causal attention pairs (Σ scheduled·computed + scheduled·(scheduled+1)/2)."""
+        g = self.geometry
         nbytes = g.weight_bytes_read_per_step + (context + tokens) * g.kv_bytes_per_token
         flops = (2 * g.num_layers * g.layer_linear_params * tokens + 2 * g.lm_head_params * num_sampled
                  + self._attn_flops_per_pair * pairs)

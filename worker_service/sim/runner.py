@@ -29,7 +29,7 @@ from worker_service.sim.profiles import AcceleratorProfile
 _ACCEPT_SALT = 0x5BEC_DEC0_DE5A_17ED  # acceptance draws differ from token draws
 
 
-@dataclass
+@dataclass(slots=True)
 class SimRequest:
     """The attributes `check_plan` reads (as `CachedRequest`), plus the rolling history hash."""
 
@@ -96,7 +96,7 @@ class SimRunner:
         self.speculation = (speculative_config.num_speculative_tokens, acceptance_rate) if speculative_config else None
         self.last_speculation: dict[str, SpecOutcome] = {}  # the last applied plan's outcomes
         self.requests: dict[str, SimRequest] = {}
-        self._prev_rows: dict[str, int] = {}
+        self._prev_sampled: dict[str, int] = {}  # request id -> token, of the last step
         self._failed_ids: set[str] = set()  # failed here; the scheduler has not yet said forget
         self._device_free_at = 0.0  # monotonic end of the last launched step
         self._wall_offset = time.time() - time.monotonic()
@@ -109,7 +109,7 @@ class SimRunner:
         with self._lock:
             self.requests.clear()
             self._failed_ids.clear()
-            self._prev_rows = {}
+            self._prev_sampled = {}
 
     def launch(self, plan: StepPlan, received: float = 0.0) -> SimPendingStep:
         with self._lock:
@@ -134,48 +134,60 @@ class SimRunner:
             self._failed_ids.discard(rid)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, max_logprobs=None)
         plan = _refuse_structured(plan, failed, self._failed_ids)
-        check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks,
+        check_plan(plan, self.requests, self._prev_sampled, num_blocks=self.num_blocks,
                    block_size=self.block_size, max_model_len=self.max_model_len)
         for _, host in plan.swap_out:
             self._check_host_block(host)
         for host, _ in plan.swap_in:
             self._check_host_block(host)
-        batch: list[tuple[int, int]] = []
         sampled: dict[str, int] = {}
         self.last_speculation = spec = {}
-        for state, scheduled, drafts in self._apply(plan.new_requests, plan.running):
-            if drafts:
-                k, run = self._speculate(state, drafts)
-                batch.append((state.num_computed, 1 + k))
-                state.num_computed += len(run)
-                sampled[state.request_id], spec[state.request_id] = run[-1], SpecOutcome(k, tuple(run[:-1]))
-                continue
-            batch.append((state.num_computed, scheduled))
-            state.num_computed += scheduled
+        num_tokens = context = pairs = 0  # the cost model's sums over the batch (`CostModel.step_totals`)
+        rows: list[SimRequest] = []  # requests that sample one token (all at once, at the end)
+        for state, n in self._register(plan.new_requests):
+            state.num_computed += n
             if state.num_computed == len(state.token_ids):
-                sampled[state.request_id] = self._sample(state)
-        self._prev_rows = {rid: i for i, rid in enumerate(sampled)}
-        if not (batch or plan.swap_out or plan.swap_in):
+                rows.append(state)
+            computed = state.num_computed - n
+            num_tokens, context, pairs = num_tokens + n, context + computed + n, pairs + n * computed + n * (n + 1) // 2
+        requests, sample_later = self.requests, rows.append
+        for r in plan.running:  # the hot loop: once per running request per step
+            state = requests[r.request_id]
+            if r.new_block_ids:
+                state.block_ids.extend(r.new_block_ids)
+            computed = state.num_computed
+            if r.num_draft_tokens:
+                k, run = self._speculate(state, r.num_draft_tokens)
+                n = 1 + k
+                state.num_computed = computed + len(run)
+                sampled[r.request_id], spec[r.request_id] = run[-1], SpecOutcome(k, tuple(run[:-1]))
+            else:
+                n = r.num_scheduled_tokens
+                state.num_computed = computed + n
+                if computed + n == len(state.token_ids):
+                    sample_later(state)
+            num_tokens, context, pairs = num_tokens + n, context + computed + n, pairs + n * computed + n * (n + 1) // 2
+        if rows:
+            self._sample_rows(rows, sampled)
+        self._prev_sampled = sampled  # check_plan: a placeholder input must have been sampled last step
+        if not (num_tokens or plan.swap_out or plan.swap_in):
             return sampled, 0.0, failed
-        step = self.cost.step(batch, len(sampled), len(plan.swap_out) + len(plan.swap_in), self.block_size)
+        step = self.cost.step_totals(num_tokens, context, pairs, len(sampled), len(plan.swap_out) + len(plan.swap_in),
+                                     self.block_size)
         return sampled, step.seconds, failed
 
     def _check_host_block(self, block: int) -> None:
         if not 0 <= block < self.num_host_blocks:
             raise PlanError(f"swap: host block {block} outside the host pool [0, {self.num_host_blocks})")
 
-    def _apply(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]):
+    def _register(self, new: tuple[NewRequest, ...]):
         for r in new:
             num_prompt = len(r.token_ids) if r.num_prompt_tokens is None else r.num_prompt_tokens
             state = SimRequest(r.request_id, list(r.token_ids), r.sampling, list(r.block_ids),
                                r.num_computed_tokens, num_prompt)
             state.history_hash = tokens.extend(tokens.seed_hash(self.rule.seed_of(r.sampling)), state.token_ids)
             self.requests[r.request_id] = state
-            yield state, r.num_scheduled_tokens, 0
-        for r in running:
-            state = self.requests[r.request_id]
-            state.block_ids.extend(r.new_block_ids)
-            yield state, r.num_scheduled_tokens, r.num_draft_tokens
+            yield state, r.num_scheduled_tokens
 
     def _speculate(self, state: SimRequest, allowed: int) -> tuple[int, list[int]]:
         """(drafts proposed, the run): k drafts, each accepted with the configured chance (a
@@ -187,11 +199,23 @@ class SimRunner:
             run.append(self._sample(state))
         return k, run
 
+    def _sample_rows(self, rows: list[SimRequest], sampled: dict[str, int]) -> None:
+        """One token for each row, vectorised (`TokenRule.advance_many`), into `sampled`."""
+        positions = [len(s.token_ids) for s in rows]
+        out, hashes = self.rule.advance_many([s.history_hash for s in rows], positions,
+                                             [p - s.num_prompt for p, s in zip(positions, rows)],
+                                             [s.sampling for s in rows])
+        for state, token, h in zip(rows, out, hashes):
+            state.token_ids.append(token)
+            state.history_hash = h
+            sampled[state.request_id] = token
+
     def _sample(self, state: SimRequest) -> int:
-        n = len(state.token_ids)
+        ids = state.token_ids
+        n = len(ids)
         token = self.rule.next_token(state.history_hash, n, n - state.num_prompt, state.sampling)
-        state.token_ids.append(token)
-        state.history_hash = tokens.extend(state.history_hash, (token,))
+        ids.append(token)
+        state.history_hash = ((state.history_hash ^ token) * tokens.FNV_PRIME) & tokens.MASK64  # tokens.extend
         return token
 
 

@@ -16,10 +16,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from operator import attrgetter
+
+import numpy as np
 
 from stepahead.plan import SamplingParams
 
 MASK64 = (1 << 64) - 1
+_UNIT53 = 1.0 / (1 << 53)
 GOLDEN = 0x9E3779B97F4A7C15
 FNV_PRIME = 0x100000001B3
 
@@ -54,24 +58,97 @@ class TokenRule:
             raise ValueError(f"sim eos probability must be in [0, 1], got {self.eos_probability}")
         if self.vocab_size <= len(set(self.eos_token_ids)) + 1:
             raise ValueError(f"sim vocabulary of {self.vocab_size} ids leaves nothing to sample")
+        object.__setattr__(self, "_eos", frozenset(self.eos_token_ids))  # not a field: derived
 
     def seed_of(self, sampling: SamplingParams) -> int:
         return self.default_seed if sampling.seed is None else sampling.seed
 
     def next_token(self, h: int, position: int, num_output: int, sampling: SamplingParams) -> int:
-        k = mix(h ^ ((position * GOLDEN) & MASK64))
+        """The token at `position` (`num_output` outputs so far) after history hash `h`.
+
+        `mix` written out inline; `reference_next_token` is the same function spelled plainly
+        (the tests compare the two, and `advance_many`, the runner's batch path, with both)."""
+        x = h ^ ((position * GOLDEN) & MASK64)
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+        k = x ^ (x >> 31)
         masked = num_output < sampling.min_tokens
-        if self.eos_token_ids and (not masked or sampling.ignore_eos):
-            if (k >> 11) * (1.0 / (1 << 53)) < self.eos_probability:
-                return self.eos_token_ids[0]
-        banned = set(self.eos_token_ids)
-        if masked:
-            banned.update(sampling.stop_token_ids)
+        eos = self.eos_token_ids
+        if eos and (not masked or sampling.ignore_eos) and (k >> 11) * _UNIT53 < self.eos_probability:
+            return eos[0]
+        banned = self._banned(sampling) if masked else self._eos
+        vocab = self.vocab_size
         while True:
-            k = mix((k + GOLDEN) & MASK64)
-            token = k % self.vocab_size
+            x = (k + GOLDEN) & MASK64
+            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+            k = x ^ (x >> 31)
+            token = k % vocab
             if token not in banned:
                 return token
+
+    def advance_many(self, hashes: list[int], positions: list[int], num_outputs: list[int],
+                     samplings: list[SamplingParams]) -> tuple[list[int], list[int]]:
+        """(tokens, history hashes after them) of many rows: `next_token` and `extend` of each.
+
+        Vectorised over the rows in uint64 arithmetic (which wraps mod 2**64, as the
+        `& MASK64` of the scalar code does); the rows the array pass cannot finish (EOS still
+        masked, an EOS draw, a token that needs a re-draw) are re-done by `next_token`."""
+        n = len(hashes)
+        if n < _MIN_VECTOR_ROWS:
+            out = [self.next_token(*row) for row in zip(hashes, positions, num_outputs, samplings)]
+            return out, [((h ^ t) * FNV_PRIME) & MASK64 for h, t in zip(hashes, out)]
+        h = np.array(hashes, dtype=np.uint64)
+        k = _mix_array(h ^ (np.array(positions, dtype=np.uint64) * _GOLDEN))
+        drawn = _mix_array(k + _GOLDEN) % np.uint64(self.vocab_size)
+        redo = np.zeros(n, dtype=bool)
+        for eos in self._eos:  # a drawn EOS id is re-drawn (np.isin costs more for a few ids)
+            redo |= drawn == np.uint64(eos)
+        if self._eos and self.eos_probability > 0.0:
+            redo |= (k >> _S11).astype(np.float64) * _UNIT53 < self.eos_probability
+        out = drawn.tolist()
+        redo_rows = set(np.flatnonzero(redo).tolist())
+        if max(map(_MIN_TOKENS, samplings)) > 0:  # rows whose EOS / stop ids are still masked
+            redo_rows.update(i for i, (o, s) in enumerate(zip(num_outputs, samplings)) if o < s.min_tokens)
+        for i in redo_rows:
+            out[i] = self.next_token(hashes[i], positions[i], num_outputs[i], samplings[i])
+        if redo_rows:
+            drawn = np.array(out, dtype=np.uint64)
+        return out, ((h ^ drawn) * _FNV_PRIME).tolist()
+
+    def _banned(self, sampling: SamplingParams) -> frozenset[int]:
+        return self._eos | frozenset(sampling.stop_token_ids)
+
+
+_MIN_VECTOR_ROWS = 16  # below this, numpy's per-call overhead costs more than the rows
+_GOLDEN, _FNV_PRIME = np.uint64(GOLDEN), np.uint64(FNV_PRIME)
+_S30, _S27, _S31, _S11 = np.uint64(30), np.uint64(27), np.uint64(31), np.uint64(11)
+_MIN_TOKENS = attrgetter("min_tokens")
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)
+
+
+def _mix_array(x: np.ndarray) -> np.ndarray:
+    """`mix` of every element of a uint64 array (products wrap mod 2**64)."""
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+
+def reference_next_token(rule: TokenRule, h: int, position: int, num_output: int, sampling: SamplingParams) -> int:
+    """`TokenRule.next_token` written plainly (the definition in this module's docstring)."""
+    k = mix(h ^ ((position * GOLDEN) & MASK64))
+    masked = num_output < sampling.min_tokens
+    if rule.eos_token_ids and (not masked or sampling.ignore_eos):
+        if (k >> 11) * (1.0 / (1 << 53)) < rule.eos_probability:
+            return rule.eos_token_ids[0]
+    banned = set(rule.eos_token_ids)
+    if masked:
+        banned.update(sampling.stop_token_ids)
+    while True:
+        k = mix((k + GOLDEN) & MASK64)
+        token = k % rule.vocab_size
+        if token not in banned:
+            return token
 
 
 def reference_output(rule: TokenRule, prompt: list[int], sampling: SamplingParams, max_model_len: int) -> list[int]:
@@ -80,7 +157,7 @@ def reference_output(rule: TokenRule, prompt: list[int], sampling: SamplingParam
     out: list[int] = []
     eos = set(rule.eos_token_ids)
     while True:
-        token = rule.next_token(h, len(prompt) + len(out), len(out), sampling)
+        token = reference_next_token(rule, h, len(prompt) + len(out), len(out), sampling)
         out.append(token)
         h = extend(h, (token,))
         if len(out) >= sampling.min_tokens and (
