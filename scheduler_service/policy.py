@@ -115,9 +115,7 @@ class ScorePolicy(QueuePolicy):
         """An aged request preempts anything. Otherwise a strictly better priority preempts
         worse running work, but each victim only once: a request preempted before can then
         only lose its place to an aged request, so it finishes (no starvation by preemption)."""
-        if self.is_aged(candidate, now):
-            return True
-        return candidate.priority < victim.priority and victim.num_preemptions == 0
+        return self.is_aged(candidate, now) or _outranks(candidate.priority, victim)
 
     def pick_victim(self, candidate: Request, worst_first: Iterable[Request], now: float) -> Request | None:
         """Among the running requests the candidate may preempt (not only the worst one: a
@@ -125,12 +123,19 @@ class ScorePolicy(QueuePolicy):
         of the worst priority; of these the worst-scored one that has streamed its first token
         (its TTFT is met: preemption stalls its stream for a while, spread over its TPOT),
         else the worst-scored one (one still before its first token pays the wait in TTFT)."""
-        eligible = [v for v in worst_first if self.may_preempt(candidate, v, now)]
+        aged, priority = self.is_aged(candidate, now), candidate.priority
+        eligible = [v for v in worst_first if aged or _outranks(priority, v)]  # may_preempt, inlined: hot
         if not eligible:
             return None
         worst = max(v.priority for v in eligible)
         eligible = [v for v in eligible if v.priority == worst]
         return next((v for v in eligible if v.num_output_tokens), eligible[0])
+
+
+def _outranks(priority: int, victim: Request) -> bool:
+    """The score policy's preemption right of a request that has not aged: a strictly better
+    priority, and a victim never preempted before."""
+    return priority < victim.priority and not victim.num_preemptions
 
 
 def make_policy(config: SchedulerConfig) -> QueuePolicy:
