@@ -341,7 +341,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     reason = "a tensor-parallel rank other than 0 sent a result (only rank 0 reports)"
                     error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
                     break
-                handle.on_result(codec.result_from_proto(msg.result))
+                try:
+                    result = codec.result_from_proto(msg.result)
+                except ValueError as exc:  # columns that do not line up, an id twice, ...
+                    reason = f"invalid step result: {exc}"
+                    error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
+                    break
+                handle.on_result(result)
             else:
                 clean = True
         except grpc.RpcError as exc:  # the server side raises a bare RpcError (no code) on reset

@@ -77,9 +77,9 @@ class FakeWorker:
 
     def send(self, sampled: dict[str, int] | None = None, **result) -> None:
         """`sampled` (request id -> token) goes out as the two parallel columns."""
-        sampled = sampled or {}
-        self.outbox.put(scheduler_pb2.WorkerMessage(result=scheduler_pb2.StepResult(
-            sampled_request_ids=list(sampled), sampled_token_ids=list(sampled.values()), **result)))
+        if sampled is not None:
+            result.update(sampled_request_ids=list(sampled), sampled_token_ids=list(sampled.values()))
+        self.outbox.put(scheduler_pb2.WorkerMessage(result=scheduler_pb2.StepResult(**result)))
 
     def answer(self, plan: scheduler_pb2.StepPlan, token: int = 7) -> None:
         """An honest answer: a token for every request that samples."""
@@ -133,6 +133,8 @@ def _forged(plan: scheduler_pb2.StepPlan, rid: str) -> dict[str, dict]:
         "token outside the vocabulary": dict(step_id=plan.step_id, sampled={rid: VOCAB}),
         "missing token": dict(step_id=plan.step_id),
         "failure of a request it did not run": dict(step_id=plan.step_id, failed={"someone-else": "x"}),
+        "more request ids than tokens": dict(step_id=plan.step_id, sampled_request_ids=[rid], sampled_token_ids=[]),
+        "a request id twice": dict(step_id=plan.step_id, sampled_request_ids=[rid, rid], sampled_token_ids=[7, 7]),
         "nan timing": dict(step_id=plan.step_id, sampled={rid: 7},
                            timing=scheduler_pb2.WorkerTiming(forward_start=math.nan)),
     }
