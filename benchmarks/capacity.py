@@ -23,9 +23,11 @@ import argparse
 import collections
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
+from benchmarks.gateway_stream_cpu import python_thread_names
 from stepahead.cli import bench
 from stepahead.cli.launcher import ServeProcess
 
@@ -89,6 +91,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
         pids = daemon_pids(serve)
         steps0 = serve.stats().num_steps
         cpu0 = {k: proc_cpu(p) for k, p in pids.items()}
+        threads0 = tid_cpu(pids["scheduler"])
         spies = {}
         if args.profile_cpu:
             for name in ("scheduler", "gateway"):
@@ -99,6 +102,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
         summary = bench.bench(bench_args(serve, streams, args, label))
         cpu = {k: proc_cpu(p) - cpu0[k] for k, p in pids.items()}
         steps = serve.stats().num_steps - steps0
+        threads = scheduler_threads(pids["scheduler"], threads0, steps)
         for spy in spies.values():
             spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
             spy.wait(60)
@@ -112,7 +116,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                client_vs_ideal=row["output_throughput"] / ideal,
                cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
                gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
-               load_average=os.getloadavg()[0])
+               load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads)
     if spies:
         split = split_profile(args.out.parent / f"capacity_profile_{label}.txt")
         row["scheduler_cpu_split_ms_per_step"] = {k: v * row["scheduler_cpu_per_step_ms"] for k, v in split.items()}
@@ -120,6 +124,31 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
             k: v * row["gateway_cpu_per_token_us"]
             for k, v in top_frames(args.out.parent / f"capacity_profile_{label}_gateway.txt").items()}
     return row
+
+
+def tid_cpu(pid: int) -> dict[int, tuple[str, float]]:
+    """OS thread id -> (OS name, CPU seconds) of each thread of `pid`."""
+    out = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except FileNotFoundError:
+            continue  # the thread ended
+        fields = stat.rsplit(")", 1)[1].split()
+        out[int(task.name)] = (stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / TICK)
+    return out
+
+
+def scheduler_threads(pid: int, before: dict[int, tuple[str, float]], steps: int) -> dict[str, float]:
+    """The scheduler's CPU per step by thread (ms), Python threads by their name (`py-spy dump`;
+    Python 3.11 does not name OS threads), grpc core's by their OS name; threads of one role
+    summed (grpc's handler pool threads run the stream writers and readers)."""
+    names = python_thread_names(pid)
+    out: collections.Counter = collections.Counter()
+    for tid, (comm, seconds) in tid_cpu(pid).items():
+        name = names.get(tid, f"{comm} (native)")
+        out[re.sub(r"_\d+$|-\d+$", "", name)] += seconds - before.get(tid, (comm, 0.0))[1]
+    return {k: v / max(steps, 1) * 1e3 for k, v in out.most_common() if v > 0}
 
 
 def top_frames(path: Path, n: int = 12) -> dict[str, float]:
