@@ -90,13 +90,13 @@ def measure(num_running: int, steps: int, num_sessions: int) -> dict:
     add(parts.sched, parts.scope + "run", num_running)
     for i in range(num_running):
         parts.metrics.on_submit(f"{parts.scope}run{i}")
-    while parts.sched.num_running < num_running:
+    while parts.sched.queue_lengths()[0] < num_running:
         parts.step()
     for _ in range(4):
         parts.step()
     add(parts.sched, parts.scope + "wait", NUM_WAITING)
     rows = [parts.step() for _ in range(steps)]
-    assert parts.sched.num_running == num_running, parts.sched.stats()
+    assert parts.sched.queue_lengths()[0] == num_running, parts.sched.stats()
     parts.sched.check_integrity()
     out = {"running": num_running, "gateway_sessions": num_sessions}
     out.update({f"{p}_ms": statistics.median(r[p] for r in rows) * 1e3 for p in PARTS})

@@ -29,10 +29,11 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.groups import GroupAssembly, GroupFormer
 from scheduler_service.links import (
     GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerHandle, WorkerLost, WorkerRefused, WorkerResult,
+    rejection,
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.request import QueueFull, Request
+from scheduler_service.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
@@ -255,12 +256,8 @@ class Engine:
         """Add a request; whatever is wrong with it is answered to it alone, on its session."""
         try:
             self._add(request, session)
-        except QueueFull as exc:
-            session.put_many([Rejected(request.request_id, str(exc), RejectCode.QUEUE_FULL)])
-        except RequestRejected as exc:  # the scheduler's own check of the shared limits
-            session.put_many([Rejected(request.request_id, str(exc))])
-        except NoWorker as exc:
-            session.put_many([Rejected(request.request_id, str(exc), RejectCode.UNAVAILABLE)])
+        except (RequestRejected, NoWorker) as exc:  # QueueFull is a RequestRejected
+            session.put_many([rejection(request.request_id, exc)])
 
     def _add(self, request: Request, stream: GatewaySession) -> None:
         """Runs on the engine thread; raises RequestRejected (QueueFull) or NoWorker."""

@@ -12,6 +12,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
+from scheduler_service.request import QueueFull
 from stepahead.plan import StepPlan, StepResult, WorkerInfo
 
 
@@ -118,6 +119,14 @@ class Rejected:
     request_id: str  # scoped, like the engine's (the session's writer cuts the scope off)
     message: str
     code: RejectCode = RejectCode.INVALID
+
+
+def rejection(request_id: str, exc: Exception) -> Rejected:
+    """The answer to a refused submission: QueueFull and NoWorker may be retried later, any
+    other refusal (RequestRejected: the request itself) may not."""
+    code = (RejectCode.QUEUE_FULL if isinstance(exc, QueueFull)
+            else RejectCode.UNAVAILABLE if isinstance(exc, NoWorker) else RejectCode.INVALID)
+    return Rejected(request_id, str(exc), code)
 
 
 class GatewaySession:

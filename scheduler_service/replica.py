@@ -67,10 +67,11 @@ class Replica:
         return events
 
     def _record(self, plan: StepPlan, start: float) -> StepRecord:
+        num_running, num_waiting = self.scheduler.queue_lengths()
         record = StepRecord(
             step_id=plan.step_id, schedule_start=start, schedule_end=time.time(),
             num_requests=plan.num_requests, num_tokens=plan.num_scheduled_tokens,
-            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting, replica=self.name,
+            num_running=num_running, num_waiting=num_waiting, replica=self.name,
         )
         self.recorder.add(record)
         return record

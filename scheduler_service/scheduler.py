@@ -384,13 +384,9 @@ class Scheduler:
     def waiting_requests(self) -> list[Request]:
         return self._waiting.requests()
 
-    @property
-    def num_running(self) -> int:
-        return len(self._running)
-
-    @property
-    def num_waiting(self) -> int:
-        return len(self._waiting)
+    def queue_lengths(self) -> tuple[int, int]:
+        """(running, waiting), without building the stats (the flight recorder's, per step)."""
+        return len(self._running), len(self._waiting)
 
     def stats(self) -> SchedulerStats:
         return build_stats(self._kv, self._counts, len(self._running), len(self._waiting), len(self._swapped),

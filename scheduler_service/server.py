@@ -29,6 +29,7 @@ from scheduler_service.links import (
     Rejected,
     WorkerHandle,
     WorkerRefused,
+    rejection,
 )
 from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
@@ -248,10 +249,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if info is None:
                 raise NoWorker("no worker attached yet")
             request = request_from_proto(msg, info, scope)
-        except RequestRejected as exc:  # the scheduler's own check of the shared limits
-            session.put_many([Rejected(scope + msg.request_id, str(exc))])
-        except NoWorker as exc:
-            session.put_many([Rejected(scope + msg.request_id, str(exc), RejectCode.UNAVAILABLE)])
+        except (RequestRejected, NoWorker) as exc:  # the scheduler's own check of the shared limits
+            session.put_many([rejection(scope + msg.request_id, exc)])
         else:
             self.engine.submit(request, session)
 
@@ -344,8 +343,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 try:
                     result = codec.result_from_proto(msg.result)
                 except ValueError as exc:  # columns that do not line up, an id twice, ...
-                    reason = f"invalid step result: {exc}"
-                    error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
+                    error = WorkerRefused(WorkerRefused.Kind.INVALID, reason := f"invalid step result: {exc}")
                     break
                 handle.on_result(result)
             else:
