@@ -281,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
     pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
     frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, GatewayMetrics(), gate, config.stream_interval)
     grpc_server = build_server(config, frontend, log)
+    daemon.freeze_heap()
     port = grpc_server.start()
     http = _start_http(frontend, channels, config, log)
     if config.metrics_port is not None:

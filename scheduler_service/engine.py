@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import gc
 import queue
 import threading
 import time
@@ -51,6 +52,7 @@ class EngineOptions:
     worker_wait_timeout_s: float = 60.0  # requests without any replica end UNAVAILABLE after this
     recorder_steps: int = 1000  # flight-recorder steps kept per replica
     group_attach_timeout_s: float = 60.0  # a tensor-parallel group whose ranks do not all attach is closed
+    freeze_heap_on_attach: bool = False  # the daemon's: gc.freeze() a new replica's block pool (see daemon.freeze_heap)
 
 
 @dataclass(frozen=True)
@@ -89,15 +91,9 @@ _SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_si
 
 
 class Engine:
-    def __init__(
-        self,
-        make_config: Callable[[WorkerInfo], SchedulerConfig],
-        log,
-        on_ready_change: Callable[[bool], None] = lambda ready: None,
-        options: EngineOptions = EngineOptions(),
-        on_fatal: Callable[[], None] = lambda: None,
-        metrics: SchedulerMetrics | None = None,
-    ) -> None:
+    def __init__(self, make_config: Callable[[WorkerInfo], SchedulerConfig], log,
+                 on_ready_change: Callable[[bool], None] = lambda ready: None, options: EngineOptions = EngineOptions(),
+                 on_fatal: Callable[[], None] = lambda: None, metrics: SchedulerMetrics | None = None) -> None:
         self.metrics = metrics or SchedulerMetrics()
         self.options = options
         self._on_fatal = on_fatal
@@ -333,6 +329,8 @@ class Engine:
         except ValueError as exc:  # the hello's geometry does not fit the scheduler's flags
             handle.outbox.close(WorkerRefused(WorkerRefused.Kind.INVALID, f"hello: {exc}"))
             return
+        if self.options.freeze_heap_on_attach:
+            gc.freeze()  # its block pool (an object per KV block) lives as long as the replica
         if self._model is None:
             self._model = info
             self._router = Router(self.options.routing, info.block_size)

@@ -13,7 +13,7 @@ import itertools
 import os
 import threading
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 from prometheus_client import REGISTRY, start_http_server
@@ -359,17 +359,15 @@ def peer_host(peer: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-def build_server(
-    config: SchedulerDaemonConfig, log, on_fatal=lambda: None
-) -> tuple[grpc.Server, Engine, int]:
+def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None, freeze_heap: bool = False
+                 ) -> tuple[grpc.Server, Engine, int]:  # freeze_heap: the process is the daemon's own (run)
     config.check_exposure()
     num_speculative_tokens(config.speculative_config)  # a bad --speculative-config fails here, named
     interceptors = [security.cluster_interceptor(config.cluster_token)] if config.cluster_token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), interceptors=interceptors)
     health = daemon.Health(server, [SERVICE_NAME], reflect=config.enable_reflection)
-    metrics = SchedulerMetrics(REGISTRY)
-    # serving once a worker attached
-    engine = Engine(config.core_config, log, health.set, config.engine_options(), on_fatal, metrics)
+    options = replace(config.engine_options(), freeze_heap_on_attach=freeze_heap)
+    engine = Engine(config.core_config, log, health.set, options, on_fatal, SchedulerMetrics(REGISTRY))  # serving: a worker
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     port = security.add_port(server, f"{config.host}:{config.port}", tls)
@@ -386,10 +384,11 @@ def run(args: argparse.Namespace) -> int:
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     try:
-        server, engine, port = build_server(config, log, on_fatal=stop.set)  # a dead engine ends the daemon
+        server, engine, port = build_server(config, log, stop.set, freeze_heap=True)  # a dead engine ends the daemon
     except cfg.ConfigError as exc:
         log.error("bad_configuration", error=str(exc))
         return 2
+    daemon.freeze_heap()
     engine.start()
     server.start()
     if config.metrics_port is not None:

@@ -327,6 +327,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
     metrics.watch_grammars(runner)
+    daemon.freeze_heap()  # the model, the KV cache and the imports live as long as the process
     watch = _StopWatch(stop, on_stop=health.stopping)
     backoff, failures = 0.05, 0
     while not stop.is_set():
