@@ -5,10 +5,13 @@
 
 The real scheduler core (`scheduler_service.scheduler.Scheduler`, its clock injected) plans
 steps; the sim worker's runner (`worker_service.sim`) applies them and prices them with the
-roofline cost model. No processes, no sleeping: an hour of trace takes seconds. The control
-plane is free here (planning, gRPC and streaming take no time), the in-flight window is the
-scheduler's (`max_concurrent_batches`, or 1 with `--no-async-scheduling`), and the device
-runs one step at a time. Output: the same metric keys as `stepahead bench` (vLLM's), plus
+roofline cost model. No processes, no sleeping: an hour of trace takes seconds. The
+in-flight window is the scheduler's (`max_concurrent_batches`, or 1 with
+`--no-async-scheduling`) and the device runs one step at a time. The control plane is free
+by default; `--sim-*-latency-ms` give it the four latencies of the real daemons
+(`benchmarks/hops.py` measures them): a request reaches the scheduler `ingress` after its
+arrival, a plan can start on the device `plan` after it was made, a result is committed
+`result` after its step ended, and a token reaches its client `egress` after its commit. Output: the same metric keys as `stepahead bench` (vLLM's), plus
 `device_utilization`, per priority class summaries and every request's timeline; comparing
 it with a real-time run of the sim-worker system shows what the control plane costs.
 """
@@ -52,6 +55,10 @@ class SimulateConfig:
     gpu_memory_utilization: float = cfg.field(0.9, "fraction of accelerator memory for weights + KV")
     swap_space: float = cfg.field(1.0, "host memory for swapped-out KV blocks, GiB")
     seed: int = cfg.field(0, "seed of the prompts' token ids (the same as stepahead bench's --seed)")
+    sim_ingress_latency_ms: float = cfg.field(0.0, "client send -> the scheduler plans with the request")
+    sim_plan_latency_ms: float = cfg.field(0.0, "plan made -> the device can start it (send, wire, worker prep)")
+    sim_result_latency_ms: float = cfg.field(0.0, "step end on the device -> its result committed")
+    sim_egress_latency_ms: float = cfg.field(0.0, "commit -> the token reaches its client")
     result_filename: str = cfg.field("", "write the JSON result here")
 
 
@@ -74,26 +81,46 @@ def build(config: SimulateConfig, sched_flags):
     return runner, sched_flags.core_config(info), info
 
 
+@dataclass(frozen=True)
+class ControlPlane:
+    """The real daemons' latencies, in seconds (all 0: a free control plane)."""
+
+    ingress: float = 0.0  # client send -> visible to the scheduler
+    plan: float = 0.0  # plan made -> the device may start it
+    result: float = 0.0  # step end -> result committed (the window frees, the next plan is made)
+    egress: float = 0.0  # commit -> client
+
+    @classmethod
+    def of(cls, config: SimulateConfig) -> ControlPlane:
+        values = (config.sim_ingress_latency_ms, config.sim_plan_latency_ms, config.sim_result_latency_ms,
+                  config.sim_egress_latency_ms)
+        if not all(v >= 0 for v in values):  # also refuses NaN
+            raise SystemExit(f"--sim-*-latency-ms must be >= 0, got {values}")
+        return cls(*(v / 1e3 for v in values))
+
+
 class VirtualSystem:
     """Scheduler core + sim runner on one virtual clock: arrivals, plans, device steps."""
 
-    def __init__(self, runner, sched_config) -> None:
+    def __init__(self, runner, sched_config, control: ControlPlane = ControlPlane()) -> None:
         from scheduler_service.scheduler import Scheduler
 
+        self.control = control
         self.now = 0.0
         self.runner = runner
         self.scheduler = Scheduler(sched_config, clock=lambda: self.now)
-        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, end time)
+        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, commit time, spec)
         self.device_free = 0.0
         self.busy = 0.0
         self.num_steps = 0
+        self.logs: dict[str, SimRequestLog] = {}  # request id -> its log, once admitted
 
     def run(self, arrivals: list[tuple[float, object, SimRequestLog]]) -> None:
         """arrivals: (time, Request, log) sorted by time; fills each log."""
         from scheduler_service.scheduler import RequestRejected
 
-        logs = {}
-        pending = collections.deque(arrivals)
+        logs = self.logs
+        pending = collections.deque((t + self.control.ingress, request, log) for t, request, log in arrivals)
         while pending or self.in_flight or self.scheduler.has_unfinished_requests():
             while pending and pending[0][0] <= self.now:
                 _, request, log = pending.popleft()
@@ -111,33 +138,34 @@ class VirtualSystem:
                 raise RuntimeError(f"simulation stuck at t={self.now}: {self.scheduler.stats()}")
             self.now = max(self.now, min(times))
             if self.in_flight and self.in_flight[0][3] <= self.now:
-                self._commit(logs)
+                self._commit()
 
     def _pump(self) -> None:
         while self.scheduler.can_schedule():
             plan = self.scheduler.schedule()
             if plan is None:
                 return
+            for r in plan.new_requests:  # the queue wait ends when a plan first takes the request
+                log = self.logs[r.request_id]
+                log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
             sampled, seconds, failed = self.runner.apply(plan)
-            start = max(self.now, self.device_free)
+            start = max(self.now + self.control.plan, self.device_free)
             self.device_free = start + seconds
             self.busy += seconds
-            self.in_flight.append((plan, sampled, failed, self.device_free, self.runner.last_speculation))
+            self.in_flight.append((plan, sampled, failed, self.device_free + self.control.result,
+                                   self.runner.last_speculation))
 
-    def _commit(self, logs: dict[str, SimRequestLog]) -> None:
+    def _commit(self) -> None:
         from stepahead.plan import StepResult
 
         plan, sampled, failed, _, spec = self.in_flight.popleft()
         self.num_steps += 1
-        for r in plan.new_requests:
-            log = logs[r.request_id]
-            log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
         for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled, failed=failed,
                                                                                  speculation=spec)):
-            log = logs[event.request_id]
-            log.token_times += [self.now] * len(event.new_token_ids)
+            log, seen = self.logs[event.request_id], self.now + self.control.egress
+            log.token_times += [seen] * len(event.new_token_ids)
             if event.finish_reason is not None:
-                log.finish, log.finish_reason = self.now, event.finish_reason.name
+                log.finish, log.finish_reason = seen, event.finish_reason.name
 
 
 def simulate(config: SimulateConfig, sched_flags) -> dict:
@@ -153,7 +181,7 @@ def simulate(config: SimulateConfig, sched_flags) -> dict:
         sampling = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
         log = SimRequestLog(i, r.arrival_s, r.prompt_len, r.priority, r.output_len)
         arrivals.append((r.arrival_s, Request(f"req-{i}", prompt, sampling, priority=r.priority), log))
-    system = VirtualSystem(runner, sched_config)
+    system = VirtualSystem(runner, sched_config, ControlPlane.of(config))
     system.run(arrivals)
     logs = [log for _, _, log in arrivals]
     return summarize(logs, system, info, config)

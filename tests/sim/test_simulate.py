@@ -85,3 +85,28 @@ def test_scheduler_flags_reach_the_core(sim_model_dir, tmp_path, flag):
     trace = write_trace(tmp_path / "t.jsonl", 50, span_s=1)
     result = run(sim_model_dir, trace, flag, "--max-num-batched-tokens", "256")
     assert result["config"]["dataset_path"] == trace and result["completed"] == 50
+
+
+@pytest.mark.parametrize("async_on", [True, False])
+def test_control_plane_latencies_add_up_for_a_lone_request(sim_model_dir, tmp_path, async_on):
+    trace = tmp_path / "one.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 1.0, "prompt_len": 300, "output_len": 4}) + "\n")
+    mode = "--async-scheduling" if async_on else "--no-async-scheduling"
+    free = run(sim_model_dir, str(trace), "--sim-profile", "h200", mode)["requests"][0]
+    flags = ("--sim-ingress-latency-ms", "4", "--sim-plan-latency-ms", "2", "--sim-result-latency-ms", "1.5",
+             "--sim-egress-latency-ms", "3")
+    slow = run(sim_model_dir, str(trace), "--sim-profile", "h200", mode, *flags)["requests"][0]
+    ttft = lambda r: r["token_times"][0] - r["arrival"]  # noqa: E731
+    # the prefill waits for the request (4) and its plan (2); its result is committed 1.5 after, seen 3 after that
+    assert ttft(slow) == pytest.approx(ttft(free) + 0.0105, abs=1e-9)
+    assert slow["first_scheduled"] - slow["arrival"] == pytest.approx(0.004, abs=1e-9)
+    # async: the next step was planned a step ahead, the device never waits for a plan; synchronous:
+    # each step is planned once the previous result is committed, so plan + result more per token
+    gaps = lambda r: [b - a for a, b in zip(r["token_times"], r["token_times"][1:])]  # noqa: E731
+    assert gaps(slow) == pytest.approx([g + (0 if async_on else 0.0035) for g in gaps(free)], abs=1e-9)
+
+
+def test_negative_control_plane_latency_is_refused(sim_model_dir, tmp_path):
+    trace = write_trace(tmp_path / "t.jsonl", 3, span_s=1)
+    with pytest.raises(SystemExit, match="latency"):
+        run(sim_model_dir, trace, "--sim-profile", "h200", "--sim-egress-latency-ms", "-1")
