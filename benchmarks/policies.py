@@ -9,7 +9,8 @@ Poisson traces at 0.5x, 1.0x and 1.5x that rate with three priority classes (10 
 p99, TPOT p99; overall: max queue wait (arrival to first schedule) vs the aging bound
 (`--max-wait-time`), preemptions, goodput (share of requests with TTFT <= 2 s and TPOT <=
 100 ms). Goals: at 1.5x, priority 0's p99 TTFT <= 2x its value at 0.5x; under score no
-request waits longer than the aging bound; score's goodput >= fcfs's.
+request waits longer than the aging bound; score's goodput >= fcfs's. Score runs with
+`--score-ttft-target` = this goodput's TTFT target (2 s; `--score-ttft-target 0`: without).
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def run_sim(args, trace: Path, policy: str) -> dict:
     simulate.add_arguments(parser)
     ns = parser.parse_args(["--dataset-path", str(trace), "--model", args.model, "--sim-profile", args.sim_profile,
                             "--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs),
-                            "--max-wait-time", str(args.max_wait_time), *args.extra])
+                            "--max-wait-time", str(args.max_wait_time),
+                            "--score-ttft-target", str(args.score_ttft_target), *args.extra])
     return simulate.simulate(cfg.from_args(simulate.SimulateConfig, ns), cfg.from_args(SchedulerDaemonConfig, ns))
 
 
@@ -136,6 +138,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, nargs=2, default=(32, 512))
     parser.add_argument("--max-num-seqs", type=int, default=128)
     parser.add_argument("--max-wait-time", type=float, default=30.0)
+    parser.add_argument("--score-ttft-target", type=float, default=TTFT_SLO_S,
+                        help="the score policy's TTFT target, seconds (0: off)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--extra", nargs="*", default=[], help="more scheduler flags for every run")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/policies.json"))

@@ -9,8 +9,8 @@ An H100 at full speed serves ~8,700 output tok/s on these traces, more than this
 machine's control plane and client can stream. So time is dilated: the device is K times
 slower (memory bandwidth, FLOP/s and host link / K, step overhead x K: every step takes
 exactly K times as long), the trace's arrivals are K times further apart and the aging
-bound is K times longer. The schedule is then the same as at full speed, in K-times-longer
-time; latencies are reported divided by K, comparable with `policies.json`. Per policy and
+bound and the score policy's TTFT target are K times longer. The schedule is then the same
+as at full speed, in K-times-longer time; latencies are reported divided by K, comparable with `policies.json`. Per policy and
 load (0.5x and 1.5x the capacity): priority-0 TTFT p50/p99 offline and real-time, and the
 goal (priority-0 p99 TTFT at 1.5x <= 2x its value at 0.5x) judged on each.
 """
@@ -48,7 +48,8 @@ def percentile(values: list[float], q: float) -> float:
 
 def realtime(args, trace: Path, profile: Path, policy: str, work: Path) -> dict:
     flags = ["--device", "sim", "--sim-profile", str(profile), "--scheduling-policy", policy,
-             "--max-num-seqs", str(args.max_num_seqs), "--max-wait-time", str(args.max_wait_time * args.slowdown)]
+             "--max-num-seqs", str(args.max_num_seqs), "--max-wait-time", str(args.max_wait_time * args.slowdown),
+             "--score-ttft-target", str(policies.TTFT_SLO_S * args.slowdown)]
     result_file = work / f"rt-{policy}-{trace.stem}.json"
     with ServeProcess(args.model, *flags) as serve:
         parser = argparse.ArgumentParser()
@@ -71,7 +72,8 @@ def realtime(args, trace: Path, profile: Path, policy: str, work: Path) -> dict:
 
 def offline(args, trace: Path, profile: Path, policy: str) -> dict:
     sim_args = argparse.Namespace(model=args.model, sim_profile=str(profile), max_num_seqs=args.max_num_seqs,
-                                  max_wait_time=args.max_wait_time * args.slowdown, extra=[])
+                                  max_wait_time=args.max_wait_time * args.slowdown,
+                                  score_ttft_target=policies.TTFT_SLO_S * args.slowdown, extra=[])
     result = policies.run_sim(sim_args, trace, policy)
     return {"classes": {p: {"median_ttft_ms": v["median_ttft_ms"] / args.slowdown,
                             "p99_ttft_ms": v["p99_ttft_ms"] / args.slowdown, "num_requests": v["num_requests"]}
@@ -101,7 +103,8 @@ def main() -> None:
         burst = policies.write_trace(work / "burst.jsonl", args.capacity_requests, float("inf"), args.seed,
                                      args.prompt_len, args.output_len)
         sim_args = argparse.Namespace(model=args.model, sim_profile=str(profile), max_num_seqs=args.max_num_seqs,
-                                      max_wait_time=args.max_wait_time * args.slowdown, extra=[])
+                                      max_wait_time=args.max_wait_time * args.slowdown,
+                                      score_ttft_target=policies.TTFT_SLO_S * args.slowdown, extra=[])
         capacity = policies.steady_rate(policies.run_sim(sim_args, burst, "fcfs")["requests"])
         print(f"capacity of the {args.slowdown:g}x slower device: {capacity:.3f} requests/s "
               f"({capacity * args.slowdown:.2f} at full speed)", flush=True)

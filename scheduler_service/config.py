@@ -55,6 +55,9 @@ class SchedulerConfig:
     # score policy: a request waiting longer than this (clock units) jumps ahead of every
     # younger request and may preempt running work that has not aged. inf disables aging.
     max_wait_time: float = 30.0
+    # score policy: TTFT target (clock units; 0 = off). A request with no token yet that has
+    # waited past half of it, but not past it, is urgent: its length term no longer counts.
+    score_ttft_target: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -82,6 +85,8 @@ class SchedulerConfig:
             object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         if self.max_wait_time <= 0 or math.isnan(self.max_wait_time):
             raise ValueError(f"max_wait_time must be > 0, got {self.max_wait_time}")
+        if not self.score_ttft_target >= 0:  # also refuses NaN
+            raise ValueError(f"score_ttft_target must be >= 0, got {self.score_ttft_target}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     @property

@@ -61,12 +61,13 @@ class SchedulerDaemonConfig:
         None, "n-gram speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
               "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' (docs/speculative-decoding.md)")
     max_queued_requests: int | None = cfg.field(
-        4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name)"
-    )
+        4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name)")
     score_priority_weight: float = cfg.field(10.0, "score policy: weight of the priority value")
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
+    score_ttft_target: float = cfg.field(0.0, "score policy: TTFT target, seconds (0: off); a request without a "
+                                         "token waiting past half of it, not past it, goes first of its priority")
     routing_policy: RoutingPolicy = cfg.field(RoutingPolicy.CACHE_AWARE, "which replica takes a new request")
     balance_abs_threshold: int = cfg.field(
         32, "cache_aware: route by load instead of prefix when max - min replica load exceeds this ...")
@@ -79,8 +80,7 @@ class SchedulerDaemonConfig:
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
     cluster_token: str | None = cfg.field(
-        None, "shared secret every internal call must carry (required off loopback unless --insecure)"
-    )
+        None, "shared secret every internal call must carry (required off loopback unless --insecure)")
     insecure: bool = cfg.field(False, "allow listening off loopback without a cluster token")
     ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the internal plane")
     ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the internal plane")
@@ -128,6 +128,7 @@ class SchedulerDaemonConfig:
             score_wait_weight=self.score_wait_weight,
             score_length_weight=self.score_length_weight,
             max_wait_time=self.max_wait_time,
+            score_ttft_target=self.score_ttft_target,
         )
 
 

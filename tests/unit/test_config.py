@@ -9,6 +9,7 @@ import pytest
 from scheduler_service.config import PreemptionMode, SchedulingPolicy
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead import config as cfg
+from stepahead.plan import WorkerInfo
 
 
 def parse(argv: list[str]) -> SchedulerDaemonConfig:
@@ -36,6 +37,16 @@ def test_bad_environment_value_names_the_variable(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("STEPAHEAD_MAX_NUM_SEQS", "many")
     with pytest.raises(cfg.ConfigError, match="STEPAHEAD_MAX_NUM_SEQS"):
         parse([])
+
+
+def test_score_ttft_target_reaches_the_scheduler_core_from_env_and_flag(monkeypatch) -> None:
+    info = WorkerInfo("w", "m", "llama", "bfloat16", "sim", 16, 100, 0, 256, 512, (0,))
+    assert parse([]).core_config(info).score_ttft_target == 0.0  # off by default
+    monkeypatch.setenv("STEPAHEAD_SCORE_TTFT_TARGET", "2.5")
+    assert parse([]).core_config(info).score_ttft_target == 2.5
+    assert parse(["--score-ttft-target", "1"]).core_config(info).score_ttft_target == 1.0
+    with pytest.raises(ValueError, match="score_ttft_target"):
+        parse(["--score-ttft-target", "-1"]).core_config(info)
 
 
 def test_round_trip_to_flags() -> None:

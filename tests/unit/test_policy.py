@@ -6,6 +6,8 @@ import math
 from dataclasses import replace
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from scheduler_service.config import SchedulerConfig, SchedulingPolicy
 from scheduler_service.policy import WaitingQueue, make_policy
@@ -201,3 +203,100 @@ def test_score_default_length_weight_bounds_how_long_a_long_request_is_passed_ov
     q.push(req("long", 0.0, priority=2, max_tokens=1000))
     q.push(req("short-later", 6.0, priority=2))
     assert drain(q, now=6.0) == ["long", "short-later"]
+
+
+def _long_and_short(**kw) -> WaitingQueue:
+    """Default weights: a long priority-2 request (arrived at 0, ~1000 tokens: 5 s of length
+    penalty) and a short one of the same priority arriving at 0.5 s, which goes first."""
+    q = queue_for(SchedulingPolicy.SCORE, **kw)
+    q.push(req("long", 0.0, priority=2, max_tokens=1000))
+    q.push(req("short", 0.5, priority=2))
+    return q
+
+
+def test_score_ttft_target_serves_a_request_past_half_of_it_before_shorter_later_ones():
+    """With `score_ttft_target` 2 s, the long request is urgent from 1 s of waiting until 2 s:
+    its length no longer counts, so the later short one no longer passes it; past 2 s it
+    cannot meet the target and its score orders it again (benchmarks/policies.py, seed 1 at
+    1.0x: long priority-2 prompts passed over until they missed the 2 s target)."""
+    q = _long_and_short(score_ttft_target=2.0)
+    assert [q.peek(now).request_id for now in (0.9, 1.0, 1.9, 2.0)] == ["short", "long", "long", "short"]
+    assert drain(_long_and_short(score_ttft_target=2.0), now=1.5) == ["long", "short"]
+    without = _long_and_short()
+    assert [without.peek(now).request_id for now in (0.9, 1.5, 2.0)] == ["short"] * 3
+
+
+def test_an_urgent_request_still_goes_after_a_better_priority_and_after_aged_ones():
+    q = _long_and_short(score_ttft_target=2.0, max_wait_time=10.0)
+    q.push(req("better", 1.4, priority=1))
+    q.push(req("aged", -9.0, priority=2, max_tokens=1000))
+    assert drain(q, now=1.5) == ["aged", "better", "long", "short"]
+
+
+def test_a_request_that_has_streamed_a_token_is_never_urgent():
+    """A request preempted after its first token has met its TTFT: it keeps its score."""
+    q = queue_for(SchedulingPolicy.SCORE, score_ttft_target=2.0)
+    resumed = req("resumed", 0.0, priority=2, max_tokens=1000)
+    resumed.commit_token(5)
+    q.push(resumed)
+    q.push(req("short", 0.5, priority=2))
+    assert drain(q, now=1.5) == ["short", "resumed"]
+    assert not make_policy(replace(CONFIG, scheduling_policy=SchedulingPolicy.SCORE,
+                                   score_ttft_target=2.0)).is_urgent(resumed, 1.5)
+
+
+def test_score_ttft_target_must_not_be_negative():
+    with pytest.raises(ValueError, match="score_ttft_target"):
+        replace(CONFIG, score_ttft_target=-1.0)
+    with pytest.raises(ValueError, match="score_ttft_target"):
+        replace(CONFIG, score_ttft_target=math.nan)
+
+
+def test_scheduler_admits_the_urgent_long_request_when_a_slot_frees():
+    """Through the scheduler core: one slot, held by a hog; when it frees at 1.5 s the long
+    request (waiting 1.5 s of a 2 s target) is admitted before the shorter, later one."""
+    clock = [0.0]
+    config = replace(CONFIG, max_model_len=1100, num_gpu_blocks=600, max_num_seqs=1, async_scheduling=False,
+                     scheduling_policy=SchedulingPolicy.SCORE, score_ttft_target=2.0)
+    d = Driver.create(config, hashed_tokens(1000), clock=lambda: clock[0])
+    d.scheduler.add_request(req("hog", None, max_tokens=3))
+    d.tick()
+    d.scheduler.add_request(req("long", None, priority=2, max_tokens=1000))
+    clock[0] = 0.5
+    d.scheduler.add_request(req("short", None, priority=2))
+    clock[0] = 1.5
+    for _ in range(6):  # the hog's last two tokens, then the next admission
+        d.tick()
+        d.scheduler.check_integrity()
+    assert [r.request_id for p in d.plans for r in p.new_requests] == ["hog", "long"]
+
+
+@given(ops=st.lists(st.tuples(st.sampled_from(["push", "push", "pop", "remove", "wait"]), st.integers(0, 2),
+                              st.integers(1, 40), st.booleans(), st.sampled_from([0.25, 0.5, 1.5])),
+                    max_size=60),
+       ttft_target=st.sampled_from([0.0, 2.0]), max_wait=st.sampled_from([3.0, 30.0]))
+def test_the_queue_head_is_the_score_policys_least_queue_key(ops, ttft_target, max_wait):
+    """Oracle: whatever the heaps hold, `peek(now)` is a request with the least
+    `queue_key(r, now)` (aged first, then urgent keys against scores). Times and weights are
+    binary fractions, so equal keys are equal floats; 44 tokens weigh up to 11 s."""
+    q = queue_for(SchedulingPolicy.SCORE, score_ttft_target=ttft_target, max_wait_time=max_wait,
+                  score_length_weight=0.25)
+    policy, now, live = q._policy, 0.0, []
+    for i, (op, priority, length, streamed, dt) in enumerate(ops):
+        if op == "push":
+            r = req(f"r{i}", now - dt, priority=priority, max_tokens=length)
+            if streamed:  # preempted after its first token; requeued now
+                r.commit_token(5)
+                r.queued_time = now
+            q.push(r)
+            live.append(r)
+        elif op == "remove" and live:
+            q.remove(live.pop(length % len(live)))
+        elif op == "pop" and live:
+            live.remove(q.pop(now))
+        elif op == "wait":
+            now += dt
+        head = q.peek(now)
+        assert (head is None) == (not live)
+        if live:
+            assert policy.queue_key(head, now) == min(policy.queue_key(r, now) for r in live)

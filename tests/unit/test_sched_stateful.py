@@ -54,6 +54,8 @@ def configs(draw) -> SchedulerConfig:
         async_scheduling=draw(st.booleans()),
         eos_token_ids=(EOS,),
         max_wait_time=3.0,
+        score_length_weight=draw(st.sampled_from([0.005, 0.5])),  # 0.5: length outweighs arrival order
+        score_ttft_target=draw(st.sampled_from([0.0, 2.0])),
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
     )
 
@@ -102,6 +104,9 @@ class SchedulerMachine(RuleBasedStateMachine):
     @rule()
     def step(self) -> None:
         waiting_before = {r.request_id: self.policy.queue_key(r, self.now) for r in self.sched.waiting_requests()}
+        if waiting_before and self.config.scheduling_policy is SchedulingPolicy.SCORE:
+            head = self.sched._waiting.peek(self.now)  # aged, urgent (TTFT target) or best score
+            assert waiting_before[head.request_id] == min(waiting_before.values()), head
         if not self.driver.step():
             return
         plan = self.driver.plans[-1]
