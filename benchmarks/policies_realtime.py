@@ -10,9 +10,10 @@ machine's control plane and client can stream. So time is dilated: the device is
 slower (memory bandwidth, FLOP/s and host link / K, step overhead x K: every step takes
 exactly K times as long), the trace's arrivals are K times further apart and the aging
 bound and the score policy's TTFT target are K times longer. The schedule is then the same
-as at full speed, in K-times-longer time; latencies are reported divided by K, comparable with `policies.json`. Per policy and
-load (0.5x and 1.5x the capacity): priority-0 TTFT p50/p99 offline and real-time, and the
-goal (priority-0 p99 TTFT at 1.5x <= 2x its value at 0.5x) judged on each.
+as at full speed, in K-times-longer time; latencies are reported divided by K, comparable
+with `policies.json`. Per policy and load (0.5x and 1.5x the capacity): priority-0 TTFT
+p50/p99 offline and real-time, and the goal (priority-0 p99 TTFT at 1.5x <= 2x its value at
+0.5x) judged on each.
 """
 
 from __future__ import annotations
