@@ -281,11 +281,11 @@ def run(args: argparse.Namespace) -> int:
     pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
     frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, GatewayMetrics(), gate, config.stream_interval)
     grpc_server = build_server(config, frontend, log)
-    daemon.freeze_heap()
     port = grpc_server.start()
     http = _start_http(frontend, channels, config, log)
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
+    daemon.freeze_heap()  # after the HTTP app is built: FastAPI's routes and models live as long too
     grpc_server.health.set(True)
     log.info("gateway_ready", address=f"{config.host}:{port}", http_port=http.port if http else 0,
              model=model.model_name, pid=os.getpid())
