@@ -10,7 +10,9 @@ synchronous loop) with every request sent at once (`--max-concurrency` = streams
 device utilization (busy / wall, exact: the sim worker reports each step's busy time),
 client-observed output tok/s vs the device's ideal (tokens / sum of step times), TTFT /
 TPOT / ITL p50 / p99, CPU seconds of each process (scheduler, gateway, worker, this
-client) from /proc, scheduler CPU per step and gateway CPU per streamed token. With
+client) from /proc, scheduler CPU per step and gateway CPU per streamed token, the load
+average and the machine's speed at the time (`python_speed_ms`: CPU ms of a fixed
+pure-Python workload, measured before each run; on a shared VM it varies by ~2x). With
 `--profile-cpu`, py-spy samples the scheduler's and the gateway's GIL holders (the gateway's
 largest leaf frames, in µs per streamed token), and splits the scheduler's CPU per step
 into schedule, update, plan encode, result decode, event fan-out, stats/metrics and the
@@ -25,6 +27,7 @@ import json
 import os
 import re
 import subprocess
+import time
 from pathlib import Path
 
 from benchmarks.gateway_stream_cpu import python_thread_names
@@ -41,6 +44,19 @@ CATEGORIES = {
     "update": ("update_from_output",),
     "schedule": ("Scheduler.schedule",),
 }
+
+
+def python_speed_ms() -> float:
+    """CPU ms of a fixed pure-Python workload (median of 3): this shared machine's speed varies
+    (the same scheduler work has cost 1x-2x the CPU at different hours); recorded per run."""
+    def once() -> float:
+        t, s, d = time.process_time(), 0, {}
+        for i in range(2_000_000):
+            s += i * i
+        for i in range(200_000):
+            d[i] = (i, str(i))
+        return (time.process_time() - t) * 1e3
+    return sorted(once() for _ in range(3))[1]
 
 
 def proc_cpu(pid: int) -> float:
@@ -87,6 +103,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
              "--max-num-seqs", str(max(streams, 1)), "--async-scheduling" if async_on else "--no-async-scheduling",
              "--stream-interval", str(args.stream_interval)]
+    speed = python_speed_ms()
     with ServeProcess(model, *flags) as serve:
         pids = daemon_pids(serve)
         steps0 = serve.stats().num_steps
@@ -116,7 +133,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                client_vs_ideal=row["output_throughput"] / ideal,
                cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
                gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
-               load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads)
+               load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads, python_speed_ms=speed)
     if spies:
         split = split_profile(args.out.parent / f"capacity_profile_{label}.txt")
         row["scheduler_cpu_split_ms_per_step"] = {k: v * row["scheduler_cpu_per_step_ms"] for k, v in split.items()}
@@ -163,15 +180,16 @@ def top_frames(path: Path, n: int = 12) -> dict[str, float]:
 
 def table(rows: list[dict]) -> str:
     head = ("| setup | streams | mode | util | tok/s | ideal tok/s | client/ideal | TTFT p50/p99 ms | "
-            "TPOT p50/p99 ms | ITL p50/p99 ms | sched CPU/step ms | gw CPU/token µs | client CPU s |")
-    lines = [head, "|" + "---|" * 13]
+            "TPOT p50/p99 ms | ITL p50/p99 ms | sched CPU/step ms | gw CPU/token µs | client CPU s | load | py ms |")
+    lines = [head, "|" + "---|" * 15]
     for r in rows:
         lines.append(
             f"| {r['setup']} {r['model']} | {r['streams']} | {r['mode']} | {r['device_utilization']:.1%} | "
             f"{r['output_throughput']:.0f} | {r['device_ideal_output_throughput']:.0f} | {r['client_vs_ideal']:.0%} | "
             f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
             f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {r['scheduler_cpu_per_step_ms']:.2f} | "
-            f"{r['gateway_cpu_per_token_us']:.0f} | {r['client_cpu_s']:.1f} |")
+            f"{r['gateway_cpu_per_token_us']:.0f} | {r['client_cpu_s']:.1f} | {r['load_average']:.1f} | "
+            f"{r.get('python_speed_ms', float('nan')):.0f} |")
     return "\n".join(lines)
 
 

@@ -28,6 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
+from stepahead.gc_pauses import GcPauses
 from stepahead import codec, daemon, logs, security
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
@@ -71,6 +72,8 @@ class GatewayConfig(SchedulerClientConfig):
     ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
     metrics_port: int | None = cfg.field(None, "also serve the gateway's Prometheus /metrics on this port")
     log_level: str = cfg.field("info", "log level")
+    gc_warning_threshold_secs: float = cfg.field(
+        0.0, "log a warning for a garbage-collection pause this long (0: never; pauses are always in /metrics)")
 
 
 def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
@@ -268,6 +271,11 @@ def run(args: argparse.Namespace) -> int:
     if config.stream_interval < 1:
         raise SystemExit(f"--stream-interval must be >= 1, got {config.stream_interval}")
     log = logs.configure("gateway", config.log_level)
+    metrics = GatewayMetrics()
+    try:
+        GcPauses(metrics.registry, "stepahead:gateway_gc_pause_seconds", log, config.gc_warning_threshold_secs)
+    except ValueError as exc:
+        raise SystemExit(f"--gc-warning-threshold-secs: {exc}") from None
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
     tokenizer = GatewayTokenizer(resolve_model(config.model, build=False))  # no torch in the gateway
@@ -279,13 +287,13 @@ def run(args: argparse.Namespace) -> int:
         return 0
     gate = StreamGate(config.max_concurrent_streams)
     pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
-    frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, GatewayMetrics(), gate, config.stream_interval)
+    frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, metrics, gate, config.stream_interval)
     grpc_server = build_server(config, frontend, log)
-    daemon.freeze_heap()
     port = grpc_server.start()
     http = _start_http(frontend, channels, config, log)
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
+    daemon.freeze_heap()  # after the HTTP app is built: FastAPI's routes and models live as long too
     grpc_server.health.set(True)
     log.info("gateway_ready", address=f"{config.host}:{port}", http_port=http.port if http else 0,
              model=model.model_name, pid=os.getpid())

@@ -36,6 +36,7 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, RequestRejected
 from stepahead.speculative import num_speculative_tokens
+from stepahead.gc_pauses import GcPauses
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
@@ -66,8 +67,7 @@ class SchedulerDaemonConfig:
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
-    score_ttft_target: float = cfg.field(0.0, "score policy: TTFT target, seconds (0: off); a request without a "
-                                         "token waiting past half of it, not past it, goes first of its priority")
+    score_ttft_target: float = cfg.field(0.0, "score policy: TTFT target, s (0: off); requests near missing it go first")
     routing_policy: RoutingPolicy = cfg.field(RoutingPolicy.CACHE_AWARE, "which replica takes a new request")
     balance_abs_threshold: int = cfg.field(
         32, "cache_aware: route by load instead of prefix when max - min replica load exceeds this ...")
@@ -79,14 +79,15 @@ class SchedulerDaemonConfig:
     flight_recorder_steps: int = cfg.field(1000, "steps kept by the flight recorder, per replica")
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
     max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
-    cluster_token: str | None = cfg.field(
-        None, "shared secret every internal call must carry (required off loopback unless --insecure)")
+    cluster_token: str | None = cfg.field(None, "shared secret every internal call must carry (required off "
+                                                "loopback unless --insecure)")
     insecure: bool = cfg.field(False, "allow listening off loopback without a cluster token")
     ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the internal plane")
     ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the internal plane")
     ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
     enable_reflection: bool = cfg.field(False, "serve gRPC reflection of the internal services")
     log_level: str = cfg.field("info", "log level")
+    gc_warning_threshold_secs: float = cfg.field(0.0, "warn of a GC pause this long (0: never; always in /metrics)")
 
     def engine_options(self) -> EngineOptions:
         for name in ("worker_step_timeout", "worker_wait_timeout"):
@@ -386,7 +387,8 @@ def run(args: argparse.Namespace) -> int:
     stop = daemon.install_stop_handlers()
     try:
         server, engine, port = build_server(config, log, stop.set, freeze_heap=True)  # a dead engine ends the daemon
-    except cfg.ConfigError as exc:
+        GcPauses(REGISTRY, "stepahead:gc_pause_seconds", log, config.gc_warning_threshold_secs)
+    except (cfg.ConfigError, ValueError) as exc:
         log.error("bad_configuration", error=str(exc))
         return 2
     daemon.freeze_heap()

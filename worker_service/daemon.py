@@ -23,6 +23,7 @@ from prometheus_client import REGISTRY, start_http_server
 
 from stepahead.speculative import parse_speculative_config
 from stepahead import codec, daemon, logs
+from stepahead.gc_pauses import GcPauses
 from stepahead import config as cfg
 from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import WorkerInfo
@@ -86,6 +87,8 @@ class WorkerConfig(SchedulerClientConfig):
         "to a scheduler, NOT_SERVING while loading, re-attaching or draining (off when unset)")
     health_host: str = cfg.field("127.0.0.1", "address --health-port listens on (0.0.0.0 for Kubernetes probes)")
     log_level: str = cfg.field("info", "log level")
+    gc_warning_threshold_secs: float = cfg.field(
+        0.0, "log a warning for a garbage-collection pause this long (0: never; pauses are always in /metrics)")
 
 
 def build_runner(config: WorkerConfig, group=None):
@@ -358,7 +361,8 @@ def run(args: argparse.Namespace) -> int:
     log = logs.configure("worker", config.log_level)
     try:
         parse_speculative_config(config.speculative_config)
-    except cfg.ConfigError as exc:
+        GcPauses(REGISTRY, "stepahead:worker_gc_pause_seconds", log, config.gc_warning_threshold_secs)
+    except (cfg.ConfigError, ValueError) as exc:
         log.error("bad_configuration", error=str(exc))
         return 2
     daemon.tune_gil()

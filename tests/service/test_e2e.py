@@ -179,6 +179,7 @@ def test_prometheus_metrics_follow_the_traffic(serve, metrics_port):
     steps = [k for k in after if k.startswith("stepahead:scheduler_steps_total{replica=")]
     assert len(steps) == 1 and after[steps[0]] > before.get(steps[0], 0), steps  # counters per replica too
     assert not [k for k in after if k.startswith("stepahead:num_requests") and k.endswith("_total")]
+    assert after['stepahead:gc_pause_seconds_count{generation="2"}'] >= 1  # at least the heap freeze's
 
 
 def test_a_request_finishing_on_its_first_token_records_its_queue_time(serve, metrics_port):

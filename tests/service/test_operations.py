@@ -114,6 +114,7 @@ def test_gateway_metrics_and_json_logs(tiny_model_dir, serve):  # noqa: F811
         assert 'stepahead:gateway_sequences_finished_total{reason="length",transport="grpc"} 1.0' in text
         assert 'stepahead:gateway_generation_tokens_total{transport="grpc"} 5.0' in text
         assert "stepahead:gateway_active_requests 0.0" in text
+        assert 'stepahead:gateway_gc_pause_seconds_count{generation="2"}' in text  # the heap freeze's, at least
     finally:
         gateway.send_signal(signal.SIGTERM)
         _, err = gateway.communicate(timeout=60)

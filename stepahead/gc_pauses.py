@@ -1,0 +1,43 @@
+"""The garbage collector's pauses, seen: a Prometheus histogram per generation and a warning
+for long ones (`--gc-warning-threshold-secs`, SGLang's flag).
+
+Every collection holds the GIL, so a pause of the scheduler is a step planned late (the
+device idles) and a pause of the gateway stalls every stream it serves. `daemon.freeze_heap`
+keeps the long-lived objects out of full collections; this shows what is left.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+
+from prometheus_client import CollectorRegistry, Histogram
+
+_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
+
+
+class GcPauses:
+    """Times every collection of this process from the moment it is created until `close()`."""
+
+    def __init__(self, registry: CollectorRegistry, name: str, log, warning_threshold_s: float = 0.0) -> None:
+        if not warning_threshold_s >= 0:  # also refuses NaN
+            raise ValueError(f"gc warning threshold must be >= 0 seconds, got {warning_threshold_s}")
+        histogram = Histogram(name, "garbage collection pauses (the GIL is held throughout)", ["generation"],
+                              registry=registry, buckets=_BUCKETS)
+        self._by_generation = [histogram.labels(str(g)) for g in range(3)]
+        self._log, self._threshold = log, warning_threshold_s
+        self._start = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+            return
+        seconds = time.perf_counter() - self._start
+        self._by_generation[info["generation"]].observe(seconds)
+        if self._threshold and seconds >= self._threshold:
+            self._log.warning("gc_pause", generation=info["generation"], seconds=round(seconds, 4),
+                              collected=info["collected"], tracked_objects=len(gc.get_objects(info["generation"])))
