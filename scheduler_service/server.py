@@ -67,7 +67,7 @@ class SchedulerDaemonConfig:
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
-    score_ttft_target: float = cfg.field(0.0, "score policy: TTFT target, s (0: off); requests near missing it go first")
+    score_ttft_target: float = cfg.field(0.0, "score policy: TTFT target in s (0: off): requests nearing it go first")
     routing_policy: RoutingPolicy = cfg.field(RoutingPolicy.CACHE_AWARE, "which replica takes a new request")
     balance_abs_threshold: int = cfg.field(
         32, "cache_aware: route by load instead of prefix when max - min replica load exceeds this ...")
