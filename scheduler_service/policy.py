@@ -178,7 +178,9 @@ def make_policy(config: SchedulerConfig) -> QueuePolicy:
 
 class WaitingQueue:
     """Heap on the policy's static key with lazy removal; for aging policies a second heap
-    on queueing time finds the longest-waiting request, which goes first once it has aged."""
+    on queueing time finds the longest-waiting request, which goes first once it has aged;
+    with a TTFT target, requests without a token wait in a heap by arrival until they become
+    urgent, then in a heap on the urgent key, which competes with the static key's best."""
 
     def __init__(self, policy: QueuePolicy) -> None:
         self._policy = policy
