@@ -100,10 +100,8 @@ class SchedulerDaemonConfig:
     def check_exposure(self) -> None:
         """No open internal plane off loopback: a token, or an explicit --insecure."""
         if not self.cluster_token and not self.insecure and not security.is_loopback(self.host):
-            raise cfg.ConfigError(
-                f"refusing to listen on {self.host} without --cluster-token (or STEPAHEAD_CLUSTER_TOKEN); "
-                "pass --insecure to allow it"
-            )
+            raise cfg.ConfigError(f"refusing to listen on {self.host} without --cluster-token (or "
+                                  "STEPAHEAD_CLUSTER_TOKEN); pass --insecure to allow it")
 
     def core_config(self, info: WorkerInfo) -> SchedulerConfig:
         return SchedulerConfig(
