@@ -329,8 +329,9 @@ class Engine:
         except ValueError as exc:  # the hello's geometry does not fit the scheduler's flags
             handle.outbox.close(WorkerRefused(WorkerRefused.Kind.INVALID, f"hello: {exc}"))
             return
-        if self.options.freeze_heap_on_attach:
-            gc.freeze()  # its block pool (an object per KV block) lives as long as the replica
+        if self.options.freeze_heap_on_attach:  # its block pool (an object per KV block) lives as long as it;
+            gc.collect()  # collected first, so no garbage cycle of the moment is frozen for good
+            gc.freeze()
         if self._model is None:
             self._model = info
             self._router = Router(self.options.routing, info.block_size)

@@ -23,12 +23,21 @@ assert len(gc.get_objects()) < 0.05 * before, len(gc.get_objects())
 """
 
 ATTACH = """
-import gc, queue, threading
+import gc, queue, threading, weakref
 import structlog
 from scheduler_service.engine import Engine, EngineOptions, PlanOutbox
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead.plan import WorkerInfo
 
+class Node:
+    pass
+
+
+gc.disable()  # nothing collects the cycle below unless the attach does
+node = Node()
+node.me = node
+garbage = weakref.ref(node)
+del node
 accepted = queue.Queue()
 engine = Engine(SchedulerDaemonConfig().core_config, structlog.get_logger(),
                 options=EngineOptions(freeze_heap_on_attach={freeze}))
@@ -41,6 +50,7 @@ assert accepted.get(timeout=30)
 engine.stats()  # a round trip through the engine thread: the attach is complete
 frozen = gc.get_freeze_count()
 assert (frozen >= 20000) == {freeze}, frozen  # 20000 blocks: one tracked object each
+assert (garbage() is None) == {freeze}, "a garbage cycle of the moment would be frozen for good"
 engine.stop()
 """
 
