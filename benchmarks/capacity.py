@@ -30,11 +30,10 @@ import subprocess
 import time
 from pathlib import Path
 
-from benchmarks.gateway_stream_cpu import python_thread_names
+from benchmarks.procstat import cpu_seconds, python_thread_names, thread_cpu_seconds
 from stepahead.cli import bench
 from stepahead.cli.launcher import ServeProcess
 
-TICK = os.sysconf("SC_CLK_TCK")
 # py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up)
 CATEGORIES = {
     "plan encode": ("plan_to_proto",),
@@ -57,11 +56,6 @@ def python_speed_ms() -> float:
             d[i] = (i, str(i))
         return (time.process_time() - t) * 1e3
     return sorted(once() for _ in range(3))[1]
-
-
-def proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
 def daemon_pids(serve: ServeProcess) -> dict[str, int]:
@@ -107,8 +101,8 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     with ServeProcess(model, *flags) as serve:
         pids = daemon_pids(serve)
         steps0 = serve.stats().num_steps
-        cpu0 = {k: proc_cpu(p) for k, p in pids.items()}
-        threads0 = tid_cpu(pids["scheduler"])
+        cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
+        threads0 = thread_cpu_seconds(pids["scheduler"])
         spies = {}
         if args.profile_cpu:
             for name in ("scheduler", "gateway"):
@@ -117,7 +111,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                                                 "raw", "--gil", "--nonblocking", "-r", "250"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         summary = bench.bench(bench_args(serve, streams, args, label))
-        cpu = {k: proc_cpu(p) - cpu0[k] for k, p in pids.items()}
+        cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
         steps = serve.stats().num_steps - steps0
         threads = scheduler_threads(pids["scheduler"], threads0, steps)
         for spy in spies.values():
@@ -143,26 +137,13 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     return row
 
 
-def tid_cpu(pid: int) -> dict[int, tuple[str, float]]:
-    """OS thread id -> (OS name, CPU seconds) of each thread of `pid`."""
-    out = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except FileNotFoundError:
-            continue  # the thread ended
-        fields = stat.rsplit(")", 1)[1].split()
-        out[int(task.name)] = (stat[stat.index("(") + 1:stat.rindex(")")], (int(fields[11]) + int(fields[12])) / TICK)
-    return out
-
-
 def scheduler_threads(pid: int, before: dict[int, tuple[str, float]], steps: int) -> dict[str, float]:
     """The scheduler's CPU per step by thread (ms), Python threads by their name (`py-spy dump`;
     Python 3.11 does not name OS threads), grpc core's by their OS name; threads of one role
     summed (grpc's handler pool threads run the stream writers and readers)."""
     names = python_thread_names(pid)
     out: collections.Counter = collections.Counter()
-    for tid, (comm, seconds) in tid_cpu(pid).items():
+    for tid, (comm, seconds) in thread_cpu_seconds(pid).items():
         name = names.get(tid, f"{comm} (native)")
         out[re.sub(r"_\d+$|-\d+$", "", name)] += seconds - before.get(tid, (comm, 0.0))[1]
     return {k: v / max(steps, 1) * 1e3 for k, v in out.most_common() if v > 0}

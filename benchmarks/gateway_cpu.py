@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -22,11 +21,11 @@ from pathlib import Path
 
 import httpx2 as httpx
 
+from benchmarks.procstat import cpu_seconds
 from stepahead.builtin_models import resolve_model
 from stepahead.cli.launcher import ServeProcess
 from stepahead.v1 import common_pb2, generation_pb2
 
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def gateway_pid(serve: ServeProcess) -> int:
@@ -35,11 +34,6 @@ def gateway_pid(serve: ServeProcess) -> int:
         if b"gateway" in cmdline:
             return pid
     raise RuntimeError("no gateway process found")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
 
 
 def grpc_one(serve: ServeProcess, prompt: str, max_tokens: int) -> int:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import tempfile
 import time
 from collections import Counter
@@ -28,18 +27,13 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.procstat import cpu_seconds
 from stepahead import security
 from stepahead.builtin_models import resolve_model
 from stepahead.cli.local_cluster import LocalCluster
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
 
 def fast_profile(directory: Path) -> Path:

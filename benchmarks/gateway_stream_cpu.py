@@ -31,7 +31,6 @@ import asyncio
 import collections
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -39,37 +38,18 @@ import sys
 import time
 from pathlib import Path
 
-TICK = os.sysconf("SC_CLK_TCK")
+from benchmarks.procstat import cpu_seconds, python_thread_names, thread_cpu_seconds
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-
-
-def proc_cpu(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK  # utime + stime
-
-
-def python_thread_names(pid: int) -> dict[int, str]:
-    """OS thread id -> Python thread name, from one `py-spy dump` (Python 3.11 does not name
-    OS threads); {} when py-spy is not there."""
-    spy = Path(sys.executable).with_name("py-spy")
-    if not spy.exists():
-        return {}
-    dump = subprocess.run([str(spy), "dump", "-p", str(pid)], capture_output=True, text=True, timeout=60).stdout
-    return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
 
 
 def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
     """CPU seconds (user + system) per thread of process `pid`: Python threads by their name,
     the others (grpc core's) by their OS name, threads of one name summed."""
     out: dict[str, float] = collections.defaultdict(float)
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        try:
-            stat = (task / "stat").read_text()
-        except FileNotFoundError:
-            continue  # the thread ended
-        comm, fields = stat[stat.index("(") + 1:stat.rindex(")")], stat.rsplit(")", 1)[1].split()
-        out[names.get(int(task.name), f"{comm} (not Python)")] += (int(fields[11]) + int(fields[12])) / TICK
+    for tid, (comm, seconds) in thread_cpu_seconds(pid).items():
+        out[names.get(tid, f"{comm} (not Python)")] += seconds
     return out
 
 
@@ -122,11 +102,11 @@ def one_round(target: str, pid: int, tree: Path, args, streams: int, output_len:
                                stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
     names = python_thread_names(pid)
-    gw0, threads0 = proc_cpu(pid), thread_cpu(pid, names)
+    gw0, threads0 = cpu_seconds(pid), thread_cpu(pid, names)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-round", target, "--streams",
                           str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len)],
                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
-    gw, threads = proc_cpu(pid) - gw0, thread_cpu(pid, names)
+    gw, threads = cpu_seconds(pid) - gw0, thread_cpu(pid, names)
     if spy is not None:
         spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
         spy.wait(60)

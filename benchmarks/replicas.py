@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from benchmarks.procstat import cpu_seconds
 from stepahead.cli import bench as bench_mod
 from stepahead.cli.serve import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -35,11 +36,6 @@ MODEL = "llama3-8b-sim"
 def spawn(*args: str) -> subprocess.Popen:
     env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
     return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def wait_serving(address: str) -> None:

@@ -28,7 +28,7 @@ from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
-from stepahead.gc_pauses import GcPauses
+from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead import codec, daemon, logs, security
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
@@ -72,8 +72,7 @@ class GatewayConfig(SchedulerClientConfig):
     ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
     metrics_port: int | None = cfg.field(None, "also serve the gateway's Prometheus /metrics on this port")
     log_level: str = cfg.field("info", "log level")
-    gc_warning_threshold_secs: float = cfg.field(
-        0.0, "log a warning for a garbage-collection pause this long (0: never; pauses are always in /metrics)")
+    gc_warning_threshold_secs: float = gc_warning_threshold_field()
 
 
 def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
@@ -293,7 +292,7 @@ def run(args: argparse.Namespace) -> int:
     http = _start_http(frontend, channels, config, log)
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
-    daemon.freeze_heap()  # after the HTTP app is built: FastAPI's routes and models live as long too
+    freeze_heap()  # after the HTTP app is built: FastAPI's routes and models live as long too
     grpc_server.health.set(True)
     log.info("gateway_ready", address=f"{config.host}:{port}", http_port=http.port if http else 0,
              model=model.model_name, pid=os.getpid())

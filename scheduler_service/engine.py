@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import gc
 import queue
 import threading
 import time
@@ -39,6 +38,7 @@ from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
 from stepahead.flight_recorder import StepRecord
+from stepahead.heap import freeze_heap
 from stepahead.plan import WorkerInfo
 
 __all__ = ["Engine", "EngineOptions", "GatewaySession", "NoWorker", "PlanOutbox", "RejectCode", "Rejected",
@@ -52,7 +52,7 @@ class EngineOptions:
     worker_wait_timeout_s: float = 60.0  # requests without any replica end UNAVAILABLE after this
     recorder_steps: int = 1000  # flight-recorder steps kept per replica
     group_attach_timeout_s: float = 60.0  # a tensor-parallel group whose ranks do not all attach is closed
-    freeze_heap_on_attach: bool = False  # the daemon's: gc.freeze() a new replica's block pool (see daemon.freeze_heap)
+    freeze_heap_on_attach: bool = False  # the daemon's: gc.freeze() a new replica's block pool (heap.freeze_heap)
 
 
 @dataclass(frozen=True)
@@ -329,9 +329,8 @@ class Engine:
         except ValueError as exc:  # the hello's geometry does not fit the scheduler's flags
             handle.outbox.close(WorkerRefused(WorkerRefused.Kind.INVALID, f"hello: {exc}"))
             return
-        if self.options.freeze_heap_on_attach:  # its block pool (an object per KV block) lives as long as it;
-            gc.collect()  # collected first, so no garbage cycle of the moment is frozen for good
-            gc.freeze()
+        if self.options.freeze_heap_on_attach:
+            freeze_heap()  # its block pool (an object per KV block) lives as long as the replica
         if self._model is None:
             self._model = info
             self._router = Router(self.options.routing, info.block_size)

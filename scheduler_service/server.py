@@ -36,7 +36,7 @@ from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestEvent, RequestRejected
 from stepahead.speculative import num_speculative_tokens
-from stepahead.gc_pauses import GcPauses
+from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
@@ -87,7 +87,7 @@ class SchedulerDaemonConfig:
     ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
     enable_reflection: bool = cfg.field(False, "serve gRPC reflection of the internal services")
     log_level: str = cfg.field("info", "log level")
-    gc_warning_threshold_secs: float = cfg.field(0.0, "warn of a GC pause this long (0: never; always in /metrics)")
+    gc_warning_threshold_secs: float = gc_warning_threshold_field()
 
     def engine_options(self) -> EngineOptions:
         for name in ("worker_step_timeout", "worker_wait_timeout"):
@@ -389,7 +389,7 @@ def run(args: argparse.Namespace) -> int:
     except (cfg.ConfigError, ValueError) as exc:
         log.error("bad_configuration", error=str(exc))
         return 2
-    daemon.freeze_heap()
+    freeze_heap()
     engine.start()
     server.start()
     if config.metrics_port is not None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import signal
 import sys
 import threading
@@ -40,18 +39,6 @@ def tune_gil(switch_interval_s: float = 0.0005) -> None:
     times per step; with CPython's default 5 ms switch interval each hand-off can stall
     that long. A shorter interval keeps hand-offs in the sub-millisecond range."""
     sys.setswitchinterval(switch_interval_s)
-
-
-def freeze_heap() -> None:
-    """Take every object alive now (imported modules, the model, the tokenizer) out of the
-    garbage collector's view; call once a daemon is ready to serve. CPython's full collection
-    walks every tracked object with the GIL held: a daemon holds ~50k of them after its
-    imports alone, and at 256 streams each full collection stalled its process 50-130 ms in
-    the middle of a step (the device idled, clients stalled). Frozen objects are still freed
-    by reference counting; only cycles among them are never collected, so freeze what lives
-    as long as the process."""
-    gc.collect()
-    gc.freeze()
 
 
 def install_stop_handlers() -> threading.Event:

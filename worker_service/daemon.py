@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, start_http_server
 
 from stepahead.speculative import parse_speculative_config
 from stepahead import codec, daemon, logs
-from stepahead.gc_pauses import GcPauses
+from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead import config as cfg
 from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import WorkerInfo
@@ -87,8 +87,7 @@ class WorkerConfig(SchedulerClientConfig):
         "to a scheduler, NOT_SERVING while loading, re-attaching or draining (off when unset)")
     health_host: str = cfg.field("127.0.0.1", "address --health-port listens on (0.0.0.0 for Kubernetes probes)")
     log_level: str = cfg.field("info", "log level")
-    gc_warning_threshold_secs: float = cfg.field(
-        0.0, "log a warning for a garbage-collection pause this long (0: never; pauses are always in /metrics)")
+    gc_warning_threshold_secs: float = gc_warning_threshold_field()
 
 
 def build_runner(config: WorkerConfig, group=None):
@@ -330,7 +329,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
     metrics.watch_grammars(runner)
-    daemon.freeze_heap()  # the model, the KV cache and the imports live as long as the process
+    freeze_heap()  # the model, the KV cache and the imports live as long as the process
     watch = _StopWatch(stop, on_stop=health.stopping)
     backoff, failures = 0.05, 0
     while not stop.is_set():

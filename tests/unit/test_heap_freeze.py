@@ -15,9 +15,9 @@ import pytest
 
 FREEZE_HEAP = """
 import gc
-from stepahead import daemon
+from stepahead.heap import freeze_heap
 before = len(gc.get_objects())
-daemon.freeze_heap()
+freeze_heap()
 assert gc.get_freeze_count() >= 0.9 * before, (gc.get_freeze_count(), before)
 assert len(gc.get_objects()) < 0.05 * before, len(gc.get_objects())
 """

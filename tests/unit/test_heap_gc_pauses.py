@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 import structlog
 
-from stepahead.gc_pauses import GcPauses
+from stepahead.heap import GcPauses
 
 
 def count(registry: CollectorRegistry, generation: int) -> float:
