@@ -126,11 +126,8 @@ class Generation:
             self.abort()
             raise Rejected(event.message, event.reject_code)
         index = self._index[rid]
-        reason = codec.finish_reason_from_proto(event.finish_reason) if event.finish_reason else None
-        if event.logprobs or event.prompt_logprobs:
-            out = self._processors[index].on_tokens(event.token_ids, reason, *_logprobs_of(event))
-        else:
-            out = self._processors[index].on_tokens(event.token_ids, reason)
+        reason = codec.finish_reason_from_proto(event.finish_reason)
+        out = self._processors[index].on_tokens(event.token_ids, reason, *_logprobs_of(event))
         if out.token_ids and not self._first_token_seen:
             self._first_token_seen = True
             self._metrics.observe_first_token(self._transport, time.monotonic() - self._start)

@@ -174,12 +174,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return self._final(request_id, choice)
         if not (out.text or out.token_ids or out.logprobs):
             return None
-        if out.logprobs or out.prompt_logprobs:
-            return generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                                   index=choice.index, **_logprobs_fields(out))
-        # the common message, once per token at stream interval 1: no kwargs dict
         return generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                               index=choice.index)
+                                               index=choice.index, **_logprobs_fields(out))
 
     def _final(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse:
         out = choice.output

@@ -221,7 +221,7 @@ class WaitingQueue:
         best = self._top(self._by_key)
         if self._policy.ttft_target:
             urgent = self._top_urgent(now)
-            if urgent is not None and self._policy.urgent_key(urgent) < self._by_key[0][0]:  # best's key
+            if urgent is not None and self._urgent[0][0] < self._by_key[0][0]:  # the two heads' keys
                 return urgent
         return best
 

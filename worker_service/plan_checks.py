@@ -127,9 +127,8 @@ def split_bad_sampling_rows(plan: StepPlan, vocab_size: int, failed_ids: set[str
             continue
         new.append(r if sampling == r.sampling else dataclasses.replace(r, sampling=sampling))
     failed_ids.update(failed)
-    if not failed_ids and all(a is b for a, b in zip(new, plan.new_requests)):
-        return plan, failed  # the usual step: no pass over the running deltas
-    running = [r for r in plan.running if r.request_id not in failed_ids]
+    # the usual step fails nothing: no pass over the running deltas, no new plan
+    running = [r for r in plan.running if r.request_id not in failed_ids] if failed_ids else plan.running
     if not failed and len(running) == len(plan.running) and all(a is b for a, b in zip(new, plan.new_requests)):
         return plan, failed
     return dataclasses.replace(plan, new_requests=tuple(new), running=tuple(running)), failed

@@ -215,7 +215,7 @@ class SimRunner:
         n = len(ids)
         token = self.rule.next_token(state.history_hash, n, n - state.num_prompt, state.sampling)
         ids.append(token)
-        state.history_hash = ((state.history_hash ^ token) * tokens.FNV_PRIME) & tokens.MASK64  # tokens.extend
+        state.history_hash = tokens.extend(state.history_hash, (token,))
         return token
 
 

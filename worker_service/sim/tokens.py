@@ -64,26 +64,18 @@ class TokenRule:
         return self.default_seed if sampling.seed is None else sampling.seed
 
     def next_token(self, h: int, position: int, num_output: int, sampling: SamplingParams) -> int:
-        """The token at `position` (`num_output` outputs so far) after history hash `h`.
-
-        `mix` written out inline; `reference_next_token` is the same function spelled plainly
-        (the tests compare the two, and `advance_many`, the runner's batch path, with both)."""
-        x = h ^ ((position * GOLDEN) & MASK64)
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-        k = x ^ (x >> 31)
+        """The token at `position` (`num_output` outputs so far) after history hash `h`
+        (`reference_next_token` is the same function spelled plainly, the tests' oracle; this one
+        keeps its banned sets precomputed)."""
+        k = mix(h ^ ((position * GOLDEN) & MASK64))
         masked = num_output < sampling.min_tokens
         eos = self.eos_token_ids
         if eos and (not masked or sampling.ignore_eos) and (k >> 11) * _UNIT53 < self.eos_probability:
             return eos[0]
         banned = self._banned(sampling) if masked else self._eos
-        vocab = self.vocab_size
         while True:
-            x = (k + GOLDEN) & MASK64
-            x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-            x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-            k = x ^ (x >> 31)
-            token = k % vocab
+            k = mix((k + GOLDEN) & MASK64)
+            token = k % self.vocab_size
             if token not in banned:
                 return token
 
@@ -97,7 +89,7 @@ class TokenRule:
         n = len(hashes)
         if n < _MIN_VECTOR_ROWS:
             out = [self.next_token(*row) for row in zip(hashes, positions, num_outputs, samplings)]
-            return out, [((h ^ t) * FNV_PRIME) & MASK64 for h, t in zip(hashes, out)]
+            return out, [extend(h, (t,)) for h, t in zip(hashes, out)]
         h = np.array(hashes, dtype=np.uint64)
         k = _mix_array(h ^ (np.array(positions, dtype=np.uint64) * _GOLDEN))
         drawn = _mix_array(k + _GOLDEN) % np.uint64(self.vocab_size)
