@@ -27,10 +27,9 @@ import json
 import os
 import re
 import subprocess
-import time
 from pathlib import Path
 
-from benchmarks.procstat import cpu_seconds, python_thread_names, thread_cpu_seconds
+from benchmarks.machine import cpu_seconds, python_speed_ms, python_thread_names, thread_cpu_seconds
 from stepahead.cli import bench
 from stepahead.cli.launcher import ServeProcess
 
@@ -43,19 +42,6 @@ CATEGORIES = {
     "update": ("update_from_output",),
     "schedule": ("Scheduler.schedule",),
 }
-
-
-def python_speed_ms() -> float:
-    """CPU ms of a fixed pure-Python workload (median of 3): this shared machine's speed varies
-    (the same scheduler work has cost 1x-2x the CPU at different hours); recorded per run."""
-    def once() -> float:
-        t, s, d = time.process_time(), 0, {}
-        for i in range(2_000_000):
-            s += i * i
-        for i in range(200_000):
-            d[i] = (i, str(i))
-        return (time.process_time() - t) * 1e3
-    return sorted(once() for _ in range(3))[1]
 
 
 def daemon_pids(serve: ServeProcess) -> dict[str, int]:

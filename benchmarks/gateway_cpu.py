@@ -21,7 +21,7 @@ from pathlib import Path
 
 import httpx2 as httpx
 
-from benchmarks.procstat import cpu_seconds
+from benchmarks.machine import cpu_seconds
 from stepahead.builtin_models import resolve_model
 from stepahead.cli.launcher import ServeProcess
 from stepahead.v1 import common_pb2, generation_pb2

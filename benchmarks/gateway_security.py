@@ -27,7 +27,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.procstat import cpu_seconds
+from benchmarks.machine import cpu_seconds
 from stepahead import security
 from stepahead.builtin_models import resolve_model
 from stepahead.cli.local_cluster import LocalCluster

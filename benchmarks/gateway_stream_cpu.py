@@ -38,7 +38,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks.procstat import cpu_seconds, python_thread_names, thread_cpu_seconds
+from benchmarks.machine import cpu_seconds, python_thread_names, thread_cpu_seconds
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import grpc
 
-from benchmarks.procstat import cpu_seconds
+from benchmarks.machine import cpu_seconds
 from stepahead.cli import bench as bench_mod
 from stepahead.cli.serve import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc

@@ -37,6 +37,7 @@ import statistics
 import time
 from pathlib import Path
 
+from benchmarks.machine import calibration_us
 from stepahead import codec
 from stepahead.builtin_models import resolve_model
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
@@ -163,15 +164,6 @@ def measure(model_dir: Path, rows: int, steps: int, profile: cProfile.Profile | 
         "process_cpu_us_per_step": round(cpu / steps * 1e6, 1),
         "plan_bytes": sizes[0], "result_bytes": sizes[1], "evict_mb": evict_mb,
     }
-
-
-def calibration_us(iters: int = 200) -> float:
-    best = float("inf")
-    for _ in range(iters):
-        t = time.perf_counter_ns()
-        sum(range(10_000))
-        best = min(best, time.perf_counter_ns() - t)
-    return round(best / 1e3, 1)
 
 
 def print_table(rows: list[dict]) -> None:

@@ -1,5 +1,12 @@
-"""CPU seconds of a process and of its threads, from /proc (what the benchmarks measure
-daemons with), and the Python names of a process's threads (from `py-spy dump`)."""
+"""What the benchmarks read of the machine: CPU seconds of a process and of its threads
+(/proc), the Python names of a process's threads (`py-spy dump`), and its speed now.
+
+Two speed measures, both kept because results on disk carry them: `calibration_us`, the best
+of many short runs of `sum(range(10_000))` (wall µs: the machine's floor), recorded by the
+per-step microbenchmarks; `python_speed_ms`, the median CPU ms of a longer loop, recorded per
+capacity run (what a daemon's work costs at that moment: this VM's two vCPUs change speed by
+~2x from minute to minute, and both measures follow it).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -42,3 +50,26 @@ def python_thread_names(pid: int) -> dict[int, str]:
         return {}
     dump = subprocess.run([str(spy), "dump", "-p", str(pid)], capture_output=True, text=True, timeout=60).stdout
     return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
+
+
+def calibration_us(iters: int = 200) -> float:
+    """Best wall time of `sum(range(10_000))` over `iters` runs, µs."""
+    best = float("inf")
+    for _ in range(iters):
+        t = time.perf_counter_ns()
+        sum(range(10_000))
+        best = min(best, time.perf_counter_ns() - t)
+    return round(best / 1e3, 1)
+
+
+def python_speed_ms() -> float:
+    """Median CPU ms of three runs of a fixed pure-Python loop (integer arithmetic and dict
+    inserts)."""
+    def once() -> float:
+        t, s, d = time.process_time(), 0, {}
+        for i in range(2_000_000):
+            s += i * i
+        for i in range(200_000):
+            d[i] = (i, str(i))
+        return (time.process_time() - t) * 1e3
+    return sorted(once() for _ in range(3))[1]
