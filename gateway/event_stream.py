@@ -16,6 +16,7 @@ import collections
 import threading
 from collections.abc import AsyncIterator, Callable
 
+from gateway.plain_tokens import TOKEN_EVENTS
 from stepahead.v1 import scheduler_pb2
 
 
@@ -139,7 +140,7 @@ class EventMerger:
                 break
             run.append(more)
         event = run[0] if len(run) == 1 else _merged(run)
-        if self._interval > 1 and isinstance(event, scheduler_pb2.TokenEvent) and event.token_ids:
+        if self._interval > 1 and isinstance(event, TOKEN_EVENTS) and event.token_ids:
             self._started.add(event.request_id)
         return event
 
@@ -153,8 +154,9 @@ class EventMerger:
 def _merged(run: list):
     """One event of a run of one sequence's token events: their tokens (and logprobs) in order,
     the last one's finish reason and counts."""
+    last = run[-1]
     merged = scheduler_pb2.TokenEvent()
-    merged.CopyFrom(run[-1])
+    merged.CopyFrom(last if isinstance(last, scheduler_pb2.TokenEvent) else last.to_proto())
     merged.token_ids[:] = [t for e in run for t in e.token_ids]
     if any(e.logprobs for e in run):
         merged.ClearField("logprobs")
@@ -163,11 +165,11 @@ def _merged(run: list):
 
 
 def _mergeable(event) -> bool:
-    return isinstance(event, scheduler_pb2.TokenEvent) and not (event.finish_reason or event.rejected)
+    return isinstance(event, TOKEN_EVENTS) and not (event.finish_reason or event.rejected)
 
 
 def _mergeable_into(event, more) -> bool:
-    return (isinstance(more, scheduler_pb2.TokenEvent) and more.request_id == event.request_id and not more.rejected
+    return (isinstance(more, TOKEN_EVENTS) and more.request_id == event.request_id and not more.rejected
             and not (event.prompt_logprobs or more.prompt_logprobs))  # prompt parts stay events of their own
 
 

@@ -1,10 +1,12 @@
 """The gateway's one multiplexed stream to the scheduler (`Scheduler.Connect`).
 
 All of a gateway's requests share one bidirectional stream: submissions and aborts go up,
-one `EventBatch` per scheduler step comes down and a reader thread hands each event to
-its request's sink (a queue for the gRPC servicer's threads, the event loop for HTTP). One message per step instead of one per request per step keeps the
-control plane's CPU cost flat in the number of streams. If the stream breaks, every open
-request fails with `LinkBroken` and the next submission opens a new stream
+one `EventBatch` per scheduler step comes down and a reader thread hands each event (and
+each packed plain token, `plain_tokens.py`) to its request's sink (a queue for the gRPC
+servicer's threads, the event loop for HTTP). One message per step instead of one per
+request per step keeps the control plane's CPU cost flat in the number of streams. If the
+stream breaks, or the scheduler sends a malformed batch (the stream is then cancelled),
+every open request fails with `LinkBroken` and the next submission opens a new stream
 (`scheduler_pool.py` resubmits them elsewhere).
 """
 
@@ -16,6 +18,7 @@ from collections.abc import Callable
 
 import grpc
 
+from gateway.plain_tokens import MalformedBatch, OpenRequest, deliver
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -28,7 +31,7 @@ class SchedulerLink:
         self._stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self._log = log
         self._lock = threading.Lock()
-        self._routes: dict[str, Callable[[object], None]] = {}  # request id -> its event sink
+        self._routes: dict[str, OpenRequest] = {}  # request id -> its event sink and counts
         self._outbox: queue.Queue | None = None  # messages for the current stream
 
     @property
@@ -46,7 +49,7 @@ class SchedulerLink:
             if msg.request_id in self._routes:
                 raise ValueError(f"request_id {msg.request_id!r} is already in flight on this gateway")
             outbox = self._open_stream()
-            self._routes[msg.request_id] = sink
+            self._routes[msg.request_id] = OpenRequest(sink)
             outbox.put(scheduler_pb2.GatewayMessage(submit=msg))
 
     def abort(self, request_id: str) -> None:
@@ -72,16 +75,16 @@ class SchedulerLink:
         reason = "the scheduler closed the stream"
         try:
             for batch in responses:
-                for event in batch.events:
-                    sink = self._routes.get(event.request_id)
-                    if sink is not None:
-                        sink(event)
+                deliver(batch, self._routes)
         except grpc.RpcError as exc:
             reason = f"the scheduler stream failed: {exc.code().name} {exc.details()}"
+        except MalformedBatch as exc:  # like a message that does not parse: the stream is done
+            reason = f"the scheduler sent a malformed EventBatch: {exc}"
+            responses.cancel()
         with self._lock:
             if self._outbox is outbox:
                 self._outbox = None
-            open_routes = list(self._routes.values())  # all of them belonged to this stream
+            open_routes = [r.sink for r in self._routes.values()]  # all of them belonged to this stream
         outbox.put(None)
         self._log.warning("scheduler_link_broken", reason=reason, open_requests=len(open_routes))
         for sink in open_routes:

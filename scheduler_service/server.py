@@ -20,13 +20,12 @@ from prometheus_client import REGISTRY, start_http_server
 
 from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from scheduler_service.engine import Engine, EngineOptions
+from scheduler_service.event_batches import event_batches
 from scheduler_service.groups import Joiner
 from scheduler_service.links import (
     GatewaySession,
     NoWorker,
     PlanOutbox,
-    RejectCode,
-    Rejected,
     WorkerHandle,
     WorkerRefused,
     rejection,
@@ -34,13 +33,13 @@ from scheduler_service.links import (
 from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.request import Request
-from scheduler_service.scheduler import RequestEvent, RequestRejected
+from scheduler_service.scheduler import RequestRejected
 from stepahead.speculative import num_speculative_tokens
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
-from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
@@ -154,60 +153,10 @@ def request_from_proto(msg: scheduler_pb2.SubmitRequest, info: WorkerInfo, scope
     )
 
 
-def add_event(batch: scheduler_pb2.EventBatch, event: RequestEvent, scope_len: int = 0) -> None:
-    """Append `event` to `batch`, setting only the fields that differ from their defaults
-    (the fan-out's hot path: one event per running request per step)."""
-    msg = batch.events.add()  # then fields one by one: ~2x faster than add(**fields) on upb
-    msg.request_id = event.request_id[scope_len:]
-    msg.token_ids.extend(event.new_token_ids)
-    msg.num_prompt_tokens = event.num_prompt_tokens
-    if event.finish_reason is not None:
-        msg.finish_reason = codec.finish_reason_to_proto(event.finish_reason)
-    if event.num_cached_tokens:
-        msg.num_cached_tokens = event.num_cached_tokens
-    if event.message:
-        msg.message = event.message
-    if event.rejected:  # its reject_code is the default, REJECT_CODE_INVALID
-        msg.rejected = True
-    if event.logprobs:
-        msg.logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.logprobs)
-    if event.num_draft_tokens:
-        msg.num_draft_tokens = event.num_draft_tokens
-        msg.num_accepted_tokens = event.num_accepted_tokens
-        msg.num_spec_steps = event.num_spec_steps
-    if event.prompt_logprobs is not None:
-        msg.prompt_logprobs_start = event.prompt_logprobs.start
-        msg.prompt_logprobs.extend(codec.logprobs_to_proto(lp) for lp in event.prompt_logprobs.entries)
-
-
-REJECT_CODES = {
-    RejectCode.INVALID: scheduler_pb2.REJECT_CODE_INVALID,
-    RejectCode.UNAVAILABLE: scheduler_pb2.REJECT_CODE_UNAVAILABLE,
-    RejectCode.QUEUE_FULL: scheduler_pb2.REJECT_CODE_QUEUE_FULL,
-}
-
 REFUSAL_STATUS = {
     WorkerRefused.Kind.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
     WorkerRefused.Kind.MISMATCH: grpc.StatusCode.FAILED_PRECONDITION,
 }
-
-
-def rejection_to_proto(r: Rejected, scope_len: int = 0) -> scheduler_pb2.TokenEvent:
-    return scheduler_pb2.TokenEvent(
-        request_id=r.request_id[scope_len:], finish_reason=common_pb2.FINISH_REASON_ERROR, rejected=True,
-        message=r.message, reject_code=REJECT_CODES[r.code],
-    )
-
-
-def batch_to_proto(batch: list[RequestEvent | Rejected], scope_len: int = 0) -> scheduler_pb2.EventBatch:
-    """Events and rejections carry the scoped id; the scope is cut off (the gateway's own id)."""
-    out = scheduler_pb2.EventBatch()
-    for e in batch:
-        if isinstance(e, Rejected):
-            out.events.append(rejection_to_proto(e, scope_len))
-        else:
-            add_event(out, e, scope_len)
-    return out
 
 
 def stats_to_proto(stats) -> scheduler_pb2.SchedulerStats:
@@ -226,8 +175,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         scope = f"{next(self._sessions):x}/"  # this stream's request-id namespace
         context.add_callback(session.close)  # call over (client gone, server stopping): end the writer
         threading.Thread(target=self._read_gateway, args=(request_iterator, session, scope), daemon=True).start()
-        for batch in session:
-            yield batch_to_proto(batch, len(scope))
+        for events in session:
+            yield from event_batches(events, len(scope))
 
     def _read_gateway(self, request_iterator, session: GatewaySession, scope: str) -> None:
         try:

@@ -72,10 +72,14 @@ class AbortRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ...) -> None: ...
 
 class EventBatch(_message.Message):
-    __slots__ = ("events",)
+    __slots__ = ("events", "token_request_ids", "token_ids")
     EVENTS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
-    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ...) -> None: ...
+    token_request_ids: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "rejected", "message", "reject_code", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "num_draft_tokens", "num_accepted_tokens", "num_spec_steps")

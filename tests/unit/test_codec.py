@@ -83,14 +83,16 @@ def test_worker_timing_with_device_busy_time_round_trips():
 
 def test_event_batches_carry_every_field_and_cut_the_scope():
     from scheduler_service.request import RequestEvent
-    from scheduler_service.server import batch_to_proto
+    from scheduler_service.event_batches import event_batches
     from stepahead.plan import FinishReason
     from stepahead.v1 import common_pb2
 
     events = [RequestEvent("3/a", (7, 8), None, 12, 0),
               RequestEvent("3/b", (9,), FinishReason.LENGTH, 5, 4),
               RequestEvent("3/c", (), FinishReason.ERROR, 6, 0, message="row failed")]
-    out = batch_to_proto(events, scope_len=2).events
+    (batch,) = event_batches(events, scope_len=2)
+    out = batch.events
+    assert not batch.token_request_ids, "none of them is plain (a first event, a finish, an error)"
     assert [(e.request_id, list(e.token_ids), e.num_prompt_tokens, e.num_cached_tokens, e.message) for e in out] == [
         ("a", [7, 8], 12, 0, ""), ("b", [9], 5, 4, ""), ("c", [], 6, 0, "row failed")]
     assert [e.finish_reason for e in out] == [common_pb2.FINISH_REASON_UNSPECIFIED, common_pb2.FINISH_REASON_LENGTH,
