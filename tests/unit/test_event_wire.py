@@ -1,0 +1,198 @@
+"""Plain decode tokens on the scheduler → gateway wire (`EventBatch`'s packed columns): what
+the scheduler's writer (`scheduler_service/event_batches.py`) encodes, the gateway's reader
+(`gateway/plain_tokens.py`) gives every open request exactly its events, in order, with the
+request's prompt / cached counts on its plain tokens."""
+
+from __future__ import annotations
+
+import threading
+from concurrent import futures
+
+import grpc
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gateway.plain_tokens import MalformedBatch, OpenRequest, PlainToken, deliver
+from gateway.scheduler_link import LinkBroken, SchedulerLink
+from scheduler_service.event_batches import event_batches, is_plain
+from scheduler_service.links import GatewaySession, RejectCode, Rejected
+from scheduler_service.request import RequestEvent
+from stepahead import codec
+from stepahead.logprobs import Logprobs, PromptLogprobs
+from stepahead.plan import FinishReason
+from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
+
+SCOPE = "2a/"
+LP = Logprobs(7, -0.5)
+
+
+def request_events(rid: str, kinds: list[str], last: str, prompt: int, cached: int, with_prompt_lp: bool) -> list:
+    """One request's events as the scheduler makes them: (prompt logprobs,) a first token
+    event (queue_time set), middle events of `kinds`, a final one of kind `last`."""
+    rid = SCOPE + rid
+    out = []
+    if with_prompt_lp:  # prompt logprobs computed before the first token: counts 0, like the scheduler's
+        out.append(RequestEvent(rid, (), None, prompt, 0, prompt_logprobs=PromptLogprobs(1, (LP,))))
+    out.append(RequestEvent(rid, (100,), None, prompt, cached, queue_time=0.01))
+    for i, kind in enumerate(kinds):
+        token = 101 + i
+        out.append({
+            "plain": lambda: RequestEvent(rid, (token,), None, prompt, cached),
+            "two": lambda: RequestEvent(rid, (token, token + 1000), None, prompt, cached),
+            "logprobs": lambda: RequestEvent(rid, (token,), None, prompt, cached, logprobs=(LP,)),
+            "spec": lambda: RequestEvent(rid, (token,), None, prompt, cached, num_draft_tokens=3,
+                                         num_accepted_tokens=1, num_spec_steps=2),
+        }[kind]())
+    out.append({
+        "length": RequestEvent(rid, (99,), FinishReason.LENGTH, prompt, cached),
+        "error": RequestEvent(rid, (), FinishReason.ERROR, prompt, cached, "worker: row failed"),
+        "abort": RequestEvent(rid, (), FinishReason.ABORT, prompt, 0),
+        "none": None,  # still running
+    }[last])
+    return [e for e in out if e is not None]
+
+
+def fields(e) -> tuple:
+    """What the gateway's consumers read of an event (a RequestEvent's on the scheduler side)."""
+    if isinstance(e, RequestEvent):
+        reason = codec.finish_reason_to_proto(e.finish_reason) if e.finish_reason is not None else 0
+        prompt_lp = len(e.prompt_logprobs.entries) if e.prompt_logprobs else 0
+        return (tuple(e.new_token_ids), reason, e.num_prompt_tokens, e.num_cached_tokens, e.message, e.rejected,
+                len(e.logprobs), prompt_lp, e.num_draft_tokens, e.num_accepted_tokens, e.num_spec_steps)
+    return (tuple(e.token_ids), e.finish_reason, e.num_prompt_tokens, e.num_cached_tokens, e.message, e.rejected,
+            len(e.logprobs), len(e.prompt_logprobs), e.num_draft_tokens, e.num_accepted_tokens, e.num_spec_steps)
+
+
+def decode(wire: list[bytes], open_ids: set[str]) -> dict[str, list]:
+    """Every open request's events as the gateway's link hands them to its sink."""
+    got: dict[str, list] = {rid: [] for rid in open_ids}
+    routes = {rid: OpenRequest(got[rid].append) for rid in open_ids}
+    for data in wire:
+        deliver(scheduler_pb2.EventBatch.FromString(data), routes)
+    return got
+
+
+requests_st = st.lists(st.tuples(
+    st.lists(st.sampled_from(["plain", "plain", "plain", "two", "logprobs", "spec"]), max_size=8),
+    st.sampled_from(["length", "error", "abort", "none"]),
+    st.integers(1, 5000), st.integers(0, 4096), st.booleans(), st.booleans(),
+), min_size=1, max_size=5)
+
+
+@settings(max_examples=150, deadline=None)
+@given(requests_st, st.data())
+def test_any_merged_steps_decode_to_each_requests_events_in_order(requests, data):
+    per_request = {f"r{i}": request_events(f"r{i}", kinds, last, prompt, cached, lp)
+                   for i, (kinds, last, prompt, cached, lp, _) in enumerate(requests)}
+    per_request["bad"] = [Rejected(SCOPE + "bad", "prompt too long", RejectCode.INVALID)]
+    open_ids = {f"r{i}" for i, r in enumerate(requests) if r[5]} | {"bad"}  # the others ended at the gateway
+    # interleave the requests' events (each request's in order), cut into steps, steps into merges
+    order = data.draw(st.permutations([rid for rid, evs in per_request.items() for _ in evs]))
+    cursors = dict.fromkeys(per_request, 0)
+    stream = []
+    for rid in order:
+        stream.append(per_request[rid][cursors[rid]])
+        cursors[rid] += 1
+    cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(stream) - 1)), max_size=6)))
+    steps = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    sizes = data.draw(st.lists(st.integers(1, 3), min_size=len(steps), max_size=len(steps)))
+    session, wire, done = GatewaySession(), [], 0
+    merged = iter(session)
+    for size in sizes:  # the lists that queued up while the writer was busy, merged by the session
+        if done < len(steps):
+            for step in steps[done:done + size]:
+                session.put_many(step)
+            done += size
+            wire += [b.SerializeToString() for b in event_batches(next(merged), len(SCOPE))]
+
+    got = decode(wire, open_ids)
+    for rid in open_ids - {"bad"}:
+        assert [fields(e) for e in got[rid]] == [fields(e) for e in per_request[rid]], rid
+    (rejected,) = got["bad"]
+    assert rejected.rejected and rejected.message == "prompt too long" and rejected.finish_reason
+
+
+def plain(rid: str, token: int) -> RequestEvent:
+    return RequestEvent(SCOPE + rid, (token,), None, 10, 4)
+
+
+def test_plain_tokens_go_in_the_columns_and_a_later_event_of_the_same_request_in_the_next_batch():
+    first = RequestEvent(SCOPE + "a", (1,), None, 10, 4, queue_time=0.1)
+    final = RequestEvent(SCOPE + "a", (4,), FinishReason.LENGTH, 10, 4)
+    other = RequestEvent(SCOPE + "b", (9,), FinishReason.STOP, 3, 0)
+    assert not is_plain(first) and not is_plain(final) and is_plain(plain("a", 2))
+    one, two = event_batches([first, plain("a", 2), plain("c", 8), other, plain("a", 3), final], len(SCOPE))
+    assert [e.request_id for e in one.events] == ["a", "b"], "b's final follows no plain token of b: same batch"
+    assert list(one.token_request_ids) == ["a", "c", "a"] and list(one.token_ids) == [2, 8, 3]
+    assert [e.request_id for e in two.events] == ["a"] and not two.token_ids, "a's final after a's plain tokens"
+    (only,) = event_batches([plain("a", 2), plain("a", 3), plain("b", 7)], len(SCOPE))
+    assert not only.events and list(only.token_request_ids) == ["a", "a", "b"] and list(only.token_ids) == [2, 3, 7]
+
+
+def test_a_plain_token_carries_its_requests_counts_and_ignores_closed_ids():
+    batch = scheduler_pb2.EventBatch(token_request_ids=["a", "gone", "a"], token_ids=[5, 6, 7])
+    batch.events.add(request_id="a", token_ids=[4], num_prompt_tokens=12, num_cached_tokens=8)
+    batch.events.add(request_id="a", num_prompt_tokens=12)  # no tokens (e.g. prompt logprobs): counts kept
+    got: list = []
+    deliver(batch, {"a": OpenRequest(got.append)})
+    assert [tuple(e.token_ids) for e in got] == [(4,), (), (5,), (7,)]
+    assert all(isinstance(e, PlainToken) and (e.num_prompt_tokens, e.num_cached_tokens) == (12, 8) for e in got[2:])
+
+
+def test_columns_of_different_lengths_are_refused_before_anything_is_delivered():
+    batch = scheduler_pb2.EventBatch(token_request_ids=["a", "a"], token_ids=[5])
+    batch.events.add(request_id="a", token_ids=[4], num_prompt_tokens=12)
+    got: list = []
+    with pytest.raises(MalformedBatch, match="token_request_ids has 2 entries but token_ids has 1"):
+        deliver(batch, {"a": OpenRequest(got.append)})
+    assert got == []
+
+
+class _Malformed(scheduler_pb2_grpc.SchedulerServicer):
+    """A scheduler that answers the first submission with a batch whose columns differ in length."""
+
+    def __init__(self) -> None:
+        self.cancelled = threading.Event()
+
+    def Connect(self, request_iterator, context):
+        context.add_callback(self.cancelled.set)
+        msg = next(request_iterator)
+        batch = scheduler_pb2.EventBatch(token_request_ids=[msg.submit.request_id] * 2, token_ids=[1])
+        batch.events.add(request_id=msg.submit.request_id, token_ids=[3], num_prompt_tokens=2)
+        yield batch
+        self.cancelled.wait(30)
+
+
+class _Log:
+    def __init__(self) -> None:
+        self.warnings: list[dict] = []
+
+    def warning(self, event: str, **kw) -> None:
+        self.warnings.append({"event": event, **kw})
+
+
+def test_a_malformed_batch_breaks_the_link_for_its_requests_and_cancels_the_stream():
+    servicer = _Malformed()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    log, got, ended = _Log(), [], threading.Event()
+
+    def sink(event) -> None:
+        got.append(event)
+        if isinstance(event, LinkBroken):
+            ended.set()
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            link = SchedulerLink(channel, log)
+            link.submit(scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2]), sink)
+            assert ended.wait(30), "the request never learned that its stream broke"
+            assert servicer.cancelled.wait(30), "the stream to the scheduler was not cancelled"
+    finally:
+        server.stop(None)
+    assert len(got) == 1 and isinstance(got[0], LinkBroken), "nothing of the malformed batch is delivered"
+    assert "token_request_ids has 2 entries but token_ids has 1" in str(got[0])
+    assert log.warnings[0]["event"] == "scheduler_link_broken" and log.warnings[0]["open_requests"] == 1
