@@ -196,3 +196,70 @@ def test_a_malformed_batch_breaks_the_link_for_its_requests_and_cancels_the_stre
     assert len(got) == 1 and isinstance(got[0], LinkBroken), "nothing of the malformed batch is delivered"
     assert "token_request_ids has 2 entries but token_ids has 1" in str(got[0])
     assert log.warnings[0]["event"] == "scheduler_link_broken" and log.warnings[0]["open_requests"] == 1
+
+
+class _Scripted(scheduler_pb2_grpc.SchedulerServicer):
+    """Two schedulers' behaviour, by submission: the first answers a first token and a plain
+    one, then its stream fails; the second (the continuation, prompt + 2 streamed tokens)
+    answers its own first event (6 prompt tokens, 5 cached), plain tokens, and the end."""
+
+    def __init__(self) -> None:
+        self.submissions: list[scheduler_pb2.SubmitRequest] = []
+        self.lock = threading.Lock()
+
+    def Connect(self, request_iterator, context):
+        msg = next(request_iterator).submit
+        with self.lock:
+            self.submissions.append(msg)
+            first = len(self.submissions) == 1
+        rid, n = msg.request_id, len(msg.prompt_token_ids)
+        batch = scheduler_pb2.EventBatch()
+        if first:
+            batch.events.add(request_id=rid, token_ids=[10], num_prompt_tokens=n, num_cached_tokens=0)
+            batch.token_request_ids.append(rid)
+            batch.token_ids.append(11)
+            yield batch
+            context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler lost")
+        batch.events.add(request_id=rid, token_ids=[12], num_prompt_tokens=n, num_cached_tokens=5)
+        batch.token_request_ids.extend([rid, rid])
+        batch.token_ids.extend([13, 14])
+        yield batch
+        end = scheduler_pb2.EventBatch()
+        end.events.add(request_id=rid, token_ids=[15], num_prompt_tokens=n, num_cached_tokens=5, finish_reason=2)
+        yield end
+
+
+def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_schedulers_cache():
+    from gateway.scheduler_pool import SchedulerPool
+
+    servicer, servers, channels = _Scripted(), [], []
+    for _ in range(2):
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        server.start()
+        servers.append(server)
+        channels.append(grpc.insecure_channel(f"127.0.0.1:{port}"))
+    got, ended = [], threading.Event()
+
+    def sink(event) -> None:
+        got.append(event)
+        if event.finish_reason or isinstance(event, LinkBroken):
+            ended.set()
+
+    try:
+        log = _Log()
+        pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], ["s0", "s1"], log, failover_timeout_s=30)
+        pool.submit(scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2, 3, 4]), sink)
+        assert ended.wait(30), "the request never finished"
+        pool.release("x")
+    finally:
+        for ch in channels:
+            ch.close()
+        for server in servers:
+            server.stop(None)
+    assert [list(s.prompt_token_ids) for s in servicer.submissions] == [[1, 2, 3, 4], [1, 2, 3, 4, 10, 11]]
+    assert [tuple(e.token_ids) for e in got] == [(10,), (11,), (12,), (13,), (14,), (15,)]
+    assert [(e.num_prompt_tokens, e.num_cached_tokens) for e in got] == [(4, 0)] * 2 + [(4, 5)] * 4
+    full, packed = scheduler_pb2.TokenEvent, PlainToken
+    assert [type(e) for e in got] == [full, packed, full, packed, packed, full]
