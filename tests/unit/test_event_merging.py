@@ -138,3 +138,15 @@ def test_a_consumer_cancelled_while_waiting_leaves_the_mailbox_usable():
         return waiting.cancelled(), [await q.get(), await q.get()], q.empty()
 
     assert asyncio.run(run()) == (True, [1, 2], True)
+
+
+def test_plain_tokens_merge_like_token_events_and_keep_their_requests_counts():
+    from gateway.plain_tokens import PlainToken
+
+    merged, other = drain(ev(1, cached=4), PlainToken("r", (2,), 9, 4), PlainToken("r", (3,), 9, 4),
+                          PlainToken("r#1", (7,), 5, 0))
+    assert list(merged.token_ids) == [1, 2, 3] and (merged.num_prompt_tokens, merged.num_cached_tokens) == (9, 4)
+    assert isinstance(other, PlainToken) and other.token_ids == (7,)
+    held = drain(PlainToken("r", (2,), 9, 4), PlainToken("r", (3,), 9, 4), ev(4, finish=common_pb2.FINISH_REASON_LENGTH),
+                 interval=4)
+    assert [list(e.token_ids) for e in held] == [[2, 3, 4]], "queued plain tokens merge up to the final event"
