@@ -6,11 +6,14 @@
 What `gateway_stream_cpu.py` cannot separate from grpc.aio's own cost: the real `Frontend`
 (tokenizer, validation, `Generation`, `OutputProcessor`, stop strings, metrics) and the real
 `LoopEvents` / `choices` / `GenerationServicer._response` chain, fed by a reader thread that
-hands one `EventBatch` per step to the requests' sinks, exactly as `SchedulerLink._read` does.
+hands each step's events to the requests' sinks exactly as `SchedulerLink._read` does
+(`plain_tokens.deliver`), the events encoded by the scheduler's own writer (`event_batches`:
+a request's first and last token full `TokenEvent`s, the others packed plain tokens).
 After a warm-up pass, each step waits until every stream consumed its event (no merging: the loop keeps up), so this
 is the per-token cost at stream interval 1. Reported: CPU µs per token of the event-loop thread
 (the consumers) and of the reader thread (the fan-out), from `time.thread_time`.
-`--baseline DIR` runs the same measurement on another checkout in a child process.
+`--baseline DIR` runs the same measurement on another checkout in a child process (that
+checkout's copy of this script: its own wire format and reader).
 """
 
 from __future__ import annotations
@@ -32,10 +35,12 @@ class NullLink:
     """The scheduler link's interface, with nothing upstream (the reader thread plays the scheduler)."""
 
     def __init__(self) -> None:
-        self.sinks: dict[str, object] = {}
+        self.sinks: dict[str, object] = {}  # request id -> its OpenRequest (the link's routes)
 
     def submit(self, msg, sink) -> None:
-        self.sinks[msg.request_id] = sink
+        from gateway.plain_tokens import OpenRequest
+
+        self.sinks[msg.request_id] = OpenRequest(sink)
 
     def abort(self, request_id: str) -> None:
         pass
@@ -46,6 +51,10 @@ class NullLink:
 
 def measure(streams: int, output_len: int, model: str) -> dict:
     from gateway.generation import Frontend
+    from gateway.plain_tokens import deliver
+    from scheduler_service.event_batches import event_batches
+    from scheduler_service.request import RequestEvent
+    from stepahead.plan import FinishReason
     from gateway.metrics import GatewayMetrics
     from gateway.server import GenerationServicer
     from gateway.tokenizer import GatewayTokenizer
@@ -82,17 +91,13 @@ def measure(streams: int, output_len: int, model: str) -> dict:
         order = sorted(link.sinks)
         t0 = time.thread_time()
         for step in range(output_len):
-            batch = scheduler_pb2.EventBatch()
-            for rid in order:
-                event = batch.events.add(request_id=rid, token_ids=[ids[step % len(ids)]], num_prompt_tokens=8)
-                if step == output_len - 1:
-                    event.finish_reason = common_pb2.FINISH_REASON_LENGTH
-            batch = scheduler_pb2.EventBatch.FromString(batch.SerializeToString())  # as off the wire
+            reason = FinishReason.LENGTH if step == output_len - 1 else None
+            events = [RequestEvent(rid, (ids[step % len(ids)],), reason, 8, 0, queue_time=0.0 if step == 0 else None)
+                      for rid in order]
+            wire = [b.SerializeToString() for b in event_batches(events)]
             r0 = time.thread_time()
-            for event in batch.events:
-                sink = link.sinks.get(event.request_id)
-                if sink is not None:
-                    sink(event)
+            for data in wire:  # as off the wire
+                deliver(scheduler_pb2.EventBatch.FromString(data), link.sinks)
             loop_cpu.append(time.thread_time() - r0)
             for _ in order:
                 consumed.acquire()
@@ -135,7 +140,8 @@ def main() -> None:
     rows: dict[str, list[dict]] = {name: [] for name in trees}
     for _ in range(args.rounds):
         for name, tree in trees.items():  # alternating, one process each
-            out = subprocess.run([sys.executable, __file__, "--one", "--model", args.model, "--streams",
+            script = tree / "benchmarks" / "gateway_output_path.py"  # the checkout's own wire format
+            out = subprocess.run([sys.executable, str(script), "--one", "--model", args.model, "--streams",
                                   str(args.streams), "--output-len", str(args.output_len)],
                                  env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True,
                                  check=True)

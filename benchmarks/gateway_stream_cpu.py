@@ -5,23 +5,24 @@
         [--baseline /tmp/old-checkout] [--floor] [--profile] --out benchmarks/results/gateway_cpu_256.json
 
 A real `stepahead gateway` against `replay_scheduler.py` (the real `Scheduler.Connect`
-protocol: one `EventBatch` of one token per open request every `--step-ms`, the shape of the
-sim worker's h200 + Llama-3-8B decode steps at 256 streams) and a real `stepahead bench`
-client (its grpc.aio workload code, in a child process). Per round: `--streams` requests at
-once, each of `--input-len` random prompt ids and `--output-len` tokens. Reported per round:
-the gateway process's CPU (/proc, user + system) and the client process's CPU (getrusage),
-each divided by the tokens the client received, and the tokens per streamed message (above 1
-at stream interval 1 when the gateway fell behind the steps and merged queued tokens: fewer
-messages, less CPU per token; compare rows at the same tokens/message). The replay
-scheduler's CPU is not counted.
+protocol, encoded by the scheduler's own writer: one token per open request every
+`--step-ms`, the shape of the sim worker's h200 + Llama-3-8B decode steps at 256 streams) and a real
+`stepahead bench` client (its grpc.aio workload code, in a child process). Per round:
+`--streams` requests at once, each of `--input-len` random prompt ids and `--output-len`
+tokens. Reported per round: the gateway process's CPU (/proc, user + system) and the client
+process's CPU (getrusage), each divided by the tokens the client received, and the tokens
+per streamed message (above 1 at stream interval 1 when the gateway fell behind the steps
+and merged queued tokens: fewer messages, less CPU per token; compare rows at the same
+tokens/message). The replay scheduler's CPU is not counted.
 
 `--baseline DIR` runs a second gateway and client from another checkout (e.g. `git archive`
-of the commit before a change) on the same replay scheduler, rounds alternating, so before
-and after are measured side by side under the same machine load. `--floor` adds grpc.aio's
-own cost: a server that streams one prebuilt response per stream per step (no gateway code)
-to the same client. `--profile` records the gateway with py-spy during its last round and
-reports the largest leaf frames (µs per token: sample share × the measured CPU; py-spy counts
-a thread waiting for the GIL as busy, so read it as a ranking, not an exact split).
+of the commit before a change), with a replay scheduler of that checkout (its wire format),
+rounds alternating, so before and after are measured side by side under the same machine
+load. `--floor` adds grpc.aio's own cost: a server that streams one prebuilt response per
+stream per step (no gateway code) to the same client. `--profile` records the gateway with
+py-spy during its last round and reports the largest leaf frames (µs per token: sample share
+× the measured CPU; py-spy counts a thread waiting for the GIL as busy, so read it as a
+ranking, not an exact split).
 """
 
 from __future__ import annotations
@@ -144,11 +145,20 @@ class Server:
         self.proc.wait(30)
 
 
-def servers_for(args, interval: int, sched_addr: str) -> list[Server]:
-    trees = [("after", REPO)] + ([("before", args.baseline.resolve())] if args.baseline else [])
+def trees_of(args) -> list[tuple[str, Path]]:
+    return [("after", REPO)] + ([("before", args.baseline.resolve())] if args.baseline else [])
+
+
+def replay_port(args, i: int) -> int:
+    """The port of tree i's replay scheduler."""
+    return args.port + 1 + 4 * i
+
+
+def servers_for(args, interval: int) -> list[Server]:
     out = []
-    for i, (name, tree) in enumerate(trees):
+    for i, (name, tree) in enumerate(trees_of(args)):
         port = args.port + 2 + i
+        sched_addr = f"127.0.0.1:{replay_port(args, i)}"
         out.append(Server(name, tree, ["-m", "stepahead.cli", "gateway", "--scheduler", sched_addr, "--port",
                                        str(port), "--http-port", "0", "--model", args.model, "--stream-interval",
                                        str(interval), "--max-concurrent-streams", str(max(args.streams, 16)),
@@ -160,8 +170,8 @@ def servers_for(args, interval: int, sched_addr: str) -> list[Server]:
     return out
 
 
-def run_interval(args, interval: int, sched_addr: str) -> list[dict]:
-    servers = servers_for(args, interval, sched_addr)
+def run_interval(args, interval: int) -> list[dict]:
+    servers = servers_for(args, interval)
     rows = {s.name: [] for s in servers}
     try:
         for s in servers:
@@ -210,14 +220,15 @@ def main() -> None:
     if args.client_round:
         print(json.dumps(client_round(args.client_round, args.streams, args.input_len, args.output_len)))
         return
-    sched_addr = f"127.0.0.1:{args.port + 1}"
-    replay = start([str(HERE / "replay_scheduler.py"), "--model", args.model, "--port", str(args.port + 1),
-                    "--step-ms", str(args.step_ms)], REPO)
+    replays = [start([str(tree / "benchmarks" / "replay_scheduler.py"), "--model", args.model, "--port",
+                      str(replay_port(args, i)), "--step-ms", str(args.step_ms)], tree)
+               for i, (_, tree) in enumerate(trees_of(args))]  # each checkout's own wire format
     try:
-        rows = [row for interval in args.stream_intervals for row in run_interval(args, interval, sched_addr)]
+        rows = [row for interval in args.stream_intervals for row in run_interval(args, interval)]
     finally:
-        replay.terminate()
-        replay.wait(30)
+        for replay in replays:
+            replay.terminate()
+            replay.wait(30)
     print(f"{args.streams} streams x {args.output_len} tokens, {args.step_ms} ms steps, "
           f"load {os.getloadavg()[0]:.2f}, medians of {args.rounds} rounds")
     for row in rows:

@@ -4,9 +4,11 @@
         --port 50061 --step-ms 22
 
 Serves `Scheduler.GetModel` (the model directory's limits) and `Scheduler.Connect`: every
-`--step-ms` it sends one `EventBatch` holding one `TokenEvent` (one token) per open request,
-the request's last one with `FINISH_REASON_LENGTH` after its `max_tokens`, exactly the shape
-the real scheduler's fan-out sends at one decode token per step. The tokens cycle through the
+`--step-ms` it sends one token per open request, the request's last one with
+`FINISH_REASON_LENGTH` after its `max_tokens`, encoded by the real scheduler's writer
+(`scheduler_service/event_batches.py`: a request's first and last token as full `TokenEvent`s,
+the others packed as plain tokens), exactly what the real scheduler's fan-out sends at one
+decode token per step. The tokens cycle through the
 ids of an English text (so the gateway's detokenizer works on realistic tokens). Aborts end a
 request at once. Run in its own process: its CPU is not the gateway's.
 """
@@ -22,8 +24,11 @@ from pathlib import Path
 
 import grpc
 
+from scheduler_service.event_batches import event_batches
+from scheduler_service.request import RequestEvent
 from stepahead.builtin_models import resolve_model
-from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
+from stepahead.plan import FinishReason
+from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 TEXT = ("The gateway streams every token of every request to its client as soon as the scheduler "
         "commits it. A benchmark that measures its cost per token has to send realistic tokens: words, "
@@ -56,24 +61,24 @@ class Replay(scheduler_pb2_grpc.SchedulerServicer):
             done.set()
 
         threading.Thread(target=read, daemon=True).start()
-        ids, length = self.token_ids, common_pb2.FINISH_REASON_LENGTH
+        ids = self.token_ids
         next_step = time.perf_counter()
         while not done.is_set():
             next_step += self.step_s
             time.sleep(max(0.0, next_step - time.perf_counter()))
-            batch = scheduler_pb2.EventBatch()
+            events = []
             with lock:
                 for rid, state in list(open_requests.items()):
                     left, pos, prompt_len = state
-                    event = batch.events.add(request_id=rid, token_ids=[ids[pos % len(ids)]],
-                                             num_prompt_tokens=prompt_len)
-                    if left <= 1:
-                        event.finish_reason = length
+                    reason = FinishReason.LENGTH if left <= 1 else None
+                    events.append(RequestEvent(rid, (ids[pos % len(ids)],), reason, prompt_len, 0,
+                                               queue_time=0.0 if pos == 0 else None))
+                    if reason is not None:
                         del open_requests[rid]
                     else:
                         state[0], state[1] = left - 1, pos + 1
-            if batch.events:
-                yield batch
+            if events:
+                yield from event_batches(events)
 
 
 def hello_of(model_dir: Path) -> scheduler_pb2.WorkerHello:

@@ -6,8 +6,10 @@
 Each step does what the daemon's engine does for one replica with N running decode requests
 (and 1k waiting ones that cannot be admitted): `schedule()`, the plan encoded as the worker
 gets it (`plan_to_proto` + serialize), the worker's result parsed and decoded
-(`result_from_proto`), `update_from_output`, the metrics hooks, and the event fan-out (one
-`EventBatch` per gateway session, encoded and serialized). A minimal worker stand-in (not
+(`result_from_proto`), `update_from_output`, the metrics hooks, and the event fan-out (each gateway session's
+events as its Connect writer encodes them, `event_batches`, serialized). Beside the parts,
+not in the total: the same events encoded as before plain tokens were packed (one full
+`TokenEvent` each, `add_event`), and the bytes per step of both forms. A minimal worker stand-in (not
 timed) answers each plan. What this leaves out is the daemon's gRPC and thread hand-offs:
 `benchmarks/capacity.py --profile-cpu` measures those in the real daemons.
 Async scheduling (two plans in flight), medians of per-step process CPU time.
@@ -24,13 +26,14 @@ from pathlib import Path
 
 from benchmarks.scheduler import NUM_WAITING, EchoWorker, add, make_scheduler
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.server import batch_to_proto
+from scheduler_service.event_batches import add_event, event_batches
 from stepahead import codec
 from stepahead.flight_recorder import StepRecord
 from stepahead.plan import WorkerTiming
 from stepahead.v1 import scheduler_pb2
 
 PARTS = ("schedule", "plan encode", "result decode", "update", "metrics", "event fan-out")
+BESIDE = ("fan-out all full",)  # measured on the same events, not part of the step
 
 
 class Parts:
@@ -41,6 +44,8 @@ class Parts:
         self.worker, self.metrics = EchoWorker(), SchedulerMetrics()
         self.in_flight: deque = deque()
         self.times = {p: 0.0 for p in PARTS}
+        self.beside = dict.fromkeys(BESIDE, 0.0)
+        self.bytes = {"packed": 0, "full": 0}
         self.num_sessions = num_sessions
         self.scope = "1/"
 
@@ -66,7 +71,10 @@ class Parts:
         record = StepRecord(step_id=plan.step_id, schedule_start=0.0, schedule_end=1e-4, num_requests=0, num_tokens=0,
                             num_running=0, num_waiting=0, worker=WorkerTiming())
         self._timed("metrics", lambda: (self.metrics.on_events(events), self.metrics.on_step(record, "r0")))
-        self._timed("event fan-out", self._fan_out, events)
+        self.bytes["packed"] = self._timed("event fan-out", self._fan_out, events)
+        t0 = time.process_time()
+        self.bytes["full"] = self._fan_out_all_full(events)
+        self.beside = {"fan-out all full": time.process_time() - t0}
         return self.times
 
     @staticmethod
@@ -76,13 +84,27 @@ class Parts:
         codec.plan_to_proto(plan, msg.plan)
         return msg.SerializeToString()
 
-    def _fan_out(self, events) -> None:
-        """Events grouped per gateway session (request i on session i % sessions), encoded."""
+    def _sessions(self, events) -> list[list]:
+        """Events grouped per gateway session (request i on session i % sessions)."""
         batches: list[list] = [[] for _ in range(self.num_sessions)]
         for i, event in enumerate(events):
             batches[i % self.num_sessions].append(event)
-        for batch in batches:
-            batch_to_proto(batch, len(self.scope)).SerializeToString()
+        return batches
+
+    def _fan_out(self, events) -> int:
+        """As the Connect writers send them (bytes returned)."""
+        return sum(len(b.SerializeToString()) for batch in self._sessions(events)
+                   for b in event_batches(batch, len(self.scope)))
+
+    def _fan_out_all_full(self, events) -> int:
+        """The writer before plain tokens were packed: one full TokenEvent per event."""
+        size = 0
+        for batch in self._sessions(events):
+            msg = scheduler_pb2.EventBatch()
+            for event in batch:
+                add_event(msg, event, len(self.scope))
+            size += len(msg.SerializeToString())
+        return size
 
 
 def measure(num_running: int, steps: int, num_sessions: int) -> dict:
@@ -95,12 +117,18 @@ def measure(num_running: int, steps: int, num_sessions: int) -> dict:
     for _ in range(4):
         parts.step()
     add(parts.sched, parts.scope + "wait", NUM_WAITING)
-    rows = [parts.step() for _ in range(steps)]
+    rows, beside, sizes = [], [], []
+    for _ in range(steps):
+        rows.append(parts.step())
+        beside.append(parts.beside)
+        sizes.append(dict(parts.bytes))
     assert parts.sched.queue_lengths()[0] == num_running, parts.sched.stats()
     parts.sched.check_integrity()
     out = {"running": num_running, "gateway_sessions": num_sessions}
     out.update({f"{p}_ms": statistics.median(r[p] for r in rows) * 1e3 for p in PARTS})
     out["total_ms"] = statistics.median(sum(r.values()) for r in rows) * 1e3
+    out.update({f"{p}_ms": statistics.median(r[p] for r in beside) * 1e3 for p in BESIDE})
+    out.update({f"event_bytes_{k}": statistics.median(r[k] for r in sizes) for k in ("packed", "full")})
     return out
 
 
@@ -112,9 +140,12 @@ def main() -> None:
     parser.add_argument("--out", help="write the rows as JSON")
     args = parser.parse_args()
     rows = [measure(n, args.steps, args.gateway_sessions) for n in args.running]
-    print(f"{'running':>8} " + " ".join(f"{p:>14}" for p in PARTS) + f" {'total':>8}  (ms CPU per step, median)")
+    print(f"{'running':>8} " + " ".join(f"{p:>14}" for p in PARTS) + f" {'total':>8}"
+          + "".join(f" | {p:>16}" for p in BESIDE) + "  (ms CPU per step, median)")
     for r in rows:
-        print(f"{r['running']:>8} " + " ".join(f"{r[p + '_ms']:>14.3f}" for p in PARTS) + f" {r['total_ms']:>8.3f}")
+        print(f"{r['running']:>8} " + " ".join(f"{r[p + '_ms']:>14.3f}" for p in PARTS) + f" {r['total_ms']:>8.3f}"
+              + "".join(f" | {r[p + '_ms']:>16.3f}" for p in BESIDE)
+              + f"   bytes/step packed {r['event_bytes_packed']:.0f}, all full {r['event_bytes_full']:.0f}")
     if args.out:
         Path(args.out).write_text(json.dumps({"rows": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
