@@ -6,12 +6,13 @@
 Each step does what the daemon's engine does for one replica with N running decode requests
 (and 1k waiting ones that cannot be admitted): `schedule()`, the plan encoded as the worker
 gets it (`plan_to_proto` + serialize), the worker's result parsed and decoded
-(`result_from_proto`), `update_from_output`, the metrics hooks, and the event fan-out (each gateway session's
-events as its Connect writer encodes them, `event_batches`, serialized). Beside the parts,
-not in the total: the same events encoded as before plain tokens were packed (one full
-`TokenEvent` each, `add_event`), and the bytes per step of both forms. A minimal worker stand-in (not
-timed) answers each plan. What this leaves out is the daemon's gRPC and thread hand-offs:
-`benchmarks/capacity.py --profile-cpu` measures those in the real daemons.
+(`result_from_proto`), `update_from_output`, the metrics hooks, and the event fan-out (each
+gateway session's events as its Connect writer encodes them, `event_batches`, serialized).
+Beside the parts, not in the total: the same events encoded as before plain tokens were
+packed (one full `TokenEvent` each, `add_event`), and the bytes per step of both forms. A
+minimal worker stand-in (not timed) answers each plan. What this leaves out is the daemon's
+gRPC and thread hand-offs: `benchmarks/capacity.py --profile-cpu` measures those in the real
+daemons.
 Async scheduling (two plans in flight), medians of per-step process CPU time.
 """
 
