@@ -62,7 +62,8 @@ class PlainToken:
                                         num_cached_tokens=self.num_cached_tokens)
 
     def __repr__(self) -> str:
-        return f"PlainToken({self.request_id!r}, {self.token_ids!r}, {self.num_prompt_tokens}, {self.num_cached_tokens})"
+        return (f"PlainToken({self.request_id!r}, {self.token_ids!r}, {self.num_prompt_tokens}, "
+                f"{self.num_cached_tokens})")
 
 
 TOKEN_EVENTS = (scheduler_pb2.TokenEvent, PlainToken)  # what carries a request's tokens to its consumer
