@@ -131,7 +131,8 @@ def rejection(request_id: str, exc: Exception) -> Rejected:
 
 class GatewaySession:
     """Every request one gateway submitted on its Connect stream: the engine hands over one
-    list of events per dispatch; the stream's writer merges lists that queued up meanwhile."""
+    list of events per dispatch; the stream's writer merges lists that queued up meanwhile
+    (and `event_batches` encodes a merged list, split where a request's order needs it)."""
 
     def __init__(self) -> None:
         self._batches: queue.Queue[list | None] = queue.Queue()
