@@ -3,6 +3,7 @@ is sent, a raw Connect session on the scheduler, waiting for health or for an id
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -10,6 +11,7 @@ from concurrent.futures import Future
 
 import grpc
 
+from gateway.plain_tokens import OpenRequest, deliver
 from stepahead.v1 import common_pb2, generation_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.model.oracle import assert_matches_hf
 
@@ -52,6 +54,21 @@ class LongStream:
         assert_matches_hf(tokens, want, gaps, "the concurrent long stream")
 
 
+class _EveryId(dict):
+    """Routes for `plain_tokens.deliver` that take every request id the scheduler names (a
+    gateway's link routes only its open ones)."""
+
+    def __init__(self, on_event) -> None:
+        super().__init__()
+        self._on_event = on_event
+
+    def get(self, request_id: str, default=None) -> OpenRequest:
+        route = dict.get(self, request_id)
+        if route is None:
+            route = self[request_id] = OpenRequest(functools.partial(self._on_event, request_id))
+        return route
+
+
 class ConnectSession:
     """A Connect stream opened by the test as a gateway would: submit raw SubmitRequests and
     collect each request's events until its final or rejected one."""
@@ -80,14 +97,17 @@ class ConnectSession:
                 raise
 
     def _route(self, responses) -> None:
+        routes = _EveryId(self._on_event)
         for batch in responses:
-            for event in batch.events:
-                with self._lock:
-                    self._events.setdefault(event.request_id, []).append(event)
-                    done = self._done.setdefault(event.request_id, threading.Event())
-                    self._any.setdefault(event.request_id, threading.Event()).set()
-                if event.rejected or event.finish_reason:
-                    done.set()
+            deliver(batch, routes)  # the gateway's own reader: events, then the packed plain tokens
+
+    def _on_event(self, request_id: str, event) -> None:
+        with self._lock:
+            self._events.setdefault(request_id, []).append(event)
+            done = self._done.setdefault(request_id, threading.Event())
+            self._any.setdefault(request_id, threading.Event()).set()
+        if event.rejected or event.finish_reason:
+            done.set()
 
     def last_event(self, request_id: str, timeout_s: float = 120):
         assert self._done[request_id].wait(timeout_s), f"no final event for {request_id}"
