@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
 
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
@@ -11,13 +13,18 @@ from scheduler_service.speculation import check_outcomes
 from stepahead.plan import NewRequest, StepPlan, StepResult, running_request
 
 
-@dataclass(slots=True)
-class ScheduledEntry:
+class ScheduledEntry(NamedTuple):
+    """One request's part of the step under construction (a named tuple: one per running
+    request per step, built with a tuple literal on the hot path)."""
+
     request: Request
     num_new_tokens: int
     is_new: bool  # sent in full as a NewRequest (admitted, resumed or swapped in)
     first_new_block: int  # index of the first block the worker has not seen yet
     num_drafts: int = 0  # speculative decode: drafts the worker may verify (num_new_tokens = 1 + this)
+
+
+_entry = partial(tuple.__new__, ScheduledEntry)  # from one 5-tuple, no Python-level __new__
 
 
 # One request's part of an in-flight plan: (request, epoch, num_tokens, samples, num_drafts).
@@ -82,12 +89,10 @@ class StepBuilder:
     def add(self, request: Request, num_new_tokens: int, is_new: bool, first_new_block: int,
             num_drafts: int = 0) -> None:
         assert num_new_tokens > num_drafts >= 0 and request.request_id not in self.entries
-        self.entries[request.request_id] = ScheduledEntry(request, num_new_tokens, is_new, first_new_block,
-                                                          num_drafts)
+        self.entries[request.request_id] = _entry((request, num_new_tokens, is_new, first_new_block, num_drafts))
         self.token_budget -= num_new_tokens
         self.seq_budget -= 1
-        assert self.token_budget >= 0, "token budget overdrawn"
-        assert self.seq_budget >= 0, "sequence budget overdrawn"
+        assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
     def unschedule(self, request: Request) -> None:
         """Drop a running delta again (its request is being preempted)."""
@@ -106,12 +111,11 @@ class StepBuilder:
         """Apply the schedule to the requests' counters and emit the plan."""
         new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
-        for entry in self.entries.values():
-            req, n, drafts = entry.request, entry.num_new_tokens, entry.num_drafts
+        for req, n, is_new, first, drafts in self.entries.values():
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
             samples = end - drafts == req.num_tokens + req.num_output_placeholders
-            if entry.is_new:
+            if is_new:
                 assert req.num_output_placeholders == 0, "a request sent in full has no placeholders"
                 new_reqs.append(
                     NewRequest(
@@ -123,7 +127,7 @@ class StepBuilder:
             else:
                 placeholder = start >= req.num_tokens
                 assert not placeholder or n - drafts == 1, "a placeholder input is always a single decode"
-                first, blocks = entry.first_new_block, req.block_ids
+                blocks = req.block_ids
                 running.append(running_request((req.request_id, tuple(blocks[first:]) if first < len(blocks) else (),
                                                 n, placeholder, drafts)))
             if samples:
