@@ -81,7 +81,7 @@ class StepBuilder:
     step_id: int
     token_budget: int
     seq_budget: int
-    entries: dict[str, ScheduledEntry] = field(default_factory=dict)
+    entries: dict[str, ScheduledEntry | Request] = field(default_factory=dict)  # a Request: a plain decode
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
@@ -94,24 +94,45 @@ class StepBuilder:
         self.seq_budget -= 1
         assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
+    def add_decode(self, request: Request) -> None:
+        """`add` of a running request's plain decode: one token to sample, no new block, no
+        drafts. The hot path (every running request, every step): the entry is the request."""
+        self.entries[request.request_id] = request
+        self.token_budget -= 1
+        self.seq_budget -= 1
+
     def unschedule(self, request: Request) -> None:
         """Drop a running delta again (its request is being preempted)."""
         entry = self.entries.pop(request.request_id, None)
         if entry is None:
             return
-        assert not entry.is_new, "a request admitted this step is never a victim"
-        self.token_budget += entry.num_new_tokens
+        if entry is request:  # a plain decode
+            self.token_budget += 1
+        else:
+            assert not entry.is_new, "a request admitted this step is never a victim"
+            self.token_budget += entry.num_new_tokens
         self.seq_budget += 1
 
     def is_scheduled_new(self, request: Request) -> bool:
         entry = self.entries.get(request.request_id)
-        return entry is not None and entry.is_new
+        return entry is not None and entry is not request and entry.is_new
 
     def build(self, finished_ids: list[str], preempted_ids: list[str]) -> tuple[StepPlan, InFlightPlan]:
         """Apply the schedule to the requests' counters and emit the plan."""
         new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
-        for req, n, is_new, first, drafts in self.entries.values():
+        for rid, entry in self.entries.items():
+            if type(entry) is Request:  # a plain decode (add_decode): what the general case does for it
+                start = entry.num_scheduled_tokens
+                entry.num_scheduled_tokens = start + 1
+                assert start + 1 == entry.num_tokens + entry.num_output_placeholders, "a plain decode samples"
+                running.append(running_request((rid, (), 1, start >= entry.num_tokens, 0)))
+                entry.num_output_placeholders += 1
+                sampling.append(rid)
+                entry.last_step_id = step_id
+                in_flight.append((entry, entry.epoch, 1, True, 0))
+                continue
+            req, n, is_new, first, drafts = entry
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
             samples = end - drafts == req.num_tokens + req.num_output_placeholders
