@@ -302,16 +302,19 @@ class Engine:
 
     def _dispatch(self, events: list[RequestEvent | Rejected]) -> None:
         """Hand events to their sinks: one list per sink, so a gateway session gets one message."""
-        batches: dict[int, tuple[GatewaySession, list]] = {}
+        streams, batches = self._streams, {}  # session (hashed by identity) -> its events
         for event in events:
-            sink = self._streams.get(event.request_id)
+            sink = streams.get(event.request_id)
             if sink is None:
                 continue
-            batches.setdefault(id(sink), (sink, []))[1].append(event)
+            batch = batches.get(sink)
+            if batch is None:
+                batch = batches[sink] = []
+            batch.append(event)
             if isinstance(event, Rejected) or event.finish_reason is not None:
-                del self._streams[event.request_id]
+                del streams[event.request_id]
                 self._owner.pop(event.request_id, None)
-        for sink, batch in batches.values():
+        for sink, batch in batches.items():
             sink.put_many(batch)
 
     # ---- replicas ------------------------------------------------------------------

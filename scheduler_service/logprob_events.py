@@ -84,7 +84,7 @@ def token_event(req: Request, committed: tuple[int, ...], reason: FinishReason |
     """The event of a request that committed `committed` (its logprobs from `lp_result`, None
     when the step has none); the extras are set only where they apply: one event per running
     request per step."""
-    first = req.num_output_tokens == len(committed)
+    first = len(req.output_token_ids) == len(committed)
     if not (first or lp_result or prompt_lp or req.num_draft_tokens):
         return RequestEvent(req.request_id, committed, reason, len(req.prompt_token_ids), req.num_cached_tokens)
     return RequestEvent(

@@ -76,14 +76,17 @@ class SchedulerMetrics:
         self._arrival[request_id] = time.monotonic()
 
     def on_events(self, events: list[RequestEvent]) -> None:
-        now, last_token, itl = time.monotonic(), self._last_token, self.itl
+        now, last_token, observe = time.monotonic(), self._last_token, self.itl.observe_many
+        gaps = []  # the decode events' inter-token latencies: the hot path, observed in one call
         for e in events:
-            last = last_token.get(e.request_id)
+            rid = e.request_id
+            last = last_token.get(rid)
             if last is not None and e.new_token_ids and e.finish_reason is None and e.queue_time is None:
-                itl.observe((now - last) / len(e.new_token_ids))  # a decode's event: the hot path
-                last_token[e.request_id] = now
+                gaps.append((now - last) / len(e.new_token_ids))
+                last_token[rid] = now
             else:
                 self._on_event(e, now)
+        observe(gaps)
 
     def _on_event(self, e: RequestEvent, now: float) -> None:
         arrival = self._arrival.get(e.request_id)
@@ -179,6 +182,12 @@ class HotHistogram:
         counts = self._counts
         counts[bisect.bisect_left(self._bounds, value)] += 1
         counts[-1] += value
+
+    def observe_many(self, values: list[float]) -> None:
+        counts, bounds, where = self._counts, self._bounds, bisect.bisect_left
+        for value in values:
+            counts[where(bounds, value)] += 1
+        counts[-1] += sum(values)
 
     def describe(self):
         return [HistogramMetricFamily(self._name, self._doc)]

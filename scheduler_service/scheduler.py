@@ -34,7 +34,7 @@ from scheduler_service.request import (
     RequestRejected,
     RequestStatus,
 )
-from scheduler_service.stats import SchedulerStats, build_stats
+from scheduler_service.stats import SchedulerStats, build_stats, count_result
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
 from scheduler_service.token_rules import commit_one, commit_run, num_new_tokens
 from stepahead.plan import StepPlan, StepResult
@@ -168,10 +168,15 @@ class Scheduler:
             if n:
                 first_new_block = len(req.block_ids)
                 end = req.num_scheduled_tokens + n
-                outcome = _Admission.OK if end <= first_new_block * bs else self._reserve(req, end, b)
-                if outcome is _Admission.OK:
+                if end > first_new_block * bs:  # it needs a new block
+                    outcome = self._reserve(req, end, b)
+                    if outcome is _Admission.OK:
+                        b.add(req, n, False, first_new_block, drafts)
+                    deferred |= outcome is _Admission.WAIT_FENCE
+                elif n == remaining == 1 and not drafts:
+                    b.add_decode(req)  # the hot path
+                else:
                     b.add(req, n, False, first_new_block, drafts)
-                deferred |= outcome is _Admission.WAIT_FENCE
             if req.status is RequestStatus.RUNNING:
                 i += 1  # otherwise it preempted itself, and it was the last one
         return deferred
@@ -339,12 +344,7 @@ class Scheduler:
         self._in_flight.popleft()
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
-        self._counts["num_steps"] += 1
-        self._counts["device_busy_s"] += result.timing.device_busy_s
-        self._counts["num_sampled_tokens"] += len(result.sampled_token_ids)
-        for outcome in result.speculation.values():
-            self._counts["spec_num_draft_tokens"] += outcome.num_draft_tokens
-            self._counts["spec_num_accepted_tokens"] += len(outcome.accepted_token_ids)
+        count_result(self._counts, result)
         events, tokens, failed = [], result.sampled_token_ids, result.failed
         cfg, eos, with_lp, prompt_lps = self.config, self._eos, bool(result.logprobs), result.prompt_logprobs
         caching, bs = cfg.enable_prefix_caching, cfg.block_size

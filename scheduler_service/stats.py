@@ -6,6 +6,7 @@ from collections import Counter
 from dataclasses import dataclass, fields
 
 from scheduler_service.kv_manager import KVCacheManager
+from stepahead.plan import StepResult
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,16 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         spec_num_draft_tokens=counts["spec_num_draft_tokens"],
         spec_num_accepted_tokens=counts["spec_num_accepted_tokens"],
     )
+
+
+def count_result(counts: Counter, result: StepResult) -> None:
+    """A committed step result's share of the monotonic counters."""
+    counts["num_steps"] += 1
+    counts["device_busy_s"] += result.timing.device_busy_s
+    counts["num_sampled_tokens"] += len(result.sampled_token_ids)
+    for outcome in result.speculation.values():
+        counts["spec_num_draft_tokens"] += outcome.num_draft_tokens
+        counts["spec_num_accepted_tokens"] += len(outcome.accepted_token_ids)
 
 
 def sum_stats(stats: list[SchedulerStats], carried: Counter | None = None) -> SchedulerStats | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
+from typing import NamedTuple
 
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
@@ -11,13 +13,18 @@ from scheduler_service.speculation import check_outcomes
 from stepahead.plan import NewRequest, StepPlan, StepResult, running_request
 
 
-@dataclass(slots=True)
-class ScheduledEntry:
+class ScheduledEntry(NamedTuple):
+    """One request's part of the step under construction (a named tuple: one per running
+    request per step, built with a tuple literal on the hot path)."""
+
     request: Request
     num_new_tokens: int
     is_new: bool  # sent in full as a NewRequest (admitted, resumed or swapped in)
     first_new_block: int  # index of the first block the worker has not seen yet
     num_drafts: int = 0  # speculative decode: drafts the worker may verify (num_new_tokens = 1 + this)
+
+
+_entry = partial(tuple.__new__, ScheduledEntry)  # from one 5-tuple, no Python-level __new__
 
 
 # One request's part of an in-flight plan: (request, epoch, num_tokens, samples, num_drafts).
@@ -74,7 +81,7 @@ class StepBuilder:
     step_id: int
     token_budget: int
     seq_budget: int
-    entries: dict[str, ScheduledEntry] = field(default_factory=dict)
+    entries: dict[str, ScheduledEntry | Request] = field(default_factory=dict)  # a Request: a plain decode
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
@@ -82,36 +89,54 @@ class StepBuilder:
     def add(self, request: Request, num_new_tokens: int, is_new: bool, first_new_block: int,
             num_drafts: int = 0) -> None:
         assert num_new_tokens > num_drafts >= 0 and request.request_id not in self.entries
-        self.entries[request.request_id] = ScheduledEntry(request, num_new_tokens, is_new, first_new_block,
-                                                          num_drafts)
+        self.entries[request.request_id] = _entry((request, num_new_tokens, is_new, first_new_block, num_drafts))
         self.token_budget -= num_new_tokens
         self.seq_budget -= 1
-        assert self.token_budget >= 0, "token budget overdrawn"
-        assert self.seq_budget >= 0, "sequence budget overdrawn"
+        assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
+
+    def add_decode(self, request: Request) -> None:
+        """`add` of a running request's plain decode: one token to sample, no new block, no
+        drafts. The hot path (every running request, every step): the entry is the request."""
+        self.entries[request.request_id] = request
+        self.token_budget -= 1
+        self.seq_budget -= 1
 
     def unschedule(self, request: Request) -> None:
         """Drop a running delta again (its request is being preempted)."""
         entry = self.entries.pop(request.request_id, None)
         if entry is None:
             return
-        assert not entry.is_new, "a request admitted this step is never a victim"
-        self.token_budget += entry.num_new_tokens
+        if entry is request:  # a plain decode
+            self.token_budget += 1
+        else:
+            assert not entry.is_new, "a request admitted this step is never a victim"
+            self.token_budget += entry.num_new_tokens
         self.seq_budget += 1
 
     def is_scheduled_new(self, request: Request) -> bool:
         entry = self.entries.get(request.request_id)
-        return entry is not None and entry.is_new
+        return entry is not None and entry is not request and entry.is_new
 
     def build(self, finished_ids: list[str], preempted_ids: list[str]) -> tuple[StepPlan, InFlightPlan]:
         """Apply the schedule to the requests' counters and emit the plan."""
         new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
-        for entry in self.entries.values():
-            req, n, drafts = entry.request, entry.num_new_tokens, entry.num_drafts
+        for rid, entry in self.entries.items():
+            if type(entry) is Request:  # a plain decode (add_decode): what the general case does for it
+                start = entry.num_scheduled_tokens
+                entry.num_scheduled_tokens = start + 1
+                assert start + 1 == entry.num_tokens + entry.num_output_placeholders, "a plain decode samples"
+                running.append(running_request((rid, (), 1, start >= entry.num_tokens, 0)))
+                entry.num_output_placeholders += 1
+                sampling.append(rid)
+                entry.last_step_id = step_id
+                in_flight.append((entry, entry.epoch, 1, True, 0))
+                continue
+            req, n, is_new, first, drafts = entry
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
             samples = end - drafts == req.num_tokens + req.num_output_placeholders
-            if entry.is_new:
+            if is_new:
                 assert req.num_output_placeholders == 0, "a request sent in full has no placeholders"
                 new_reqs.append(
                     NewRequest(
@@ -123,7 +148,7 @@ class StepBuilder:
             else:
                 placeholder = start >= req.num_tokens
                 assert not placeholder or n - drafts == 1, "a placeholder input is always a single decode"
-                first, blocks = entry.first_new_block, req.block_ids
+                blocks = req.block_ids
                 running.append(running_request((req.request_id, tuple(blocks[first:]) if first < len(blocks) else (),
                                                 n, placeholder, drafts)))
             if samples:

@@ -18,7 +18,7 @@ import math
 
 from scheduler_service.request import RequestEvent
 from scheduler_service.scheduler import Scheduler
-from stepahead.plan import StepPlan, StepResult
+from stepahead.plan import StepPlan, StepResult, WorkerTiming
 
 
 class StepLoop:
@@ -68,8 +68,14 @@ class StepLoop:
         return plan, events
 
 
+_TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerTiming))
+
+
 def check_timing(result: StepResult) -> None:
-    """Worker timings feed metrics and the flight recorder: finite, non-negative seconds."""
-    for name, value in dataclasses.asdict(result.timing).items():
+    """Worker timings feed metrics and the flight recorder: finite, non-negative seconds
+    (read field by field: `dataclasses.asdict` deep-copies, ~30 µs per step)."""
+    timing = result.timing
+    for name in _TIMING_FIELDS:
+        value = getattr(timing, name)
         if not (math.isfinite(value) and value >= 0):
             raise ValueError(f"result {result.step_id}: timing.{name} is {value!r}")

@@ -11,6 +11,7 @@ import socket
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stepahead.plan import SamplingParams
@@ -66,6 +67,9 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, back
     try:
         results = [drive(TPModelRunner(p, rank=rank, size=size, device=device, **runner_kwargs())) for p in paths]
         torch.save(results, f"{out}.{rank}")
+        # Leave together: a rank whose peer exits while it is still in a collective or in its
+        # teardown can die in gloo (an intermittent SIGABRT seen once in CI, not reproduced).
+        dist.barrier()
     finally:
         destroy_group()
 
