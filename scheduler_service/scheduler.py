@@ -162,7 +162,7 @@ class Scheduler:
         while i < len(running) and b.token_budget > 0 and b.seq_budget > 0:
             req = running[i]
             remaining = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
-            n = num_new_tokens(cfg, req, remaining, b.token_budget)
+            n = num_new_tokens(cfg, req, remaining, b.token_budget, b.step_id - 1)
             drafts = draft_allowance(cfg, req, b.token_budget) if speculating and n == remaining == 1 else 0
             n += drafts
             if n:

@@ -8,10 +8,17 @@ from scheduler_service.config import SchedulerConfig
 from scheduler_service.request import FinishReason, Request
 
 
-def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_left: int) -> int:
+def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_left: int,
+                   prev_step_id: int | None = None) -> int:
     """Tokens to compute this step (0: none), honouring chunking and max_tokens.
-    `remaining`: tokens not scheduled yet (placeholders included); `tokens_left`: the budget."""
+    `remaining`: tokens not scheduled yet (placeholders included); `tokens_left`: the budget.
+    `prev_step_id` (a running request's: the plan before this one): a decode whose input would
+    be a placeholder sampled by an older plan still in flight waits for that result, since the
+    worker reads only the previous step's sampled tokens (with 3+ plans in flight, a request
+    left out of the previous plan; never with two)."""
     if remaining <= 0 or tokens_left <= 0:
+        return 0
+    if req.num_output_placeholders and prev_step_id is not None and req.last_step_id != prev_step_id:
         return 0
     if remaining == 1:  # a decode: the common case
         n = 1

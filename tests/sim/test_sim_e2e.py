@@ -1,6 +1,7 @@
 """The sim worker through all three daemons (`stepahead serve --device sim`): 64 concurrent
 requests with preemption (a small pool), shared prefixes and aborts give the reference
-tokens in async and sync mode; the worker process never maps torch."""
+tokens in async mode (two and three plans in flight) and sync mode; the worker process never
+maps torch."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ from worker_service.sim.tokens import reference_output
 SEED, EOS_P, BLOCKS = 11, 0.05, 24
 
 
-def flags(profile: str, async_on: bool) -> list[str]:
+def flags(profile: str, window: int) -> list[str]:
+    """`window`: plans in flight at most (1: the synchronous loop)."""
+    loop = ["--no-async-scheduling"] if window == 1 else ["--async-scheduling", "--max-concurrent-batches", str(window)]
     return ["--device", "sim", "--sim-profile", profile, "--sim-eos-probability", str(EOS_P),
             "--seed", str(SEED), "--num-gpu-blocks-override", str(BLOCKS), "--block-size", "16",
-            "--async-scheduling" if async_on else "--no-async-scheduling", "--max-num-batched-tokens", "512"]
+            *loop, "--max-num-batched-tokens", "512"]
 
 
 def to_proto(prompt: list[int], s: SamplingParams) -> generation_pb2.GenerateRequest:
@@ -69,12 +72,12 @@ def rule(sim_model_dir, fast_profile):
     return sim.rule, sim.max_model_len
 
 
-@pytest.mark.parametrize("async_on", [True, False], ids=["async", "sync"])
-def test_64_requests_match_the_reference_through_three_daemons(sim_model_dir, fast_profile, rule, async_on):
+@pytest.mark.parametrize("window", [2, 1, 3], ids=["async", "sync", "async-window3"])
+def test_64_requests_match_the_reference_through_three_daemons(sim_model_dir, fast_profile, rule, window):
     token_rule, max_model_len = rule
     work = mixed_workload(64, token_rule.vocab_size, seed=1)
     aborted = set(range(3, 64, 10))
-    with Serve(sim_model_dir, *flags("h200", async_on)) as serve:  # real step times: requests overlap
+    with Serve(sim_model_dir, *flags("h200", window)) as serve:  # real step times: requests overlap
         outputs = run_all(serve, work, aborted)
         stats = wait_idle(serve, timeout_s=10)
         maps = worker_maps(serve)

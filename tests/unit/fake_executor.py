@@ -121,6 +121,8 @@ class FakeExecutor:
         assert len(req.block_table) * bs >= start + n, f"{rid}: blocks not reserved for the worst case"
         unreported = req.sampled_by[start] > self.reported_step
         assert placeholder == unreported, f"{rid}: input_is_placeholder={placeholder}, token unreported={unreported}"
+        assert not placeholder or req.sampled_by[start] == step_id - 1, \
+            f"{rid}: placeholder input sampled by step {req.sampled_by[start]}, not the previous one ({step_id - 1})"
         rng = self.spec_rng or random.Random(0)
         k = rng.randint(0, allowed) if self.spec_rng else 0
         a = rng.randint(0, k)
@@ -147,6 +149,8 @@ class FakeExecutor:
         assert len(req.block_table) * bs >= end, f"{rid}: block table too short for {end} tokens"
         unreported = req.sampled_by[start] > self.reported_step
         assert placeholder == unreported, f"{rid}: input_is_placeholder={placeholder}, token unreported={unreported}"
+        assert not placeholder or req.sampled_by[start] == step_id - 1, \
+            f"{rid}: placeholder input sampled by step {req.sampled_by[start]}, not the previous one ({step_id - 1})"
         for p in range(start, end):
             self.kv[req.block_table[p // bs]][p % bs] = (p, req.tokens[p])
         for q in range(end):

@@ -52,6 +52,7 @@ def configs(draw) -> SchedulerConfig:
         scheduling_policy=draw(st.sampled_from(list(SchedulingPolicy))),
         preemption_mode=draw(st.sampled_from(list(PreemptionMode))),
         async_scheduling=draw(st.booleans()),
+        max_concurrent_batches=draw(st.sampled_from([2, 2, 3])),  # 3: two placeholders deep
         eos_token_ids=(EOS,),
         max_wait_time=3.0,
         score_length_weight=draw(st.sampled_from([0.005, 0.5])),  # 0.5: length outweighs arrival order
