@@ -78,11 +78,12 @@ def split_profile(path: Path) -> dict[str, float]:
 
 def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     profile, _, devices = setup.partition("x")
+    window = args.max_concurrent_batches if async_on else 1
     label = f"{setup}-{model}-{streams}-{'async' if async_on else 'sync'}" + (
-        f"-si{args.stream_interval}" if args.stream_interval > 1 else "")
+        f"-si{args.stream_interval}" if args.stream_interval > 1 else "") + (f"-w{window}" if window > 2 else "")
+    loop = ["--async-scheduling", "--max-concurrent-batches", str(window)] if async_on else ["--no-async-scheduling"]
     flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
-             "--max-num-seqs", str(max(streams, 1)), "--async-scheduling" if async_on else "--no-async-scheduling",
-             "--stream-interval", str(args.stream_interval)]
+             "--max-num-seqs", str(max(streams, 1)), *loop, "--stream-interval", str(args.stream_interval)]
     speed = python_speed_ms()
     with ServeProcess(model, *flags) as serve:
         pids = daemon_pids(serve)
@@ -109,7 +110,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
         "device_utilization", "device_busy_s", "device_ideal_output_throughput", "client_cpu_s", "errors")}
     ideal = row["device_ideal_output_throughput"] or float("nan")
     row.update(setup=setup, model=model, streams=streams, mode="async" if async_on else "sync", steps=steps,
-               stream_interval=args.stream_interval,
+               stream_interval=args.stream_interval, max_concurrent_batches=window,
                client_vs_ideal=row["output_throughput"] / ideal,
                cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
                gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
@@ -202,6 +203,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     parser.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
+    parser.add_argument("--max-concurrent-batches", type=int, default=2,
+                        help="the scheduler's plans in flight in async mode (its default: 2)")
     parser.add_argument("--profile-cpu", action="store_true", help="py-spy the scheduler (needs py-spy on PATH)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/capacity.json"))
     args = parser.parse_args()
