@@ -61,11 +61,11 @@ def commit_run(cfg: SchedulerConfig, eos: frozenset[int], req: Request,
 
 
 def commit_one(cfg: SchedulerConfig, eos: frozenset[int], req: Request, token: int) -> FinishReason | None:
-    """`commit_run` of one sampled token (a plain decode: the hot path, so `commit_token` is
-    inlined and `stop_reason` runs only when this token or a length limit could end it)."""
-    out, sp = req.output_token_ids, req.sampling
-    out.append(token)
-    req.num_tokens += 1
-    if token in eos or token in sp.stop_token_ids or len(out) >= sp.max_tokens or req.num_tokens >= cfg.max_model_len:
+    """`commit_run` of one sampled token (a plain decode: the hot path, so `stop_reason` runs
+    only when this token or a length limit could end the request)."""
+    req.commit_token(token)
+    sp = req.sampling
+    if (token in eos or token in sp.stop_token_ids or len(req.output_token_ids) >= sp.max_tokens
+            or req.num_tokens >= cfg.max_model_len):
         return stop_reason(cfg, eos, req, token)
     return None
