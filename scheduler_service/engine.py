@@ -33,7 +33,7 @@ from scheduler_service.links import (
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.request import Request
+from scheduler_service.request import PlainTokenEvent, Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
@@ -300,7 +300,7 @@ class Engine:
         self.metrics.on_events(events)
         self._dispatch(events)
 
-    def _dispatch(self, events: list[RequestEvent | Rejected]) -> None:
+    def _dispatch(self, events: list[RequestEvent | PlainTokenEvent | Rejected]) -> None:
         """Hand events to their sinks: one list per sink, so a gateway session gets one message."""
         streams, batches = self._streams, {}  # session (hashed by identity) -> its events
         for event in events:
@@ -311,6 +311,8 @@ class Engine:
             if batch is None:
                 batch = batches[sink] = []
             batch.append(event)
+            if type(event) is PlainTokenEvent:
+                continue  # the hot path: the request goes on
             if isinstance(event, Rejected) or event.finish_reason is not None:
                 del streams[event.request_id]
                 self._owner.pop(event.request_id, None)

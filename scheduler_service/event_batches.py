@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from scheduler_service.links import RejectCode, Rejected
-from scheduler_service.request import RequestEvent
+from scheduler_service.request import PlainTokenEvent, RequestEvent
 from stepahead import codec
 from stepahead.v1 import common_pb2, scheduler_pb2
 
@@ -25,17 +25,21 @@ REJECT_CODES = {
 }
 
 
-def is_plain(e: RequestEvent | Rejected) -> bool:
+def is_plain(e: PlainTokenEvent | RequestEvent | Rejected) -> bool:
     """One new token and nothing else: not the request's first event (that one carries the
     prompt and cached counts; its `queue_time` is set), no finish, message, rejection,
-    logprobs, prompt logprobs or speculative counts."""
+    logprobs, prompt logprobs or speculative counts. The core makes such events as
+    `PlainTokenEvent`s (known by type); a `RequestEvent` may still be one (e.g. in a step
+    where another request asked for logprobs)."""
+    if type(e) is PlainTokenEvent:
+        return True
     return (type(e) is RequestEvent and e.queue_time is None and len(e.new_token_ids) == 1
             and e.finish_reason is None and not (e.message or e.rejected or e.logprobs or e.num_draft_tokens
                                                  or e.num_accepted_tokens or e.num_spec_steps)
             and e.prompt_logprobs is None)
 
 
-def event_batches(events: Iterable[RequestEvent | Rejected], scope_len: int = 0) -> list[scheduler_pb2.EventBatch]:
+def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected], scope_len: int = 0) -> list[scheduler_pb2.EventBatch]:
     """`events` in order as EventBatch messages (one unless the order rule splits them).
     Events carry the scoped id; the scope (`scope_len` chars) is cut off: the gateway's own id."""
     out = [scheduler_pb2.EventBatch()]
@@ -43,11 +47,11 @@ def event_batches(events: Iterable[RequestEvent | Rejected], scope_len: int = 0)
     tokens: list[int] = []
     pending: set[str] = set()  # scoped ids with a plain token in `rids`
     for e in events:
-        if is_plain(e):
-            rid = e.request_id
+        if type(e) is PlainTokenEvent or is_plain(e):
+            rid, token = (e[0], e[1]) if type(e) is PlainTokenEvent else (e.request_id, e.new_token_ids[0])
             pending.add(rid)
             rids.append(rid[scope_len:])
-            tokens.append(e.new_token_ids[0])
+            tokens.append(token)
             continue
         if pending and e.request_id in pending:  # it must apply after that plain token: next batch
             _fill_columns(out[-1], rids, tokens)

@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
+from scheduler_service.request import PlainTokenEvent
 from scheduler_service.scheduler import RequestEvent, SchedulerStats
 from stepahead.flight_recorder import StepRecord
 
@@ -75,13 +76,18 @@ class SchedulerMetrics:
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
 
-    def on_events(self, events: list[RequestEvent]) -> None:
+    def on_events(self, events: list[RequestEvent | PlainTokenEvent]) -> None:
         now, last_token, observe = time.monotonic(), self._last_token, self.itl.observe_many
         gaps = []  # the decode events' inter-token latencies: the hot path, observed in one call
         for e in events:
             rid = e.request_id
             last = last_token.get(rid)
-            if last is not None and e.new_token_ids and e.finish_reason is None and e.queue_time is None:
+            if last is None:
+                self._on_event(e, now)
+            elif type(e) is PlainTokenEvent:
+                gaps.append(now - last)
+                last_token[rid] = now
+            elif e.new_token_ids and e.finish_reason is None and e.queue_time is None:
                 gaps.append((now - last) / len(e.new_token_ids))
                 last_token[rid] = now
             else:

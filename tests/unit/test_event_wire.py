@@ -17,7 +17,7 @@ from gateway.plain_tokens import MalformedBatch, OpenRequest, PlainToken, delive
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from scheduler_service.event_batches import event_batches, is_plain
 from scheduler_service.links import GatewaySession, RejectCode, Rejected
-from scheduler_service.request import RequestEvent
+from scheduler_service.request import PlainTokenEvent, RequestEvent
 from stepahead import codec
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
@@ -39,6 +39,7 @@ def request_events(rid: str, kinds: list[str], last: str, prompt: int, cached: i
         token = 101 + i
         out.append({
             "plain": lambda: RequestEvent(rid, (token,), None, prompt, cached),
+            "core-plain": lambda: PlainTokenEvent(rid, token, prompt, cached),  # as update_from_output makes it
             "two": lambda: RequestEvent(rid, (token, token + 1000), None, prompt, cached),
             "logprobs": lambda: RequestEvent(rid, (token,), None, prompt, cached, logprobs=(LP,)),
             "spec": lambda: RequestEvent(rid, (token,), None, prompt, cached, num_draft_tokens=3,
@@ -55,7 +56,7 @@ def request_events(rid: str, kinds: list[str], last: str, prompt: int, cached: i
 
 def fields(e) -> tuple:
     """What the gateway's consumers read of an event (a RequestEvent's on the scheduler side)."""
-    if isinstance(e, RequestEvent):
+    if isinstance(e, (RequestEvent, PlainTokenEvent)):
         reason = codec.finish_reason_to_proto(e.finish_reason) if e.finish_reason is not None else 0
         prompt_lp = len(e.prompt_logprobs.entries) if e.prompt_logprobs else 0
         return (tuple(e.new_token_ids), reason, e.num_prompt_tokens, e.num_cached_tokens, e.message, e.rejected,
@@ -74,7 +75,7 @@ def decode(wire: list[bytes], open_ids: set[str]) -> dict[str, list]:
 
 
 requests_st = st.lists(st.tuples(
-    st.lists(st.sampled_from(["plain", "plain", "plain", "two", "logprobs", "spec"]), max_size=8),
+    st.lists(st.sampled_from(["core-plain", "core-plain", "plain", "two", "logprobs", "spec"]), max_size=8),
     st.sampled_from(["length", "error", "abort", "none"]),
     st.integers(1, 5000), st.integers(0, 4096), st.booleans(), st.booleans(),
 ), min_size=1, max_size=5)
@@ -128,6 +129,11 @@ def test_plain_tokens_go_in_the_columns_and_a_later_event_of_the_same_request_in
     assert [e.request_id for e in two.events] == ["a"] and not two.token_ids, "a's final after a's plain tokens"
     (only,) = event_batches([plain("a", 2), plain("a", 3), plain("b", 7)], len(SCOPE))
     assert not only.events and list(only.token_request_ids) == ["a", "a", "b"] and list(only.token_ids) == [2, 3, 7]
+    core = PlainTokenEvent(SCOPE + "c", 5, 10, 4)
+    assert is_plain(core)
+    one, two = event_batches([core, plain("a", 2), RequestEvent(SCOPE + "c", (6,), FinishReason.STOP, 10, 4)], len(SCOPE))
+    assert list(one.token_request_ids) == ["c", "a"] and list(one.token_ids) == [5, 2] and not one.events
+    assert [e.request_id for e in two.events] == ["c"], "c's final after c's plain token"
 
 
 def test_a_plain_token_carries_its_requests_counts_and_ignores_closed_ids():

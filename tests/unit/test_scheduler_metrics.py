@@ -9,7 +9,7 @@ import random
 from prometheus_client import CollectorRegistry, Histogram
 
 from scheduler_service.metrics import _LATENCY_BUCKETS, HotHistogram, SchedulerMetrics
-from scheduler_service.request import FinishReason, RequestEvent
+from scheduler_service.request import FinishReason, PlainTokenEvent, RequestEvent
 from scheduler_service.stats import SchedulerStats
 
 
@@ -67,10 +67,11 @@ def test_decode_events_feed_ttft_once_then_itl_and_the_end():
     metrics.on_events([RequestEvent("a", (1,), None, 3, 0, queue_time=0.01)])
     metrics.on_events([RequestEvent("a", (2,), None, 3, 0)])
     metrics.on_events([RequestEvent("a", (3, 4), None, 3, 0)])
-    metrics.on_events([RequestEvent("a", (5,), FinishReason.LENGTH, 3, 0)])
+    metrics.on_events([PlainTokenEvent("a", 5, 3, 0), PlainTokenEvent("unknown", 1, 3, 0)])  # the core's plain decode
+    metrics.on_events([RequestEvent("a", (6,), FinishReason.LENGTH, 3, 0)])
     got = samples(metrics.registry, "stepahead:")
     assert got[("stepahead:time_to_first_token_seconds_count", ())] == 1
     assert got[("stepahead:request_queue_time_seconds_count", ())] == 1
-    assert got[("stepahead:inter_token_latency_seconds_count", ())] == 3
+    assert got[("stepahead:inter_token_latency_seconds_count", ())] == 4
     assert got[("stepahead:e2e_request_latency_seconds_count", ())] == 1
     assert got[("stepahead:request_finished_total", (("finished_reason", "length"),))] == 1

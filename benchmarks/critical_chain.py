@@ -1,0 +1,119 @@
+"""Where the device's idle time comes from: the async loop's critical chain, step by step.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/critical_chain.py --streams 256 \
+        --max-concurrent-batches 2 3 --out benchmarks/results/critical_chain_256.json
+
+With W plans in flight, plan s is built when the result of step s-W is committed, and must
+reach the worker before step s-1 ends on the device, or the device idles. This runs the
+capacity workload (`stepahead serve --device sim`, h200 + llama3-8b-sim, 512-token prompts,
+256 outputs, every request at once), fetches the scheduler's flight record and, for every
+step the device waited for, splits the chain from the end of step s-W on the device to the
+launch of step s:
+
+- *result → commit*: the worker's result leaves, the scheduler's reader parses it, the engine
+  thread picks it up;
+- *update*: the engine commits it (`update_from_output`) and starts planning;
+- *schedule*: `Scheduler.schedule()` for step s;
+- *plan → worker*: encode, the hand-off to the stream's writer, gRPC, the worker's receipt;
+- *worker prep*: the worker parses and applies the plan and launches the step.
+
+It also gives the device's utilization in the decode phase (steps of at most one token per
+stream) and in the steps carrying prefill chunks, separately: the chain has to fit in one
+decode step (~10 ms at 256 streams on the h200 profile) and is widest there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+
+from benchmarks import capacity
+from benchmarks.machine import python_speed_ms
+from stepahead.cli import bench
+from stepahead.cli.launcher import ServeProcess
+from stepahead.cli.trace import fetch_records
+from stepahead.flight_recorder import StepRecord
+
+SEGMENTS = ("result → commit", "update", "schedule", "plan → worker", "worker prep")
+
+
+def chain(base: StepRecord, r: StepRecord) -> dict[str, float]:
+    """Seconds of each segment from the end of step `base` on the device to the launch of `r`."""
+    return {
+        "result → commit": base.commit_start - base.worker.forward_end,
+        "update": r.schedule_start - base.commit_start,
+        "schedule": r.schedule_end - r.schedule_start,
+        "plan → worker": r.worker.plan_received - r.schedule_end,
+        "worker prep": r.worker.forward_start - r.worker.plan_received,
+    }
+
+
+def analyse(records: list[StepRecord], window: int, streams: int) -> dict:
+    by_id = {r.step_id: r for r in records}
+    phases = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}  # busy, wall, steps
+    waits, parts = [], {k: [] for k in SEGMENTS}
+    for r in records:
+        prev, base = by_id.get(r.step_id - 1), by_id.get(r.step_id - window)
+        if prev is None or not (r.worker.forward_start and prev.worker.forward_end):
+            continue
+        phase = phases["decode" if r.num_tokens <= streams else "prefill"]
+        phase[0] += r.worker.device_busy_s
+        phase[1] += r.worker.forward_end - prev.worker.forward_end
+        phase[2] += 1
+        idle = r.worker.forward_start - prev.worker.forward_end
+        if idle > 0.0002 and base is not None:  # the device waited for this plan
+            waits.append(idle)
+            for k, v in chain(base, r).items():
+                parts[k].append(v)
+    ms = lambda xs: {"mean": statistics.mean(xs) * 1e3, "p50": statistics.median(xs) * 1e3} if xs else None
+    return {
+        "utilization": {k: busy / wall if wall else None for k, (busy, wall, _) in phases.items()},
+        "steps": {k: n for k, (_, _, n) in phases.items()},
+        "decode_step_ms": phases["decode"][0] / max(phases["decode"][2], 1) * 1e3,
+        "idle_steps": len(waits), "idle_ms_total": sum(waits) * 1e3, "idle_ms": ms(waits),
+        "chain_ms_on_idle_steps": {k: ms(v) for k, v in parts.items()},
+    }
+
+
+def run(window: int, streams: int, args) -> dict:
+    flags = ["--device", "sim", "--sim-profile", "h200", "--max-num-seqs", str(streams), "--async-scheduling",
+             "--max-concurrent-batches", str(window)]
+    speed = python_speed_ms()
+    with ServeProcess("llama3-8b-sim", *flags) as serve:
+        summary = bench.bench(capacity.bench_args(serve, streams, args, f"chain-w{window}"))
+        _, records = fetch_records(serve.scheduler_addr, serve.cluster_token)
+    out = analyse(sorted(records, key=lambda r: r.step_id), window, streams)
+    out.update(window=window, streams=streams, device_utilization=summary["device_utilization"],
+               client_vs_ideal=summary["output_throughput"] / summary["device_ideal_output_throughput"],
+               python_speed_ms=speed)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--max-concurrent-batches", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--rounds", type=int, default=1, help="alternate the windows this many times")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    args.input_len, args.output_len, args.stream_interval = 512, 256, 1
+    rows = []
+    for _ in range(args.rounds):
+        for window in args.max_concurrent_batches:
+            row = run(window, args.streams, args)
+            rows.append(row)
+            util, chain_ms = row["utilization"], row["chain_ms_on_idle_steps"]
+            print(f"window {window}: util {row['device_utilization']:.1%} (decode {util['decode']:.1%}, prefill "
+                  f"{util['prefill']:.1%}), decode step {row['decode_step_ms']:.1f} ms, device waited on "
+                  f"{row['idle_steps']} steps for {row['idle_ms_total']:.0f} ms, py ms {row['python_speed_ms']:.0f}")
+            for k, v in chain_ms.items():
+                if v:
+                    print(f"    {k:16s} p50 {v['p50']:6.2f} ms  mean {v['mean']:6.2f} ms")
+    if args.out:
+        args.out.write_text(json.dumps({"rows": rows}, indent=1, ensure_ascii=False))
+
+
+if __name__ == "__main__":
+    main()

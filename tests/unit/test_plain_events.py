@@ -1,0 +1,92 @@
+"""The core's `PlainTokenEvent`s: a running request's plain decode (not its first token, not
+its last, nothing else asked) comes out of `update_from_output` as the 4-tuple, every other
+event as a `RequestEvent`, and a plain event reads exactly like the `RequestEvent` it stands
+for."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import replace
+
+from scheduler_service.config import SchedulerConfig
+from scheduler_service.event_batches import is_plain
+from scheduler_service.request import PlainTokenEvent, Request, RequestEvent
+from scheduler_service.scheduler import Scheduler
+from stepahead.logprobs import Logprobs
+from stepahead.plan import SamplingParams, StepResult
+from tests.unit.fake_executor import Driver, RequestSpec, eos_at, hashed_tokens, run_alone
+
+TOKENS = hashed_tokens(vocab_size=1000)
+CONFIG = SchedulerConfig(num_gpu_blocks=64, max_model_len=64, block_size=4, max_num_batched_tokens=24,
+                         eos_token_ids=(0,), async_scheduling=True)
+
+
+def specs() -> list[RequestSpec]:
+    shared = tuple(range(1, 9))  # two blocks: the later requests hit the prefix cache
+    return [
+        RequestSpec("long", shared + (20, 21), SamplingParams(temperature=0.0, max_tokens=12)),
+        RequestSpec("eos", shared + (30,), SamplingParams(temperature=0.0, max_tokens=20)),
+        RequestSpec("one", (40, 41, 42), SamplingParams(temperature=0.0, max_tokens=1)),
+        RequestSpec("two", shared + (50, 51, 52), SamplingParams(temperature=0.0, max_tokens=2)),
+        RequestSpec("minimum", (60, 61), SamplingParams(temperature=0.0, max_tokens=9, min_tokens=5)),
+    ]
+
+
+def run(config: SchedulerConfig) -> Driver:
+    token_fn = eos_at(0, {"eos": 6, "minimum": 2}, TOKENS)
+    d = Driver.create(config, token_fn)
+    first, *later = specs()
+    d.scheduler.add_request(first.build())
+    while not d.outputs.get(first.request_id):  # its prompt's blocks are cached from here on
+        d.tick()
+    for spec in later:
+        d.scheduler.add_request(spec.build())
+    d.run_until_done()
+    for spec in specs():
+        assert (d.outputs[spec.request_id], d.finished[spec.request_id]) == run_alone(config, spec, token_fn)
+    return d
+
+
+def test_only_a_requests_middle_tokens_are_plain_and_they_carry_its_counts():
+    for config in (CONFIG, replace(CONFIG, async_scheduling=False), replace(CONFIG, max_concurrent_batches=3)):
+        d = run(config)
+        for spec in specs():
+            events = [e for e in d.events if e.request_id == spec.request_id]
+            first, *middle, last = events if len(events) > 1 else (events[0], events[0])
+            assert type(first) is RequestEvent and first.queue_time is not None, spec.request_id
+            assert type(last) is RequestEvent and last.finish_reason is not None, spec.request_id
+            assert all(type(e) is PlainTokenEvent for e in middle), (spec.request_id, middle)
+            assert {(e.num_prompt_tokens, e.num_cached_tokens) for e in events} == {
+                (first.num_prompt_tokens, first.num_cached_tokens)}
+        plain = [e for e in d.events if type(e) is PlainTokenEvent]
+        assert len(plain) >= 10, "the workload's long requests must decode plain tokens"
+        assert any(e.num_cached_tokens for e in plain), "a prefix-cached request's counts travel on its plain tokens"
+
+
+def test_a_plain_event_reads_as_the_request_event_it_stands_for():
+    event = PlainTokenEvent("r", 7, 12, 8)
+    same = RequestEvent("r", (7,), None, 12, 8)
+    for f in dataclasses.fields(RequestEvent):  # a field added to RequestEvent must be readable here
+        assert getattr(event, f.name) == getattr(same, f.name), f.name
+
+
+def test_a_step_with_logprobs_sends_full_events():
+    """When any request of the step has logprobs, every event of the step is a RequestEvent
+    (the writer still packs the plain ones by their fields)."""
+    sched = Scheduler(replace(CONFIG, async_scheduling=False))
+    sched.add_request(Request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)))
+    sched.add_request(Request("b", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=6)))
+    kinds = []
+    for step in range(3):
+        plan = sched.schedule()
+        result = StepResult(plan.step_id, {"a": 7 + step, "b": 9 + step}, logprobs={"a": Logprobs(7 + step, -1.0)})
+        kinds.append({e.request_id: type(e) for e in sched.update_from_output(plan, result)})
+    assert kinds[1:] == [{"a": RequestEvent, "b": RequestEvent}] * 2
+    plan = sched.schedule()
+    (event,) = [e for e in sched.update_from_output(plan, StepResult(plan.step_id, {"a": 10, "b": 12},
+                                                                     logprobs={"a": Logprobs(10, -1.0)}))
+                if e.request_id == "b"]
+    assert is_plain(event), "a RequestEvent without extras still goes in the packed columns"
+    plan = sched.schedule()
+    events = sched.update_from_output(plan, StepResult(plan.step_id, {"a": 11, "b": 13}))
+    assert [type(e) for e in events] == [PlainTokenEvent, PlainTokenEvent], "no logprobs in the step: plain"
