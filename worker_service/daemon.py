@@ -158,17 +158,20 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
 
 
 class _Pipeline:
-    """Plans in → execution thread → sender thread → results out, in plan order.
+    """Plans in → launched on the stream's reader thread → sender thread → results out, in
+    plan order.
 
-    The execution thread launches each step as soon as it arrives (a placeholder decode
-    reads the previous step's ids on the device); the sender thread waits for each step's
-    sampled ids to reach the host (the one sync per step) and streams the result.
+    Each step is launched as soon as its plan arrives, on the thread that read it (a
+    placeholder decode reads the previous step's ids on the device): no hand-off to another
+    thread between the plan's arrival and its launch, which on a loaded host is a wake-up
+    the device would wait for. The sender thread waits for each step's sampled ids to reach
+    the host (the one sync per step) and streams the result.
 
-    Any exception on either thread (a plan the worker cannot run, an asynchronous device
-    error surfacing in `wait()`) ends the session the same way: a `fatal_error` message
-    tells the scheduler why (it fails the requests the worker held), the request stream
-    closes (the scheduler then ends the plan stream), `on_fatal` cancels the call should
-    the scheduler not do so within `FATAL_GRACE_S`, and `error` is set for the caller.
+    Any exception (a plan the worker cannot run, an asynchronous device error surfacing in
+    `wait()`) ends the session the same way: a `fatal_error` message tells the scheduler why
+    (it fails the requests the worker held), the request stream closes (the scheduler then
+    ends the plan stream), `on_fatal` cancels the call should the scheduler not do so within
+    `FATAL_GRACE_S`, and `error` is set for the caller.
     """
 
     FATAL_GRACE_S = 30.0  # generous: under load a scheduler may take seconds to read the reason
@@ -178,25 +181,27 @@ class _Pipeline:
         self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
         self.report = report  # False on tensor-parallel ranks other than 0: they send no results
         self.metrics = metrics or WorkerMetrics()
-        self.plans: queue.Queue = queue.Queue()
         self.launched: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self._failed = threading.Event()
         self._fatal_timer: threading.Timer | None = None
-        self._threads = [
-            threading.Thread(target=self._execute, name="execute", daemon=True),
-            threading.Thread(target=self._send, name="send", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
+        self._sender = threading.Thread(target=self._send, name="send", daemon=True)
+        self._sender.start()
 
     def submit(self, plan_msg, received: float) -> None:
-        self.plans.put((plan_msg, received))
+        """Launch the plan's step (on the caller's thread); after a failure, plans are dropped."""
+        if self._failed.is_set():
+            return
+        try:
+            plan = codec.plan_from_proto(plan_msg)
+            self.metrics.on_plan(plan)
+            self.launched.put(self.runner.launch(plan, received))
+        except Exception as exc:  # reported to the scheduler; the session ends
+            self._fail(exc, "launch")
 
     def close(self) -> None:
-        self.plans.put(None)
-        for t in self._threads:
-            t.join()
+        self.launched.put(None)
+        self._sender.join()
         if self._fatal_timer is not None:
             self._fatal_timer.cancel()
 
@@ -215,18 +220,6 @@ class _Pipeline:
         self._fatal_timer.daemon = True
         self._fatal_timer.start()
 
-    def _execute(self) -> None:
-        try:
-            while (item := self.plans.get()) is not None and not self._failed.is_set():
-                plan_msg, received = item
-                plan = codec.plan_from_proto(plan_msg)
-                self.metrics.on_plan(plan)
-                self.launched.put(self.runner.launch(plan, received))
-        except Exception as exc:  # reported to the scheduler; the session ends
-            self._fail(exc, "launch")
-        finally:
-            self.launched.put(None)
-
     def _send(self) -> None:
         from stepahead.v1 import scheduler_pb2
 
@@ -243,7 +236,7 @@ class _Pipeline:
                 self.metrics.on_result(result)
         except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
             self._fail(exc, "wait")
-            while self.launched.get() is not None:  # let the execution thread finish
+            while self.launched.get() is not None:  # until close(): the reader thread drops later plans
                 pass
         if not self._failed.is_set():
             self.outbox.put(None)  # ends the request stream: the scheduler sees the worker leave
