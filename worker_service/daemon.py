@@ -158,35 +158,37 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
 
 
 class _Pipeline:
-    """Plans in → launched on the stream's reader thread → sender thread → results out, in
-    plan order.
+    """Plans in → launched on the stream's reader thread; results out on grpc's request
+    thread, in plan order.
 
     Each step is launched as soon as its plan arrives, on the thread that read it (a
-    placeholder decode reads the previous step's ids on the device): no hand-off to another
-    thread between the plan's arrival and its launch, which on a loaded host is a wake-up
-    the device would wait for. The sender thread waits for each step's sampled ids to reach
-    the host (the one sync per step) and streams the result.
+    placeholder decode reads the previous step's ids on the device). `requests()` is the
+    request stream's iterator: grpc's own thread runs it, waits there for each launched
+    step's sampled ids to reach the host (the one sync per step) and sends the result at
+    once. Neither way has a hand-off to another thread of ours: on a loaded host each one
+    is a wake-up the device would wait for (the scheduler plans the step after next only
+    once this result is in).
 
-    Any exception (a plan the worker cannot run, an asynchronous device error surfacing in
-    `wait()`) ends the session the same way: a `fatal_error` message tells the scheduler why
-    (it fails the requests the worker held), the request stream closes (the scheduler then
-    ends the plan stream), `on_fatal` cancels the call should the scheduler not do so within
-    `FATAL_GRACE_S`, and `error` is set for the caller.
+    The outbox carries the request stream in order: the hello, launched steps, a fatal
+    error, None (the end). Any exception (a plan the worker cannot run, an asynchronous
+    device error surfacing in `wait()`) ends the session the same way: a `fatal_error`
+    message tells the scheduler why (it fails the requests the worker held), the request
+    stream closes (the scheduler then ends the plan stream), `on_fatal` cancels the call
+    should the scheduler not do so within `FATAL_GRACE_S`, and `error` is set for the caller.
     """
 
     FATAL_GRACE_S = 30.0  # generous: under load a scheduler may take seconds to read the reason
 
-    def __init__(self, runner, outbox: queue.Queue, log, on_fatal=lambda: None,
-                 metrics: WorkerMetrics | None = None, report: bool = True) -> None:
-        self.runner, self.outbox, self.log, self._on_fatal = runner, outbox, log, on_fatal
+    def __init__(self, runner, hello, log, metrics: WorkerMetrics | None = None, report: bool = True) -> None:
+        self.runner, self.log = runner, log
+        self.on_fatal = lambda: None  # set once the call exists (it cancels it)
         self.report = report  # False on tensor-parallel ranks other than 0: they send no results
         self.metrics = metrics or WorkerMetrics()
-        self.launched: queue.Queue = queue.Queue()
+        self.outbox: queue.Queue = queue.Queue()  # WorkerMessages and launched steps; None ends
+        self.outbox.put(hello)
         self.error: BaseException | None = None
         self._failed = threading.Event()
         self._fatal_timer: threading.Timer | None = None
-        self._sender = threading.Thread(target=self._send, name="send", daemon=True)
-        self._sender.start()
 
     def submit(self, plan_msg, received: float) -> None:
         """Launch the plan's step (on the caller's thread); after a failure, plans are dropped."""
@@ -195,13 +197,37 @@ class _Pipeline:
         try:
             plan = codec.plan_from_proto(plan_msg)
             self.metrics.on_plan(plan)
-            self.launched.put(self.runner.launch(plan, received))
+            self.outbox.put(self.runner.launch(plan, received))
         except Exception as exc:  # reported to the scheduler; the session ends
             self._fail(exc, "launch")
 
+    def requests(self):
+        """The request stream: each message as it comes; a launched step's result once its ids
+        are on the host (nothing after a failure but the fatal error)."""
+        from stepahead.v1 import scheduler_pb2
+
+        while (item := self.outbox.get()) is not None:
+            if type(item) is scheduler_pb2.WorkerMessage:
+                yield item
+            elif not self._failed.is_set():
+                try:
+                    result = self._result(item)
+                except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
+                    self._fail(exc, "wait")
+                    continue
+                if self.report:
+                    yield scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result))
+
+    def _result(self, pending):
+        result = pending.wait()
+        for rid, reason in result.failed.items():
+            self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
+        result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
+        self.metrics.on_result(result)
+        return result
+
     def close(self) -> None:
-        self.launched.put(None)
-        self._sender.join()
+        self.outbox.put(None)  # the request stream ends, whatever happened
         if self._fatal_timer is not None:
             self._fatal_timer.cancel()
 
@@ -216,30 +242,9 @@ class _Pipeline:
 
         self.outbox.put(scheduler_pb2.WorkerMessage(fatal_error=f"{where}: {exc!r}"[:1000]))
         self.outbox.put(None)
-        self._fatal_timer = threading.Timer(self.FATAL_GRACE_S, self._on_fatal)
+        self._fatal_timer = threading.Timer(self.FATAL_GRACE_S, lambda: self.on_fatal())
         self._fatal_timer.daemon = True
         self._fatal_timer.start()
-
-    def _send(self) -> None:
-        from stepahead.v1 import scheduler_pb2
-
-        try:
-            while (pending := self.launched.get()) is not None:
-                if self._failed.is_set():
-                    continue  # drain: nothing more goes out after a failure
-                result = pending.wait()
-                for rid, reason in result.failed.items():
-                    self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
-                result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
-                if self.report:
-                    self.outbox.put(scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)))
-                self.metrics.on_result(result)
-        except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
-            self._fail(exc, "wait")
-            while self.launched.get() is not None:  # until close(): the reader thread drops later plans
-                pass
-        if not self._failed.is_set():
-            self.outbox.put(None)  # ends the request stream: the scheduler sees the worker leave
 
 
 class _StopWatch:
@@ -286,12 +291,12 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
     SERVING from the scheduler's acceptance (initial metadata) until the stream ends."""
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    outbox: queue.Queue = queue.Queue()
-    outbox.put(scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info)))
-    responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(iter(outbox.get, None))
-    watch.track(responses, outbox)
+    hello = scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info))
+    pipeline = _Pipeline(runner, hello, log, metrics=metrics, report=info.tp_rank == 0)
+    responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(pipeline.requests())
+    pipeline.on_fatal = responses.cancel
+    watch.track(responses, pipeline.outbox)
     log.info("attached", worker_id=info.worker_id)
-    pipeline = _Pipeline(runner, outbox, log, on_fatal=responses.cancel, metrics=metrics, report=info.tp_rank == 0)
     try:
         if daemon.ATTACH_ACCEPTED in (responses.initial_metadata() or ()):  # blocks until accepted or refused
             health.attached()
@@ -305,7 +310,6 @@ def attach_once(channel, runner, info: WorkerInfo, watch: _StopWatch, log,
         watch.track(None)
         pipeline.close()
         responses.cancel()
-        outbox.put(None)  # the request iterator ends whatever happened
     if pipeline.error is not None:
         raise pipeline.error
 
