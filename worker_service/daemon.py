@@ -211,20 +211,23 @@ class _Pipeline:
                 yield item
             elif not self._failed.is_set():
                 try:
-                    result = self._result(item)
+                    message = self._result_message(item)
                 except Exception as exc:  # e.g. an asynchronous device error: reported, never a silent hang
                     self._fail(exc, "wait")
                     continue
-                if self.report:
-                    yield scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result))
+                if message is not None:
+                    yield message
 
-    def _result(self, pending):
+    def _result_message(self, pending):
+        """Wait for a launched step; its result message (None on ranks that do not report)."""
+        from stepahead.v1 import scheduler_pb2
+
         result = pending.wait()
         for rid, reason in result.failed.items():
             self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
         result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
         self.metrics.on_result(result)
-        return result
+        return scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)) if self.report else None
 
     def close(self) -> None:
         self.outbox.put(None)  # the request stream ends, whatever happened
