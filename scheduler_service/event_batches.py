@@ -39,7 +39,8 @@ def is_plain(e: PlainTokenEvent | RequestEvent | Rejected) -> bool:
             and e.prompt_logprobs is None)
 
 
-def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected], scope_len: int = 0) -> list[scheduler_pb2.EventBatch]:
+def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected],
+                  scope_len: int = 0) -> list[scheduler_pb2.EventBatch]:
     """`events` in order as EventBatch messages (one unless the order rule splits them).
     Events carry the scoped id; the scope (`scope_len` chars) is cut off: the gateway's own id."""
     out = [scheduler_pb2.EventBatch()]
@@ -47,21 +48,24 @@ def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected], s
     tokens: list[int] = []
     pending: set[str] = set()  # scoped ids with a plain token in `rids`
     for e in events:
-        if type(e) is PlainTokenEvent or is_plain(e):
-            rid, token = (e[0], e[1]) if type(e) is PlainTokenEvent else (e.request_id, e.new_token_ids[0])
-            pending.add(rid)
-            rids.append(rid[scope_len:])
-            tokens.append(token)
-            continue
-        if pending and e.request_id in pending:  # it must apply after that plain token: next batch
-            _fill_columns(out[-1], rids, tokens)
-            out.append(scheduler_pb2.EventBatch())
-            rids, tokens = [], []
-            pending.clear()
-        if type(e) is Rejected:
-            out[-1].events.append(rejection_to_proto(e, scope_len))
+        if type(e) is PlainTokenEvent:  # the hot path
+            rid, token = e[0], e[1]
+        elif is_plain(e):
+            rid, token = e.request_id, e.new_token_ids[0]
         else:
-            add_event(out[-1], e, scope_len)
+            if pending and e.request_id in pending:  # it must apply after that plain token: next batch
+                _fill_columns(out[-1], rids, tokens)
+                out.append(scheduler_pb2.EventBatch())
+                rids, tokens = [], []
+                pending.clear()
+            if type(e) is Rejected:
+                out[-1].events.append(rejection_to_proto(e, scope_len))
+            else:
+                add_event(out[-1], e, scope_len)
+            continue
+        pending.add(rid)
+        rids.append(rid[scope_len:])
+        tokens.append(token)
     _fill_columns(out[-1], rids, tokens)
     return out
 
