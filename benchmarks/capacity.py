@@ -79,9 +79,13 @@ def split_profile(path: Path) -> dict[str, float]:
 def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     profile, _, devices = setup.partition("x")
     window = args.max_concurrent_batches if async_on else 1
+    adaptive = async_on and args.adaptive_concurrent_batches
     label = f"{setup}-{model}-{streams}-{'async' if async_on else 'sync'}" + (
-        f"-si{args.stream_interval}" if args.stream_interval > 1 else "") + (f"-w{window}" if window > 2 else "")
-    loop = ["--async-scheduling", "--max-concurrent-batches", str(window)] if async_on else ["--no-async-scheduling"]
+        f"-si{args.stream_interval}" if args.stream_interval > 1 else "") + (
+        f"-w{window}" if async_on and window != 3 else "") + ("-fixed" if async_on and not adaptive else "")
+    loop = (["--async-scheduling", "--max-concurrent-batches", str(window),
+             "--adaptive-concurrent-batches" if adaptive else "--no-adaptive-concurrent-batches"]
+            if async_on else ["--no-async-scheduling"])
     flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
              "--max-num-seqs", str(max(streams, 1)), *loop, "--stream-interval", str(args.stream_interval)]
     speed = python_speed_ms()
@@ -111,6 +115,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     ideal = row["device_ideal_output_throughput"] or float("nan")
     row.update(setup=setup, model=model, streams=streams, mode="async" if async_on else "sync", steps=steps,
                stream_interval=args.stream_interval, max_concurrent_batches=window,
+               adaptive_concurrent_batches=adaptive,
                client_vs_ideal=row["output_throughput"] / ideal,
                cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
                gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
@@ -203,8 +208,11 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     parser.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
-    parser.add_argument("--max-concurrent-batches", type=int, default=2,
-                        help="the scheduler's plans in flight in async mode (its default: 2)")
+    parser.add_argument("--max-concurrent-batches", type=int, default=3,
+                        help="the scheduler's most plans in flight in async mode (its default: 3)")
+    parser.add_argument("--adaptive-concurrent-batches", action=argparse.BooleanOptionalAction, default=True,
+                        help="one step ahead, deeper only while the device waits (the scheduler's default); "
+                             "--no-adaptive-concurrent-batches: always --max-concurrent-batches")
     parser.add_argument("--profile-cpu", action="store_true", help="py-spy the scheduler (needs py-spy on PATH)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/capacity.json"))
     args = parser.parse_args()

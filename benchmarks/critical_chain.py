@@ -1,9 +1,10 @@
 """Where the device's idle time comes from: the async loop's critical chain, step by step.
 
     PYTHONPATH=. .venv/bin/python benchmarks/critical_chain.py --streams 256 \
-        --max-concurrent-batches 2 3 --out benchmarks/results/critical_chain_256.json
+        --windows 2 3 auto --out benchmarks/results/critical_chain_256.json
 
-With W plans in flight, plan s is built when the result of step s-W is committed, and must
+With W plans in flight (a fixed window; `auto`, the scheduler's default, keeps two and plans a
+third only while the device waits: its chain is split as W = 2), plan s is built when the result of step s-W is committed, and must
 reach the worker before step s-1 ends on the device, or the device idles. This runs the
 capacity workload (`stepahead serve --device sim`, h200 + llama3-8b-sim, 512-token prompts,
 256 outputs, every request at once), fetches the scheduler's flight record and, for every
@@ -77,14 +78,23 @@ def analyse(records: list[StepRecord], window: int, streams: int) -> dict:
     }
 
 
-def run(window: int, streams: int, args) -> dict:
+def window_flags(window: str) -> list[str]:
+    """"2", "3": a fixed window of that many plans; "auto": the default, adaptive up to 3."""
+    if window == "auto":
+        return ["--max-concurrent-batches", "3", "--adaptive-concurrent-batches"]
+    return ["--max-concurrent-batches", window, "--no-adaptive-concurrent-batches"]
+
+
+def run(window: str, streams: int, args) -> dict:
     flags = ["--device", "sim", "--sim-profile", "h200", "--max-num-seqs", str(streams), "--async-scheduling",
-             "--max-concurrent-batches", str(window)]
+             *window_flags(window)]
     speed = python_speed_ms()
     with ServeProcess("llama3-8b-sim", *flags) as serve:
         summary = bench.bench(capacity.bench_args(serve, streams, args, f"chain-w{window}"))
         _, records = fetch_records(serve.scheduler_addr, serve.cluster_token)
-    out = analyse(sorted(records, key=lambda r: r.step_id), window, streams)
+    # the chain of an adaptive window is measured from its base (one step ahead): when it has
+    # deepened, a step's plan had one step more of slack than the split assumes
+    out = analyse(sorted(records, key=lambda r: r.step_id), 2 if window == "auto" else int(window), streams)
     out.update(window=window, streams=streams, device_utilization=summary["device_utilization"],
                client_vs_ideal=summary["output_throughput"] / summary["device_ideal_output_throughput"],
                python_speed_ms=speed)
@@ -94,14 +104,15 @@ def run(window: int, streams: int, args) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=256)
-    parser.add_argument("--max-concurrent-batches", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--windows", nargs="+", default=["2", "3", "auto"], choices=["1", "2", "3", "4", "auto"],
+                        help="fixed windows (plans in flight) and/or auto (the default adaptive window, up to 3)")
     parser.add_argument("--rounds", type=int, default=1, help="alternate the windows this many times")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     args.input_len, args.output_len, args.stream_interval = 512, 256, 1
     rows = []
     for _ in range(args.rounds):
-        for window in args.max_concurrent_batches:
+        for window in args.windows:
             row = run(window, args.streams, args)
             rows.append(row)
             util, chain_ms = row["utilization"], row["chain_ms_on_idle_steps"]

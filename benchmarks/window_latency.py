@@ -1,13 +1,14 @@
 """What a deeper in-flight window costs at moderate load: TTFT / TPOT per `--max-concurrent-batches`.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/window_latency.py --windows 2 3 --rounds 2 \
+    PYTHONPATH=. .venv/bin/python benchmarks/window_latency.py --windows 2 3 auto --rounds 2 \
         --out benchmarks/results/window_latency.json
 
 The cross-check's trace (`crosscheck.py`: Poisson, 6 requests/s, prompts 64–1024, outputs
 16–256, a third in prefix groups; written here with the same seed) replayed in real time
 against `stepahead serve --device sim` (h200 + llama3-8b-sim) once per window, alternating.
 A plan made W-1 steps ahead means a request that arrives now is planned after the W-1 steps
-already in flight: about one decode step more time to first token per extra plan.
+already in flight: about one decode step more time to first token per extra plan. `auto`
+(the default) plans the third only while the device waits for plans.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
+from benchmarks.critical_chain import window_flags
 from benchmarks.crosscheck import write_trace
 from benchmarks.machine import python_speed_ms
 from stepahead.cli import bench
@@ -24,10 +26,9 @@ from stepahead.cli.launcher import ServeProcess
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput", "device_utilization")
 
 
-def run(window: int, trace: Path, num_requests: int) -> dict:
+def run(window: str, trace: Path, num_requests: int) -> dict:
     speed = python_speed_ms()
-    with ServeProcess("llama3-8b-sim", "--device", "sim", "--sim-profile", "h200",
-                      "--max-concurrent-batches", str(window)) as serve:
+    with ServeProcess("llama3-8b-sim", "--device", "sim", "--sim-profile", "h200", *window_flags(window)) as serve:
         parser = argparse.ArgumentParser()
         bench.add_arguments(parser)
         ns = parser.parse_args(["--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr,
@@ -39,7 +40,8 @@ def run(window: int, trace: Path, num_requests: int) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--windows", type=int, nargs="+", default=[2, 3])
+    parser.add_argument("--windows", nargs="+", default=["2", "3", "auto"], choices=["1", "2", "3", "4", "auto"],
+                        help="fixed windows and/or auto (the default adaptive window, up to 3)")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--rate", type=float, default=6.0)
     parser.add_argument("--num-requests", type=int, default=200)

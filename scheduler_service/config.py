@@ -42,6 +42,9 @@ class SchedulerConfig:
     preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
     async_scheduling: bool = True
     max_concurrent_batches: int = 2
+    # one step ahead, and up to max_concurrent_batches only while the device waits for plans
+    # (`window.AdaptiveWindow`; the engine's StepLoop and the offline simulator apply it)
+    adaptive_concurrent_batches: bool = False
     num_speculative_tokens: int = 0  # K of n-gram speculation (0: off): K+1 tokens budgeted per decode
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # token ids in submissions and results are checked against it

@@ -65,6 +65,11 @@ class SchedulerMetrics:
         self.idle_gap = Histogram(P + "device_idle_gap_seconds", "device idle between two steps", registry=r,
                                   buckets=_STEP_BUCKETS)
         self.finished = Counter(P + "request_finished", "finished requests", ["finished_reason"], registry=r)
+        self.late_plans = Counter(P + "late_plans", "steps the device waited for although their plan was made as "
+                                  "soon as the in-flight window allowed: the control plane is the bottleneck",
+                                  ["replica"], registry=r)
+        self.concurrent_batches = Gauge(P + "concurrent_batches", "plans a replica keeps in flight now (the async "
+                                        "window; adaptive: deeper while its plans are late)", ["replica"], registry=r)
         self.workers_lost = Counter(P + "workers_lost", "workers lost (stream broken, failed, dropped)", registry=r)
         self.workers_attached = Gauge(P + "workers_attached", "replicas (workers) attached now", registry=r)
         self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
@@ -125,6 +130,12 @@ class SchedulerMetrics:
             self.idle_gap.observe(max(0.0, record.worker.forward_start - last_end))
         self._last_forward_end[replica] = record.worker.forward_end or last_end
 
+    def on_window(self, replica: str, size: int, late: bool) -> None:
+        """The replica's window after a committed step, and whether that step's plan was late."""
+        self.concurrent_batches.labels(replica).set(size)
+        if late:
+            self.late_plans.labels(replica).inc()
+
     def watch_replicas(self, snapshot: Callable[[], ReplicaSnapshot]) -> None:
         """Serve the per-replica gauges and counters from `snapshot()` at scrape time."""
         self.registry.register(ReplicaStatsCollector(snapshot))
@@ -139,6 +150,7 @@ class SchedulerMetrics:
         self.requests_migrated.inc(num_moved)
         self.workers_attached.set(num_left)
         self._last_forward_end.pop(replica, None)
+        self.concurrent_batches.remove(replica)  # its gauge goes (its late_plans series stays: a counter)
 
 
 # (each attached replica's stats by name, the monotonic counters of earlier cores by replica name)

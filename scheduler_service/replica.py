@@ -39,12 +39,13 @@ class Replica:
         """When the oldest plan in flight is overdue (monotonic), None when none is in flight."""
         return self.last_progress + timeout_s if self.loop.num_in_flight else None
 
-    def pump(self) -> None:
-        """Plan and send steps while the in-flight window has room."""
+    def pump(self, on_commit: bool = False) -> None:
+        """Plan and send steps while the in-flight window has room (`on_commit`: a commit just
+        made room, see `StepLoop.plan_next`)."""
         while True:
             start = time.time()
             was_empty = not self.loop.num_in_flight
-            plan = self.loop.plan_next()
+            plan = self.loop.plan_next(on_commit)
             if plan is None:
                 return
             record = self._record(plan, start)
@@ -59,7 +60,8 @@ class Replica:
         start = time.time()
         plan, events = self.loop.commit(result)
         self.last_progress = time.monotonic()
-        self.pump()  # the next plan leaves before clients are served: the device waits for it
+        metrics.on_window(self.name, self.loop.window.size, self.loop.last_late)
+        self.pump(on_commit=True)  # the next plan leaves before clients are served: the device waits for it
         record = self.recorder.get(plan.step_id)
         if record is not None:
             record.commit_start, record.result_committed, record.worker = start, time.time(), result.timing

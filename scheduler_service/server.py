@@ -56,7 +56,12 @@ class SchedulerDaemonConfig:
     scheduling_policy: SchedulingPolicy = cfg.field(SchedulingPolicy.FCFS, "queue policy")
     preemption_mode: PreemptionMode = cfg.field(PreemptionMode.RECOMPUTE, "what preemption does to KV")
     async_scheduling: bool = cfg.field(True, "plan step t+1 while step t runs")
-    max_concurrent_batches: int = cfg.field(2, "plans in flight at most in async mode")
+    max_concurrent_batches: int = cfg.field(
+        3, "plans in flight at most in async mode (with --adaptive-concurrent-batches: while the device waits "
+           "for plans; else always)")
+    adaptive_concurrent_batches: bool = cfg.field(
+        True, "plan one step ahead, and further (up to --max-concurrent-batches) only while the device waits "
+              "for its plans: a deeper window costs new requests a step of TTFT (docs/architecture.md)")
     speculative_config: str | None = cfg.field(
         None, "n-gram speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
               "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' (docs/speculative-decoding.md)")
@@ -117,6 +122,7 @@ class SchedulerDaemonConfig:
             preemption_mode=self.preemption_mode,
             async_scheduling=self.async_scheduling,
             max_concurrent_batches=self.max_concurrent_batches,
+            adaptive_concurrent_batches=self.adaptive_concurrent_batches,
             num_speculative_tokens=num_speculative_tokens(self.speculative_config),
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,

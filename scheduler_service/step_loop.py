@@ -1,8 +1,9 @@
 """The in-flight window of one replica, pure and synchronous: plan ahead, commit the oldest.
 
 A `StepLoop` wraps one scheduler core. `plan_next()` plans one more step while the window
-(`max_concurrent_batches`, 1 in synchronous mode) has room; `commit(result)` commits the
-result of the oldest plan in flight. Results must come back in plan order: anything else
+(`window.AdaptiveWindow`: 1 in synchronous mode, one step ahead or up to
+`max_concurrent_batches`) has room; `commit(result)` commits the result of the oldest plan
+in flight and tells the window whether the device waited for that step's plan. Results must come back in plan order: anything else
 (an unknown, duplicated or out-of-order step, a result that does not fit its plan) raises
 `ValueError` naming what is wrong, and nothing is committed.
 
@@ -18,13 +19,18 @@ import math
 
 from scheduler_service.request import RequestEvent
 from scheduler_service.scheduler import Scheduler
+from scheduler_service.window import AdaptiveWindow, is_late
 from stepahead.plan import StepPlan, StepResult, WorkerTiming
 
 
 class StepLoop:
     def __init__(self, scheduler: Scheduler) -> None:
         self.scheduler = scheduler
+        self.window = AdaptiveWindow.of(scheduler.config)
         self._in_flight: collections.deque[StepPlan] = collections.deque()
+        self._planned_on_commit: set[int] = set()  # step ids planned as soon as a commit made room
+        self._last_forward_end = 0.0  # of the last committed step, on the worker's clock
+        self.last_late = False  # the device waited for the last committed step's plan (see `window.is_late`)
 
     @property
     def num_in_flight(self) -> int:
@@ -38,13 +44,16 @@ class StepLoop:
         """Nothing in flight and nothing left to serve."""
         return not self._in_flight and not self.scheduler.has_unfinished_requests()
 
-    def plan_next(self) -> StepPlan | None:
-        """One more plan if the window has room and there is work; None otherwise."""
-        if not self.scheduler.can_schedule():
+    def plan_next(self, on_commit: bool = False) -> StepPlan | None:
+        """One more plan if the window has room and there is work; None otherwise.
+        `on_commit`: called right after a commit made room (the window's lateness signal)."""
+        if len(self._in_flight) >= self.window.size or not self.scheduler.can_schedule():
             return None
         plan = self.scheduler.schedule()
         if plan is not None:
             self._in_flight.append(plan)
+            if on_commit:
+                self._planned_on_commit.add(plan.step_id)
         return plan
 
     def plan_ahead(self) -> list[StepPlan]:
@@ -65,7 +74,18 @@ class StepLoop:
         check_timing(result)
         events = self.scheduler.update_from_output(plan, result)
         self._in_flight.popleft()
+        self._adapt(plan.step_id, result.timing)
         return plan, events
+
+    def _adapt(self, step_id: int, timing: WorkerTiming) -> None:
+        """The window's verdict on a committed step: did the device idle waiting for its plan?"""
+        on_commit = step_id in self._planned_on_commit
+        self._planned_on_commit.discard(step_id)
+        self.last_late = False
+        if timing.forward_start and self._last_forward_end:
+            self.last_late = is_late(timing.forward_start - self._last_forward_end, on_commit)
+            self.window.on_step(self.last_late)
+        self._last_forward_end = timing.forward_end or self._last_forward_end
 
 
 _TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerTiming))

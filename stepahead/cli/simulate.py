@@ -6,8 +6,9 @@
 The real scheduler core (`scheduler_service.scheduler.Scheduler`, its clock injected) plans
 steps; the sim worker's runner (`worker_service.sim`) applies them and prices them with the
 roofline cost model. No processes, no sleeping: an hour of trace takes seconds. The
-in-flight window is the scheduler's (`max_concurrent_batches`, or 1 with
-`--no-async-scheduling`) and the device runs one step at a time. The control plane is free
+in-flight window is the engine's (`scheduler_service.window`: one step ahead, deeper up to
+`--max-concurrent-batches` while the device waits for plans; 1 with `--no-async-scheduling`)
+and the device runs one step at a time. The control plane is free
 by default; `--sim-*-latency-ms` give it the four latencies of the real daemons
 (`benchmarks/hops.py` measures them): a request reaches the scheduler `ingress` after its
 arrival, a plan can start on the device `plan` after it was made, a result is committed
@@ -104,11 +105,14 @@ class VirtualSystem:
 
     def __init__(self, runner, sched_config, control: ControlPlane = ControlPlane()) -> None:
         from scheduler_service.scheduler import Scheduler
+        from scheduler_service.window import AdaptiveWindow
 
         self.control = control
         self.now = 0.0
         self.runner = runner
         self.scheduler = Scheduler(sched_config, clock=lambda: self.now)
+        self.window = AdaptiveWindow.of(sched_config)  # the engine's StepLoop window, on the virtual clock
+        self._after_commit = False  # the next pump follows a commit (the window's lateness signal)
         self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, commit time, spec)
         self.device_free = 0.0
         self.busy = 0.0
@@ -141,7 +145,10 @@ class VirtualSystem:
                 self._commit()
 
     def _pump(self) -> None:
-        while self.scheduler.can_schedule():
+        from scheduler_service.window import is_late
+
+        on_commit, self._after_commit = self._after_commit, False
+        while len(self.in_flight) < self.window.size and self.scheduler.can_schedule():
             plan = self.scheduler.schedule()
             if plan is None:
                 return
@@ -149,16 +156,20 @@ class VirtualSystem:
                 log = self.logs[r.request_id]
                 log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
             sampled, seconds, failed = self.runner.apply(plan)
-            start = max(self.now + self.control.plan, self.device_free)
+            ready = self.now + self.control.plan
+            late = self.device_free > 0 and is_late(ready - self.device_free, on_commit)  # as the engine judges it
+            start = max(ready, self.device_free)
             self.device_free = start + seconds
             self.busy += seconds
             self.in_flight.append((plan, sampled, failed, self.device_free + self.control.result,
-                                   self.runner.last_speculation))
+                                   self.runner.last_speculation, late))
 
     def _commit(self) -> None:
         from stepahead.plan import StepResult
 
-        plan, sampled, failed, _, spec = self.in_flight.popleft()
+        plan, sampled, failed, _, spec, late = self.in_flight.popleft()
+        self.window.on_step(late)
+        self._after_commit = True
         self.num_steps += 1
         for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled, failed=failed,
                                                                                  speculation=spec)):

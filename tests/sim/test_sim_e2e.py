@@ -5,11 +5,13 @@ maps torch."""
 
 from __future__ import annotations
 
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from stepahead.cli.serve import free_port
 from stepahead.plan import SamplingParams
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.service.harness import Serve
@@ -22,9 +24,11 @@ from worker_service.sim.tokens import reference_output
 SEED, EOS_P, BLOCKS = 11, 0.05, 24
 
 
-def flags(profile: str, window: int) -> list[str]:
-    """`window`: plans in flight at most (1: the synchronous loop)."""
-    loop = ["--no-async-scheduling"] if window == 1 else ["--async-scheduling", "--max-concurrent-batches", str(window)]
+def flags(profile: str, window: int | str) -> list[str]:
+    """`window`: plans in flight, fixed (1: the synchronous loop), or "auto": the default adaptive
+    window (one step ahead, up to three while the device waits for plans)."""
+    loop = (["--no-async-scheduling"] if window == 1 else ["--async-scheduling"] if window == "auto"
+            else ["--async-scheduling", "--max-concurrent-batches", str(window), "--no-adaptive-concurrent-batches"])
     return ["--device", "sim", "--sim-profile", profile, "--sim-eos-probability", str(EOS_P),
             "--seed", str(SEED), "--num-gpu-blocks-override", str(BLOCKS), "--block-size", "16",
             *loop, "--max-num-batched-tokens", "512"]
@@ -72,7 +76,7 @@ def rule(sim_model_dir, fast_profile):
     return sim.rule, sim.max_model_len
 
 
-@pytest.mark.parametrize("window", [2, 1, 3], ids=["async", "sync", "async-window3"])
+@pytest.mark.parametrize("window", [2, 1, 3, "auto"], ids=["async", "sync", "async-window3", "async-adaptive"])
 def test_64_requests_match_the_reference_through_three_daemons(sim_model_dir, fast_profile, rule, window):
     token_rule, max_model_len = rule
     work = mixed_workload(64, token_rule.vocab_size, seed=1)
@@ -91,3 +95,31 @@ def test_64_requests_match_the_reference_through_three_daemons(sim_model_dir, fa
             assert got == want[: len(got)] and len(got) >= min(3, len(want)), f"aborted request {i}"
         else:
             assert got == want, f"request {i}"
+
+
+def scrape(port: int, name: str) -> dict[str, float]:
+    """Samples of one metric family by their `replica` label."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, _, value = line.rpartition(" ")
+            out[labels[labels.index('replica="') + 9:].split('"')[0]] = float(value)
+    return out
+
+
+def test_a_control_plane_slower_than_the_device_deepens_the_window(sim_model_dir, fast_profile, rule):
+    """Steps of microseconds: every plan made one step ahead comes late, so the adaptive window
+    (the default) plans up to three ahead, says so in /metrics, and the tokens stay exact."""
+    token_rule, max_model_len = rule
+    work = mixed_workload(24, token_rule.vocab_size, seed=2)
+    port = free_port()
+    with Serve(sim_model_dir, "--device", "sim", "--sim-profile", str(fast_profile), "--sim-eos-probability",
+               str(EOS_P), "--seed", str(SEED), "--metrics-port", str(port)) as serve:
+        outputs = run_all(serve, work, set())
+        late = scrape(port, "stepahead:late_plans_total")
+        window = scrape(port, "stepahead:concurrent_batches")
+    for (prompt, sampling), got in zip(work, outputs):
+        assert got == reference_output(token_rule, prompt, sampling, max_model_len)
+    assert sum(late.values()) > 0, "steps of microseconds: plans made one step ahead must come late"
+    assert len(window) == 1 and set(window.values()) <= {2.0, 3.0}

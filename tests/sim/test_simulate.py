@@ -110,3 +110,21 @@ def test_negative_control_plane_latency_is_refused(sim_model_dir, tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", 3, span_s=1)
     with pytest.raises(SystemExit, match="latency"):
         run(sim_model_dir, trace, "--sim-profile", "h200", "--sim-egress-latency-ms", "-1")
+
+
+def test_the_adaptive_window_deepens_only_when_the_device_waits(sim_model_dir, tmp_path):
+    """Free control plane: the device never waits for a plan, so the adaptive window stays one
+    step ahead (the same run as a fixed window of two). A control plane slower than a decode
+    step: it plans deeper, and the device is busier than with the fixed window of two."""
+    trace = write_trace(tmp_path / "t.jsonl", 120, span_s=1, max_output=120)
+    common = ("--sim-profile", "h200", "--max-concurrent-batches", "3")
+    two = ("--sim-profile", "h200", "--max-concurrent-batches", "2")
+    strip = lambda r: {k: v for k, v in r.items() if k != "config"}  # noqa: E731
+    assert strip(run(sim_model_dir, trace, *common)) == strip(run(sim_model_dir, trace, *two))
+    slow = ("--sim-plan-latency-ms", "4", "--sim-result-latency-ms", "4")
+    adaptive = run(sim_model_dir, trace, *common, *slow)
+    fixed_two = run(sim_model_dir, trace, *two, *slow)
+    fixed_three = run(sim_model_dir, trace, *common, "--no-adaptive-concurrent-batches", *slow)
+    assert adaptive["device_utilization"] > fixed_two["device_utilization"] + 0.05
+    assert adaptive["device_utilization"] == pytest.approx(fixed_three["device_utilization"], abs=0.03)
+    assert [len(r["token_times"]) for r in adaptive["requests"]] == [len(r["token_times"]) for r in fixed_two["requests"]]
