@@ -31,17 +31,21 @@ def test_the_window_from_the_config():
         AdaptiveWindow(3, 2)
 
 
-def test_late_steps_widen_it_and_a_quiet_run_narrows_it_again():
-    w = AdaptiveWindow(2, 4, hold_steps=3)
-    w.on_step(False)
-    assert w.size == 2
+def test_late_steps_in_a_burst_widen_it_and_a_quiet_run_narrows_it_again():
+    w = AdaptiveWindow(2, 4, burst_steps=2, hold_steps=3)
     w.on_step(True)
-    w.on_step(True)
-    w.on_step(True)
-    assert w.size == 4, "one more per late step, up to the cap"
+    assert w.size == 2, "a lone late step: the control plane is not falling behind"
     w.on_step(False)
     w.on_step(False)
-    w.on_step(True)  # a late step restarts the quiet count
+    w.on_step(True)
+    assert w.size == 2, "two steps after the last: still alone (burst_steps=2)"
+    w.on_step(True)
+    assert w.size == 3, "right after another: one step deeper"
+    w.on_step(False)
+    w.on_step(True)
+    assert w.size == 4, "within the burst again: up to the cap"
+    w.on_step(True)
+    assert w.size == 4
     w.on_step(False)
     w.on_step(False)
     assert w.size == 4
@@ -50,9 +54,13 @@ def test_late_steps_widen_it_and_a_quiet_run_narrows_it_again():
     for _ in range(3):
         w.on_step(False)
     assert w.size == 2
+    w.on_step(True)
+    assert w.size == 2, "a late step long after the last one is alone again"
     for _ in range(10):
         w.on_step(False)
     assert w.size == 2, "never below the base"
+    with pytest.raises(ValueError):
+        AdaptiveWindow(2, 3, burst_steps=5, hold_steps=4)
 
 
 def test_only_a_plan_made_on_commit_that_the_device_waited_for_is_late():
@@ -111,7 +119,7 @@ def test_any_lateness_keeps_tokens_exact(seed):
     token_fn = eos_at(0, {"r3": 5, "r7": 2}, hashed_tokens(1000))
     base = Driver.create(config, token_fn)
     d = ClockedDriver(base.scheduler, base.executor, delay=lambda: rng.choice([0.0, 0.0, 0.003]))
-    d.loop.window.hold_steps = 4
+    d.loop.window.burst_steps, d.loop.window.hold_steps = 3, 4
     todo = specs(rng)
     for spec in todo[:6]:
         d.scheduler.add_request(spec.build())
