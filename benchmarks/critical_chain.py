@@ -28,12 +28,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import urllib.request
 from pathlib import Path
 
 from benchmarks import capacity
 from benchmarks.machine import python_speed_ms
 from stepahead.cli import bench
 from stepahead.cli.launcher import ServeProcess
+from stepahead.cli.serve import free_port
 from stepahead.cli.trace import fetch_records
 from stepahead.flight_recorder import StepRecord
 
@@ -78,6 +80,19 @@ def analyse(records: list[StepRecord], window: int, streams: int) -> dict:
     }
 
 
+def scrape_total(port: int, name: str) -> float:
+    """The sum of a metric family's samples (every replica's) on the scheduler's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rpartition(" ")[2]) for line in text.splitlines()
+               if line.startswith(name) and line[len(name)] in " {")
+
+
+def late_fraction(port: int) -> float:
+    """Steps the device waited for although their plan was made as soon as the window allowed."""
+    steps = scrape_total(port, "stepahead:scheduler_steps_total")
+    return scrape_total(port, "stepahead:late_plans_total") / steps if steps else 0.0
+
+
 def window_flags(window: str) -> list[str]:
     """"2", "3": a fixed window of that many plans; "auto": the default, adaptive up to 3."""
     if window == "auto":
@@ -89,15 +104,17 @@ def run(window: str, streams: int, args) -> dict:
     flags = ["--device", "sim", "--sim-profile", "h200", "--max-num-seqs", str(streams), "--async-scheduling",
              *window_flags(window)]
     speed = python_speed_ms()
-    with ServeProcess("llama3-8b-sim", *flags) as serve:
+    port = free_port()
+    with ServeProcess("llama3-8b-sim", *flags, "--metrics-port", str(port)) as serve:
         summary = bench.bench(capacity.bench_args(serve, streams, args, f"chain-w{window}"))
         _, records = fetch_records(serve.scheduler_addr, serve.cluster_token)
+        late = late_fraction(port)
     # the chain of an adaptive window is measured from its base (one step ahead): when it has
     # deepened, a step's plan had one step more of slack than the split assumes
     out = analyse(sorted(records, key=lambda r: r.step_id), 2 if window == "auto" else int(window), streams)
     out.update(window=window, streams=streams, device_utilization=summary["device_utilization"],
                client_vs_ideal=summary["output_throughput"] / summary["device_ideal_output_throughput"],
-               python_speed_ms=speed)
+               late_steps=late, python_speed_ms=speed)
     return out
 
 
@@ -118,7 +135,8 @@ def main() -> None:
             util, chain_ms = row["utilization"], row["chain_ms_on_idle_steps"]
             print(f"window {window}: util {row['device_utilization']:.1%} (decode {util['decode']:.1%}, prefill "
                   f"{util['prefill']:.1%}), decode step {row['decode_step_ms']:.1f} ms, device waited on "
-                  f"{row['idle_steps']} steps for {row['idle_ms_total']:.0f} ms, py ms {row['python_speed_ms']:.0f}")
+                  f"{row['idle_steps']} steps for {row['idle_ms_total']:.0f} ms, late {row['late_steps']:.1%} of "
+                  f"steps, py ms {row['python_speed_ms']:.0f}")
             for k, v in chain_ms.items():
                 if v:
                     print(f"    {k:16s} p50 {v['p50']:6.2f} ms  mean {v['mean']:6.2f} ms")
