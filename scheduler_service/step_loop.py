@@ -3,9 +3,10 @@
 A `StepLoop` wraps one scheduler core. `plan_next()` plans one more step while the window
 (`window.AdaptiveWindow`: 1 in synchronous mode, one step ahead or up to
 `max_concurrent_batches`) has room; `commit(result)` commits the result of the oldest plan
-in flight and tells the window whether the device waited for that step's plan. Results must come back in plan order: anything else
-(an unknown, duplicated or out-of-order step, a result that does not fit its plan) raises
-`ValueError` naming what is wrong, and nothing is committed.
+in flight and tells the window whether the device waited for that step's plan. Results
+must come back in plan order: anything else (an unknown, duplicated or out-of-order step, a
+result that does not fit its plan) raises `ValueError` naming what is wrong, and nothing is
+committed.
 
 The daemon's engine drives one StepLoop per attached replica; the fake-executor driver and
 the in-process integration engine drive the same class, so the window has one definition.

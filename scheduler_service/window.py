@@ -9,10 +9,9 @@ ahead, up to `--max-concurrent-batches`, when a late step follows another within
 `burst_steps` steps, and goes back one step after `hold_steps` steps without a late plan: a
 deeper window costs a newly arrived request one more step before its first token
 (`benchmarks/window_latency.py`), so it is used only while it buys device time. Measured
-with a fixed window of two on the h200 sim (`docs/benchmarks.md`): at moderate load 0.2–0.9%
-of steps are late and they come alone; at 256 streams 20–23% are, ~5 of every 16 steps
-before a late one. A fixed window (`--no-adaptive-concurrent-batches`) always plans up to
-the maximum.
+with a fixed window of two on the h200 sim (`docs/benchmarks.md`): at moderate load under 1%
+of steps are late and they come alone; at 256 streams 20–27% are, in bursts. A fixed window
+(`--no-adaptive-concurrent-batches`) always plans up to the maximum.
 
 Pure: the engine's `StepLoop` and the offline simulator feed it one verdict per committed
 step (`is_late`).

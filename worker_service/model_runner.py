@@ -166,8 +166,9 @@ class ModelRunner:
 
     def _copy_inputs(self, sched: ScheduledBatch, slot: int) -> StepInputs:
         """Fill the slot's pinned arena and copy it to the device on the copy stream."""
-        # The copy of step t-2 read this slot's pinned arena. With at most two steps in flight
-        # (the scheduler's window) its result was already reported, so this never blocks.
+        # The copy of step t-2 read this slot's pinned arena. With two steps in flight (the
+        # scheduler's window, unless it deepened) its result was already reported, so this does
+        # not block; with three it may wait for that copy.
         self._inputs_copied[slot].synchronize()  # H1
         with self.streams.on_copy_stream():
             self.streams.copy_waits_for_compute(self._compute_done[slot])  # W1
@@ -217,7 +218,8 @@ class ModelRunner:
 
     def _retire(self, slot: int) -> None:
         """The step two back must have read its host ids before this one reuses the buffers
-        (never blocks under the scheduler's window of two; callers running further ahead wait)."""
+        (never blocks with two plans in flight; with three, as the adaptive window plans when the
+        device waits for plans, it waits here for that step's ids)."""
         old, self._pending[slot] = self._pending[slot], None
         if old is not None:
             old.ids()
