@@ -113,7 +113,7 @@ class VirtualSystem:
         self.scheduler = Scheduler(sched_config, clock=lambda: self.now)
         self.window = AdaptiveWindow.of(sched_config)  # the engine's StepLoop window, on the virtual clock
         self._after_commit = False  # the next pump follows a commit (the window's lateness signal)
-        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, commit time, spec)
+        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, commit time, spec, late)
         self.device_free = 0.0
         self.busy = 0.0
         self.num_steps = 0
