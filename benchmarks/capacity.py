@@ -37,7 +37,7 @@ from stepahead.cli.launcher import ServeProcess
 CATEGORIES = {
     "plan encode": ("plan_to_proto",),
     "result decode": ("result_from_proto", "_read_results"),
-    "event fan-out": ("event_batches", "is_plain", "add_event", "_dispatch", "GatewaySession", "Connect"),
+    "event fan-out": ("event_batches", "add_event", "_dispatch", "GatewaySession", "Connect"),
     "stats/metrics": ("Scheduler.stats", "build_stats", "SchedulerMetrics", "Engine._record", "prometheus"),
     "update": ("update_from_output",),
     "schedule": ("Scheduler.schedule",),

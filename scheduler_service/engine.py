@@ -311,8 +311,6 @@ class Engine:
             if batch is None:
                 batch = batches[sink] = []
             batch.append(event)
-            if type(event) is PlainTokenEvent:
-                continue  # the hot path: the request goes on
             if isinstance(event, Rejected) or event.finish_reason is not None:
                 del streams[event.request_id]
                 self._owner.pop(event.request_id, None)

@@ -2,7 +2,7 @@
 servicer's proto conversion of events; see `EventBatch` in protos/stepahead/v1/scheduler.proto).
 
 At 256 streams almost every event of a step is a *plain* decode token (one request, one new
-token, nothing else). Those go in the batch's two packed columns instead of one `TokenEvent`
+token, nothing else: a `PlainTokenEvent`, which only the scheduler core makes). Those go in the batch's two packed columns instead of one `TokenEvent`
 each: no submessage to build here, none to parse and walk at the gateway. Everything else
 is a full `TokenEvent`. The receiver applies a batch's `events` before its plain tokens, so
 a request's plain token followed (in the session's merged lists) by another event of the same
@@ -25,20 +25,6 @@ REJECT_CODES = {
 }
 
 
-def is_plain(e: PlainTokenEvent | RequestEvent | Rejected) -> bool:
-    """One new token and nothing else: not the request's first event (that one carries the
-    prompt and cached counts; its `queue_time` is set), no finish, message, rejection,
-    logprobs, prompt logprobs or speculative counts. The core makes such events as
-    `PlainTokenEvent`s (known by type); a `RequestEvent` may still be one (e.g. in a step
-    where another request asked for logprobs)."""
-    if type(e) is PlainTokenEvent:
-        return True
-    return (type(e) is RequestEvent and e.queue_time is None and len(e.new_token_ids) == 1
-            and e.finish_reason is None and not (e.message or e.rejected or e.logprobs or e.num_draft_tokens
-                                                 or e.num_accepted_tokens or e.num_spec_steps)
-            and e.prompt_logprobs is None)
-
-
 def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected],
                   scope_len: int = 0) -> list[scheduler_pb2.EventBatch]:
     """`events` in order as EventBatch messages (one unless the order rule splits them).
@@ -49,23 +35,20 @@ def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected],
     pending: set[str] = set()  # scoped ids with a plain token in `rids`
     for e in events:
         if type(e) is PlainTokenEvent:  # the hot path
-            rid, token = e[0], e[1]
-        elif is_plain(e):
-            rid, token = e.request_id, e.new_token_ids[0]
-        else:
-            if pending and e.request_id in pending:  # it must apply after that plain token: next batch
-                _fill_columns(out[-1], rids, tokens)
-                out.append(scheduler_pb2.EventBatch())
-                rids, tokens = [], []
-                pending.clear()
-            if type(e) is Rejected:
-                out[-1].events.append(rejection_to_proto(e, scope_len))
-            else:
-                add_event(out[-1], e, scope_len)
+            rid = e[0]
+            pending.add(rid)
+            rids.append(rid[scope_len:])
+            tokens.append(e[1])
             continue
-        pending.add(rid)
-        rids.append(rid[scope_len:])
-        tokens.append(token)
+        if pending and e.request_id in pending:  # it must apply after that plain token: next batch
+            _fill_columns(out[-1], rids, tokens)
+            out.append(scheduler_pb2.EventBatch())
+            rids, tokens = [], []
+            pending.clear()
+        if type(e) is Rejected:
+            out[-1].events.append(rejection_to_proto(e, scope_len))
+        else:
+            add_event(out[-1], e, scope_len)
     _fill_columns(out[-1], rids, tokens)
     return out
 

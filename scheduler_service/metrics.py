@@ -76,7 +76,6 @@ class SchedulerMetrics:
                                          registry=r)
         self._arrival: dict[str, float] = {}
         self._last_token: dict[str, float] = {}
-        self._last_forward_end: dict[str, float] = {}  # per replica
 
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
@@ -123,15 +122,14 @@ class SchedulerMetrics:
         self._arrival.pop(request_id, None)
         self._last_token.pop(request_id, None)
 
-    def on_step(self, record: StepRecord, replica: str = "") -> None:
+    def on_step(self, record: StepRecord) -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
-        last_end = self._last_forward_end.get(replica, 0.0)
-        if record.worker.forward_start and last_end:
-            self.idle_gap.observe(max(0.0, record.worker.forward_start - last_end))
-        self._last_forward_end[replica] = record.worker.forward_end or last_end
 
-    def on_window(self, replica: str, size: int, late: bool) -> None:
-        """The replica's window after a committed step, and whether that step's plan was late."""
+    def on_window(self, replica: str, size: int, idle_s: float | None, late: bool) -> None:
+        """After a committed step (`StepLoop` judged it): the replica's window, how long the device
+        sat idle before that step (None: unknown), and whether its plan was late."""
+        if idle_s is not None:
+            self.idle_gap.observe(max(0.0, idle_s))
         self.concurrent_batches.labels(replica).set(size)
         if late:
             self.late_plans.labels(replica).inc()
@@ -149,7 +147,6 @@ class SchedulerMetrics:
             self.workers_lost.inc()
         self.requests_migrated.inc(num_moved)
         self.workers_attached.set(num_left)
-        self._last_forward_end.pop(replica, None)
         self.concurrent_batches.remove(replica)  # its gauge goes (its late_plans series stays: a counter)
 
 

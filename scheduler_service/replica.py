@@ -60,12 +60,12 @@ class Replica:
         start = time.time()
         plan, events = self.loop.commit(result)
         self.last_progress = time.monotonic()
-        metrics.on_window(self.name, self.loop.window.size, self.loop.last_late)
+        metrics.on_window(self.name, self.loop.window.size, self.loop.last_idle_s, self.loop.last_late)
         self.pump(on_commit=True)  # the next plan leaves before clients are served: the device waits for it
         record = self.recorder.get(plan.step_id)
         if record is not None:
             record.commit_start, record.result_committed, record.worker = start, time.time(), result.timing
-            metrics.on_step(record, self.name)
+            metrics.on_step(record)
         return events
 
     def _record(self, plan: StepPlan, start: float) -> StepRecord:

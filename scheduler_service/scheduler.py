@@ -22,7 +22,7 @@ from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
 from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
-from scheduler_service.logprob_events import take_prompt_logprobs, token_event
+from scheduler_service.logprob_events import committed_event, take_prompt_logprobs
 from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.speculation import draft_allowance, settle
 from scheduler_service.request import (
@@ -34,7 +34,6 @@ from scheduler_service.request import (
     RequestEvent,
     RequestRejected,
     RequestStatus,
-    plain_token_event,
 )
 from scheduler_service.stats import SchedulerStats, build_stats, count_result
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
@@ -334,9 +333,8 @@ class Scheduler:
 
     # ---- results -----------------------------------------------------------------------------
     def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestEvent | PlainTokenEvent]:
-        """Commit the result of the oldest in-flight plan; returns one event per request that
-        got a token (with its finish reason when it finished); a plain decode's is a
-        `PlainTokenEvent`."""
+        """Commit the result of the oldest in-flight plan; returns one event per request that got
+        a token (with its finish reason when it finished; a plain decode's: a `PlainTokenEvent`)."""
         if not self._in_flight or self._in_flight[0].step_id != plan.step_id:
             oldest = self._in_flight[0].step_id if self._in_flight else None
             raise ValueError(f"plan {plan.step_id} is not the oldest in flight (oldest: {oldest})")
@@ -349,8 +347,7 @@ class Scheduler:
         self._kv.host.release_fences(record.step_id)
         count_result(self._counts, result)
         events, tokens, failed = [], result.sampled_token_ids, result.failed
-        cfg, eos, with_lp, prompt_lps = self.config, self._eos, bool(result.logprobs), result.prompt_logprobs
-        plain = not (with_lp or prompt_lps)  # then a decode's event may be a PlainTokenEvent
+        cfg, eos, prompt_lps = self.config, self._eos, result.prompt_logprobs
         caching, bs = cfg.enable_prefix_caching, cfg.block_size
         for req, epoch, num_tokens, samples, drafts in record.entries:
             if req.epoch != epoch:
@@ -376,10 +373,7 @@ class Scheduler:
             if samples:
                 if reason is not None:
                     self._finish(req, reason)
-                elif plain and not drafts and len(req.output_token_ids) > 1 and not req.num_draft_tokens:
-                    events.append(plain_token_event((rid, token, len(req.prompt_token_ids), req.num_cached_tokens)))
-                    continue  # the hot path: not the first token, not the last, nothing else
-                events.append(token_event(req, committed, reason, result if with_lp else None, prompt_lp))
+                events.append(committed_event(req, committed, reason, result, prompt_lp, drafts))
             elif prompt_lp is not None:
                 events.append(RequestEvent(rid, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
         return events

@@ -31,6 +31,7 @@ class StepLoop:
         self._in_flight: collections.deque[StepPlan] = collections.deque()
         self._planned_on_commit: set[int] = set()  # step ids planned as soon as a commit made room
         self._last_forward_end = 0.0  # of the last committed step, on the worker's clock
+        self.last_idle_s: float | None = None  # the device idle before the last committed step (None: unknown)
         self.last_late = False  # the device waited for the last committed step's plan (see `window.is_late`)
 
     @property
@@ -79,12 +80,14 @@ class StepLoop:
         return plan, events
 
     def _adapt(self, step_id: int, timing: WorkerTiming) -> None:
-        """The window's verdict on a committed step: did the device idle waiting for its plan?"""
+        """The window's verdict on a committed step: did the device idle waiting for its plan?
+        (The one place the device's idle gap is taken: the metrics observe `last_idle_s`.)"""
         on_commit = step_id in self._planned_on_commit
         self._planned_on_commit.discard(step_id)
-        self.last_late = False
+        self.last_idle_s, self.last_late = None, False
         if timing.forward_start and self._last_forward_end:
-            self.last_late = is_late(timing.forward_start - self._last_forward_end, on_commit)
+            self.last_idle_s = timing.forward_start - self._last_forward_end
+            self.last_late = is_late(self.last_idle_s, on_commit)
             self.window.on_step(self.last_late)
         self._last_forward_end = timing.forward_end or self._last_forward_end
 

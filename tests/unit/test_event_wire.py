@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from gateway.plain_tokens import MalformedBatch, OpenRequest, PlainToken, deliver
 from gateway.scheduler_link import LinkBroken, SchedulerLink
-from scheduler_service.event_batches import event_batches, is_plain
+from scheduler_service.event_batches import event_batches
 from scheduler_service.links import GatewaySession, RejectCode, Rejected
 from scheduler_service.request import PlainTokenEvent, RequestEvent
 from stepahead import codec
@@ -114,15 +114,14 @@ def test_any_merged_steps_decode_to_each_requests_events_in_order(requests, data
     assert rejected.rejected and rejected.message == "prompt too long" and rejected.finish_reason
 
 
-def plain(rid: str, token: int) -> RequestEvent:
-    return RequestEvent(SCOPE + rid, (token,), None, 10, 4)
+def plain(rid: str, token: int) -> PlainTokenEvent:
+    return PlainTokenEvent(SCOPE + rid, token, 10, 4)
 
 
 def test_plain_tokens_go_in_the_columns_and_a_later_event_of_the_same_request_in_the_next_batch():
     first = RequestEvent(SCOPE + "a", (1,), None, 10, 4, queue_time=0.1)
     final = RequestEvent(SCOPE + "a", (4,), FinishReason.LENGTH, 10, 4)
     other = RequestEvent(SCOPE + "b", (9,), FinishReason.STOP, 3, 0)
-    assert not is_plain(first) and not is_plain(final) and is_plain(plain("a", 2))
     one, two = event_batches([first, plain("a", 2), plain("c", 8), other, plain("a", 3), final], len(SCOPE))
     assert [e.request_id for e in one.events] == ["a", "b"], "b's final follows no plain token of b: same batch"
     assert list(one.token_request_ids) == ["a", "c", "a"] and list(one.token_ids) == [2, 8, 3]
@@ -130,7 +129,8 @@ def test_plain_tokens_go_in_the_columns_and_a_later_event_of_the_same_request_in
     (only,) = event_batches([plain("a", 2), plain("a", 3), plain("b", 7)], len(SCOPE))
     assert not only.events and list(only.token_request_ids) == ["a", "a", "b"] and list(only.token_ids) == [2, 3, 7]
     core = PlainTokenEvent(SCOPE + "c", 5, 10, 4)
-    assert is_plain(core)
+    (full,) = event_batches([RequestEvent(SCOPE + "d", (6,), None, 10, 4)], len(SCOPE))
+    assert [e.request_id for e in full.events] == ["d"] and not full.token_ids, "only the core's plain events pack"
     one, two = event_batches([core, plain("a", 2), RequestEvent(SCOPE + "c", (6,), FinishReason.STOP, 10, 4)], len(SCOPE))
     assert list(one.token_request_ids) == ["c", "a"] and list(one.token_ids) == [5, 2] and not one.events
     assert [e.request_id for e in two.events] == ["c"], "c's final after c's plain token"

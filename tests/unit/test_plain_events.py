@@ -9,7 +9,6 @@ import dataclasses
 from dataclasses import replace
 
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.event_batches import is_plain
 from scheduler_service.request import PlainTokenEvent, Request, RequestEvent
 from scheduler_service.scheduler import Scheduler
 from stepahead.logprobs import Logprobs
@@ -70,23 +69,16 @@ def test_a_plain_event_reads_as_the_request_event_it_stands_for():
         assert getattr(event, f.name) == getattr(same, f.name), f.name
 
 
-def test_a_step_with_logprobs_sends_full_events():
-    """When any request of the step has logprobs, every event of the step is a RequestEvent
-    (the writer still packs the plain ones by their fields)."""
+def test_logprobs_make_a_full_event_for_their_request_only():
+    """In a step where one request asked for logprobs, only its event is a RequestEvent (it
+    carries them); the others' decodes stay plain."""
     sched = Scheduler(replace(CONFIG, async_scheduling=False))
     sched.add_request(Request("a", [1, 2, 3], SamplingParams(temperature=0.0, max_tokens=6, logprobs=1)))
     sched.add_request(Request("b", [4, 5, 6], SamplingParams(temperature=0.0, max_tokens=6)))
     kinds = []
-    for step in range(3):
+    for step in range(4):
         plan = sched.schedule()
         result = StepResult(plan.step_id, {"a": 7 + step, "b": 9 + step}, logprobs={"a": Logprobs(7 + step, -1.0)})
         kinds.append({e.request_id: type(e) for e in sched.update_from_output(plan, result)})
-    assert kinds[1:] == [{"a": RequestEvent, "b": RequestEvent}] * 2
-    plan = sched.schedule()
-    (event,) = [e for e in sched.update_from_output(plan, StepResult(plan.step_id, {"a": 10, "b": 12},
-                                                                     logprobs={"a": Logprobs(10, -1.0)}))
-                if e.request_id == "b"]
-    assert is_plain(event), "a RequestEvent without extras still goes in the packed columns"
-    plan = sched.schedule()
-    events = sched.update_from_output(plan, StepResult(plan.step_id, {"a": 11, "b": 13}))
-    assert [type(e) for e in events] == [PlainTokenEvent, PlainTokenEvent], "no logprobs in the step: plain"
+    assert kinds[0] == {"a": RequestEvent, "b": RequestEvent}, "first tokens are full events"
+    assert kinds[1:] == [{"a": RequestEvent, "b": PlainTokenEvent}] * 3
