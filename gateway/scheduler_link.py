@@ -32,7 +32,7 @@ class SchedulerLink:
         self._log = log
         self._lock = threading.Lock()
         self._routes: dict[str, OpenRequest] = {}  # request id -> its event sink and counts
-        self._outbox: queue.Queue | None = None  # messages for the current stream
+        self._outbox: queue.SimpleQueue | None = None  # messages for the current stream
 
     @property
     def num_open(self) -> int:
@@ -62,16 +62,16 @@ class SchedulerLink:
         with self._lock:
             self._routes.pop(request_id, None)
 
-    def _open_stream(self) -> queue.Queue:
+    def _open_stream(self) -> queue.SimpleQueue:
         """The current stream's outbox, opening a stream if there is none (lock held)."""
         if self._outbox is None:
-            outbox: queue.Queue = queue.Queue()
+            outbox: queue.SimpleQueue = queue.SimpleQueue()
             responses = self._stub.Connect(iter(outbox.get, None))
             threading.Thread(target=self._read, args=(responses, outbox), name="scheduler-link", daemon=True).start()
             self._outbox = outbox
         return self._outbox
 
-    def _read(self, responses, outbox: queue.Queue) -> None:
+    def _read(self, responses, outbox: queue.SimpleQueue) -> None:
         reason = "the scheduler closed the stream"
         try:
             for batch in responses:

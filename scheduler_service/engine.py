@@ -74,7 +74,7 @@ class _Attach:
 @dataclass(frozen=True)
 class _Call:
     fn: Callable[[], object]
-    reply: queue.Queue
+    reply: queue.SimpleQueue
 
 
 @dataclass(frozen=True)
@@ -101,7 +101,7 @@ class Engine:
         self._make_config = make_config
         self._log = log
         self._on_ready_change = on_ready_change
-        self._inbox: queue.Queue = queue.Queue()
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: no Python Condition per hand-off
         self._replicas: dict[WorkerHandle, Replica] = {}
         self._model: WorkerInfo | None = None  # the first replica's hello: what this scheduler serves
         self._router: Router | None = None
@@ -179,7 +179,7 @@ class Engine:
     def _call(self, fn: Callable[[], object], timeout: float | None = None) -> object:
         """Run fn on the engine thread and return its result (or raise its exception);
         queue.Empty when `timeout` passes first."""
-        reply: queue.Queue = queue.Queue(maxsize=1)
+        reply: queue.SimpleQueue = queue.SimpleQueue()
         self._inbox.put(_Call(fn, reply))
         ok, value = reply.get(timeout=timeout)
         if not ok:

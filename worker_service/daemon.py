@@ -184,7 +184,7 @@ class _Pipeline:
         self.on_fatal = lambda: None  # set once the call exists (it cancels it)
         self.report = report  # False on tensor-parallel ranks other than 0: they send no results
         self.metrics = metrics or WorkerMetrics()
-        self.outbox: queue.Queue = queue.Queue()  # WorkerMessages and launched steps; None ends
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # WorkerMessages and launched steps; None ends
         self.outbox.put(hello)
         self.error: BaseException | None = None
         self._failed = threading.Event()
@@ -275,13 +275,13 @@ class _StopWatch:
             if self._session is not None:
                 self._detach(*self._session)
 
-    def _detach(self, call, outbox: queue.Queue) -> None:
+    def _detach(self, call, outbox: queue.SimpleQueue) -> None:
         outbox.put(None)
         timer = threading.Timer(self.GRACE_S, call.cancel)
         timer.daemon = True
         timer.start()
 
-    def track(self, call, outbox: queue.Queue | None = None) -> None:
+    def track(self, call, outbox: queue.SimpleQueue | None = None) -> None:
         with self._lock:
             self._session = (call, outbox) if call is not None else None
             if self._stopped and call is not None:
