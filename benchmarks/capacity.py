@@ -10,7 +10,9 @@ synchronous loop) with every request sent at once (`--max-concurrency` = streams
 device utilization (busy / wall, exact: the sim worker reports each step's busy time),
 client-observed output tok/s vs the device's ideal (tokens / sum of step times), TTFT /
 TPOT / ITL p50 / p99, CPU seconds of each process (scheduler, gateway, worker, this
-client) from /proc, scheduler CPU per step and gateway CPU per streamed token, the load
+client) from /proc, scheduler CPU per step (over the run, and while all N streams' requests
+are running: the steps planned with N running, first to last, CPU sampled every 20 ms) and
+gateway CPU per streamed token, the load
 average and the machine's speed at the time (`python_speed_ms`: CPU ms of a fixed
 pure-Python workload, measured before each run; on a shared VM it varies by ~2x). With
 `--profile-cpu`, py-spy samples the scheduler's and the gateway's GIL holders (the gateway's
@@ -29,9 +31,11 @@ import re
 import subprocess
 from pathlib import Path
 
-from benchmarks.machine import cpu_seconds, python_speed_ms, python_thread_names, thread_cpu_seconds
+from benchmarks.machine import CpuSampler, cpu_seconds, python_speed_ms, python_thread_names, thread_cpu_seconds
 from stepahead.cli import bench
 from stepahead.cli.launcher import ServeProcess
+from stepahead.cli.trace import fetch_records
+from stepahead.flight_recorder import StepRecord
 
 # py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up)
 CATEGORIES = {
@@ -62,6 +66,19 @@ def bench_args(serve: ServeProcess, streams: int, args, label: str) -> argparse.
         "--max-concurrency", str(streams), "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--ignore-eos", "--disable-tqdm", "--label", label,
     ])
+
+
+def all_running_cpu(records: list[StepRecord], streams: int, sampler: CpuSampler) -> dict:
+    """The scheduler's CPU per step while every stream's request is in the batch (the steps
+    planned with `streams` running, from the first to the last: the decode phase at full
+    batch, without the ramp of admissions before it or the drain after)."""
+    full = sorted(r.schedule_start for r in records if r.num_running == streams)
+    if len(full) < 2:
+        return {"all_running_steps": 0, "scheduler_cpu_per_step_ms_all_running": None}
+    steps = sum(full[0] <= r.schedule_start < full[-1] for r in records)
+    cpu = sampler.cpu_between(full[0], full[-1])
+    return {"all_running_steps": steps,
+            "scheduler_cpu_per_step_ms_all_running": None if cpu is None else cpu / steps * 1e3}
 
 
 def split_profile(path: Path) -> dict[str, float]:
@@ -101,9 +118,12 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                 spies[name] = subprocess.Popen(["py-spy", "record", "-p", str(pids[name]), "-o", str(out), "-f",
                                                 "raw", "--gil", "--nonblocking", "-r", "250"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        sampler = CpuSampler(pids["scheduler"])
         summary = bench.bench(bench_args(serve, streams, args, label))
         cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
+        sampler.stop()
         steps = serve.stats().num_steps - steps0
+        _, records = fetch_records(serve.scheduler_addr, serve.cluster_token)
         threads = scheduler_threads(pids["scheduler"], threads0, steps)
         for spy in spies.values():
             spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
@@ -119,7 +139,8 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                client_vs_ideal=row["output_throughput"] / ideal,
                cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
                gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
-               load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads, python_speed_ms=speed)
+               load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads, python_speed_ms=speed,
+               **all_running_cpu(records, streams, sampler))
     if spies:
         split = split_profile(args.out.parent / f"capacity_profile_{label}.txt")
         row["scheduler_cpu_split_ms_per_step"] = {k: v * row["scheduler_cpu_per_step_ms"] for k, v in split.items()}
@@ -153,17 +174,23 @@ def top_frames(path: Path, n: int = 12) -> dict[str, float]:
 
 def table(rows: list[dict]) -> str:
     head = ("| setup | streams | mode | util | tok/s | ideal tok/s | client/ideal | TTFT p50/p99 ms | "
-            "TPOT p50/p99 ms | ITL p50/p99 ms | sched CPU/step ms | gw CPU/token µs | client CPU s | load | py ms |")
+            "TPOT p50/p99 ms | ITL p50/p99 ms | sched CPU/step ms: run / all running | gw CPU/token µs | client CPU s | "
+            "load | py ms |")
     lines = [head, "|" + "---|" * 15]
     for r in rows:
         lines.append(
             f"| {r['setup']} {r['model']} | {r['streams']} | {r['mode']} | {r['device_utilization']:.1%} | "
             f"{r['output_throughput']:.0f} | {r['device_ideal_output_throughput']:.0f} | {r['client_vs_ideal']:.0%} | "
             f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | {r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
-            f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {r['scheduler_cpu_per_step_ms']:.2f} | "
+            f"{r['median_itl_ms']:.1f} / {r['p99_itl_ms']:.1f} | {r['scheduler_cpu_per_step_ms']:.2f} / "
+            f"{_ms(r.get('scheduler_cpu_per_step_ms_all_running'))} | "
             f"{r['gateway_cpu_per_token_us']:.0f} | {r['client_cpu_s']:.1f} | {r['load_average']:.1f} | "
             f"{r.get('python_speed_ms', float('nan')):.0f} |")
     return "\n".join(lines)
+
+
+def _ms(value: float | None) -> str:
+    return "–" if value is None else f"{value:.2f}"
 
 
 def plot(rows: list[dict], path: Path) -> None:

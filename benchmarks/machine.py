@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import os
 import re
+import bisect
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -73,3 +75,41 @@ def python_speed_ms() -> float:
             d[i] = (i, str(i))
         return (time.process_time() - t) * 1e3
     return sorted(once() for _ in range(3))[1]
+
+
+class CpuSampler:
+    """A process's CPU seconds sampled every `interval_s` on a background thread, against the
+    wall clock (`time.time()`, the flight recorder's clock), to read the CPU of a time window
+    afterwards (/proc's resolution is one clock tick, 10 ms: read windows of seconds)."""
+
+    def __init__(self, pid: int, interval_s: float = 0.02) -> None:
+        self._pid, self._interval_s = pid, interval_s
+        self._times: list[float] = []
+        self._cpu: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            self._times.append(time.time())
+            self._cpu.append(cpu_seconds(self._pid))
+            if self._stop.wait(self._interval_s):
+                return
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def cpu_between(self, start: float, end: float) -> float | None:
+        """CPU seconds spent in [start, end] (interpolated between samples); None when the
+        window is not inside the sampled time."""
+        return None if not self._times or start < self._times[0] or end > self._times[-1] else (
+            self._at(end) - self._at(start))
+
+    def _at(self, t: float) -> float:
+        i = bisect.bisect_right(self._times, t)
+        if i == len(self._times):
+            return self._cpu[-1]
+        t0, t1, c0, c1 = self._times[i - 1], self._times[i], self._cpu[i - 1], self._cpu[i]
+        return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
