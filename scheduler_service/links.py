@@ -34,8 +34,8 @@ class WorkerRefused(Exception):
 
 class Handoff:
     """A one-shot signal from the writer to the engine: the plan was written. Built on one
-    C-level lock (a `threading.Event` is a Python-level Condition: ~10 µs more per step on
-    the critical chain, in the GIL)."""
+    C-level lock: a `threading.Event` is a Python-level Condition, whose `set` and `wait` run
+    Python while holding the GIL, once per step on the critical chain."""
 
     __slots__ = ("_lock",)
 
