@@ -32,7 +32,7 @@ import grpc
 
 from benchmarks.machine import cpu_seconds, python_speed_ms
 from scheduler_service.links import PlanOutbox
-from stepahead import codec
+from stepahead import codec, daemon
 from stepahead.plan import StepPlan, StepResult, running_request
 from stepahead.v1 import scheduler_pb2
 
@@ -81,8 +81,7 @@ def serve_threads(plan: bytes, port_out) -> None:
         threading.Thread(target=engine, daemon=True).start()
         yield from outbox
 
-    import sys
-    sys.setswitchinterval(0.0005)  # as the daemons run (stepahead.daemon.tune_gil)
+    daemon.tune_gil()  # as the daemons run
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     server.add_generic_rpc_handlers((_handler(attach),))
     port_out.put(server.add_insecure_port("127.0.0.1:0"))
