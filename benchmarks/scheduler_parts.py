@@ -25,9 +25,10 @@ import time
 from collections import deque
 from pathlib import Path
 
-from benchmarks.scheduler import NUM_WAITING, EchoWorker, add, make_scheduler
+from benchmarks.scheduler import NUM_WAITING, PROMPT_LEN, EchoWorker, add, make_scheduler
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.event_batches import add_event, event_batches
+from scheduler_service.events import PlainTokens, RequestEvent, split_plain
 from stepahead import codec
 from stepahead.flight_recorder import StepRecord
 from stepahead.plan import WorkerTiming
@@ -48,6 +49,7 @@ class Parts:
         self.beside = dict.fromkeys(BESIDE, 0.0)
         self.bytes = {"packed": 0, "full": 0}
         self.num_sessions = num_sessions
+        self.session_of: dict[str, int] = {}  # request id -> its gateway session (the engine's streams)
         self.scope = "1/"
 
     def _timed(self, part: str, fn, *args):
@@ -71,7 +73,8 @@ class Parts:
         events = self._timed("update", self.sched.update_from_output, plan, result)
         record = StepRecord(step_id=plan.step_id, schedule_start=0.0, schedule_end=1e-4, num_requests=0, num_tokens=0,
                             num_running=0, num_waiting=0, worker=WorkerTiming())
-        self._timed("metrics", lambda: (self.metrics.on_events(events), self.metrics.on_step(record),
+        self._timed("metrics", lambda: (self.metrics.on_events(events.events), self.metrics.on_plain(events.plain),
+                                        self.metrics.on_step(record),
                                         self.metrics.on_window("r0", 2, 0.0, False)))
         self.bytes["packed"] = self._timed("event fan-out", self._fan_out, events)
         t0 = time.process_time()
@@ -87,10 +90,13 @@ class Parts:
         return msg.SerializeToString()
 
     def _sessions(self, events) -> list[list]:
-        """Events grouped per gateway session (request i on session i % sessions)."""
+        """A step's events per gateway session, as the engine dispatches them (a session's plain
+        tokens as one `PlainTokens`, after its other events)."""
         batches: list[list] = [[] for _ in range(self.num_sessions)]
-        for i, event in enumerate(events):
-            batches[i % self.num_sessions].append(event)
+        for event in events.events:
+            batches[self.session_of[event.request_id]].append(event)
+        for session, part in split_plain(events.plain, self.session_of.get):
+            batches[session].append(part)
         return batches
 
     def _fan_out(self, events) -> int:
@@ -103,8 +109,10 @@ class Parts:
         size = 0
         for batch in self._sessions(events):
             msg = scheduler_pb2.EventBatch()
-            for event in batch:
-                add_event(msg, event, len(self.scope))
+            for item in batch:
+                for event in ([RequestEvent(rid, (t,), None, PROMPT_LEN, 0) for rid, t in item]
+                              if type(item) is PlainTokens else [item]):
+                    add_event(msg, event, len(self.scope))
             size += len(msg.SerializeToString())
         return size
 
@@ -114,6 +122,7 @@ def measure(num_running: int, steps: int, num_sessions: int) -> dict:
     add(parts.sched, parts.scope + "run", num_running)
     for i in range(num_running):
         parts.metrics.on_submit(f"{parts.scope}run{i}")
+        parts.session_of[f"{parts.scope}run{i}"] = i % num_sessions
     while parts.sched.queue_lengths()[0] < num_running:
         parts.step()
     for _ in range(4):

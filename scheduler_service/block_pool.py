@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 BlockHashFn = Callable[[int | None, tuple[int, ...], str | None], int]
 
@@ -26,8 +26,9 @@ def default_block_hash(parent_hash: int | None, tokens: tuple[int, ...], salt: s
     return hash((parent_hash, tokens, salt))
 
 
-@dataclass(frozen=True)
-class CacheEntry:
+class CacheEntry(NamedTuple):
+    """A cached block's content identity (a named tuple: one is made per filled block)."""
+
     hash_value: int
     tokens: tuple[int, ...]
     salt: str | None

@@ -33,7 +33,8 @@ from scheduler_service.links import (
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.request import PlainTokenEvent, Request
+from scheduler_service.events import PlainTokens, split_plain
+from scheduler_service.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
@@ -297,11 +298,13 @@ class Engine:
         except ValueError as exc:
             self._lose(replica, f"invalid step result: {exc}", WorkerRefused(WorkerRefused.Kind.INVALID, str(exc)))
             return
-        self.metrics.on_events(events)
-        self._dispatch(events)
+        self.metrics.on_events(events.events)
+        self.metrics.on_plain(events.plain)
+        self._dispatch(events.events, events.plain)
 
-    def _dispatch(self, events: list[RequestEvent | PlainTokenEvent | Rejected]) -> None:
-        """Hand events to their sinks: one list per sink, so a gateway session gets one message."""
+    def _dispatch(self, events: list[RequestEvent | Rejected], plain: PlainTokens | None = None) -> None:
+        """Hand events to their sinks: one list per sink, so a gateway session gets one message
+        (a step's plain tokens go as one `PlainTokens` per session, after its events)."""
         streams, batches = self._streams, {}  # session (hashed by identity) -> its events
         for event in events:
             sink = streams.get(event.request_id)
@@ -314,6 +317,9 @@ class Engine:
             if isinstance(event, Rejected) or event.finish_reason is not None:
                 del streams[event.request_id]
                 self._owner.pop(event.request_id, None)
+        if plain:
+            for sink, part in split_plain(plain, streams.get):
+                batches.setdefault(sink, []).append(part)
         for sink, batch in batches.items():
             sink.put_many(batch)
 
@@ -350,7 +356,7 @@ class Engine:
     def _lose(self, replica: Replica, reason: str, error: WorkerRefused | None = None, clean: bool = False) -> None:
         """Drop the replica and close its stream; its unfinished requests move (recompute).
         `clean`: the worker closed its stream itself (leaving, e.g. SIGTERM): info, not a loss."""
-        moving = replica.scheduler.unfinished_requests()
+        moving = replica.scheduler.release()
         del self._replicas[replica.handle]
         self._assembly.forget(replica.handle)
         self._router.forget(replica.handle)

@@ -2,9 +2,9 @@
 servicer's proto conversion of events; see `EventBatch` in protos/stepahead/v1/scheduler.proto).
 
 At 256 streams almost every event of a step is a *plain* decode token (one request, one new
-token, nothing else: a `PlainTokenEvent`, which only the scheduler core makes). Those go in the batch's two packed columns instead of one `TokenEvent`
-each: no submessage to build here, none to parse and walk at the gateway. Everything else
-is a full `TokenEvent`. The receiver applies a batch's `events` before its plain tokens, so
+token, nothing else), and the core hands them over as columns (`events.PlainTokens`). Those
+go in the batch's two packed columns instead of one `TokenEvent` each: no submessage to
+build here, none to parse and walk at the gateway. Everything else is a full `TokenEvent`. The receiver applies a batch's `events` before its plain tokens, so
 a request's plain token followed (in the session's merged lists) by another event of the same
 request closes the batch and the event starts the next one.
 """
@@ -12,9 +12,10 @@ request closes the batch and the event starts the next one.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from operator import itemgetter
 
+from scheduler_service.events import PlainTokens, RequestEvent
 from scheduler_service.links import RejectCode, Rejected
-from scheduler_service.request import PlainTokenEvent, RequestEvent
 from stepahead import codec
 from stepahead.v1 import common_pb2, scheduler_pb2
 
@@ -25,7 +26,7 @@ REJECT_CODES = {
 }
 
 
-def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected],
+def event_batches(events: Iterable[PlainTokens | RequestEvent | Rejected],
                   scope_len: int = 0) -> list[scheduler_pb2.EventBatch]:
     """`events` in order as EventBatch messages (one unless the order rule splits them).
     Events carry the scoped id; the scope (`scope_len` chars) is cut off: the gateway's own id."""
@@ -33,12 +34,12 @@ def event_batches(events: Iterable[PlainTokenEvent | RequestEvent | Rejected],
     rids: list[str] = []  # the plain columns of out[-1], still to be written
     tokens: list[int] = []
     pending: set[str] = set()  # scoped ids with a plain token in `rids`
+    unscope = itemgetter(slice(scope_len, None))
     for e in events:
-        if type(e) is PlainTokenEvent:  # the hot path
-            rid = e[0]
-            pending.add(rid)
-            rids.append(rid[scope_len:])
-            tokens.append(e[1])
+        if type(e) is PlainTokens:  # the hot path: a step's plain tokens, no Python per token
+            pending.update(e.request_ids)
+            rids += map(unscope, e.request_ids)
+            tokens += e.token_ids
             continue
         if pending and e.request_id in pending:  # it must apply after that plain token: next batch
             _fill_columns(out[-1], rids, tokens)

@@ -30,6 +30,8 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
     _require(0 <= req.num_output_placeholders <= num_in_flight * (1 + num_speculative_tokens), req,
              "more placeholders than plans in flight can produce")
     _require(len(set(req.block_ids)) == len(req.block_ids), req, "a block appears twice in its table")
+    _require(req.is_running_row == (req.status is RequestStatus.RUNNING), req,
+             "holds a running row unless running, and only then")
     match req.status:
         case RequestStatus.RUNNING:
             _require(len(req.block_ids) >= cdiv(req.num_scheduled_tokens, block_size), req, "block table too short")
@@ -78,5 +80,6 @@ def check_core(config, requests: Mapping[str, Request], running, swapped, waitin
     kv.device.check_integrity(refs)
     kv.host.check_integrity(host_refs)
     check_queues(requests, running, swapped, waiting.requests(), len(waiting))
+    running.check()
     if in_flight != list(range(next_step_id - len(in_flight), next_step_id)):
         raise AssertionError(f"in-flight plans out of order: {in_flight}")

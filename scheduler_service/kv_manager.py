@@ -75,19 +75,16 @@ class KVCacheManager:
         request.prefix_ids = list(hit.pids)
 
     def register_computed(self, request: Request) -> None:
-        """Cache every full block that is computed and committed."""
+        """Cache every full block that is computed and committed (at most one new block per
+        decode step: lean on that path)."""
         if not self.enable_caching:
             return
-        bs = self.block_size
-        full = request.num_committed_tokens // bs
-        if full <= len(request.prefix_ids):
-            return
-        self._extend_hashes(request, full)
-        for i in range(len(request.prefix_ids), full):
-            parent = request.prefix_ids[-1] if request.prefix_ids else 0
+        bs, prefix, hashes, salt = self.block_size, request.prefix_ids, request.block_hashes, request.cache_salt
+        for i in range(len(prefix), request.num_committed_tokens // bs):
             tokens = request.token_ids_range(i * bs, (i + 1) * bs)
-            pid = self.device.register(request.block_ids[i], request.block_hashes[i], tokens, request.cache_salt, parent)
-            request.prefix_ids.append(pid)
+            if i == len(hashes):  # hashes run from block 0 on, at least as far as the cached prefix
+                hashes.append(self._hash_fn(hashes[-1] if hashes else None, tokens, salt))
+            prefix.append(self.device.register(request.block_ids[i], hashes[i], tokens, salt, prefix[-1] if prefix else 0))
 
     # ---- slots ---------------------------------------------------------------------------
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
@@ -101,8 +98,17 @@ class KVCacheManager:
         blocks = self.device.allocate(need)
         if blocks is None:
             return False
-        request.block_ids.extend(blocks)
+        request.block_ids = request.block_ids + blocks  # a new list: see Request.block_ids
         return True
+
+    def append_blocks(self, requests: list[Request]) -> None:
+        """One new block at the end of each request's table (decodes whose blocks are full),
+        the same blocks `allocate_slots` would give them one by one, in order; the caller made
+        sure the pool has them."""
+        blocks = self.device.allocate(len(requests))
+        assert blocks is not None, "append_blocks: the pool is short"
+        for request, block in zip(requests, blocks):
+            request.block_ids = [*request.block_ids, block]
 
     def could_allocate_later(self, num_blocks: int) -> bool:
         """Would `num_blocks` fit once every fence is released?"""

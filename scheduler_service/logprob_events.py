@@ -1,6 +1,6 @@
 """Logprobs on the scheduler: checked in a worker's result, forwarded in events (pure Python);
-and the event of a request that committed tokens (`committed_event`: a `PlainTokenEvent` for
-a plain decode, else `token_event`'s, which carries them).
+and the event of a request that committed tokens (`add_committed`: a plain token when
+`is_plain_commit`, else `token_event`'s, which carries them).
 
 A result's logprobs are a network message like its tokens: entries only for requests that
 sampled (each naming the sampled token) or ran in the step, ids inside the vocabulary, no
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from scheduler_service.request import FinishReason, PlainTokenEvent, Request, RequestEvent, plain_token_event
+from scheduler_service.events import RequestEvent, StepEvents
+from scheduler_service.request import FinishReason, Request
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import StepResult
 
@@ -80,16 +81,23 @@ def logprobs_of(result: StepResult, request_id: str) -> tuple[Logprobs, ...]:
     return (*outcome.accepted_logprobs, lp) if outcome is not None else (lp,)
 
 
-def committed_event(req: Request, committed: tuple[int, ...], reason: FinishReason | None, result: StepResult,
-                    prompt_lp: PromptLogprobs | None, drafts: int) -> RequestEvent | PlainTokenEvent:
-    """The event of a request that committed `committed` in `result`'s step: a
-    `PlainTokenEvent` for a plain decode (one token, neither its first nor its last, no
-    logprobs, prompt logprobs or drafts: the hot path), else `token_event`'s."""
-    rid = req.request_id
-    if (reason is None and prompt_lp is None and not (drafts or req.num_draft_tokens or rid in result.logprobs)
-            and len(req.output_token_ids) > 1):
-        return plain_token_event((rid, committed[0], len(req.prompt_token_ids), req.num_cached_tokens))
-    return token_event(req, committed, reason, result if result.logprobs else None, prompt_lp)
+def is_plain_commit(req: Request, reason: FinishReason | None, result: StepResult,
+                    prompt_lp: PromptLogprobs | None, drafts: int) -> bool:
+    """The rule of a plain token: one committed token, neither the request's first nor its
+    last, no logprobs, prompt logprobs or drafts (`decodes.commit_decodes` applies the same
+    rule to a whole run of decodes at once)."""
+    return (reason is None and prompt_lp is None and not (drafts or req.num_draft_tokens)
+            and req.request_id not in result.logprobs and len(req.output_token_ids) > 1)
+
+
+def add_committed(out: StepEvents, req: Request, committed: tuple[int, ...], reason: FinishReason | None,
+                  result: StepResult, prompt_lp: PromptLogprobs | None, drafts: int) -> None:
+    """The event of a request that committed `committed` in `result`'s step, into `out`: a
+    plain token (`is_plain_commit`), else `token_event`'s."""
+    if is_plain_commit(req, reason, result, prompt_lp, drafts):
+        out.plain.add(req.request_id, committed[0])
+    else:
+        out.events.append(token_event(req, committed, reason, result if result.logprobs else None, prompt_lp))
 
 
 def token_event(req: Request, committed: tuple[int, ...], reason: FinishReason | None,

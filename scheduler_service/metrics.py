@@ -16,13 +16,16 @@ import bisect
 import collections
 import time
 from collections.abc import Callable, Mapping
+from itertools import compress, repeat
+
+import numpy as np
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from scheduler_service.request import PlainTokenEvent
-from scheduler_service.scheduler import RequestEvent, SchedulerStats
+from scheduler_service.events import PlainTokenEvent, PlainTokens, RequestEvent
+from scheduler_service.scheduler import SchedulerStats
 from stepahead.flight_recorder import StepRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
@@ -80,23 +83,36 @@ class SchedulerMetrics:
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
 
-    def on_events(self, events: list[RequestEvent | PlainTokenEvent]) -> None:
+    def on_events(self, events: list[RequestEvent]) -> None:
         now, last_token, observe = time.monotonic(), self._last_token, self.itl.observe_many
-        gaps = []  # the decode events' inter-token latencies: the hot path, observed in one call
+        gaps = []  # the decode events' inter-token latencies, observed in one call
         for e in events:
             rid = e.request_id
             last = last_token.get(rid)
-            if last is None:
-                self._on_event(e, now)
-            elif type(e) is PlainTokenEvent:
-                gaps.append(now - last)
-                last_token[rid] = now
-            elif e.new_token_ids and e.finish_reason is None and e.queue_time is None:
+            if last is not None and e.new_token_ids and e.finish_reason is None and e.queue_time is None:
                 gaps.append((now - last) / len(e.new_token_ids))
                 last_token[rid] = now
             else:
                 self._on_event(e, now)
         observe(gaps)
+
+    def on_plain(self, plain: PlainTokens) -> None:
+        """A step's plain tokens: one inter-token latency each, in bulk (the hot path)."""
+        ids = plain.request_ids
+        if not ids:
+            return
+        now, last_token = time.monotonic(), self._last_token
+        gaps = now - np.fromiter(map(last_token.get, ids, repeat(np.nan)), float, len(ids))
+        seen = ~np.isnan(gaps)
+        if seen.all():
+            last_token.update(zip(ids, repeat(now)))
+        else:  # a request whose first token the metrics did not see: as its own event
+            last_token.update(zip(compress(ids, seen.tolist()), repeat(now)))
+            for rid, token in zip(ids, plain.token_ids):
+                if rid not in last_token:
+                    self._on_event(PlainTokenEvent(rid, token), now)
+            gaps = gaps[seen]
+        self.itl.observe_array(gaps)
 
     def _on_event(self, e: RequestEvent, now: float) -> None:
         arrival = self._arrival.get(e.request_id)
@@ -191,6 +207,7 @@ class HotHistogram:
 
     def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]) -> None:
         self._name, self._doc, self._bounds = name, documentation, tuple(buckets)
+        self._bound_array = np.array(self._bounds)
         self._counts = [0] * (len(self._bounds) + 1) + [0.0]  # per bucket (le), +Inf, then the sum
 
     def observe(self, value: float) -> None:
@@ -203,6 +220,13 @@ class HotHistogram:
         for value in values:
             counts[where(bounds, value)] += 1
         counts[-1] += sum(values)
+
+    def observe_array(self, values: np.ndarray) -> None:
+        counts = self._counts
+        per_bucket = np.bincount(np.searchsorted(self._bound_array, values, side="left"), minlength=len(counts) - 1)
+        for i in np.flatnonzero(per_bucket).tolist():
+            counts[i] += int(per_bucket[i])
+        counts[-1] += float(values.sum())
 
     def describe(self):
         return [HistogramMetricFamily(self._name, self._doc)]

@@ -12,7 +12,7 @@ import time
 
 from scheduler_service.links import WorkerHandle
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request import RequestEvent
+from scheduler_service.events import StepEvents
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.step_loop import StepLoop
 from stepahead.flight_recorder import FlightRecorder, StepRecord
@@ -54,7 +54,7 @@ class Replica:
             self.handle.outbox.send(plan)
             record.plan_sent = time.time()
 
-    def commit(self, result: StepResult, metrics: SchedulerMetrics) -> list[RequestEvent]:
+    def commit(self, result: StepResult, metrics: SchedulerMetrics) -> StepEvents:
         """Commit the oldest plan's result (ValueError: it does not fit, nothing committed),
         send the next plan before anyone is told, then account the step."""
         start = time.time()

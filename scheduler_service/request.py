@@ -1,4 +1,4 @@
-"""A request as the scheduler sees it (nano-vllm `Sequence`-like), plus its events.
+"""A request as the scheduler sees it (nano-vllm `Sequence`-like).
 
 Status changes happen only in named `Scheduler` methods (`_admit`, `_preempt`,
 `_swap_in`, `_finish`); nothing else assigns `status`.
@@ -12,18 +12,20 @@ Counters (positions in the sequence prompt + output):
 - `num_output_placeholders`: sampled tokens of in-flight steps, not yet committed.
 Always `num_scheduled >= num_computed >= num_committed` and
 `num_output_tokens + num_output_placeholders <= max_tokens`.
+
+While a request runs, its per-step counters (`COLUMN_COUNTERS`) live in a row of its core's
+running set (`running_set.RunningColumns`), where the bulk decode path advances every
+running request at once; the attributes read and write that row, so every reader sees the
+same values whether the request runs or not.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from enum import Enum
-from functools import partial
-from typing import NamedTuple
+from operator import attrgetter
 
 from stepahead import limits
-from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason, SamplingParams
 
 
@@ -66,57 +68,29 @@ FINISHED_STATUS = {
 }
 
 
-@dataclass(slots=True)
-class RequestEvent:
-    """What a client sees after a step: newly committed tokens and, at the end, why.
-
-    Never changed once built (treat as immutable). Not `frozen`: one is built per running
-    request per step, and a frozen dataclass's __init__ costs ~4x a slotted one's."""
-
-    request_id: str
-    new_token_ids: tuple[int, ...]
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    message: str = ""  # with FinishReason.ERROR: what failed
-    queue_time: float | None = None  # on the first token's event: arrival to first scheduled
-    rejected: bool = False  # with ERROR: the request itself was invalid (the client gets INVALID_ARGUMENT)
-    logprobs: tuple[Logprobs, ...] = ()  # with sampling.logprobs: one per new token
-    prompt_logprobs: PromptLogprobs | None = None  # newly computed prompt positions (never twice)
-    # speculative decoding, on the final event: drafts verified and accepted over the request
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    num_spec_steps: int = 0
+# Counters kept in the running set's columns while the request runs (same names there).
+COLUMN_COUNTERS = ("num_tokens", "num_scheduled_tokens", "num_computed_tokens", "num_output_placeholders",
+                   "last_step_id")
 
 
-class PlainTokenEvent(NamedTuple):
-    """A `RequestEvent` with one new token and nothing else: a running request's plain decode,
-    not its first token, not its last, no logprobs, no speculation. Almost every event of a
-    step at high concurrency is one. It reads like a `RequestEvent` (the other fields are the
-    class constants below), but is a 4-tuple built at C speed (`plain_token_event`), and the
-    gateway writer packs it into `EventBatch`'s token columns by its type alone."""
+def _column_counter(name: str) -> property:
+    """An int attribute kept on the request (`_<name>`) until it runs, then in its running
+    set's column `name` (row `_row`); the request's values move with it (`running_set`)."""
+    local = "_" + name
+    get_local, get_column = attrgetter(local), attrgetter(name)
 
-    request_id: str
-    token: int
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    finish_reason = None
-    message = ""
-    queue_time = None
-    rejected = False
-    logprobs = ()
-    prompt_logprobs = None
-    num_draft_tokens = 0
-    num_accepted_tokens = 0
-    num_spec_steps = 0
+    def fget(self) -> int:
+        columns = self._columns
+        return get_local(self) if columns is None else get_column(columns)[self._row]
 
-    @property
-    def new_token_ids(self) -> tuple[int, ...]:
-        return (self.token,)
+    def fset(self, value: int) -> None:
+        columns = self._columns
+        if columns is None:
+            setattr(self, local, value)
+        else:
+            get_column(columns)[self._row] = value
 
-
-# A PlainTokenEvent from one (request_id, token, num_prompt_tokens, num_cached_tokens) tuple.
-plain_token_event = partial(tuple.__new__, PlainTokenEvent)
+    return property(fget, fset, doc=f"{name} (in the running set's columns while running)")
 
 
 class Request:
@@ -128,19 +102,14 @@ class Request:
         "arrival_time",
         "cache_salt",
         "output_token_ids",
-        "num_tokens",
         "status",
-        "block_ids",
+        "_block_ids",
         "host_block_ids",
-        "num_scheduled_tokens",
-        "num_computed_tokens",
-        "num_output_placeholders",
         "num_cached_tokens",
         "num_preemptions",
         "first_scheduled_time",
         "queued_time",
         "epoch",
-        "last_step_id",
         "in_worker",
         "block_hashes",
         "prefix_ids",
@@ -150,7 +119,16 @@ class Request:
         "num_draft_tokens",
         "num_accepted_tokens",
         "num_spec_steps",
+        "_columns",  # the running set's columns while running, else None
+        "_row",  # ... and the row there
+        *("_" + name for name in COLUMN_COUNTERS),
     )
+
+    num_tokens = _column_counter("num_tokens")  # committed tokens: prompt + committed output
+    num_scheduled_tokens = _column_counter("num_scheduled_tokens")
+    num_computed_tokens = _column_counter("num_computed_tokens")
+    num_output_placeholders = _column_counter("num_output_placeholders")
+    last_step_id = _column_counter("last_step_id")  # newest plan that touched this request's blocks
 
     def __init__(
         self,
@@ -179,9 +157,11 @@ class Request:
         self.arrival_time = arrival_time
         self.cache_salt = cache_salt
         self.output_token_ids: list[int] = []
-        self.num_tokens = len(prompt)  # committed tokens: prompt + committed output
+        self._columns = None
+        self._row = -1
+        self.num_tokens = len(prompt)
         self.status = RequestStatus.WAITING
-        self.block_ids: list[int] = []  # device KV blocks, in sequence order
+        self._block_ids: list[int] = []  # device KV blocks, in sequence order (`block_ids`)
         self.host_block_ids: list[int] = []  # host copies while SWAPPED
         self.num_scheduled_tokens = 0
         self.num_computed_tokens = 0
@@ -192,7 +172,7 @@ class Request:
         self.queued_time: float | None = None  # when it last entered the waiting queue
         # Scheduler bookkeeping.
         self.epoch = 0  # bumped on preempt / finish: older in-flight results become stale
-        self.last_step_id = -1  # newest plan that touched this request's blocks
+        self.last_step_id = -1
         self.in_worker = False  # the worker holds this request (sent as NewRequest, not forgotten)
         self.block_hashes: list[int] = []  # chained hashes of full committed blocks
         self.prefix_ids: list[int] = []  # content identities of this request's cached blocks
@@ -202,6 +182,23 @@ class Request:
         self.num_draft_tokens = 0  # speculative decoding: drafts the worker proposed and verified
         self.num_accepted_tokens = 0  # ... and accepted (committed or not)
         self.num_spec_steps = 0  # steps that verified at least one of its drafts
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Device KV blocks, in sequence order. Assign a new list to change them (never mutate
+        it in place): while running, the running set keeps the table's length in a column."""
+        return self._block_ids
+
+    @block_ids.setter
+    def block_ids(self, blocks: list[int]) -> None:
+        self._block_ids = blocks
+        if self._columns is not None:
+            self._columns.blocks_changed(self._row, len(blocks))
+
+    @property
+    def is_running_row(self) -> bool:
+        """Its counters are in a running set's columns (it runs on a core)."""
+        return self._columns is not None
 
     def commit_token(self, token: int) -> None:
         self.output_token_ids.append(token)

@@ -15,32 +15,30 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from enum import Enum, auto
+from itertools import compress
 from operator import attrgetter
+
+import numpy as np
 
 from scheduler_service.admission import check_submission
 from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
+from scheduler_service.decodes import DecodeRun, commit_decodes, decode_masks
+from scheduler_service.events import RequestEvent, StepEvents
 from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
-from scheduler_service.logprob_events import committed_event, take_prompt_logprobs
+from scheduler_service.logprob_events import add_committed, take_prompt_logprobs
 from scheduler_service.policy import WaitingQueue, make_policy
+from scheduler_service.running_set import RunningSet
 from scheduler_service.speculation import draft_allowance, settle
-from scheduler_service.request import (
-    FINISHED_STATUS,
-    FinishReason,
-    PlainTokenEvent,
-    QueueFull,
-    Request,
-    RequestEvent,
-    RequestRejected,
-    RequestStatus,
-)
+from scheduler_service.request import FINISHED_STATUS, FinishReason, QueueFull, Request, RequestRejected, RequestStatus
 from scheduler_service.stats import SchedulerStats, build_stats, count_result
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
-from scheduler_service.token_rules import commit_one, commit_run, num_new_tokens
+from scheduler_service.token_rules import commit_one, commit_run, num_new_tokens, stop_reason
 from stepahead.plan import StepPlan, StepResult
 
-__all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats"]
+__all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats",
+           "StepEvents"]
 
 
 _run_key = attrgetter("run_key")  # the policy's order of running / swapped requests
@@ -57,8 +55,10 @@ class _Admission(Enum):
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
-        hash_fn: BlockHashFn = default_block_hash, *, counters: Counter | None = None,
+        hash_fn: BlockHashFn = default_block_hash, *, counters: Counter | None = None, bulk_decodes: bool = True,
     ) -> None:
+        """`bulk_decodes=False`: every decode is decided and committed one by one by the
+        per-request rules (the oracle the bulk path of `decodes.py` is tested against)."""
         self.config = config
         self._clock = clock
         self._policy = make_policy(config)
@@ -66,9 +66,11 @@ class Scheduler:
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn
         )
         self._eos = frozenset(config.eos_token_ids)
+        self._eos_ids = tuple(self._eos)
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._policy)
-        self._running: list[Request] = []
+        self._running = RunningSet(config.max_num_seqs, config.block_size, config.max_model_len)
+        self._bulk = bulk_decodes and not config.num_speculative_tokens  # a speculating decode is decided alone
         self._swapped: list[Request] = []
         self._in_flight: deque[InFlightPlan] = deque()
         self._next_step_id = 0
@@ -110,6 +112,7 @@ class Scheduler:
         rid = request.request_id
         if rid in self._requests:
             raise RequestRejected(f"duplicate request id {rid!r}: a request with this id is still active")
+        assert not request.is_running_row, "adopt a request its earlier core released"
         request.block_ids, request.host_block_ids, request.prefix_ids = [], [], []
         request.num_scheduled_tokens = request.num_computed_tokens = request.num_output_placeholders = 0
         request.epoch += 1
@@ -119,8 +122,11 @@ class Scheduler:
         self._requests[rid] = request
         self._waiting.push(request)
 
-    def unfinished_requests(self) -> list[Request]:
-        """Every request this core still holds, oldest arrival first (to move them elsewhere)."""
+    def release(self) -> list[Request]:
+        """Every request this core still holds, oldest arrival first, to move elsewhere
+        (`adopt`): the core is being dropped and must not be used afterwards."""
+        for req in list(self._running):
+            self._running.remove(req)  # its counters back on the request
         return sorted(self._requests.values(), key=lambda r: (r.arrival_time or 0.0, r.request_id))
 
     # ---- the step ----------------------------------------------------------------------------
@@ -146,9 +152,9 @@ class Scheduler:
         deferred = self._schedule_running(b, now)
         if not b.preempted and not deferred and not self._schedule_swapped(b, now):
             self._schedule_waiting(b, now)
-        if not (b.entries or b.swap_out or b.swap_in):
+        if b.is_empty:
             return None
-        plan, in_flight = b.build(self._pending_finished, self._pending_preempted)
+        plan, in_flight = b.build(self._pending_finished, self._pending_preempted, self._running.columns)
         self._pending_finished, self._pending_preempted = [], []
         self._in_flight.append(in_flight)
         self._next_step_id += 1
@@ -156,31 +162,69 @@ class Scheduler:
 
     def _schedule_running(self, b: StepBuilder, now: float) -> bool:
         """Advance running requests in policy order; returns True if one was deferred
-        waiting for a fence."""
-        running, cfg = self._running, self.config
-        bs, speculating = cfg.block_size, cfg.num_speculative_tokens > 0
+        waiting for a fence. Runs of plain decodes are taken in bulk (`decodes.py`), every
+        other request is decided alone."""
+        running = self._running
+        if self._bulk:
+            decode, new_block = decode_masks(running, b.step_id - 1)
+            alone = np.flatnonzero(~decode).tolist()
         deferred, i = False, 0
         while i < len(running) and b.token_budget > 0 and b.seq_budget > 0:
+            if self._bulk:
+                j = bisect.bisect_left(alone, i)
+                end = min(alone[j] if j < len(alone) else len(running), len(running))
+                taken = self._take_decodes(b, i, end, new_block) if end > i else 0
+                if taken:
+                    i += taken
+                    continue
             req = running[i]
-            remaining = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
-            n = num_new_tokens(cfg, req, remaining, b.token_budget, b.step_id - 1)
-            drafts = draft_allowance(cfg, req, b.token_budget) if speculating and n == remaining == 1 else 0
-            n += drafts
-            if n:
-                first_new_block = len(req.block_ids)
-                end = req.num_scheduled_tokens + n
-                if end > first_new_block * bs:  # it needs a new block
-                    outcome = self._reserve(req, end, b)
-                    if outcome is _Admission.OK:
-                        b.add(req, n, False, first_new_block, drafts)
-                    deferred |= outcome is _Admission.WAIT_FENCE
-                elif n == remaining == 1 and not drafts:
-                    b.add_decode(req)  # the hot path
-                else:
-                    b.add(req, n, False, first_new_block, drafts)
+            deferred |= self._schedule_one(req, b)
             if req.status is RequestStatus.RUNNING:
                 i += 1  # otherwise it preempted itself, and it was the last one
         return deferred
+
+    def _take_decodes(self, b: StepBuilder, start: int, end: int, new_block: np.ndarray) -> int:
+        """The plain decodes of running positions [start, end) in bulk, as far as the budgets
+        and the free blocks go (one for each whose blocks are full); returns how many. A
+        decode left without a block is decided alone (it may preempt, or wait for a fence)."""
+        take = min(end - start, b.token_budget, b.seq_budget)
+        wants = np.flatnonzero(new_block[start:start + take])
+        free = self._kv.device.num_free
+        if len(wants) > free:
+            take, wants = int(wants[free]), wants[:free]
+        reqs = self._running[start:start + take]
+        if len(wants):
+            growing = [reqs[p] for p in wants.tolist()]
+            firsts = [len(req.block_ids) for req in growing]
+            self._kv.append_blocks(growing)
+            for req, first in zip(growing, firsts):
+                b.add_decode(req, first)
+            keep = np.ones(take, bool)
+            keep[wants] = False
+            reqs = list(compress(reqs, keep.tolist()))
+        b.add_decodes(reqs)
+        return take
+
+    def _schedule_one(self, req: Request, b: StepBuilder) -> bool:
+        """A running request's part of the step, decided alone; True if it waits for a fence."""
+        cfg = self.config
+        remaining = req.num_tokens + req.num_output_placeholders - req.num_scheduled_tokens
+        n = num_new_tokens(cfg, req, remaining, b.token_budget, b.step_id - 1)
+        drafts = draft_allowance(cfg, req, b.token_budget) if cfg.num_speculative_tokens and n == remaining == 1 else 0
+        if not n:
+            return False
+        n += drafts
+        first_new_block = len(req.block_ids)
+        decode = self._bulk and n == remaining == 1
+        if req.num_scheduled_tokens + n > first_new_block * cfg.block_size:  # it needs a new block
+            outcome = self._reserve(req, req.num_scheduled_tokens + n, b)
+            if outcome is not _Admission.OK:
+                return outcome is _Admission.WAIT_FENCE
+        if decode:
+            b.add_decode(req, first_new_block)
+        else:
+            b.add(req, n, False, first_new_block, drafts)
+        return False
 
     def _reserve(self, req: Request, num_tokens: int, b: StepBuilder) -> _Admission:
         """Blocks for `num_tokens`, preempting the worst running requests while short."""
@@ -197,7 +241,7 @@ class Scheduler:
     def _add_running(self, req: Request, now: float) -> None:
         req.status = RequestStatus.RUNNING
         req.run_key = self._policy.running_key(req, now)
-        bisect.insort(self._running, req, key=_run_key)
+        self._running.insert(req)
 
     def _schedule_swapped(self, b: StepBuilder, now: float) -> bool:
         """Swap requests back in, before new admissions; returns True if one that should
@@ -332,9 +376,9 @@ class Scheduler:
         self._counts["num_aborted"] += reason is FinishReason.ABORT
 
     # ---- results -----------------------------------------------------------------------------
-    def update_from_output(self, plan: StepPlan, result: StepResult) -> list[RequestEvent | PlainTokenEvent]:
-        """Commit the result of the oldest in-flight plan; returns one event per request that got
-        a token (with its finish reason when it finished; a plain decode's: a `PlainTokenEvent`)."""
+    def update_from_output(self, plan: StepPlan, result: StepResult) -> StepEvents:
+        """Commit the result of the oldest in-flight plan; returns the events of the requests
+        that got a token (with its finish reason when it finished) or failed."""
         if not self._in_flight or self._in_flight[0].step_id != plan.step_id:
             oldest = self._in_flight[0].step_id if self._in_flight else None
             raise ValueError(f"plan {plan.step_id} is not the oldest in flight (oldest: {oldest})")
@@ -346,37 +390,67 @@ class Scheduler:
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
         count_result(self._counts, result)
-        events, tokens, failed = [], result.sampled_token_ids, result.failed
-        cfg, eos, prompt_lps = self.config, self._eos, result.prompt_logprobs
-        caching, bs = cfg.enable_prefix_caching, cfg.block_size
-        for req, epoch, num_tokens, samples, drafts in record.entries:
-            if req.epoch != epoch:
-                continue  # preempted, finished or aborted since the plan was built: stale
-            rid = req.request_id
-            if failed and rid in failed:
-                self._finish(req, FinishReason.ERROR)
-                events.append(RequestEvent(rid, (), FinishReason.ERROR, req.num_prompt_tokens, req.num_cached_tokens,
-                                           f"worker: {failed[rid]}", rejected=rid in result.invalid_ids))
-                continue
-            prompt_lp = take_prompt_logprobs(req, result) if prompt_lps else None
-            if not samples:
-                req.num_computed_tokens += num_tokens
-            elif drafts:
-                committed, reason = commit_run(cfg, eos, req, settle(req, num_tokens, drafts, result))
-            else:
-                req.num_computed_tokens += num_tokens
-                req.num_output_placeholders -= 1
-                token = tokens[rid]
-                committed, reason = (token,), commit_one(cfg, eos, req, token)
-            if caching and req.num_computed_tokens >= (len(req.prefix_ids) + 1) * bs <= req.num_tokens:
-                self._kv.register_computed(req)
-            if samples:
-                if reason is not None:
-                    self._finish(req, reason)
-                events.append(committed_event(req, committed, reason, result, prompt_lp, drafts))
-            elif prompt_lp is not None:
-                events.append(RequestEvent(rid, (), None, req.num_prompt_tokens, 0, prompt_logprobs=prompt_lp))
-        return events
+        out = StepEvents()
+        for entry in record.entries:
+            self._commit_entry(entry, result, out)
+        if record.decodes is not None:
+            self._commit_decodes(record.decodes, result, out)
+        return out
+
+    def _commit_entry(self, entry, result: StepResult, out: StepEvents) -> None:
+        req, epoch, num_tokens, samples, drafts = entry
+        if req.epoch != epoch:
+            return  # preempted, finished or aborted since the plan was built: stale
+        if result.failed and req.request_id in result.failed:
+            self._fail(req, result, out)
+            return
+        cfg = self.config
+        prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
+        if not samples:
+            req.num_computed_tokens += num_tokens
+        elif drafts:
+            committed, reason = commit_run(cfg, self._eos, req, settle(req, num_tokens, drafts, result))
+        else:
+            req.num_computed_tokens += num_tokens
+            req.num_output_placeholders -= 1
+            token = result.sampled_token_ids[req.request_id]
+            committed, reason = (token,), commit_one(cfg, self._eos, req, token)
+        bs = cfg.block_size
+        if cfg.enable_prefix_caching and req.num_computed_tokens >= (len(req.prefix_ids) + 1) * bs <= req.num_tokens:
+            self._kv.register_computed(req)
+        if samples:
+            if reason is not None:
+                self._finish(req, reason)
+            add_committed(out, req, committed, reason, result, prompt_lp, drafts)
+        elif prompt_lp is not None:
+            out.events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0,
+                                           prompt_logprobs=prompt_lp))
+
+    def _commit_decodes(self, run: DecodeRun, result: StepResult, out: StepEvents) -> None:
+        """`_commit_entry` of a run of decodes, in bulk (`decodes.commit_decodes`); each
+        request that needs its own look (a stop, a filled block, an event that is not plain)
+        gets it here."""
+        if result.failed:  # each fails alone (finished: its row is stale for the commit below)
+            for rid in result.failed.keys() & set(run.fresh_ids()):
+                self._fail(self._requests[rid], result, out)
+        done = commit_decodes(run, result, self._eos_ids, self.config.enable_prefix_caching)
+        for i in done.registrations:
+            self._kv.register_computed(done.requests[i])
+        out.plain.request_ids += done.plain_ids
+        out.plain.token_ids += done.plain_tokens
+        for i in done.special:
+            req, token = done.requests[i], done.tokens[i]
+            prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
+            reason = stop_reason(self.config, self._eos, req, token) if done.stops[i] else None
+            if reason is not None:
+                self._finish(req, reason)
+            add_committed(out, req, (token,), reason, result, prompt_lp, 0)
+
+    def _fail(self, req: Request, result: StepResult, out: StepEvents) -> None:
+        rid = req.request_id
+        self._finish(req, FinishReason.ERROR)
+        out.events.append(RequestEvent(rid, (), FinishReason.ERROR, req.num_prompt_tokens, req.num_cached_tokens,
+                                       f"worker: {result.failed[rid]}", rejected=rid in result.invalid_ids))
 
     # ---- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> Request | None:

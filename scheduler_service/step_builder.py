@@ -6,11 +6,13 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
+from scheduler_service.decodes import DecodeRun, build_decodes
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
+from scheduler_service.running_set import RunningColumns
 from stepahead.logprobs import MAX_LOGPROBS
 from scheduler_service.speculation import check_outcomes
-from stepahead.plan import NewRequest, StepPlan, StepResult, running_request
+from stepahead.plan import NewRequest, RunningDeltas, StepPlan, StepResult, running_request
 
 
 class ScheduledEntry(NamedTuple):
@@ -35,9 +37,18 @@ InFlightEntry = tuple[Request, int, int, bool, int]
 @dataclass(frozen=True)
 class InFlightPlan:
     step_id: int
-    entries: tuple[InFlightEntry, ...]
+    entries: tuple[InFlightEntry, ...]  # every request but the plain decodes
     sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
     draft_allowance: dict[str, int] = field(default_factory=dict)  # speculating request -> drafts allowed
+    decodes: DecodeRun | None = None  # the plan's decodes (each samples one token)
+
+    def _fresh_ids(self) -> set[str]:
+        fresh = {req.request_id for req, epoch, *_ in self.entries if req.epoch == epoch}
+        return fresh.union(self.decodes.fresh_ids()) if self.decodes is not None else fresh
+
+    def _plan_ids(self) -> set[str]:
+        ids = {req.request_id for req, *_ in self.entries}
+        return ids.union(self.decodes.request_ids) if self.decodes is not None else ids
 
     def check_result(self, result: StepResult, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS
                      ) -> None:
@@ -48,21 +59,19 @@ class InFlightPlan:
         extra = tokens.keys() - self.sampling_ids
         if extra:
             raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)[:8]}")
-        if vocab_size is not None:
+        if vocab_size is not None and tokens and not (0 <= min(tokens.values()) and max(tokens.values()) < vocab_size):
             bad = [t for t in tokens.values() if not 0 <= t < vocab_size]
-            if bad:
-                raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
+            raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
         check_outcomes(result, self.draft_allowance, vocab_size)
         if failed or result.invalid_ids:
             self._check_failed(result)
         missing = self.sampling_ids - tokens.keys() - failed.keys()
         if missing:  # only fresh entries must have a token
-            missing = {req.request_id for req, epoch, *_ in self.entries if req.request_id in missing and req.epoch == epoch}
+            missing &= self._fresh_ids()
         if missing:
             raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)[:8]}")
         if result.logprobs or result.prompt_logprobs:
-            check_result_logprobs(result, tokens, {req.request_id for req, *_ in self.entries}, vocab_size,
-                                  max_logprobs)
+            check_result_logprobs(result, tokens, self._plan_ids(), vocab_size, max_logprobs)
 
     def _check_failed(self, result: StepResult) -> None:
         failed = result.failed
@@ -71,7 +80,7 @@ class InFlightPlan:
             raise ValueError(f"result {result.step_id} has both a token and a failure for {sorted(both)[:8]}")
         if not failed.keys() >= set(result.invalid_ids):
             raise ValueError(f"result {result.step_id} lists invalid requests that did not fail")
-        unknown = failed.keys() - {req.request_id for req, *_ in self.entries}
+        unknown = failed.keys() - self._plan_ids()
         if unknown:
             raise ValueError(f"result {result.step_id} reports failures of requests it did not run: {sorted(unknown)[:8]}")
 
@@ -81,7 +90,9 @@ class StepBuilder:
     step_id: int
     token_budget: int
     seq_budget: int
-    entries: dict[str, ScheduledEntry | Request] = field(default_factory=dict)  # a Request: a plain decode
+    entries: dict[str, ScheduledEntry] = field(default_factory=dict)  # every request but the decodes
+    decodes: list[Request] = field(default_factory=list)  # decodes into blocks they hold
+    block_decodes: list[tuple[Request, int]] = field(default_factory=list)  # (decode, its first new block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
@@ -94,44 +105,54 @@ class StepBuilder:
         self.seq_budget -= 1
         assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
-    def add_decode(self, request: Request) -> None:
-        """`add` of a running request's plain decode: one token to sample, no new block, no
-        drafts. The hot path (every running request, every step): the entry is the request."""
-        self.entries[request.request_id] = request
+    def add_decodes(self, requests: list[Request]) -> None:
+        """Running requests' plain decodes (one token to sample into a block each already has,
+        no drafts), in bulk: the hot path, every running request every step."""
+        self.decodes += requests
+        self.token_budget -= len(requests)
+        self.seq_budget -= len(requests)
+        assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
+
+    def add_decode(self, request: Request, first_new_block: int) -> None:
+        """A running request's decode into blocks of its table from `first_new_block` on,
+        which the worker has not seen yet (just allocated)."""
+        self.block_decodes.append((request, first_new_block))
         self.token_budget -= 1
         self.seq_budget -= 1
+        assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
     def unschedule(self, request: Request) -> None:
-        """Drop a running delta again (its request is being preempted)."""
+        """Drop a running request from the step again (it is being preempted: the tail of the
+        running order, so a decode of it, if any, is almost always the last one added)."""
         entry = self.entries.pop(request.request_id, None)
-        if entry is None:
-            return
-        if entry is request:  # a plain decode
-            self.token_budget += 1
-        else:
+        if entry is not None:
             assert not entry.is_new, "a request admitted this step is never a victim"
-            self.token_budget += entry.num_new_tokens
+            self.token_budget += entry.num_new_tokens - 1
+        elif self.decodes and self.decodes[-1] is request:
+            self.decodes.pop()
+        elif any(req is request for req, _ in self.block_decodes):
+            self.block_decodes = [(req, first) for req, first in self.block_decodes if req is not request]
+        elif any(req is request for req in self.decodes):
+            self.decodes = [req for req in self.decodes if req is not request]
+        else:
+            return  # not scheduled in this step
+        self.token_budget += 1
         self.seq_budget += 1
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.entries or self.decodes or self.block_decodes or self.swap_out or self.swap_in)
 
     def is_scheduled_new(self, request: Request) -> bool:
         entry = self.entries.get(request.request_id)
-        return entry is not None and entry is not request and entry.is_new
+        return entry is not None and entry.is_new
 
-    def build(self, finished_ids: list[str], preempted_ids: list[str]) -> tuple[StepPlan, InFlightPlan]:
+    def build(self, finished_ids: list[str], preempted_ids: list[str], columns: RunningColumns
+              ) -> tuple[StepPlan, InFlightPlan]:
         """Apply the schedule to the requests' counters and emit the plan."""
         new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
         step_id = self.step_id
-        for rid, entry in self.entries.items():
-            if type(entry) is Request:  # a plain decode (add_decode): what the general case does for it
-                start = entry.num_scheduled_tokens
-                entry.num_scheduled_tokens = start + 1
-                assert start + 1 == entry.num_tokens + entry.num_output_placeholders, "a plain decode samples"
-                running.append(running_request((rid, (), 1, start >= entry.num_tokens, 0)))
-                entry.num_output_placeholders += 1
-                sampling.append(rid)
-                entry.last_step_id = step_id
-                in_flight.append((entry, entry.epoch, 1, True, 0))
-                continue
+        for entry in self.entries.values():
             req, n, is_new, first, drafts = entry
             start = req.num_scheduled_tokens
             req.num_scheduled_tokens = end = start + n
@@ -159,13 +180,18 @@ class StepBuilder:
                 allowance[req.request_id] = drafts
             req.last_step_id = step_id
             in_flight.append((req, req.epoch, n, samples, drafts))
+        deltas, decodes = RunningDeltas.of(running), None
+        if self.decodes or self.block_decodes:
+            decode_deltas, decodes = build_decodes(columns, self.decodes, self.block_decodes, step_id)
+            deltas = RunningDeltas(*(list(a) + b for a, b in zip(deltas.columns(), decode_deltas.columns())))
+            sampling += decodes.request_ids
         plan = StepPlan(
             step_id=step_id,
             new_requests=tuple(new_reqs),
-            running=tuple(running),
+            running=deltas,
             finished_ids=tuple(finished_ids),
             preempted_ids=tuple(preempted_ids),
             swap_out=tuple(self.swap_out),
             swap_in=tuple(self.swap_in),
         )
-        return plan, InFlightPlan(step_id, tuple(in_flight), frozenset(sampling), allowance)
+        return plan, InFlightPlan(step_id, tuple(in_flight), frozenset(sampling), allowance, decodes)

@@ -18,7 +18,7 @@ import collections
 import dataclasses
 import math
 
-from scheduler_service.request import RequestEvent
+from scheduler_service.events import StepEvents
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.window import AdaptiveWindow, is_late
 from stepahead.plan import StepPlan, StepResult, WorkerTiming
@@ -65,7 +65,7 @@ class StepLoop:
             plans.append(plan)
         return plans
 
-    def commit(self, result: StepResult) -> tuple[StepPlan, list[RequestEvent]]:
+    def commit(self, result: StepResult) -> tuple[StepPlan, StepEvents]:
         """Commit `result` as the oldest plan's; raises ValueError (nothing committed) when it
         is not that plan's result or does not fit it."""
         if not self._in_flight:

@@ -6,14 +6,14 @@ Servicers stay thin: they call these converters and hand domain objects to domai
 from __future__ import annotations
 
 import dataclasses
-from itertools import accumulate, chain, compress, repeat
+from itertools import accumulate, chain, compress
 
 from stepahead.flight_recorder import StepRecord
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import (
     FinishReason,
     NewRequest,
-    RunningRequest,
+    RunningDeltas,
     SamplingParams,
     SpecOutcome,
     StepPlan,
@@ -22,7 +22,6 @@ from stepahead.plan import (
     StructuredOutput,
     WorkerInfo,
     WorkerTiming,
-    running_request,
 )
 from stepahead.v1 import common_pb2, scheduler_pb2
 
@@ -166,15 +165,14 @@ def plan_to_proto(plan: StepPlan, out: scheduler_pb2.StepPlan | None = None) -> 
     return msg
 
 
-def _running_to_proto(running: tuple[RunningRequest, ...], out: scheduler_pb2.RunningDeltas) -> None:
-    """The deltas as columns: one pass over the requests, then one bulk extend per column."""
-    ids, blocks, scheduled, placeholder, drafts = zip(*running)  # RunningRequest is a named tuple
-    out.request_ids.extend(ids)
-    out.num_scheduled_tokens.extend(scheduled)
-    out.input_is_placeholder.extend(placeholder)
-    out.num_draft_tokens.extend(drafts)
-    out.num_new_blocks.extend(map(len, blocks))
-    out.new_block_ids.extend(chain.from_iterable(blocks))
+def _running_to_proto(running: RunningDeltas, out: scheduler_pb2.RunningDeltas) -> None:
+    """The deltas' columns, one bulk extend each."""
+    out.request_ids.extend(running.request_ids)
+    out.num_scheduled_tokens.extend(running.num_scheduled_tokens)
+    out.input_is_placeholder.extend(running.input_is_placeholder)
+    out.num_draft_tokens.extend(running.num_draft_tokens)
+    out.num_new_blocks.extend(map(len, running.new_block_ids))
+    out.new_block_ids.extend(chain.from_iterable(running.new_block_ids))
 
 
 def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
@@ -201,7 +199,7 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
     )
 
 
-def _running_from_proto(d: scheduler_pb2.RunningDeltas) -> tuple[RunningRequest, ...]:
+def _running_from_proto(d: scheduler_pb2.RunningDeltas) -> RunningDeltas:
     ids = tuple(d.request_ids)
     n = len(ids)
     columns = (d.num_scheduled_tokens, d.input_is_placeholder, d.num_draft_tokens, d.num_new_blocks)
@@ -209,8 +207,9 @@ def _running_from_proto(d: scheduler_pb2.RunningDeltas) -> tuple[RunningRequest,
                             columns):
         if len(column) != n:
             raise ValueError(f"StepPlan.running.{name}: {len(column)} entries for {n} request_ids")
-    blocks = _split_blocks(d.new_block_ids, d.num_new_blocks) if d.new_block_ids else repeat((), n)
-    return tuple(map(running_request, zip(ids, blocks, *columns[:3])))
+    blocks = _split_blocks(d.new_block_ids, d.num_new_blocks) if d.new_block_ids else ((),) * n
+    return RunningDeltas(ids, blocks, tuple(d.num_scheduled_tokens), tuple(d.input_is_placeholder),
+                         tuple(d.num_draft_tokens))
 
 
 def _split_blocks(flat, counts) -> list[tuple[int, ...]]:

@@ -51,6 +51,7 @@ Worker-side semantics (the contract both sides rely on):
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -159,23 +160,69 @@ class RunningRequest(NamedTuple):
 running_request = partial(tuple.__new__, RunningRequest)
 
 
+class RunningDeltas(Sequence):
+    """A plan's running deltas as columns, as the scheduler builds them in bulk and the wire
+    carries them (`StepPlan.running` holds one; given `RunningRequest`s, it makes one). Read
+    one by one, each is a `RunningRequest`; a column is indexed like the deltas."""
+
+    __slots__ = ("request_ids", "new_block_ids", "num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens")
+
+    def __init__(self, request_ids: Sequence[str] = (), new_block_ids: Sequence[tuple[int, ...]] = (),
+                 num_scheduled_tokens: Sequence[int] = (), input_is_placeholder: Sequence[bool] = (),
+                 num_draft_tokens: Sequence[int] = ()) -> None:
+        self.request_ids, self.new_block_ids = request_ids, new_block_ids
+        self.num_scheduled_tokens, self.input_is_placeholder = num_scheduled_tokens, input_is_placeholder
+        self.num_draft_tokens = num_draft_tokens
+
+    @classmethod
+    def of(cls, deltas: Sequence[RunningRequest]) -> RunningDeltas:
+        if isinstance(deltas, RunningDeltas):
+            return deltas
+        return cls(*map(tuple, zip(*deltas))) if deltas else cls()
+
+    def columns(self) -> tuple[Sequence, ...]:
+        return (self.request_ids, self.new_block_ids, self.num_scheduled_tokens, self.input_is_placeholder,
+                self.num_draft_tokens)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self)[index]
+        return running_request(tuple(column[index] for column in self.columns()))
+
+    def __iter__(self):
+        return map(running_request, zip(*self.columns()))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Sequence) and tuple(self) == tuple(other)
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+    def __repr__(self) -> str:
+        return f"RunningDeltas({tuple(self)!r})"
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step for the worker. `step_id` increases by one per plan."""
 
     step_id: int
     new_requests: tuple[NewRequest, ...] = ()
-    running: tuple[RunningRequest, ...] = ()
+    running: RunningDeltas = RunningDeltas()  # given as RunningRequests, kept as columns
     finished_ids: tuple[str, ...] = ()  # finished or aborted since the last plan: forget
     preempted_ids: tuple[str, ...] = ()  # preempted (recompute or swap): forget
     swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies
     swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "running", RunningDeltas.of(self.running))
+
     @property
     def num_scheduled_tokens(self) -> int:
-        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(
-            r.num_scheduled_tokens for r in self.running
-        )
+        return sum(r.num_scheduled_tokens for r in self.new_requests) + sum(self.running.num_scheduled_tokens)
 
     @property
     def num_requests(self) -> int:

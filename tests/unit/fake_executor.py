@@ -19,7 +19,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import FinishReason, Request, RequestEvent
+from scheduler_service.events import RequestEvent
+from scheduler_service.request import FinishReason, Request
 from scheduler_service.scheduler import Scheduler
 from scheduler_service.step_loop import StepLoop
 from stepahead.plan import SamplingParams, SpecOutcome, StepPlan, StepResult
@@ -233,7 +234,8 @@ class Driver:
     def deliver(self) -> list[RequestEvent]:
         result = self.results.popleft()
         self.executor.mark_reported(result.step_id)
-        _, events = self.loop.commit(result)
+        _, step_events = self.loop.commit(result)
+        events = list(step_events)
         self.num_stale += len(result.sampled_token_ids.keys() - {e.request_id for e in events})
         for event in events:
             self.record(event)

@@ -1,7 +1,8 @@
 """Plain decode tokens on the scheduler → gateway wire (`EventBatch`'s packed columns): what
-the scheduler's writer (`scheduler_service/event_batches.py`) encodes, the gateway's reader
-(`gateway/plain_tokens.py`) gives every open request exactly its events, in order, with the
-request's prompt / cached counts on its plain tokens."""
+the scheduler's writer (`scheduler_service/event_batches.py`) encodes from the core's events
+and `PlainTokens` columns, the gateway's reader (`gateway/plain_tokens.py`) gives every open
+request exactly its events, in order, with the request's prompt / cached counts on its plain
+tokens."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from gateway.plain_tokens import MalformedBatch, OpenRequest, PlainToken, delive
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from scheduler_service.event_batches import event_batches
 from scheduler_service.links import GatewaySession, RejectCode, Rejected
-from scheduler_service.request import PlainTokenEvent, RequestEvent
+from scheduler_service.events import PlainTokens, RequestEvent
 from stepahead import codec
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
@@ -29,7 +30,8 @@ LP = Logprobs(7, -0.5)
 
 def request_events(rid: str, kinds: list[str], last: str, prompt: int, cached: int, with_prompt_lp: bool) -> list:
     """One request's events as the scheduler makes them: (prompt logprobs,) a first token
-    event (queue_time set), middle events of `kinds`, a final one of kind `last`."""
+    event (queue_time set), middle events of `kinds`, a final one of kind `last`; a core's
+    plain token as its one-token `PlainTokens` (`expected` gives the event it stands for)."""
     rid = SCOPE + rid
     out = []
     if with_prompt_lp:  # prompt logprobs computed before the first token: counts 0, like the scheduler's
@@ -39,7 +41,7 @@ def request_events(rid: str, kinds: list[str], last: str, prompt: int, cached: i
         token = 101 + i
         out.append({
             "plain": lambda: RequestEvent(rid, (token,), None, prompt, cached),
-            "core-plain": lambda: PlainTokenEvent(rid, token, prompt, cached),  # as update_from_output makes it
+            "core-plain": lambda: PlainTokens([rid], [token]),  # as update_from_output makes it
             "two": lambda: RequestEvent(rid, (token, token + 1000), None, prompt, cached),
             "logprobs": lambda: RequestEvent(rid, (token,), None, prompt, cached, logprobs=(LP,)),
             "spec": lambda: RequestEvent(rid, (token,), None, prompt, cached, num_draft_tokens=3,
@@ -54,9 +56,28 @@ def request_events(rid: str, kinds: list[str], last: str, prompt: int, cached: i
     return [e for e in out if e is not None]
 
 
+def expected(item, prompt: int, cached: int) -> RequestEvent:
+    """The event a scheduler-side item stands for (a plain token: its request's counts)."""
+    if type(item) is PlainTokens:
+        (rid,), (token,) = item.request_ids, item.token_ids
+        return RequestEvent(rid, (token,), None, prompt, cached)
+    return item
+
+
+def merge_plain(step: list) -> list:
+    """Adjacent `PlainTokens` of a step as one, as the engine hands a session a step's share."""
+    out: list = []
+    for item in step:
+        if type(item) is PlainTokens and out and type(out[-1]) is PlainTokens:
+            out[-1] = PlainTokens(out[-1].request_ids + item.request_ids, out[-1].token_ids + item.token_ids)
+        else:
+            out.append(item)
+    return out
+
+
 def fields(e) -> tuple:
     """What the gateway's consumers read of an event (a RequestEvent's on the scheduler side)."""
-    if isinstance(e, (RequestEvent, PlainTokenEvent)):
+    if isinstance(e, RequestEvent):
         reason = codec.finish_reason_to_proto(e.finish_reason) if e.finish_reason is not None else 0
         prompt_lp = len(e.prompt_logprobs.entries) if e.prompt_logprobs else 0
         return (tuple(e.new_token_ids), reason, e.num_prompt_tokens, e.num_cached_tokens, e.message, e.rejected,
@@ -86,6 +107,8 @@ requests_st = st.lists(st.tuples(
 def test_any_merged_steps_decode_to_each_requests_events_in_order(requests, data):
     per_request = {f"r{i}": request_events(f"r{i}", kinds, last, prompt, cached, lp)
                    for i, (kinds, last, prompt, cached, lp, _) in enumerate(requests)}
+    want = {f"r{i}": [expected(e, prompt, cached) for e in per_request[f"r{i}"]]
+            for i, (_, _, prompt, cached, _, _) in enumerate(requests)}
     per_request["bad"] = [Rejected(SCOPE + "bad", "prompt too long", RejectCode.INVALID)]
     open_ids = {f"r{i}" for i, r in enumerate(requests) if r[5]} | {"bad"}  # the others ended at the gateway
     # interleave the requests' events (each request's in order), cut into steps, steps into merges
@@ -96,7 +119,7 @@ def test_any_merged_steps_decode_to_each_requests_events_in_order(requests, data
         stream.append(per_request[rid][cursors[rid]])
         cursors[rid] += 1
     cuts = sorted(data.draw(st.sets(st.integers(1, max(1, len(stream) - 1)), max_size=6)))
-    steps = [stream[a:b] for a, b in zip([0, *cuts], [*cuts, len(stream)])]
+    steps = [merge_plain(stream[a:b]) for a, b in zip([0, *cuts], [*cuts, len(stream)])]
     sizes = data.draw(st.lists(st.integers(1, 3), min_size=len(steps), max_size=len(steps)))
     session, wire, done = GatewaySession(), [], 0
     merged = iter(session)
@@ -109,29 +132,29 @@ def test_any_merged_steps_decode_to_each_requests_events_in_order(requests, data
 
     got = decode(wire, open_ids)
     for rid in open_ids - {"bad"}:
-        assert [fields(e) for e in got[rid]] == [fields(e) for e in per_request[rid]], rid
+        assert [fields(e) for e in got[rid]] == [fields(e) for e in want[rid]], rid
     (rejected,) = got["bad"]
     assert rejected.rejected and rejected.message == "prompt too long" and rejected.finish_reason
 
 
-def plain(rid: str, token: int) -> PlainTokenEvent:
-    return PlainTokenEvent(SCOPE + rid, token, 10, 4)
+def plain(*pairs: tuple[str, int]) -> PlainTokens:
+    return PlainTokens([SCOPE + rid for rid, _ in pairs], [token for _, token in pairs])
 
 
 def test_plain_tokens_go_in_the_columns_and_a_later_event_of_the_same_request_in_the_next_batch():
     first = RequestEvent(SCOPE + "a", (1,), None, 10, 4, queue_time=0.1)
     final = RequestEvent(SCOPE + "a", (4,), FinishReason.LENGTH, 10, 4)
     other = RequestEvent(SCOPE + "b", (9,), FinishReason.STOP, 3, 0)
-    one, two = event_batches([first, plain("a", 2), plain("c", 8), other, plain("a", 3), final], len(SCOPE))
+    one, two = event_batches([first, plain(("a", 2), ("c", 8)), other, plain(("a", 3)), final], len(SCOPE))
     assert [e.request_id for e in one.events] == ["a", "b"], "b's final follows no plain token of b: same batch"
     assert list(one.token_request_ids) == ["a", "c", "a"] and list(one.token_ids) == [2, 8, 3]
     assert [e.request_id for e in two.events] == ["a"] and not two.token_ids, "a's final after a's plain tokens"
-    (only,) = event_batches([plain("a", 2), plain("a", 3), plain("b", 7)], len(SCOPE))
+    (only,) = event_batches([plain(("a", 2)), plain(("a", 3), ("b", 7))], len(SCOPE))
     assert not only.events and list(only.token_request_ids) == ["a", "a", "b"] and list(only.token_ids) == [2, 3, 7]
-    core = PlainTokenEvent(SCOPE + "c", 5, 10, 4)
     (full,) = event_batches([RequestEvent(SCOPE + "d", (6,), None, 10, 4)], len(SCOPE))
-    assert [e.request_id for e in full.events] == ["d"] and not full.token_ids, "only the core's plain events pack"
-    one, two = event_batches([core, plain("a", 2), RequestEvent(SCOPE + "c", (6,), FinishReason.STOP, 10, 4)], len(SCOPE))
+    assert [e.request_id for e in full.events] == ["d"] and not full.token_ids, "only the core's plain tokens pack"
+    one, two = event_batches([plain(("c", 5), ("a", 2)), RequestEvent(SCOPE + "c", (6,), FinishReason.STOP, 10, 4)],
+                             len(SCOPE))
     assert list(one.token_request_ids) == ["c", "a"] and list(one.token_ids) == [5, 2] and not one.events
     assert [e.request_id for e in two.events] == ["c"], "c's final after c's plain token"
 

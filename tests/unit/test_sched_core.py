@@ -221,7 +221,7 @@ def test_update_from_output_rejects_out_of_order_or_incomplete_results():
     with pytest.raises(ValueError, match="did not sample"):
         sched.update_from_output(first, StepResult(first.step_id, {"a": 1, "zzz": 2}))
     sched.check_integrity()  # rejected results changed nothing
-    assert sched.update_from_output(first, StepResult(first.step_id, {"a": 1}))[0].new_token_ids == (1,)
+    assert list(sched.update_from_output(first, StepResult(first.step_id, {"a": 1})))[0].new_token_ids == (1,)
 
 
 @pytest.mark.parametrize("collide", [False, True], ids=["real-hash", "all-hashes-collide"])

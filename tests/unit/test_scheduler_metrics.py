@@ -6,10 +6,12 @@ from __future__ import annotations
 import collections
 import random
 
+import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
 from scheduler_service.metrics import _LATENCY_BUCKETS, HotHistogram, SchedulerMetrics
-from scheduler_service.request import FinishReason, PlainTokenEvent, RequestEvent
+from scheduler_service.events import PlainTokens, RequestEvent
+from scheduler_service.request import FinishReason
 from scheduler_service.stats import SchedulerStats
 
 
@@ -27,8 +29,11 @@ def test_hot_histogram_exposes_what_prometheus_histogram_would():
     values = [rng.choice([0.0, *_LATENCY_BUCKETS, 99.0]) for _ in range(50)]  # bounds themselves too
     values += [rng.expovariate(10) for _ in range(500)]
     for v in values:
-        hot.observe(v)
         reference.observe(v)
+    for v in values[:200]:
+        hot.observe(v)
+    hot.observe_many(values[200:400])
+    hot.observe_array(np.array(values[400:]))  # the plain tokens' bulk path
     got, want = samples(ours, "x_seconds"), samples(theirs, "x_seconds")
     want = {k: v for k, v in want.items() if not k[0].endswith("_created")}
     assert got.keys() == want.keys()
@@ -67,7 +72,8 @@ def test_decode_events_feed_ttft_once_then_itl_and_the_end():
     metrics.on_events([RequestEvent("a", (1,), None, 3, 0, queue_time=0.01)])
     metrics.on_events([RequestEvent("a", (2,), None, 3, 0)])
     metrics.on_events([RequestEvent("a", (3, 4), None, 3, 0)])
-    metrics.on_events([PlainTokenEvent("a", 5, 3, 0), PlainTokenEvent("unknown", 1, 3, 0)])  # the core's plain decode
+    metrics.on_plain(PlainTokens(["a", "unknown"], [5, 1]))  # the core's plain decodes (one it never saw start)
+    assert "unknown" not in metrics._last_token, "a request never submitted is not tracked"
     metrics.on_events([RequestEvent("a", (6,), FinishReason.LENGTH, 3, 0)])
     got = samples(metrics.registry, "stepahead:")
     assert got[("stepahead:time_to_first_token_seconds_count", ())] == 1
