@@ -53,28 +53,34 @@ def decode_masks(running: RunningSet, prev_step_id: int) -> tuple[np.ndarray, np
 class DecodeRun:
     """The plain decodes of one in-flight plan: their rows, who held each row when the plan
     was built (a row whose ticket changed since is stale: its request was preempted or
-    finished), and their ids in plan order."""
+    finished), their ids in plan order, and the columns' departures then (while no request
+    left a row since, none is stale)."""
 
     columns: RunningColumns
     rows: np.ndarray
     tickets: np.ndarray
     request_ids: list[str]
+    departures: int
 
-    def fresh(self) -> np.ndarray:
-        return self.columns.ticket[self.rows] == self.tickets
+    def fresh(self) -> np.ndarray | None:
+        """bool per row: still held by its request (None: all are)."""
+        if self.columns.departures == self.departures:
+            return None
+        fresh = self.columns.ticket[self.rows] == self.tickets
+        return None if fresh.all() else fresh
 
     def fresh_ids(self) -> list[str]:
-        return list(compress(self.request_ids, self.fresh().tolist()))
+        fresh = self.fresh()
+        return self.request_ids if fresh is None else list(compress(self.request_ids, fresh.tolist()))
 
 
-def build_decodes(columns: RunningColumns, decodes: list[Request], block_decodes: list[tuple[Request, int]],
+def build_decodes(columns: RunningColumns, decode_rows: list[np.ndarray], block_decodes: list[tuple[Request, int]],
                   step_id: int) -> tuple[RunningDeltas, DecodeRun]:
-    """Advance the counters of a plan's decodes (`decodes`: into blocks they hold;
-    `block_decodes`: (request, its first block the worker has not seen)) and return their
-    running deltas and in-flight record, in that order."""
-    reqs = decodes + [req for req, _ in block_decodes]
-    n = len(reqs)
-    rows = columns.rows_of(reqs)
+    """Advance the counters of a plan's decodes (`decode_rows`: running rows of decodes into
+    blocks they hold; `block_decodes`: (request, its first block the worker has not seen))
+    and return their running deltas and in-flight record, in that order."""
+    rows = np.concatenate([*decode_rows, columns.rows_of([req for req, _ in block_decodes])])
+    n = len(rows)
     v = columns.view
     start = v.num_scheduled_tokens[rows]
     placeholder = (start >= v.num_tokens[rows]).tolist()  # its input is a token not committed yet
@@ -82,35 +88,32 @@ def build_decodes(columns: RunningColumns, decodes: list[Request], block_decodes
     v.num_output_placeholders[rows] += 1
     v.last_step_id[rows] = step_id
     ids = columns.request_ids[rows].tolist()
-    blocks = [()] * len(decodes) + [tuple(req.block_ids[first:]) for req, first in block_decodes]
+    blocks = [()] * (n - len(block_decodes)) + [tuple(req.block_ids[first:]) for req, first in block_decodes]
     deltas = RunningDeltas(ids, blocks, [1] * n, placeholder, [0] * n)
-    return deltas, DecodeRun(columns, rows, columns.ticket[rows], ids)
+    return deltas, DecodeRun(columns, rows, columns.ticket[rows], ids, columns.departures)
 
 
 @dataclass(frozen=True, eq=False)
 class DecodeCommit:
-    """A result applied to a run's fresh, unfailed rows (in run order): `requests` committed
-    `tokens`. `plain_ids` / `plain_tokens`: those whose event is plain for sure. The others
-    (`special`, indices) need their own look: `stops[i]`, its token may end it (EOS, a stop
-    id, a length limit); else its first token, logprobs or prompt logprobs.
-    `registrations` (indices): a block just filled with committed tokens (the prefix cache)."""
+    """A result applied to a run's fresh rows: `plain_ids` / `plain_tokens`, the requests
+    whose event is plain for sure and their tokens. `special`: (request, token, may stop) of
+    the others, which need their own look: its token may end it (EOS, a stop id, a length
+    limit), or it is its first token, or has logprobs or prompt logprobs. `registrations`: the
+    requests that just filled a block with committed tokens (the prefix cache)."""
 
-    requests: list[Request]
-    tokens: list[int]
     plain_ids: list[str]
     plain_tokens: list[int]
-    special: list[int]
-    stops: list[bool]
-    registrations: list[int]
+    special: list[tuple[Request, int, bool]]
+    registrations: list[Request]
 
 
-def commit_decodes(run: DecodeRun, result: StepResult, eos_ids: tuple[int, ...], caching: bool) -> DecodeCommit:
+def commit_decodes(run: DecodeRun, result: StepResult, eos: frozenset[int], caching: bool) -> DecodeCommit:
     """Commit `result`'s tokens for the run's fresh rows (the scheduler finished those that
     failed first: their rows are stale)."""
     c, v = run.columns, run.columns.view
-    live = run.fresh()
     rows, ids = run.rows, run.request_ids
-    if not live.all():
+    live = run.fresh()
+    if live is not None:
         rows, ids = rows[live], list(compress(ids, live.tolist()))
     tokens = list(map(result.sampled_token_ids.__getitem__, ids))
     v.num_computed_tokens[rows] += 1
@@ -118,25 +121,21 @@ def commit_decodes(run: DecodeRun, result: StepResult, eos_ids: tuple[int, ...],
     num_tokens = v.num_tokens[rows] + 1
     v.num_tokens[rows] = num_tokens
     deque(map(list.append, c.outputs[rows].tolist(), tokens), 0)
-    stops = c.stop_ids[rows] | (num_tokens >= c.token_limit[rows])
-    if eos_ids:
-        stops |= c.eos_stops[rows] & _is_eos(np.fromiter(tokens, np.int64, len(tokens)), eos_ids)
-    plain = c.plain_ok[rows] & (num_tokens > c.num_prompt[rows] + 1) & ~stops  # not its first token
+    stops = num_tokens >= c.stop_at[rows]
+    if not eos.isdisjoint(tokens):  # an EOS id among them (rare but for ignore_eos): those rows may stop
+        hits = [i for i, token in enumerate(tokens) if token in eos]
+        stops[hits] |= c.eos_stops[rows[hits]]
+    plain = (num_tokens >= c.plain_from[rows]) & ~stops
     for extra in (result.logprobs, result.prompt_logprobs):
         if extra:
             plain &= np.fromiter(map(extra.__contains__, ids), bool, len(ids)) == 0
     registrations = []
     if caching:  # a plain decode commits one token: a block fills when the committed count hits a multiple
         committed = np.minimum(v.num_computed_tokens[rows], num_tokens)
-        registrations = np.flatnonzero(committed % c.block_size == 0).tolist()
+        registrations = c.requests[rows[committed % c.block_size == 0]].tolist()
+    special = np.flatnonzero(~plain).tolist()
+    if not special:
+        return DecodeCommit(ids, tokens, [], registrations)
     is_plain = plain.tolist()
-    return DecodeCommit(c.requests[rows].tolist(), tokens, list(compress(ids, is_plain)),
-                        list(compress(tokens, is_plain)), np.flatnonzero(~plain).tolist(), stops.tolist(),
-                        registrations)
-
-
-def _is_eos(tokens: np.ndarray, eos_ids: tuple[int, ...]) -> np.ndarray:
-    out = tokens == eos_ids[0]
-    for eos in eos_ids[1:]:
-        out |= tokens == eos
-    return out
+    return DecodeCommit(list(compress(ids, is_plain)), list(compress(tokens, is_plain)),
+                        [(c.requests[rows[i]], tokens[i], bool(stops[i])) for i in special], registrations)

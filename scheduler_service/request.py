@@ -200,6 +200,11 @@ class Request:
         """Its counters are in a running set's columns (it runs on a core)."""
         return self._columns is not None
 
+    @property
+    def running_row(self) -> int:
+        """Its row in the running set's columns (-1: not running)."""
+        return self._row
+
     def commit_token(self, token: int) -> None:
         self.output_token_ids.append(token)
         self.num_tokens += 1

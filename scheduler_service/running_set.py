@@ -47,11 +47,15 @@ class RunningColumns:
         self.view = SimpleNamespace(**{n: np.frombuffer(getattr(self, n), dtype=np.int64) for n in COLUMN_COUNTERS})
         self.block_end = np.zeros(capacity, np.int64)  # len(block_ids) * block_size: the tokens its blocks hold
         self.token_limit = np.zeros(capacity, np.int64)  # min(prompt + max_tokens, max_model_len): known tokens < it
-        self.num_prompt = np.zeros(capacity, np.int64)
-        self.ticket = np.zeros(capacity, np.int64)  # who holds the row (0: nobody); an in-flight row is stale once it changed
+        # num_tokens at (or past) which a committed token may end it: token_limit, or 0 with stop
+        # ids (each of its tokens is checked); an EOS id is checked apart, where `eos_stops`
+        self.stop_at = np.zeros(capacity, np.int64)
         self.eos_stops = np.zeros(capacity, bool)  # an EOS id ends it (not ignore_eos)
-        self.stop_ids = np.zeros(capacity, bool)  # it has stop_token_ids: each token is checked one by one
-        self.plain_ok = np.zeros(capacity, bool)  # its tokens may go as plain events (no logprobs asked, no drafts)
+        # num_tokens from which its committed tokens are plain events: past its first output
+        # token, unless it asked for logprobs or counted drafts (never)
+        self.plain_from = np.zeros(capacity, np.int64)
+        self.ticket = np.zeros(capacity, np.int64)  # who holds the row (0: nobody); an in-flight row is stale once it changed
+        self.departures = 0  # requests that left a row so far: while unchanged, no in-flight row is stale
         self.requests = np.empty(capacity, object)
         self.request_ids = np.empty(capacity, object)
         self.outputs = np.empty(capacity, object)  # each request's output_token_ids list (appended in bulk)
@@ -67,12 +71,12 @@ class RunningColumns:
             getattr(self, name)[row] = getattr(req, name)
         sp = req.sampling
         self.block_end[row] = len(req.block_ids) * self.block_size
-        self.token_limit[row] = min(req.num_prompt_tokens + sp.max_tokens, self.max_model_len)
-        self.num_prompt[row] = req.num_prompt_tokens
-        self.ticket[row] = next(self._tickets)
+        self.token_limit[row] = limit = min(req.num_prompt_tokens + sp.max_tokens, self.max_model_len)
+        self.stop_at[row] = 0 if sp.stop_token_ids else limit
         self.eos_stops[row] = not sp.ignore_eos
-        self.stop_ids[row] = bool(sp.stop_token_ids)
-        self.plain_ok[row] = sp.logprobs is None and not req.num_draft_tokens
+        plain = sp.logprobs is None and not req.num_draft_tokens
+        self.plain_from[row] = req.num_prompt_tokens + 2 if plain else np.iinfo(np.int64).max
+        self.ticket[row] = next(self._tickets)
         self.requests[row], self.request_ids[row], self.outputs[row] = req, req.request_id, req.output_token_ids
         req._columns, req._row = self, row
 
@@ -85,6 +89,7 @@ class RunningColumns:
         for name, value in zip(COLUMN_COUNTERS, values):
             setattr(req, name, value)
         self.ticket[row] = 0
+        self.departures += 1
         self.requests[row] = self.request_ids[row] = self.outputs[row] = None
         self._free.append(row)
 

@@ -15,7 +15,6 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from enum import Enum, auto
-from itertools import compress
 from operator import attrgetter
 
 import numpy as np
@@ -66,7 +65,6 @@ class Scheduler:
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn
         )
         self._eos = frozenset(config.eos_token_ids)
-        self._eos_ids = tuple(self._eos)
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._policy)
         self._running = RunningSet(config.max_num_seqs, config.block_size, config.max_model_len)
@@ -192,17 +190,15 @@ class Scheduler:
         free = self._kv.device.num_free
         if len(wants) > free:
             take, wants = int(wants[free]), wants[:free]
-        reqs = self._running[start:start + take]
+        rows = self._running.rows()[start:start + take]
         if len(wants):
-            growing = [reqs[p] for p in wants.tolist()]
+            growing = [self._running[start + p] for p in wants.tolist()]
             firsts = [len(req.block_ids) for req in growing]
             self._kv.append_blocks(growing)
             for req, first in zip(growing, firsts):
                 b.add_decode(req, first)
-            keep = np.ones(take, bool)
-            keep[wants] = False
-            reqs = list(compress(reqs, keep.tolist()))
-        b.add_decodes(reqs)
+            rows = np.delete(rows, wants)
+        b.add_decodes(rows)
         return take
 
     def _schedule_one(self, req: Request, b: StepBuilder) -> bool:
@@ -433,15 +429,14 @@ class Scheduler:
         if result.failed:  # each fails alone (finished: its row is stale for the commit below)
             for rid in result.failed.keys() & set(run.fresh_ids()):
                 self._fail(self._requests[rid], result, out)
-        done = commit_decodes(run, result, self._eos_ids, self.config.enable_prefix_caching)
-        for i in done.registrations:
-            self._kv.register_computed(done.requests[i])
+        done = commit_decodes(run, result, self._eos, self.config.enable_prefix_caching)
+        for req in done.registrations:
+            self._kv.register_computed(req)
         out.plain.request_ids += done.plain_ids
         out.plain.token_ids += done.plain_tokens
-        for i in done.special:
-            req, token = done.requests[i], done.tokens[i]
+        for req, token, may_stop in done.special:
             prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
-            reason = stop_reason(self.config, self._eos, req, token) if done.stops[i] else None
+            reason = stop_reason(self.config, self._eos, req, token) if may_stop else None
             if reason is not None:
                 self._finish(req, reason)
             add_committed(out, req, (token,), reason, result, prompt_lp, 0)

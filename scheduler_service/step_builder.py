@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 from functools import partial
 from typing import NamedTuple
 
@@ -38,7 +40,7 @@ InFlightEntry = tuple[Request, int, int, bool, int]
 class InFlightPlan:
     step_id: int
     entries: tuple[InFlightEntry, ...]  # every request but the plain decodes
-    sampling_ids: frozenset[str]  # requests whose sampled token the result must carry
+    sampling: list[str]  # requests whose sampled token the result must carry, in the plan's order
     draft_allowance: dict[str, int] = field(default_factory=dict)  # speculating request -> drafts allowed
     decodes: DecodeRun | None = None  # the plan's decodes (each samples one token)
 
@@ -56,22 +58,27 @@ class InFlightPlan:
         each inside the vocabulary; failures only for requests of this plan. A result is a
         network message: raises ValueError naming what is wrong, before anything changes."""
         tokens, failed = result.sampled_token_ids, result.failed
-        extra = tokens.keys() - self.sampling_ids
-        if extra:
-            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)[:8]}")
+        if failed or len(tokens) != len(self.sampling) or list(tokens) != self.sampling:
+            self._check_sampled_ids(result)  # the plan's order, exactly: nothing extra, nothing missing
         if vocab_size is not None and tokens and not (0 <= min(tokens.values()) and max(tokens.values()) < vocab_size):
             bad = [t for t in tokens.values() if not 0 <= t < vocab_size]
             raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
         check_outcomes(result, self.draft_allowance, vocab_size)
+        if result.logprobs or result.prompt_logprobs:
+            check_result_logprobs(result, tokens, self._plan_ids(), vocab_size, max_logprobs)
+
+    def _check_sampled_ids(self, result: StepResult) -> None:
+        tokens, failed, sampling = result.sampled_token_ids, result.failed, frozenset(self.sampling)
+        extra = tokens.keys() - sampling
+        if extra:
+            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)[:8]}")
         if failed or result.invalid_ids:
             self._check_failed(result)
-        missing = self.sampling_ids - tokens.keys() - failed.keys()
+        missing = sampling - tokens.keys() - failed.keys()
         if missing:  # only fresh entries must have a token
             missing &= self._fresh_ids()
         if missing:
             raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)[:8]}")
-        if result.logprobs or result.prompt_logprobs:
-            check_result_logprobs(result, tokens, self._plan_ids(), vocab_size, max_logprobs)
 
     def _check_failed(self, result: StepResult) -> None:
         failed = result.failed
@@ -91,7 +98,7 @@ class StepBuilder:
     token_budget: int
     seq_budget: int
     entries: dict[str, ScheduledEntry] = field(default_factory=dict)  # every request but the decodes
-    decodes: list[Request] = field(default_factory=list)  # decodes into blocks they hold
+    decode_rows: list[np.ndarray] = field(default_factory=list)  # running rows of decodes into blocks they hold
     block_decodes: list[tuple[Request, int]] = field(default_factory=list)  # (decode, its first new block)
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
@@ -105,12 +112,12 @@ class StepBuilder:
         self.seq_budget -= 1
         assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
-    def add_decodes(self, requests: list[Request]) -> None:
+    def add_decodes(self, rows: np.ndarray) -> None:
         """Running requests' plain decodes (one token to sample into a block each already has,
-        no drafts), in bulk: the hot path, every running request every step."""
-        self.decodes += requests
-        self.token_budget -= len(requests)
-        self.seq_budget -= len(requests)
+        no drafts), by running row, in bulk: the hot path, every running request every step."""
+        self.decode_rows.append(rows)
+        self.token_budget -= len(rows)
+        self.seq_budget -= len(rows)
         assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
     def add_decode(self, request: Request, first_new_block: int) -> None:
@@ -128,12 +135,10 @@ class StepBuilder:
         if entry is not None:
             assert not entry.is_new, "a request admitted this step is never a victim"
             self.token_budget += entry.num_new_tokens - 1
-        elif self.decodes and self.decodes[-1] is request:
-            self.decodes.pop()
         elif any(req is request for req, _ in self.block_decodes):
             self.block_decodes = [(req, first) for req, first in self.block_decodes if req is not request]
-        elif any(req is request for req in self.decodes):
-            self.decodes = [req for req in self.decodes if req is not request]
+        elif request.is_running_row and any((chunk == request.running_row).any() for chunk in self.decode_rows):
+            self.decode_rows = [chunk[chunk != request.running_row] for chunk in self.decode_rows]
         else:
             return  # not scheduled in this step
         self.token_budget += 1
@@ -141,7 +146,7 @@ class StepBuilder:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.entries or self.decodes or self.block_decodes or self.swap_out or self.swap_in)
+        return not (self.entries or self.decode_rows or self.block_decodes or self.swap_out or self.swap_in)
 
     def is_scheduled_new(self, request: Request) -> bool:
         entry = self.entries.get(request.request_id)
@@ -150,7 +155,8 @@ class StepBuilder:
     def build(self, finished_ids: list[str], preempted_ids: list[str], columns: RunningColumns
               ) -> tuple[StepPlan, InFlightPlan]:
         """Apply the schedule to the requests' counters and emit the plan."""
-        new_reqs, running, in_flight, sampling, allowance = [], [], [], [], {}
+        new_reqs, running, in_flight, allowance = [], [], [], {}
+        sampling_new, sampling_running = [], []  # in the order the worker reports them: new, then running
         step_id = self.step_id
         for entry in self.entries.values():
             req, n, is_new, first, drafts = entry
@@ -174,15 +180,15 @@ class StepBuilder:
                                                 n, placeholder, drafts)))
             if samples:
                 req.num_output_placeholders += 1 + drafts  # worst case: every draft accepted
-                sampling.append(req.request_id)
+                (sampling_new if is_new else sampling_running).append(req.request_id)
             if drafts:
                 assert samples, "only a sampling decode speculates"
                 allowance[req.request_id] = drafts
             req.last_step_id = step_id
             in_flight.append((req, req.epoch, n, samples, drafts))
-        deltas, decodes = RunningDeltas.of(running), None
-        if self.decodes or self.block_decodes:
-            decode_deltas, decodes = build_decodes(columns, self.decodes, self.block_decodes, step_id)
+        deltas, decodes, sampling = RunningDeltas.of(running), None, sampling_new + sampling_running
+        if self.decode_rows or self.block_decodes:
+            decode_deltas, decodes = build_decodes(columns, self.decode_rows, self.block_decodes, step_id)
             deltas = RunningDeltas(*(list(a) + b for a, b in zip(deltas.columns(), decode_deltas.columns())))
             sampling += decodes.request_ids
         plan = StepPlan(
@@ -194,4 +200,4 @@ class StepBuilder:
             swap_out=tuple(self.swap_out),
             swap_in=tuple(self.swap_in),
         )
-        return plan, InFlightPlan(step_id, tuple(in_flight), frozenset(sampling), allowance, decodes)
+        return plan, InFlightPlan(step_id, tuple(in_flight), sampling, allowance, decodes)
