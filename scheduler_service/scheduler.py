@@ -211,15 +211,17 @@ class Scheduler:
             return False
         n += drafts
         first_new_block = len(req.block_ids)
-        decode = self._bulk and n == remaining == 1
-        if req.num_scheduled_tokens + n > first_new_block * cfg.block_size:  # it needs a new block
+        grows = req.num_scheduled_tokens + n > first_new_block * cfg.block_size  # it needs a new block
+        if grows:
             outcome = self._reserve(req, req.num_scheduled_tokens + n, b)
             if outcome is not _Admission.OK:
                 return outcome is _Admission.WAIT_FENCE
-        if decode:
-            b.add_decode(req, first_new_block)
-        else:
+        if n != remaining or n != 1:
             b.add(req, n, False, first_new_block, drafts)
+        elif grows:
+            b.add_decode(req, first_new_block)
+        else:  # only without bulk decodes (else it would have been in a bulk run)
+            b.add_decodes(np.array([req.running_row]))
         return False
 
     def _reserve(self, req: Request, num_tokens: int, b: StepBuilder) -> _Admission:
@@ -390,7 +392,7 @@ class Scheduler:
         for entry in record.entries:
             self._commit_entry(entry, result, out)
         if record.decodes is not None:
-            self._commit_decodes(record.decodes, result, out)
+            (self._commit_decodes if self._bulk else self._commit_decodes_alone)(record.decodes, result, out)
         return out
 
     def _commit_entry(self, entry, result: StepResult, out: StepEvents) -> None:
@@ -440,6 +442,13 @@ class Scheduler:
             if reason is not None:
                 self._finish(req, reason)
             add_committed(out, req, (token,), reason, result, prompt_lp, 0)
+
+    def _commit_decodes_alone(self, run: DecodeRun, result: StepResult, out: StepEvents) -> None:
+        """The oracle of `_commit_decodes`: each fresh decode of the run by `_commit_entry`."""
+        fresh = run.fresh()
+        rows = run.rows if fresh is None else run.rows[fresh]
+        for req in run.columns.requests[rows].tolist():
+            self._commit_entry((req, req.epoch, 1, True, 0), result, out)
 
     def _fail(self, req: Request, result: StepResult, out: StepEvents) -> None:
         rid = req.request_id

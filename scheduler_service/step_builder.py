@@ -115,7 +115,8 @@ class StepBuilder:
     def add_decodes(self, rows: np.ndarray) -> None:
         """Running requests' plain decodes (one token to sample into a block each already has,
         no drafts), by running row, in bulk: the hot path, every running request every step."""
-        self.decode_rows.append(rows)
+        if len(rows):
+            self.decode_rows.append(rows)
         self.token_budget -= len(rows)
         self.seq_budget -= len(rows)
         assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
@@ -138,7 +139,8 @@ class StepBuilder:
         elif any(req is request for req, _ in self.block_decodes):
             self.block_decodes = [(req, first) for req, first in self.block_decodes if req is not request]
         elif request.is_running_row and any((chunk == request.running_row).any() for chunk in self.decode_rows):
-            self.decode_rows = [chunk[chunk != request.running_row] for chunk in self.decode_rows]
+            chunks = (chunk[chunk != request.running_row] for chunk in self.decode_rows)
+            self.decode_rows = [chunk for chunk in chunks if len(chunk)]
         else:
             return  # not scheduled in this step
         self.token_budget += 1
