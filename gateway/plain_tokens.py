@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+from stepahead.columns import unpack_ids, unpack_u32
 from stepahead.v1 import common_pb2, scheduler_pb2
 
 
@@ -75,7 +76,11 @@ def deliver(batch: scheduler_pb2.EventBatch, routes: Mapping[str, OpenRequest]) 
 
     Raises `MalformedBatch` before delivering anything when the plain columns differ in length.
     """
-    rids, tokens = batch.token_request_ids, batch.token_ids
+    try:
+        rids = unpack_ids(batch.token_request_ids, "token_request_ids")
+        tokens = unpack_u32(batch.token_ids, "token_ids")
+    except ValueError as exc:
+        raise MalformedBatch(str(exc)) from None
     if len(rids) != len(tokens):
         raise MalformedBatch(f"token_request_ids has {len(rids)} entries but token_ids has {len(tokens)}")
     get = routes.get

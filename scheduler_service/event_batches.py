@@ -12,11 +12,11 @@ request closes the batch and the event starts the next one.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from operator import itemgetter
 
 from scheduler_service.events import PlainTokens, RequestEvent
 from scheduler_service.links import RejectCode, Rejected
 from stepahead import codec
+from stepahead.columns import pack_ids, pack_u32
 from stepahead.v1 import common_pb2, scheduler_pb2
 
 REJECT_CODES = {
@@ -34,15 +34,14 @@ def event_batches(events: Iterable[PlainTokens | RequestEvent | Rejected],
     rids: list[str] = []  # the plain columns of out[-1], still to be written
     tokens: list[int] = []
     pending: set[str] = set()  # scoped ids with a plain token in `rids`
-    unscope = itemgetter(slice(scope_len, None))
     for e in events:
         if type(e) is PlainTokens:  # the hot path: a step's plain tokens, no Python per token
             pending.update(e.request_ids)
-            rids += map(unscope, e.request_ids)
+            rids += e.request_ids
             tokens += e.token_ids
             continue
         if pending and e.request_id in pending:  # it must apply after that plain token: next batch
-            _fill_columns(out[-1], rids, tokens)
+            _fill_columns(out[-1], rids, tokens, scope_len)
             out.append(scheduler_pb2.EventBatch())
             rids, tokens = [], []
             pending.clear()
@@ -50,14 +49,25 @@ def event_batches(events: Iterable[PlainTokens | RequestEvent | Rejected],
             out[-1].events.append(rejection_to_proto(e, scope_len))
         else:
             add_event(out[-1], e, scope_len)
-    _fill_columns(out[-1], rids, tokens)
+    _fill_columns(out[-1], rids, tokens, scope_len)
     return out
 
 
-def _fill_columns(batch: scheduler_pb2.EventBatch, rids: list[str], tokens: list[int]) -> None:
+def _fill_columns(batch: scheduler_pb2.EventBatch, rids: list[str], tokens: list[int], scope_len: int) -> None:
     if rids:
-        batch.token_request_ids.extend(rids)
-        batch.token_ids.extend(tokens)
+        batch.token_request_ids = _unscoped_ids(rids, scope_len)
+        batch.token_ids = pack_u32(tokens)
+
+
+def _unscoped_ids(rids: list[str], scope_len: int) -> bytes:
+    """The packed ids (`stepahead.columns`) without their session's scope, cut off all at once."""
+    if not scope_len:
+        return pack_ids(rids)
+    scope = "\0" + rids[0][:scope_len]
+    joined = "\0" + "\0".join(rids) + "\0"
+    if joined.count(scope) != len(rids):  # never from the engine: one session, one scope
+        return pack_ids([rid[scope_len:] for rid in rids])
+    return joined.replace(scope, "\0")[1:].encode()
 
 
 def add_event(batch: scheduler_pb2.EventBatch, event: RequestEvent, scope_len: int = 0) -> None:

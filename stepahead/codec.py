@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 from itertools import accumulate, chain, compress
 
+from stepahead.columns import pack_flags, pack_ids, pack_u32, unpack_flags, unpack_ids, unpack_u32
 from stepahead.flight_recorder import StepRecord
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import (
@@ -166,12 +167,12 @@ def plan_to_proto(plan: StepPlan, out: scheduler_pb2.StepPlan | None = None) -> 
 
 
 def _running_to_proto(running: RunningDeltas, out: scheduler_pb2.RunningDeltas) -> None:
-    """The deltas' columns, one bulk extend each."""
-    out.request_ids.extend(running.request_ids)
-    out.num_scheduled_tokens.extend(running.num_scheduled_tokens)
-    out.input_is_placeholder.extend(running.input_is_placeholder)
-    out.num_draft_tokens.extend(running.num_draft_tokens)
-    out.num_new_blocks.extend(map(len, running.new_block_ids))
+    """The deltas' columns, packed (`stepahead.columns`)."""
+    out.request_ids = pack_ids(running.request_ids)
+    out.num_scheduled_tokens = pack_u32(running.num_scheduled_tokens)
+    out.input_is_placeholder = pack_flags(running.input_is_placeholder)
+    out.num_draft_tokens = pack_u32(running.num_draft_tokens)
+    out.num_new_blocks = pack_u32(list(map(len, running.new_block_ids)))
     out.new_block_ids.extend(chain.from_iterable(running.new_block_ids))
 
 
@@ -200,24 +201,30 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
 
 
 def _running_from_proto(d: scheduler_pb2.RunningDeltas) -> RunningDeltas:
-    ids = tuple(d.request_ids)
+    field = "StepPlan.running."
+    ids = unpack_ids(d.request_ids, field + "request_ids")
     n = len(ids)
-    columns = (d.num_scheduled_tokens, d.input_is_placeholder, d.num_draft_tokens, d.num_new_blocks)
-    for name, column in zip(("num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens", "num_new_blocks"),
-                            columns):
+    scheduled = unpack_u32(d.num_scheduled_tokens, field + "num_scheduled_tokens")
+    placeholder = unpack_flags(d.input_is_placeholder, field + "input_is_placeholder")
+    drafts = unpack_u32(d.num_draft_tokens, field + "num_draft_tokens")
+    num_blocks = unpack_u32(d.num_new_blocks, field + "num_new_blocks")
+    for name, column in (("num_scheduled_tokens", scheduled), ("input_is_placeholder", placeholder),
+                         ("num_draft_tokens", drafts), ("num_new_blocks", num_blocks)):
         if len(column) != n:
-            raise ValueError(f"StepPlan.running.{name}: {len(column)} entries for {n} request_ids")
-    blocks = _split_blocks(d.new_block_ids, d.num_new_blocks) if d.new_block_ids else ((),) * n
-    return RunningDeltas(ids, blocks, tuple(d.num_scheduled_tokens), tuple(d.input_is_placeholder),
-                         tuple(d.num_draft_tokens))
+            raise ValueError(f"{field}{name}: {len(column)} entries for {n} request_ids")
+    blocks = _split_blocks(d.new_block_ids, num_blocks) if d.new_block_ids else ((),) * n
+    if not d.new_block_ids and any(num_blocks):
+        raise ValueError(f"{field}new_block_ids: no blocks but num_new_blocks adds up to {sum(num_blocks)}")
+    return RunningDeltas(ids, blocks, scheduled, placeholder, drafts)
 
 
 def _split_blocks(flat, counts) -> list[tuple[int, ...]]:
     """Each request's run of the concatenated `new_block_ids` (ValueError when they do not add
     up). Only requests with new blocks cost a Python step (a decode gets one every block_size steps)."""
     flat, ends = tuple(flat), list(accumulate(counts))
-    if ends[-1] != len(flat):
-        raise ValueError(f"StepPlan.running.new_block_ids: {len(flat)} blocks but num_new_blocks adds up to {ends[-1]}")
+    if (ends[-1] if ends else 0) != len(flat):
+        raise ValueError(f"StepPlan.running.new_block_ids: {len(flat)} blocks but num_new_blocks adds up to "
+                         f"{ends[-1] if ends else 0}")
     out: list[tuple[int, ...]] = [()] * len(ends)
     for i in compress(range(len(ends)), counts):
         out[i] = flat[ends[i] - counts[i]:ends[i]]
@@ -237,9 +244,10 @@ def timing_from_proto(msg: scheduler_pb2.WorkerTiming) -> WorkerTiming:
 
 def result_to_proto(result: StepResult) -> scheduler_pb2.StepResult:
     sampled = result.sampled_token_ids
-    msg = scheduler_pb2.StepResult(step_id=result.step_id, sampled_request_ids=list(sampled),
-                                   sampled_token_ids=list(sampled.values()), timing=timing_to_proto(result.timing),
-                                   failed=result.failed, invalid_ids=result.invalid_ids)
+    msg = scheduler_pb2.StepResult(step_id=result.step_id, sampled_request_ids=pack_ids(list(sampled)),
+                                   sampled_token_ids=pack_u32(list(sampled.values())),
+                                   timing=timing_to_proto(result.timing), failed=result.failed,
+                                   invalid_ids=result.invalid_ids)
     if result.logprobs or result.prompt_logprobs or result.speculation:
         _extras_to_proto(result, msg)
     return msg
@@ -259,20 +267,25 @@ def _extras_to_proto(result: StepResult, msg: scheduler_pb2.StepResult) -> None:
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
     """Proto → domain; ValueError naming the field when the sampled columns are malformed."""
-    ids, tokens = msg.sampled_request_ids, msg.sampled_token_ids
+    ids = unpack_ids(msg.sampled_request_ids, "StepResult.sampled_request_ids")
+    tokens = unpack_u32(msg.sampled_token_ids, "StepResult.sampled_token_ids")
     if len(ids) != len(tokens):
         raise ValueError(f"StepResult.sampled_token_ids: {len(tokens)} tokens for {len(ids)} sampled_request_ids")
     sampled = dict(zip(ids, tokens))
     if len(sampled) != len(ids):
         raise ValueError("StepResult.sampled_request_ids: a request id appears more than once")
+    extras = {}
+    if msg.logprobs or msg.prompt_logprobs or msg.speculation:
+        extras = dict(
+            logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
+            prompt_logprobs={k: PromptLogprobs(v.start, tuple(map(logprobs_from_proto, v.entries)))
+                             for k, v in msg.prompt_logprobs.items()},
+            speculation={rid: SpecOutcome(o.num_draft_tokens, tuple(o.accepted_token_ids),
+                                          tuple(map(logprobs_from_proto, o.accepted_logprobs)))
+                         for rid, o in msg.speculation.items()})
     return StepResult(
         step_id=msg.step_id, sampled_token_ids=sampled, timing=timing_from_proto(msg.timing),
-        failed=dict(msg.failed), invalid_ids=tuple(msg.invalid_ids), logprobs={k: logprobs_from_proto(v) for k, v in msg.logprobs.items()},
-        prompt_logprobs={k: PromptLogprobs(v.start, tuple(map(logprobs_from_proto, v.entries)))
-                         for k, v in msg.prompt_logprobs.items()},
-        speculation={rid: SpecOutcome(o.num_draft_tokens, tuple(o.accepted_token_ids),
-                                      tuple(map(logprobs_from_proto, o.accepted_logprobs)))
-                     for rid, o in msg.speculation.items()},
+        failed=dict(msg.failed) if msg.failed else {}, invalid_ids=tuple(msg.invalid_ids), **extras,
     )
 
 

@@ -332,6 +332,8 @@ def _check_regex(field: str, pattern: str) -> None:
 def check_id(field: str, value: str) -> str:
     if len(value) > MAX_ID_CHARS:
         raise LimitError(field, f"longer than {MAX_ID_CHARS} characters")
+    if "\0" in value:  # the internal wire packs ids NUL-terminated (`stepahead.columns`)
+        raise LimitError(field, "contains a NUL character")
     return value
 
 

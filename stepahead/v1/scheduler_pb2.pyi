@@ -77,9 +77,9 @@ class EventBatch(_message.Message):
     TOKEN_REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     events: _containers.RepeatedCompositeFieldContainer[TokenEvent]
-    token_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., token_request_ids: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    token_request_ids: bytes
+    token_ids: bytes
+    def __init__(self, events: _Optional[_Iterable[_Union[TokenEvent, _Mapping]]] = ..., token_request_ids: _Optional[bytes] = ..., token_ids: _Optional[bytes] = ...) -> None: ...
 
 class TokenEvent(_message.Message):
     __slots__ = ("request_id", "token_ids", "finish_reason", "num_prompt_tokens", "num_cached_tokens", "rejected", "message", "reject_code", "logprobs", "prompt_logprobs", "prompt_logprobs_start", "num_draft_tokens", "num_accepted_tokens", "num_spec_steps")
@@ -259,13 +259,13 @@ class RunningDeltas(_message.Message):
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_NEW_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NEW_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
-    request_ids: _containers.RepeatedScalarFieldContainer[str]
-    num_scheduled_tokens: _containers.RepeatedScalarFieldContainer[int]
-    input_is_placeholder: _containers.RepeatedScalarFieldContainer[bool]
-    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
-    num_new_blocks: _containers.RepeatedScalarFieldContainer[int]
+    request_ids: bytes
+    num_scheduled_tokens: bytes
+    input_is_placeholder: bytes
+    num_draft_tokens: bytes
+    num_new_blocks: bytes
     new_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., num_scheduled_tokens: _Optional[_Iterable[int]] = ..., input_is_placeholder: _Optional[_Iterable[bool]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., num_new_blocks: _Optional[_Iterable[int]] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., input_is_placeholder: _Optional[bytes] = ..., num_draft_tokens: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
     __slots__ = ("step_id", "new_requests", "running", "finished_ids", "preempted_ids", "swap_out", "swap_in")
@@ -325,15 +325,15 @@ class StepResult(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     INVALID_IDS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
-    sampled_request_ids: _containers.RepeatedScalarFieldContainer[str]
-    sampled_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampled_request_ids: bytes
+    sampled_token_ids: bytes
     timing: WorkerTiming
     failed: _containers.ScalarMap[str, str]
     logprobs: _containers.MessageMap[str, _common_pb2.Logprobs]
     prompt_logprobs: _containers.MessageMap[str, PromptLogprobs]
     speculation: _containers.MessageMap[str, SpecOutcome]
     invalid_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[_Iterable[str]] = ..., sampled_token_ids: _Optional[_Iterable[int]] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., speculation: _Optional[_Mapping[str, SpecOutcome]] = ..., invalid_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    def __init__(self, step_id: _Optional[int] = ..., sampled_request_ids: _Optional[bytes] = ..., sampled_token_ids: _Optional[bytes] = ..., timing: _Optional[_Union[WorkerTiming, _Mapping]] = ..., failed: _Optional[_Mapping[str, str]] = ..., logprobs: _Optional[_Mapping[str, _common_pb2.Logprobs]] = ..., prompt_logprobs: _Optional[_Mapping[str, PromptLogprobs]] = ..., speculation: _Optional[_Mapping[str, SpecOutcome]] = ..., invalid_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PromptLogprobs(_message.Message):
     __slots__ = ("start", "entries")

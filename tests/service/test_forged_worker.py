@@ -20,6 +20,7 @@ import time
 import grpc
 import pytest
 
+from stepahead import columns
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.service.streams import ConnectSession
@@ -78,12 +79,13 @@ class FakeWorker:
     def send(self, sampled: dict[str, int] | None = None, **result) -> None:
         """`sampled` (request id -> token) goes out as the two parallel columns."""
         if sampled is not None:
-            result.update(sampled_request_ids=list(sampled), sampled_token_ids=list(sampled.values()))
+            result.update(sampled_request_ids=columns.pack_ids(list(sampled)),
+                          sampled_token_ids=columns.pack_u32(list(sampled.values())))
         self.outbox.put(scheduler_pb2.WorkerMessage(result=scheduler_pb2.StepResult(**result)))
 
     def answer(self, plan: scheduler_pb2.StepPlan, token: int = 7) -> None:
         """An honest answer: a token for every request that samples."""
-        ids = [r.request_id for r in plan.new_requests] + list(plan.running.request_ids)
+        ids = [r.request_id for r in plan.new_requests] + columns.unpack_ids(plan.running.request_ids, "ids")
         self.send(step_id=plan.step_id, sampled={rid: token for rid in ids})
 
     def closed_with(self) -> grpc.RpcError:
@@ -133,8 +135,13 @@ def _forged(plan: scheduler_pb2.StepPlan, rid: str) -> dict[str, dict]:
         "token outside the vocabulary": dict(step_id=plan.step_id, sampled={rid: VOCAB}),
         "missing token": dict(step_id=plan.step_id),
         "failure of a request it did not run": dict(step_id=plan.step_id, failed={"someone-else": "x"}),
-        "more request ids than tokens": dict(step_id=plan.step_id, sampled_request_ids=[rid], sampled_token_ids=[]),
-        "a request id twice": dict(step_id=plan.step_id, sampled_request_ids=[rid, rid], sampled_token_ids=[7, 7]),
+        "more request ids than tokens": dict(step_id=plan.step_id, sampled_request_ids=columns.pack_ids([rid])),
+        "a request id twice": dict(step_id=plan.step_id, sampled_request_ids=columns.pack_ids([rid, rid]),
+                                   sampled_token_ids=columns.pack_u32([7, 7])),
+        "ids not NUL-terminated": dict(step_id=plan.step_id, sampled_request_ids=rid.encode(),
+                                       sampled_token_ids=columns.pack_u32([7])),
+        "tokens not whole uint32s": dict(step_id=plan.step_id, sampled_request_ids=columns.pack_ids([rid]),
+                                         sampled_token_ids=b"\7\0\0"),
         "nan timing": dict(step_id=plan.step_id, sampled={rid: 7},
                            timing=scheduler_pb2.WorkerTiming(forward_start=math.nan)),
     }

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 
+from stepahead import columns
 from stepahead.cli.serve import free_port
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
@@ -45,8 +46,9 @@ class ScriptedScheduler(scheduler_pb2_grpc.SchedulerServicer):
         self.threads.append(thread_count(self.worker_pid[0]))
         if len(self.threads) % 2:  # a running delta for a request the worker never saw
             bad = scheduler_pb2.StepPlan(step_id=1, running=scheduler_pb2.RunningDeltas(
-                request_ids=["ghost"], num_scheduled_tokens=[1], input_is_placeholder=[False], num_draft_tokens=[0],
-                num_new_blocks=[0]))
+                request_ids=columns.pack_ids(["ghost"]), num_scheduled_tokens=columns.pack_u32([1]),
+                input_is_placeholder=columns.pack_flags([False]), num_draft_tokens=columns.pack_u32([0]),
+                num_new_blocks=columns.pack_u32([0])))
             yield scheduler_pb2.SchedulerMessage(plan=bad)
             reply = next(request_iterator, None)
             self.fatal_errors.append(reply.fatal_error if reply is not None else "<stream closed>")

@@ -14,7 +14,7 @@ from concurrent import futures
 import grpc
 import pytest
 
-from stepahead import logs
+from stepahead import columns, logs
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
@@ -80,7 +80,7 @@ def test_a_failure_in_wait_is_reported_and_the_worker_reattaches(tiny_model_dir,
         assert scripted.sessions[0].get(timeout=TIMEOUT_S), "the stream must end after a fatal error"
         second = scripted.sessions[1].get(timeout=TIMEOUT_S)  # re-attached, state reset: "r" is new again
         assert second is not None and second.HasField("result"), second
-        assert list(second.result.sampled_request_ids) == ["r"]
+        assert columns.unpack_ids(second.result.sampled_request_ids, "ids") == ["r"]
     finally:
         stop.set()
         worker.join(timeout=TIMEOUT_S)

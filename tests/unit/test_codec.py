@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepahead import codec
+from stepahead import codec, columns
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult
 
 ids = st.lists(st.integers(0, 2**31 - 1), max_size=8).map(tuple)
@@ -26,9 +26,10 @@ sampling = st.builds(
     presence_penalty=st.sampled_from([0.0, -2.0, 0.75]),
     frequency_penalty=st.sampled_from([0.0, 2.0, -0.125]),
 )
+ID = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), min_size=1, max_size=8)  # ids never hold NUL (limits)
 new_req = st.builds(
     NewRequest,
-    request_id=st.text(min_size=1, max_size=8),
+    request_id=ID,
     token_ids=ids,
     sampling=sampling,
     block_ids=ids,
@@ -38,7 +39,7 @@ new_req = st.builds(
 )
 running = st.builds(
     RunningRequest,
-    request_id=st.text(min_size=1, max_size=8),
+    request_id=ID,
     new_block_ids=ids,
     num_scheduled_tokens=st.integers(0, 1000),
     input_is_placeholder=st.booleans(),
@@ -66,7 +67,8 @@ def test_plan_round_trip(plan: StepPlan) -> None:
     assert back == plan
 
 
-@given(st.integers(0, 2**40), st.dictionaries(st.text(max_size=6), st.integers(0, 2**31)))
+@given(st.integers(0, 2**40), st.dictionaries(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=6),
+                                              st.integers(0, 2**32 - 1)))
 def test_result_round_trip(step_id: int, sampled: dict[str, int]) -> None:
     result = StepResult(step_id=step_id, sampled_token_ids=sampled)
     assert codec.result_from_proto(codec.result_to_proto(result)) == result
@@ -99,10 +101,16 @@ def test_event_batches_carry_every_field_and_cut_the_scope():
                                               common_pb2.FINISH_REASON_ERROR]
 
 
+_PACK = {"request_ids": columns.pack_ids, "num_scheduled_tokens": columns.pack_u32,
+         "input_is_placeholder": columns.pack_flags, "num_draft_tokens": columns.pack_u32,
+         "num_new_blocks": columns.pack_u32, "new_block_ids": list}
+
+
 def _decode_plan(**running):
     from stepahead.v1 import scheduler_pb2
 
-    return codec.plan_from_proto(scheduler_pb2.StepPlan(step_id=1, running=scheduler_pb2.RunningDeltas(**running)))
+    packed = {k: _PACK[k](v) for k, v in running.items()}
+    return codec.plan_from_proto(scheduler_pb2.StepPlan(step_id=1, running=scheduler_pb2.RunningDeltas(**packed)))
 
 
 def test_running_columns_that_do_not_line_up_are_refused_by_name():
@@ -114,7 +122,7 @@ def test_running_columns_that_do_not_line_up_are_refused_by_name():
     for column in ("num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens", "num_new_blocks"):
         with pytest.raises(ValueError, match=rf"StepPlan\.running\.{column}: 1 entries for 2 request_ids"):
             _decode_plan(**{**good, column: good[column][:1]})
-    for blocks in ([4], [4, 5, 6]):
+    for blocks in ([], [4], [4, 5, 6]):
         with pytest.raises(ValueError, match=r"StepPlan\.running\.new_block_ids"):
             _decode_plan(**{**good, "new_block_ids": blocks})
 
@@ -124,11 +132,37 @@ def test_sampled_columns_that_do_not_line_up_are_refused_by_name():
 
     from stepahead.v1 import scheduler_pb2
 
-    ok = scheduler_pb2.StepResult(step_id=3, sampled_request_ids=["a", "b"], sampled_token_ids=[7, 8])
-    assert codec.result_from_proto(ok).sampled_token_ids == {"a": 7, "b": 8}
-    short = scheduler_pb2.StepResult(step_id=3, sampled_request_ids=["a", "b"], sampled_token_ids=[7])
+    def result(ids, tokens):
+        return scheduler_pb2.StepResult(step_id=3, sampled_request_ids=columns.pack_ids(ids),
+                                        sampled_token_ids=columns.pack_u32(tokens))
+
+    assert codec.result_from_proto(result(["a", "b"], [7, 8])).sampled_token_ids == {"a": 7, "b": 8}
     with pytest.raises(ValueError, match=r"StepResult\.sampled_token_ids: 1 tokens for 2 sampled_request_ids"):
-        codec.result_from_proto(short)
-    twice = scheduler_pb2.StepResult(step_id=3, sampled_request_ids=["a", "a"], sampled_token_ids=[7, 8])
+        codec.result_from_proto(result(["a", "b"], [7]))
+    twice = result(["a", "a"], [7, 8])
     with pytest.raises(ValueError, match=r"StepResult\.sampled_request_ids: a request id appears more than once"):
         codec.result_from_proto(twice)
+
+
+@given(st.lists(st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), max_size=5), max_size=20),
+       st.lists(st.integers(0, 2**32 - 1), max_size=20), st.lists(st.booleans(), max_size=20))
+def test_packed_columns_round_trip(ids, ints, flags):
+    assert columns.unpack_ids(columns.pack_ids(ids), "f") == ids
+    assert columns.unpack_u32(columns.pack_u32(ints), "f") == ints
+    assert columns.unpack_flags(columns.pack_flags(flags), "f") == flags
+
+
+def test_malformed_packed_columns_are_refused_by_name():
+    import pytest
+
+    for bad, match in ((b"a\0b", "not NUL-terminated"), (b"\xff\0", "not UTF-8")):
+        with pytest.raises(ValueError, match=f"^ids: .*{match}"):
+            columns.unpack_ids(bad, "ids")
+    with pytest.raises(ValueError, match="toks: 5 bytes is not a whole number of uint32"):
+        columns.unpack_u32(b"12345", "toks")
+    with pytest.raises(ValueError, match="flags: a flag byte other than 0 or 1"):
+        columns.unpack_flags(b"\0\2", "flags")
+    with pytest.raises(ValueError, match="contains a NUL"):
+        columns.pack_ids(["a\0b"])
+    with pytest.raises(ValueError, match="outside"):
+        columns.pack_u32([2**32])

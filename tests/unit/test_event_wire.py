@@ -19,7 +19,7 @@ from gateway.scheduler_link import LinkBroken, SchedulerLink
 from scheduler_service.event_batches import event_batches
 from scheduler_service.links import GatewaySession, RejectCode, Rejected
 from scheduler_service.events import PlainTokens, RequestEvent
-from stepahead import codec
+from stepahead import codec, columns
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -137,6 +137,14 @@ def test_any_merged_steps_decode_to_each_requests_events_in_order(requests, data
     assert rejected.rejected and rejected.message == "prompt too long" and rejected.finish_reason
 
 
+def plain_ids(batch) -> list[str]:
+    return columns.unpack_ids(batch.token_request_ids, "token_request_ids")
+
+
+def plain_tokens(batch) -> list[int]:
+    return columns.unpack_u32(batch.token_ids, "token_ids")
+
+
 def plain(*pairs: tuple[str, int]) -> PlainTokens:
     return PlainTokens([SCOPE + rid for rid, _ in pairs], [token for _, token in pairs])
 
@@ -147,20 +155,21 @@ def test_plain_tokens_go_in_the_columns_and_a_later_event_of_the_same_request_in
     other = RequestEvent(SCOPE + "b", (9,), FinishReason.STOP, 3, 0)
     one, two = event_batches([first, plain(("a", 2), ("c", 8)), other, plain(("a", 3)), final], len(SCOPE))
     assert [e.request_id for e in one.events] == ["a", "b"], "b's final follows no plain token of b: same batch"
-    assert list(one.token_request_ids) == ["a", "c", "a"] and list(one.token_ids) == [2, 8, 3]
+    assert plain_ids(one) == ["a", "c", "a"] and plain_tokens(one) == [2, 8, 3]
     assert [e.request_id for e in two.events] == ["a"] and not two.token_ids, "a's final after a's plain tokens"
     (only,) = event_batches([plain(("a", 2)), plain(("a", 3), ("b", 7))], len(SCOPE))
-    assert not only.events and list(only.token_request_ids) == ["a", "a", "b"] and list(only.token_ids) == [2, 3, 7]
+    assert not only.events and plain_ids(only) == ["a", "a", "b"] and plain_tokens(only) == [2, 3, 7]
     (full,) = event_batches([RequestEvent(SCOPE + "d", (6,), None, 10, 4)], len(SCOPE))
     assert [e.request_id for e in full.events] == ["d"] and not full.token_ids, "only the core's plain tokens pack"
     one, two = event_batches([plain(("c", 5), ("a", 2)), RequestEvent(SCOPE + "c", (6,), FinishReason.STOP, 10, 4)],
                              len(SCOPE))
-    assert list(one.token_request_ids) == ["c", "a"] and list(one.token_ids) == [5, 2] and not one.events
+    assert plain_ids(one) == ["c", "a"] and plain_tokens(one) == [5, 2] and not one.events
     assert [e.request_id for e in two.events] == ["c"], "c's final after c's plain token"
 
 
 def test_a_plain_token_carries_its_requests_counts_and_ignores_closed_ids():
-    batch = scheduler_pb2.EventBatch(token_request_ids=["a", "gone", "a"], token_ids=[5, 6, 7])
+    batch = scheduler_pb2.EventBatch(token_request_ids=columns.pack_ids(["a", "gone", "a"]),
+                                     token_ids=columns.pack_u32([5, 6, 7]))
     batch.events.add(request_id="a", token_ids=[4], num_prompt_tokens=12, num_cached_tokens=8)
     batch.events.add(request_id="a", num_prompt_tokens=12)  # no tokens (e.g. prompt logprobs): counts kept
     got: list = []
@@ -170,7 +179,7 @@ def test_a_plain_token_carries_its_requests_counts_and_ignores_closed_ids():
 
 
 def test_columns_of_different_lengths_are_refused_before_anything_is_delivered():
-    batch = scheduler_pb2.EventBatch(token_request_ids=["a", "a"], token_ids=[5])
+    batch = scheduler_pb2.EventBatch(token_request_ids=columns.pack_ids(["a", "a"]), token_ids=columns.pack_u32([5]))
     batch.events.add(request_id="a", token_ids=[4], num_prompt_tokens=12)
     got: list = []
     with pytest.raises(MalformedBatch, match="token_request_ids has 2 entries but token_ids has 1"):
@@ -187,7 +196,8 @@ class _Malformed(scheduler_pb2_grpc.SchedulerServicer):
     def Connect(self, request_iterator, context):
         context.add_callback(self.cancelled.set)
         msg = next(request_iterator)
-        batch = scheduler_pb2.EventBatch(token_request_ids=[msg.submit.request_id] * 2, token_ids=[1])
+        batch = scheduler_pb2.EventBatch(token_request_ids=columns.pack_ids([msg.submit.request_id] * 2),
+                                         token_ids=columns.pack_u32([1]))
         batch.events.add(request_id=msg.submit.request_id, token_ids=[3], num_prompt_tokens=2)
         yield batch
         self.cancelled.wait(30)
@@ -245,13 +255,11 @@ class _Scripted(scheduler_pb2_grpc.SchedulerServicer):
         batch = scheduler_pb2.EventBatch()
         if first:
             batch.events.add(request_id=rid, token_ids=[10], num_prompt_tokens=n, num_cached_tokens=0)
-            batch.token_request_ids.append(rid)
-            batch.token_ids.append(11)
+            batch.token_request_ids, batch.token_ids = columns.pack_ids([rid]), columns.pack_u32([11])
             yield batch
             context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler lost")
         batch.events.add(request_id=rid, token_ids=[12], num_prompt_tokens=n, num_cached_tokens=5)
-        batch.token_request_ids.extend([rid, rid])
-        batch.token_ids.extend([13, 14])
+        batch.token_request_ids, batch.token_ids = columns.pack_ids([rid, rid]), columns.pack_u32([13, 14])
         yield batch
         end = scheduler_pb2.EventBatch()
         end.events.add(request_id=rid, token_ids=[15], num_prompt_tokens=n, num_cached_tokens=5, finish_reason=2)
