@@ -88,8 +88,9 @@ def build_decodes(columns: RunningColumns, decode_rows: list[np.ndarray], block_
     v.num_output_placeholders[rows] += 1
     v.last_step_id[rows] = step_id
     ids = columns.request_ids[rows].tolist()
-    blocks = [()] * (n - len(block_decodes)) + [tuple(req.block_ids[first:]) for req, first in block_decodes]
-    deltas = RunningDeltas(ids, blocks, [1] * n, placeholder, [0] * n)
+    grown = [tuple(req.block_ids[first:]) for req, first in block_decodes]
+    blocks, counts = [()] * (n - len(grown)) + grown, [0] * (n - len(grown)) + list(map(len, grown))
+    deltas = RunningDeltas(ids, blocks, [1] * n, placeholder, [0] * n, counts)
     return deltas, DecodeRun(columns, rows, columns.ticket[rows], ids, columns.departures)
 
 
@@ -107,15 +108,20 @@ class DecodeCommit:
     registrations: list[Request]
 
 
-def commit_decodes(run: DecodeRun, result: StepResult, eos: frozenset[int], caching: bool) -> DecodeCommit:
+def commit_decodes(run: DecodeRun, result: StepResult, tokens: list[int] | None, eos: frozenset[int],
+                   caching: bool) -> DecodeCommit:
     """Commit `result`'s tokens for the run's fresh rows (the scheduler finished those that
-    failed first: their rows are stale)."""
+    failed first: their rows are stale). `tokens`: one per row of the run, in order, when the
+    result lists them so (else they are looked up by id)."""
     c, v = run.columns, run.columns.view
     rows, ids = run.rows, run.request_ids
     live = run.fresh()
     if live is not None:
-        rows, ids = rows[live], list(compress(ids, live.tolist()))
-    tokens = list(map(result.sampled_token_ids.__getitem__, ids))
+        fresh = live.tolist()
+        rows, ids = rows[live], list(compress(ids, fresh))
+        tokens = list(compress(tokens, fresh)) if tokens is not None else None
+    if tokens is None:
+        tokens = list(map(result.sampled_token_ids.__getitem__, ids))
     v.num_computed_tokens[rows] += 1
     v.num_output_placeholders[rows] -= 1
     num_tokens = v.num_tokens[rows] + 1

@@ -31,20 +31,22 @@ def event_batches(events: Iterable[PlainTokens | RequestEvent | Rejected],
     """`events` in order as EventBatch messages (one unless the order rule splits them).
     Events carry the scoped id; the scope (`scope_len` chars) is cut off: the gateway's own id."""
     out = [scheduler_pb2.EventBatch()]
-    rids: list[str] = []  # the plain columns of out[-1], still to be written
+    rids: list[str] = []  # the plain columns of out[-1], still to be written (scoped ids)
     tokens: list[int] = []
-    pending: set[str] = set()  # scoped ids with a plain token in `rids`
+    pending: set[str] | None = None  # the set of `rids`, built once an event follows them
     for e in events:
         if type(e) is PlainTokens:  # the hot path: a step's plain tokens, no Python per token
-            pending.update(e.request_ids)
             rids += e.request_ids
             tokens += e.token_ids
+            if pending is not None:
+                pending.update(e.request_ids)
             continue
-        if pending and e.request_id in pending:  # it must apply after that plain token: next batch
+        if rids and pending is None:
+            pending = set(rids)
+        if rids and e.request_id in pending:  # it must apply after that plain token: next batch
             _fill_columns(out[-1], rids, tokens, scope_len)
             out.append(scheduler_pb2.EventBatch())
-            rids, tokens = [], []
-            pending.clear()
+            rids, tokens, pending = [], [], None
         if type(e) is Rejected:
             out[-1].events.append(rejection_to_proto(e, scope_len))
         else:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum, auto
 from operator import attrgetter
 
@@ -383,19 +383,24 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result for step {result.step_id} given with plan {plan.step_id}")
         record = self._in_flight[0]
-        record.check_result(result, self.config.vocab_size, self.config.max_logprobs)
+        ordered = record.check_result(result, self.config.vocab_size, self.config.max_logprobs)
         self._in_flight.popleft()
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
         count_result(self._counts, result)
-        out = StepEvents()
+        out, sampled, decoded = StepEvents(), result.sampled_token_ids, None
+        if ordered is not None:  # in the plan's order: the decodes' tokens are the tail, no id to look up
+            head = len(ordered) - (len(record.decodes.request_ids) if record.decodes is not None else 0)
+            sampled, decoded = dict(zip(record.sampling[:head], ordered[:head])), ordered[head:]
         for entry in record.entries:
-            self._commit_entry(entry, result, out)
-        if record.decodes is not None:
-            (self._commit_decodes if self._bulk else self._commit_decodes_alone)(record.decodes, result, out)
+            self._commit_entry(entry, result, sampled, out)
+        if record.decodes is not None and self._bulk:
+            self._commit_decodes(record.decodes, result, decoded, out)
+        elif record.decodes is not None:
+            self._commit_decodes_alone(record.decodes, result, out)
         return out
 
-    def _commit_entry(self, entry, result: StepResult, out: StepEvents) -> None:
+    def _commit_entry(self, entry, result: StepResult, sampled: Mapping[str, int], out: StepEvents) -> None:
         req, epoch, num_tokens, samples, drafts = entry
         if req.epoch != epoch:
             return  # preempted, finished or aborted since the plan was built: stale
@@ -411,7 +416,7 @@ class Scheduler:
         else:
             req.num_computed_tokens += num_tokens
             req.num_output_placeholders -= 1
-            token = result.sampled_token_ids[req.request_id]
+            token = sampled[req.request_id]
             committed, reason = (token,), commit_one(cfg, self._eos, req, token)
         bs = cfg.block_size
         if cfg.enable_prefix_caching and req.num_computed_tokens >= (len(req.prefix_ids) + 1) * bs <= req.num_tokens:
@@ -424,14 +429,14 @@ class Scheduler:
             out.events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0,
                                            prompt_logprobs=prompt_lp))
 
-    def _commit_decodes(self, run: DecodeRun, result: StepResult, out: StepEvents) -> None:
+    def _commit_decodes(self, run: DecodeRun, result: StepResult, tokens: list[int] | None, out: StepEvents) -> None:
         """`_commit_entry` of a run of decodes, in bulk (`decodes.commit_decodes`); each
         request that needs its own look (a stop, a filled block, an event that is not plain)
         gets it here."""
         if result.failed:  # each fails alone (finished: its row is stale for the commit below)
             for rid in result.failed.keys() & set(run.fresh_ids()):
                 self._fail(self._requests[rid], result, out)
-        done = commit_decodes(run, result, self._eos, self.config.enable_prefix_caching)
+        done = commit_decodes(run, result, tokens, self._eos, self.config.enable_prefix_caching)
         for req in done.registrations:
             self._kv.register_computed(req)
         out.plain.request_ids += done.plain_ids
@@ -448,7 +453,7 @@ class Scheduler:
         fresh = run.fresh()
         rows = run.rows if fresh is None else run.rows[fresh]
         for req in run.columns.requests[rows].tolist():
-            self._commit_entry((req, req.epoch, 1, True, 0), result, out)
+            self._commit_entry((req, req.epoch, 1, True, 0), result, result.sampled_token_ids, out)
 
     def _fail(self, req: Request, result: StepResult, out: StepEvents) -> None:
         rid = req.request_id

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -12,6 +13,7 @@ from scheduler_service.decodes import DecodeRun, build_decodes
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
 from scheduler_service.running_set import RunningColumns
+from stepahead.columns import SampledTokens, pack_ids
 from stepahead.logprobs import MAX_LOGPROBS
 from scheduler_service.speculation import check_outcomes
 from stepahead.plan import NewRequest, RunningDeltas, StepPlan, StepResult, running_request
@@ -53,19 +55,25 @@ class InFlightPlan:
         return ids.union(self.decodes.request_ids) if self.decodes is not None else ids
 
     def check_result(self, result: StepResult, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS
-                     ) -> None:
+                     ) -> list[int] | None:
         """Tokens exactly for the requests that sample (stale or failed ones may be missing),
         each inside the vocabulary; failures only for requests of this plan. A result is a
-        network message: raises ValueError naming what is wrong, before anything changes."""
+        network message: raises ValueError naming what is wrong, before anything changes.
+        Returns the tokens in the plan's sampling order when the result lists exactly the
+        requests of `sampling`, in that order (the common case: nothing to look up by id);
+        else None."""
         tokens, failed = result.sampled_token_ids, result.failed
-        if failed or len(tokens) != len(self.sampling) or list(tokens) != self.sampling:
-            self._check_sampled_ids(result)  # the plan's order, exactly: nothing extra, nothing missing
-        if vocab_size is not None and tokens and not (0 <= min(tokens.values()) and max(tokens.values()) < vocab_size):
-            bad = [t for t in tokens.values() if not 0 <= t < vocab_size]
+        ordered = None if failed else _in_order(tokens, self.sampling)
+        if ordered is None:
+            self._check_sampled_ids(result)
+        values = ordered if ordered is not None else list(tokens.values())
+        if vocab_size is not None and values and not (0 <= min(values) and max(values) < vocab_size):
+            bad = [t for t in values if not 0 <= t < vocab_size]
             raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
         check_outcomes(result, self.draft_allowance, vocab_size)
         if result.logprobs or result.prompt_logprobs:
             check_result_logprobs(result, tokens, self._plan_ids(), vocab_size, max_logprobs)
+        return ordered
 
     def _check_sampled_ids(self, result: StepResult) -> None:
         tokens, failed, sampling = result.sampled_token_ids, result.failed, frozenset(self.sampling)
@@ -90,6 +98,16 @@ class InFlightPlan:
         unknown = failed.keys() - self._plan_ids()
         if unknown:
             raise ValueError(f"result {result.step_id} reports failures of requests it did not run: {sorted(unknown)[:8]}")
+
+
+def _in_order(tokens: Mapping[str, int], sampling: list[str]) -> list[int] | None:
+    """`tokens`' values if its ids are exactly `sampling`, in order; else None. Off the wire
+    the packed ids are compared as bytes (no id parsed)."""
+    if len(tokens) != len(sampling):
+        return None
+    if isinstance(tokens, SampledTokens):
+        return tokens.tokens if tokens.packed_ids == pack_ids(sampling) else None
+    return list(tokens.values()) if list(tokens) == sampling else None
 
 
 @dataclass
@@ -191,7 +209,8 @@ class StepBuilder:
         deltas, decodes, sampling = RunningDeltas.of(running), None, sampling_new + sampling_running
         if self.decode_rows or self.block_decodes:
             decode_deltas, decodes = build_decodes(columns, self.decode_rows, self.block_decodes, step_id)
-            deltas = RunningDeltas(*(list(a) + b for a, b in zip(deltas.columns(), decode_deltas.columns())))
+            deltas = RunningDeltas(*(list(a) + b for a, b in zip(deltas.columns(), decode_deltas.columns())),
+                                   list(deltas.num_new_blocks) + decode_deltas.num_new_blocks)
             sampling += decodes.request_ids
         plan = StepPlan(
             step_id=step_id,

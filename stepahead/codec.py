@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 from itertools import accumulate, chain, compress
 
-from stepahead.columns import pack_flags, pack_ids, pack_u32, unpack_flags, unpack_ids, unpack_u32
+from stepahead.columns import SampledTokens, pack_flags, pack_ids, pack_u32, unpack_flags, unpack_ids, unpack_u32
 from stepahead.flight_recorder import StepRecord
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import (
@@ -172,8 +172,10 @@ def _running_to_proto(running: RunningDeltas, out: scheduler_pb2.RunningDeltas) 
     out.num_scheduled_tokens = pack_u32(running.num_scheduled_tokens)
     out.input_is_placeholder = pack_flags(running.input_is_placeholder)
     out.num_draft_tokens = pack_u32(running.num_draft_tokens)
-    out.num_new_blocks = pack_u32(list(map(len, running.new_block_ids)))
-    out.new_block_ids.extend(chain.from_iterable(running.new_block_ids))
+    counts, blocks = running.num_new_blocks, running.new_block_ids
+    out.num_new_blocks = pack_u32(counts)
+    if any(counts):  # the few requests that got a block this step
+        out.new_block_ids.extend(chain.from_iterable(compress(blocks, counts)))
 
 
 def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
@@ -266,14 +268,10 @@ def _extras_to_proto(result: StepResult, msg: scheduler_pb2.StepResult) -> None:
 
 
 def result_from_proto(msg: scheduler_pb2.StepResult) -> StepResult:
-    """Proto → domain; ValueError naming the field when the sampled columns are malformed."""
-    ids = unpack_ids(msg.sampled_request_ids, "StepResult.sampled_request_ids")
+    """Proto → domain; ValueError naming the field when the sampled columns are malformed (a
+    malformed or repeated id: when the sampled ids are first read, `SampledTokens`)."""
     tokens = unpack_u32(msg.sampled_token_ids, "StepResult.sampled_token_ids")
-    if len(ids) != len(tokens):
-        raise ValueError(f"StepResult.sampled_token_ids: {len(tokens)} tokens for {len(ids)} sampled_request_ids")
-    sampled = dict(zip(ids, tokens))
-    if len(sampled) != len(ids):
-        raise ValueError("StepResult.sampled_request_ids: a request id appears more than once")
+    sampled = SampledTokens(msg.sampled_request_ids, tokens, "StepResult.sampled_token_ids")  # ids parsed on use
     extras = {}
     if msg.logprobs or msg.prompt_logprobs or msg.speculation:
         extras = dict(

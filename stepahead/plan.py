@@ -51,7 +51,7 @@ Worker-side semantics (the contract both sides rely on):
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
@@ -165,14 +165,22 @@ class RunningDeltas(Sequence):
     carries them (`StepPlan.running` holds one; given `RunningRequest`s, it makes one). Read
     one by one, each is a `RunningRequest`; a column is indexed like the deltas."""
 
-    __slots__ = ("request_ids", "new_block_ids", "num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens")
+    __slots__ = ("request_ids", "new_block_ids", "num_scheduled_tokens", "input_is_placeholder", "num_draft_tokens",
+                 "_num_new_blocks")
 
     def __init__(self, request_ids: Sequence[str] = (), new_block_ids: Sequence[tuple[int, ...]] = (),
                  num_scheduled_tokens: Sequence[int] = (), input_is_placeholder: Sequence[bool] = (),
-                 num_draft_tokens: Sequence[int] = ()) -> None:
+                 num_draft_tokens: Sequence[int] = (), num_new_blocks: Sequence[int] | None = None) -> None:
+        """`num_new_blocks`: len() of each `new_block_ids` entry, when the builder knows them."""
         self.request_ids, self.new_block_ids = request_ids, new_block_ids
         self.num_scheduled_tokens, self.input_is_placeholder = num_scheduled_tokens, input_is_placeholder
-        self.num_draft_tokens = num_draft_tokens
+        self.num_draft_tokens, self._num_new_blocks = num_draft_tokens, num_new_blocks
+
+    @property
+    def num_new_blocks(self) -> Sequence[int]:
+        if self._num_new_blocks is None:
+            self._num_new_blocks = list(map(len, self.new_block_ids))
+        return self._num_new_blocks
 
     @classmethod
     def of(cls, deltas: Sequence[RunningRequest]) -> RunningDeltas:
@@ -261,7 +269,9 @@ class StepResult:
     """What the worker answers for one plan."""
 
     step_id: int
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)  # request id -> token
+    # request id -> token, in the order the worker sampled them (off the wire: a lazily read
+    # `columns.SampledTokens`)
+    sampled_token_ids: Mapping[str, int] = field(default_factory=dict)
     timing: WorkerTiming = field(default_factory=WorkerTiming)
     # request id -> reason: requests that failed alone on the worker (bad sampling row,
     # sampling error); they sampled nothing and the worker forgot them.
