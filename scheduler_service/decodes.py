@@ -9,9 +9,9 @@ every step, and these functions do its share of the step for all of them at once
 - `decode_masks`: which running requests (in policy order) take a plain decode, and which of
   those need a new block (the scheduler takes runs of them in bulk, one new block each where
   the pool has them, and decides the rest one by one);
-- `build_decodes`: their counters advanced (`num_scheduled_tokens`, a placeholder,
-  `last_step_id`) and their part of the plan (`RunningDeltas` columns) and of the in-flight record
-  (`DecodeRun`), including decodes the scheduler gave a new block one by one;
+- `ScheduledDecodes`: a step's decodes in policy order; `build` advances their counters
+  (`num_scheduled_tokens`, a placeholder, `last_step_id`) and makes their part of the plan
+  (`RunningDeltas` columns) and of the in-flight record (`DecodeRun`);
 - `commit_decodes`: a result's tokens committed for the run's fresh rows (counters and
   output lists), and which of them need a request's own look: a possible stop, a block just
   filled (the prefix cache), an event that is not plain.
@@ -74,24 +74,56 @@ class DecodeRun:
         return self.request_ids if fresh is None else list(compress(self.request_ids, fresh.tolist()))
 
 
-def build_decodes(columns: RunningColumns, decode_rows: list[np.ndarray], block_decodes: list[tuple[Request, int]],
-                  step_id: int) -> tuple[RunningDeltas, DecodeRun]:
-    """Advance the counters of a plan's decodes (`decode_rows`: running rows of decodes into
-    blocks they hold; `block_decodes`: (request, its first block the worker has not seen))
-    and return their running deltas and in-flight record, in that order."""
-    rows = np.concatenate([*decode_rows, columns.rows_of([req for req, _ in block_decodes])])
-    n = len(rows)
-    v = columns.view
-    start = v.num_scheduled_tokens[rows]
-    placeholder = (start >= v.num_tokens[rows]).tolist()  # its input is a token not committed yet
-    v.num_scheduled_tokens[rows] = start + 1
-    v.num_output_placeholders[rows] += 1
-    v.last_step_id[rows] = step_id
-    ids = columns.request_ids[rows].tolist()
-    grown = [tuple(req.block_ids[first:]) for req, first in block_decodes]
-    blocks, counts = [()] * (n - len(grown)) + grown, [0] * (n - len(grown)) + list(map(len, grown))
-    deltas = RunningDeltas(ids, blocks, [1] * n, placeholder, [0] * n, counts)
-    return deltas, DecodeRun(columns, rows, columns.ticket[rows], ids, columns.departures)
+class ScheduledDecodes:
+    """The decodes of the step under construction, in policy order: chunks of running rows,
+    and those whose blocks were full (`grown`: their index among the decodes, the request,
+    its first block the worker has not seen). The same order every step while the running
+    set stays: the plan's deltas, the result and the step's plain tokens list the same ids."""
+
+    def __init__(self) -> None:
+        self.chunks: list[np.ndarray] = []
+        self.grown: list[tuple[int, Request, int]] = []
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, rows: np.ndarray, grown: list[tuple[int, Request, int]] = ()) -> None:
+        """Decodes of these running rows; `grown`: (index in `rows`, request, first new block)."""
+        if len(rows):
+            self.grown += [(self.count + i, req, first) for i, req, first in grown]
+            self.chunks.append(rows)
+            self.count += len(rows)
+
+    def remove(self, request: Request) -> bool:
+        """Drop a decode of `request` (preempted in the same step); False when it has none."""
+        row = request.running_row
+        if row < 0 or not any((chunk == row).any() for chunk in self.chunks):
+            return False
+        rows = np.concatenate(self.chunks)
+        at = int(np.flatnonzero(rows == row)[0])
+        self.chunks = [np.delete(rows, at)] if len(rows) > 1 else []
+        self.grown = [(i - (i > at), req, first) for i, req, first in self.grown if req is not request]
+        self.count -= 1
+        return True
+
+    def build(self, columns: RunningColumns, step_id: int) -> tuple[RunningDeltas, DecodeRun]:
+        """Advance the decodes' counters; their running deltas and in-flight record."""
+        rows = np.concatenate(self.chunks)
+        n = len(rows)
+        v = columns.view
+        start = v.num_scheduled_tokens[rows]
+        placeholder = (start >= v.num_tokens[rows]).tolist()  # its input is a token not committed yet
+        v.num_scheduled_tokens[rows] = start + 1
+        v.num_output_placeholders[rows] += 1
+        v.last_step_id[rows] = step_id
+        ids = columns.request_ids[rows].tolist()
+        blocks, counts = [()] * n, [0] * n
+        for i, req, first in self.grown:
+            blocks[i] = tuple(req.block_ids[first:])
+            counts[i] = len(blocks[i])
+        deltas = RunningDeltas(ids, blocks, [1] * n, placeholder, [0] * n, counts)
+        return deltas, DecodeRun(columns, rows, columns.ticket[rows], ids, columns.departures)
 
 
 @dataclass(frozen=True, eq=False)

@@ -16,7 +16,6 @@ import bisect
 import collections
 import time
 from collections.abc import Callable, Mapping
-from itertools import compress, repeat
 
 import numpy as np
 
@@ -26,6 +25,7 @@ from prometheus_client.utils import floatToGoString
 
 from scheduler_service.events import PlainTokenEvent, PlainTokens, RequestEvent
 from scheduler_service.scheduler import SchedulerStats
+from scheduler_service.token_times import LastTokenTimes
 from stepahead.flight_recorder import StepRecord
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
@@ -78,7 +78,7 @@ class SchedulerMetrics:
         self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
                                          registry=r)
         self._arrival: dict[str, float] = {}
-        self._last_token: dict[str, float] = {}
+        self._last_token = LastTokenTimes()
 
     def on_submit(self, request_id: str) -> None:
         self._arrival[request_id] = time.monotonic()
@@ -91,27 +91,25 @@ class SchedulerMetrics:
             last = last_token.get(rid)
             if last is not None and e.new_token_ids and e.finish_reason is None and e.queue_time is None:
                 gaps.append((now - last) / len(e.new_token_ids))
-                last_token[rid] = now
+                last_token.set(rid, now)
             else:
                 self._on_event(e, now)
         observe(gaps)
 
     def on_plain(self, plain: PlainTokens) -> None:
         """A step's plain tokens: one inter-token latency each, in bulk (the hot path)."""
-        ids = plain.request_ids
-        if not ids:
+        if not plain.request_ids:
             return
-        now, last_token = time.monotonic(), self._last_token
-        gaps = now - np.fromiter(map(last_token.get, ids, repeat(np.nan)), float, len(ids))
-        seen = ~np.isnan(gaps)
-        if seen.all():
-            last_token.update(zip(ids, repeat(now)))
-        else:  # a request whose first token the metrics did not see: as its own event
-            last_token.update(zip(compress(ids, seen.tolist()), repeat(now)))
-            for rid, token in zip(ids, plain.token_ids):
-                if rid not in last_token:
+        now = time.monotonic()
+        gaps, unseen = self._last_token.plain_step(plain.request_ids, now)
+        if isinstance(gaps, float):
+            self.itl.observe_n(gaps, len(plain.request_ids))
+            return
+        if unseen:  # requests whose first token the metrics did not see: each as its own event
+            for rid, token in zip(plain.request_ids, plain.token_ids):
+                if rid in unseen:
                     self._on_event(PlainTokenEvent(rid, token), now)
-            gaps = gaps[seen]
+            gaps = gaps[~np.isnan(gaps)]
         self.itl.observe_array(gaps)
 
     def _on_event(self, e: RequestEvent, now: float) -> None:
@@ -124,19 +122,19 @@ class SchedulerMetrics:
                 self.ttft.observe(now - arrival)
             else:
                 self.itl.observe((now - last) / len(e.new_token_ids))
-            self._last_token[e.request_id] = now
+            self._last_token.set(e.request_id, now)
         if e.queue_time is not None:
             self.queue.observe(e.queue_time)
         if e.finish_reason is not None:
             self.e2e.observe(now - arrival)
             self.finished.labels(e.finish_reason.name.lower()).inc()
             self._arrival.pop(e.request_id, None)
-            self._last_token.pop(e.request_id, None)
+            self._last_token.pop(e.request_id)
 
     def forget(self, request_id: str) -> None:
         """The request ended without an event the metrics see (refused after waiting)."""
         self._arrival.pop(request_id, None)
-        self._last_token.pop(request_id, None)
+        self._last_token.pop(request_id)
 
     def on_step(self, record: StepRecord) -> None:
         self.schedule_time.observe(record.schedule_end - record.schedule_start)
@@ -220,6 +218,12 @@ class HotHistogram:
         for value in values:
             counts[where(bounds, value)] += 1
         counts[-1] += sum(values)
+
+    def observe_n(self, value: float, n: int) -> None:
+        """`n` observations of one value."""
+        counts = self._counts
+        counts[bisect.bisect_left(self._bounds, value)] += n
+        counts[-1] += value * n
 
     def observe_array(self, values: np.ndarray) -> None:
         counts = self._counts

@@ -190,15 +190,12 @@ class Scheduler:
         free = self._kv.device.num_free
         if len(wants) > free:
             take, wants = int(wants[free]), wants[:free]
-        rows = self._running.rows()[start:start + take]
+        rows, grown = self._running.rows()[start:start + take], []
         if len(wants):
-            growing = [self._running[start + p] for p in wants.tolist()]
-            firsts = [len(req.block_ids) for req in growing]
-            self._kv.append_blocks(growing)
-            for req, first in zip(growing, firsts):
-                b.add_decode(req, first)
-            rows = np.delete(rows, wants)
-        b.add_decodes(rows)
+            growing = [(p, self._running[start + p]) for p in wants.tolist()]
+            grown = [(p, req, len(req.block_ids)) for p, req in growing]
+            self._kv.append_blocks([req for _, req in growing])
+        b.add_decodes(rows, grown)
         return take
 
     def _schedule_one(self, req: Request, b: StepBuilder) -> bool:
@@ -211,17 +208,14 @@ class Scheduler:
             return False
         n += drafts
         first_new_block = len(req.block_ids)
-        grows = req.num_scheduled_tokens + n > first_new_block * cfg.block_size  # it needs a new block
-        if grows:
+        if req.num_scheduled_tokens + n > first_new_block * cfg.block_size:  # it needs a new block
             outcome = self._reserve(req, req.num_scheduled_tokens + n, b)
             if outcome is not _Admission.OK:
                 return outcome is _Admission.WAIT_FENCE
-        if n != remaining or n != 1:
-            b.add(req, n, False, first_new_block, drafts)
-        elif grows:
+        if n == remaining == 1:
             b.add_decode(req, first_new_block)
-        else:  # only without bulk decodes (else it would have been in a bulk run)
-            b.add_decodes(np.array([req.running_row]))
+        else:
+            b.add(req, n, False, first_new_block, drafts)
         return False
 
     def _reserve(self, req: Request, num_tokens: int, b: StepBuilder) -> _Admission:

@@ -9,7 +9,7 @@ import numpy as np
 from functools import partial
 from typing import NamedTuple
 
-from scheduler_service.decodes import DecodeRun, build_decodes
+from scheduler_service.decodes import DecodeRun, ScheduledDecodes
 from scheduler_service.logprob_events import check_result_logprobs
 from scheduler_service.request import Request
 from scheduler_service.running_set import RunningColumns
@@ -116,8 +116,7 @@ class StepBuilder:
     token_budget: int
     seq_budget: int
     entries: dict[str, ScheduledEntry] = field(default_factory=dict)  # every request but the decodes
-    decode_rows: list[np.ndarray] = field(default_factory=list)  # running rows of decodes into blocks they hold
-    block_decodes: list[tuple[Request, int]] = field(default_factory=list)  # (decode, its first new block)
+    decodes: ScheduledDecodes = field(default_factory=ScheduledDecodes)  # in policy order
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: bool = False
@@ -130,22 +129,19 @@ class StepBuilder:
         self.seq_budget -= 1
         assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
-    def add_decodes(self, rows: np.ndarray) -> None:
-        """Running requests' plain decodes (one token to sample into a block each already has,
-        no drafts), by running row, in bulk: the hot path, every running request every step."""
-        if len(rows):
-            self.decode_rows.append(rows)
+    def add_decodes(self, rows: np.ndarray, grown: list[tuple[int, Request, int]] = ()) -> None:
+        """Running requests' plain decodes (one token to sample, no drafts), by running row, in
+        bulk: the hot path, every running request every step. `grown`: (index in `rows`,
+        request, its first block the worker has not seen) of those given a block just now."""
+        self.decodes.add(rows, grown)
         self.token_budget -= len(rows)
         self.seq_budget -= len(rows)
         assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
 
     def add_decode(self, request: Request, first_new_block: int) -> None:
-        """A running request's decode into blocks of its table from `first_new_block` on,
-        which the worker has not seen yet (just allocated)."""
-        self.block_decodes.append((request, first_new_block))
-        self.token_budget -= 1
-        self.seq_budget -= 1
-        assert self.token_budget >= 0 and self.seq_budget >= 0, "token or sequence budget overdrawn"
+        """One running request's decode, into blocks of its table from `first_new_block` on."""
+        grown = [(0, request, first_new_block)] if first_new_block < len(request.block_ids) else []
+        self.add_decodes(np.array([request.running_row]), grown)
 
     def unschedule(self, request: Request) -> None:
         """Drop a running request from the step again (it is being preempted: the tail of the
@@ -154,11 +150,8 @@ class StepBuilder:
         if entry is not None:
             assert not entry.is_new, "a request admitted this step is never a victim"
             self.token_budget += entry.num_new_tokens - 1
-        elif any(req is request for req, _ in self.block_decodes):
-            self.block_decodes = [(req, first) for req, first in self.block_decodes if req is not request]
-        elif request.is_running_row and any((chunk == request.running_row).any() for chunk in self.decode_rows):
-            chunks = (chunk[chunk != request.running_row] for chunk in self.decode_rows)
-            self.decode_rows = [chunk for chunk in chunks if len(chunk)]
+        elif self.decodes.remove(request):
+            pass
         else:
             return  # not scheduled in this step
         self.token_budget += 1
@@ -166,7 +159,7 @@ class StepBuilder:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.entries or self.decode_rows or self.block_decodes or self.swap_out or self.swap_in)
+        return not (self.entries or self.decodes or self.swap_out or self.swap_in)
 
     def is_scheduled_new(self, request: Request) -> bool:
         entry = self.entries.get(request.request_id)
@@ -207,8 +200,8 @@ class StepBuilder:
             req.last_step_id = step_id
             in_flight.append((req, req.epoch, n, samples, drafts))
         deltas, decodes, sampling = RunningDeltas.of(running), None, sampling_new + sampling_running
-        if self.decode_rows or self.block_decodes:
-            decode_deltas, decodes = build_decodes(columns, self.decode_rows, self.block_decodes, step_id)
+        if self.decodes:
+            decode_deltas, decodes = self.decodes.build(columns, step_id)
             deltas = RunningDeltas(*(list(a) + b for a, b in zip(deltas.columns(), decode_deltas.columns())),
                                    list(deltas.num_new_blocks) + decode_deltas.num_new_blocks)
             sampling += decodes.request_ids

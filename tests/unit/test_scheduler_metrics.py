@@ -73,7 +73,7 @@ def test_decode_events_feed_ttft_once_then_itl_and_the_end():
     metrics.on_events([RequestEvent("a", (2,), None, 3, 0)])
     metrics.on_events([RequestEvent("a", (3, 4), None, 3, 0)])
     metrics.on_plain(PlainTokens(["a", "unknown"], [5, 1]))  # the core's plain decodes (one it never saw start)
-    assert "unknown" not in metrics._last_token, "a request never submitted is not tracked"
+    assert metrics._last_token.get("unknown") is None, "a request never submitted is not tracked"
     metrics.on_events([RequestEvent("a", (6,), FinishReason.LENGTH, 3, 0)])
     got = samples(metrics.registry, "stepahead:")
     assert got[("stepahead:time_to_first_token_seconds_count", ())] == 1
