@@ -73,7 +73,7 @@ class Parts:
         events = self._timed("update", self.sched.update_from_output, plan, result)
         record = StepRecord(step_id=plan.step_id, schedule_start=0.0, schedule_end=1e-4, num_requests=0, num_tokens=0,
                             num_running=0, num_waiting=0, worker=WorkerTiming())
-        self._timed("metrics", lambda: (self.metrics.on_events(events.events), self.metrics.on_plain(events.plain),
+        self._timed("metrics", lambda: (self.metrics.on_step_events(events),
                                         self.metrics.on_step(record),
                                         self.metrics.on_window("r0", 2, 0.0, False)))
         self.bytes["packed"] = self._timed("event fan-out", self._fan_out, events)

@@ -298,8 +298,7 @@ class Engine:
         except ValueError as exc:
             self._lose(replica, f"invalid step result: {exc}", WorkerRefused(WorkerRefused.Kind.INVALID, str(exc)))
             return
-        self.metrics.on_events(events.events)
-        self.metrics.on_plain(events.plain)
+        self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
 
     def _dispatch(self, events: list[RequestEvent | Rejected], plain: PlainTokens | None = None) -> None:
@@ -310,10 +309,7 @@ class Engine:
             sink = streams.get(event.request_id)
             if sink is None:
                 continue
-            batch = batches.get(sink)
-            if batch is None:
-                batch = batches[sink] = []
-            batch.append(event)
+            batches.setdefault(sink, []).append(event)
             if isinstance(event, Rejected) or event.finish_reason is not None:
                 del streams[event.request_id]
                 self._owner.pop(event.request_id, None)

@@ -105,6 +105,8 @@ class KVCacheManager:
         """One new block at the end of each request's table (decodes whose blocks are full),
         the same blocks `allocate_slots` would give them one by one, in order; the caller made
         sure the pool has them."""
+        if not requests:
+            return
         blocks = self.device.allocate(len(requests))
         assert blocks is not None, "append_blocks: the pool is short"
         for request, block in zip(requests, blocks):

@@ -23,7 +23,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from scheduler_service.events import PlainTokenEvent, PlainTokens, RequestEvent
+from scheduler_service.events import PlainTokenEvent, PlainTokens, RequestEvent, StepEvents
 from scheduler_service.scheduler import SchedulerStats
 from scheduler_service.token_times import LastTokenTimes
 from stepahead.flight_recorder import StepRecord
@@ -95,6 +95,10 @@ class SchedulerMetrics:
             else:
                 self._on_event(e, now)
         observe(gaps)
+
+    def on_step_events(self, step: StepEvents) -> None:
+        self.on_events(step.events)
+        self.on_plain(step.plain)
 
     def on_plain(self, plain: PlainTokens) -> None:
         """A step's plain tokens: one inter-token latency each, in bulk (the hot path)."""

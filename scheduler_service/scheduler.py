@@ -1,11 +1,12 @@
-"""The scheduler core: composes the queue policy, the KV manager and the step builder.
+"""The scheduler core: composes the queue policy, the KV manager, the running set, the step
+builder and the committer.
 
 Per step: running requests first (policy order; on block shortage the worst running one is
-preempted), then swapped, then waiting; one token budget and one sequence budget. Async: up
-to `max_concurrent_batches` plans in flight, in-flight samples counted as placeholders,
-results committed in plan order; results for requests preempted / finished / aborted since
-are stale (epoch check). The per-request token rules (how many tokens a step computes,
-when a token ends a request) live in `token_rules.py`.
+preempted; runs of plain decodes in bulk, `decodes.py`), then swapped, then waiting; one
+token budget and one sequence budget. Async: up to `max_concurrent_batches` plans in flight,
+in-flight samples counted as placeholders, results committed in plan order (`commit.py`);
+results for requests preempted / finished / aborted since are stale. Per-request token rules
+(tokens per step, when a token ends a request): `token_rules.py`.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from enum import Enum, auto
 from operator import attrgetter
 
@@ -22,22 +23,21 @@ import numpy as np
 from scheduler_service.admission import check_submission
 from scheduler_service.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.decodes import DecodeRun, commit_decodes, decode_masks
+from scheduler_service.commit import StepCommitter
+from scheduler_service.decodes import decode_masks
 from scheduler_service.events import RequestEvent, StepEvents
 from scheduler_service.integrity import check_core
 from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
-from scheduler_service.logprob_events import add_committed, take_prompt_logprobs
 from scheduler_service.policy import WaitingQueue, make_policy
 from scheduler_service.running_set import RunningSet
-from scheduler_service.speculation import draft_allowance, settle
+from scheduler_service.speculation import draft_allowance
 from scheduler_service.request import FINISHED_STATUS, FinishReason, QueueFull, Request, RequestRejected, RequestStatus
 from scheduler_service.stats import SchedulerStats, build_stats, count_result
 from scheduler_service.step_builder import InFlightPlan, StepBuilder
-from scheduler_service.token_rules import commit_one, commit_run, num_new_tokens, stop_reason
+from scheduler_service.token_rules import num_new_tokens
 from stepahead.plan import StepPlan, StepResult
 
-__all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats",
-           "StepEvents"]
+__all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats", "StepEvents"]
 
 
 _run_key = attrgetter("run_key")  # the policy's order of running / swapped requests
@@ -56,19 +56,18 @@ class Scheduler:
         self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
         hash_fn: BlockHashFn = default_block_hash, *, counters: Counter | None = None, bulk_decodes: bool = True,
     ) -> None:
-        """`bulk_decodes=False`: every decode is decided and committed one by one by the
-        per-request rules (the oracle the bulk path of `decodes.py` is tested against)."""
+        """`bulk_decodes=False`: each decode decided and committed alone (the bulk path's oracle)."""
         self.config = config
         self._clock = clock
         self._policy = make_policy(config)
         self._kv = KVCacheManager(
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn
         )
-        self._eos = frozenset(config.eos_token_ids)
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._policy)
         self._running = RunningSet(config.max_num_seqs, config.block_size, config.max_model_len)
         self._bulk = bulk_decodes and not config.num_speculative_tokens  # a speculating decode is decided alone
+        self._committer = StepCommitter(config, self._kv, self._finish, self._requests, self._bulk)
         self._swapped: list[Request] = []
         self._in_flight: deque[InFlightPlan] = deque()
         self._next_step_id = 0
@@ -190,12 +189,9 @@ class Scheduler:
         free = self._kv.device.num_free
         if len(wants) > free:
             take, wants = int(wants[free]), wants[:free]
-        rows, grown = self._running.rows()[start:start + take], []
-        if len(wants):
-            growing = [(p, self._running[start + p]) for p in wants.tolist()]
-            grown = [(p, req, len(req.block_ids)) for p, req in growing]
-            self._kv.append_blocks([req for _, req in growing])
-        b.add_decodes(rows, grown)
+        grown = [(p, req, len(req.block_ids)) for p in wants.tolist() for req in (self._running[start + p],)]
+        self._kv.append_blocks([req for _, req, _ in grown])
+        b.add_decodes(self._running.rows()[start:start + take], grown)
         return take
 
     def _schedule_one(self, req: Request, b: StepBuilder) -> bool:
@@ -382,78 +378,7 @@ class Scheduler:
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
         count_result(self._counts, result)
-        out, sampled, decoded = StepEvents(), result.sampled_token_ids, None
-        if ordered is not None:  # in the plan's order: the decodes' tokens are the tail, no id to look up
-            head = len(ordered) - (len(record.decodes.request_ids) if record.decodes is not None else 0)
-            sampled, decoded = dict(zip(record.sampling[:head], ordered[:head])), ordered[head:]
-        for entry in record.entries:
-            self._commit_entry(entry, result, sampled, out)
-        if record.decodes is not None and self._bulk:
-            self._commit_decodes(record.decodes, result, decoded, out)
-        elif record.decodes is not None:
-            self._commit_decodes_alone(record.decodes, result, out)
-        return out
-
-    def _commit_entry(self, entry, result: StepResult, sampled: Mapping[str, int], out: StepEvents) -> None:
-        req, epoch, num_tokens, samples, drafts = entry
-        if req.epoch != epoch:
-            return  # preempted, finished or aborted since the plan was built: stale
-        if result.failed and req.request_id in result.failed:
-            self._fail(req, result, out)
-            return
-        cfg = self.config
-        prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
-        if not samples:
-            req.num_computed_tokens += num_tokens
-        elif drafts:
-            committed, reason = commit_run(cfg, self._eos, req, settle(req, num_tokens, drafts, result))
-        else:
-            req.num_computed_tokens += num_tokens
-            req.num_output_placeholders -= 1
-            token = sampled[req.request_id]
-            committed, reason = (token,), commit_one(cfg, self._eos, req, token)
-        bs = cfg.block_size
-        if cfg.enable_prefix_caching and req.num_computed_tokens >= (len(req.prefix_ids) + 1) * bs <= req.num_tokens:
-            self._kv.register_computed(req)
-        if samples:
-            if reason is not None:
-                self._finish(req, reason)
-            add_committed(out, req, committed, reason, result, prompt_lp, drafts)
-        elif prompt_lp is not None:
-            out.events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0,
-                                           prompt_logprobs=prompt_lp))
-
-    def _commit_decodes(self, run: DecodeRun, result: StepResult, tokens: list[int] | None, out: StepEvents) -> None:
-        """`_commit_entry` of a run of decodes, in bulk (`decodes.commit_decodes`); each
-        request that needs its own look (a stop, a filled block, an event that is not plain)
-        gets it here."""
-        if result.failed:  # each fails alone (finished: its row is stale for the commit below)
-            for rid in result.failed.keys() & set(run.fresh_ids()):
-                self._fail(self._requests[rid], result, out)
-        done = commit_decodes(run, result, tokens, self._eos, self.config.enable_prefix_caching)
-        for req in done.registrations:
-            self._kv.register_computed(req)
-        out.plain.request_ids += done.plain_ids
-        out.plain.token_ids += done.plain_tokens
-        for req, token, may_stop in done.special:
-            prompt_lp = take_prompt_logprobs(req, result) if result.prompt_logprobs else None
-            reason = stop_reason(self.config, self._eos, req, token) if may_stop else None
-            if reason is not None:
-                self._finish(req, reason)
-            add_committed(out, req, (token,), reason, result, prompt_lp, 0)
-
-    def _commit_decodes_alone(self, run: DecodeRun, result: StepResult, out: StepEvents) -> None:
-        """The oracle of `_commit_decodes`: each fresh decode of the run by `_commit_entry`."""
-        fresh = run.fresh()
-        rows = run.rows if fresh is None else run.rows[fresh]
-        for req in run.columns.requests[rows].tolist():
-            self._commit_entry((req, req.epoch, 1, True, 0), result, result.sampled_token_ids, out)
-
-    def _fail(self, req: Request, result: StepResult, out: StepEvents) -> None:
-        rid = req.request_id
-        self._finish(req, FinishReason.ERROR)
-        out.events.append(RequestEvent(rid, (), FinishReason.ERROR, req.num_prompt_tokens, req.num_cached_tokens,
-                                       f"worker: {result.failed[rid]}", rejected=rid in result.invalid_ids))
+        return self._committer.commit(record, result, ordered)
 
     # ---- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> Request | None:
