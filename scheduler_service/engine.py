@@ -296,7 +296,8 @@ class Engine:
         try:
             events = replica.commit(result, self.metrics)
         except ValueError as exc:
-            self._lose(replica, f"invalid step result: {exc}", WorkerRefused(WorkerRefused.Kind.INVALID, str(exc)))
+            reason = f"invalid step result: {exc}"  # as the stream's reader words one it cannot decode
+            self._lose(replica, reason, WorkerRefused(WorkerRefused.Kind.INVALID, reason))
             return
         self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
