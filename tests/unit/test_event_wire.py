@@ -187,6 +187,27 @@ def test_columns_of_different_lengths_are_refused_before_anything_is_delivered()
     assert got == []
 
 
+def test_packed_columns_that_do_not_decode_are_refused_before_anything_is_delivered():
+    for ids, tokens, match in ((b"a", columns.pack_u32([5]), "not NUL-terminated"),
+                               (b"\xff\0", columns.pack_u32([5]), "not UTF-8"),
+                               (columns.pack_ids(["a"]), b"\5\0\0", "not a whole number of uint32")):
+        batch = scheduler_pb2.EventBatch(token_request_ids=ids, token_ids=tokens)
+        batch.events.add(request_id="a", token_ids=[4], num_prompt_tokens=12)
+        got: list = []
+        with pytest.raises(MalformedBatch, match=match):
+            deliver(batch, {"a": OpenRequest(got.append)})
+        assert got == []
+
+
+def test_the_scope_is_cut_from_every_plain_id_even_of_mixed_scopes():
+    from scheduler_service.event_batches import event_batches
+
+    (one,) = event_batches([PlainTokens(["2a/x", "2a/2a/y"], [1, 2])], len(SCOPE))
+    assert plain_ids(one) == ["x", "2a/y"], "only the leading scope goes"
+    (mixed,) = event_batches([PlainTokens(["2a/x", "3b/y"], [1, 2])], len(SCOPE))  # never from the engine
+    assert plain_ids(mixed) == ["x", "y"]
+
+
 class _Malformed(scheduler_pb2_grpc.SchedulerServicer):
     """A scheduler that answers the first submission with a batch whose columns differ in length."""
 
