@@ -296,9 +296,8 @@ class Engine:
         try:
             events = replica.commit(result, self.metrics)
         except ValueError as exc:
-            reason = f"invalid step result: {exc}"  # as the stream's reader words one it cannot decode
-            self._lose(replica, reason, WorkerRefused(WorkerRefused.Kind.INVALID, reason))
-            return
+            return self._lose(replica, reason := f"invalid step result: {exc}",
+                              WorkerRefused(WorkerRefused.Kind.INVALID, reason))
         self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
 
@@ -314,9 +313,8 @@ class Engine:
             if isinstance(event, Rejected) or event.finish_reason is not None:
                 del streams[event.request_id]
                 self._owner.pop(event.request_id, None)
-        if plain:
-            for sink, part in split_plain(plain, streams.get):
-                batches.setdefault(sink, []).append(part)
+        for sink, part in split_plain(plain, streams.get) if plain else ():
+            batches.setdefault(sink, []).append(part)
         for sink, batch in batches.items():
             sink.put_many(batch)
 

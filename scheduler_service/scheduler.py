@@ -185,8 +185,7 @@ class Scheduler:
         and the free blocks go (one for each whose blocks are full); returns how many. A
         decode left without a block is decided alone (it may preempt, or wait for a fence)."""
         take = min(end - start, b.token_budget, b.seq_budget)
-        wants = np.flatnonzero(new_block[start:start + take])
-        free = self._kv.device.num_free
+        wants, free = np.flatnonzero(new_block[start:start + take]), self._kv.device.num_free
         if len(wants) > free:
             take, wants = int(wants[free]), wants[:free]
         grown = [(p, req, len(req.block_ids)) for p in wants.tolist() for req in (self._running[start + p],)]
@@ -387,8 +386,7 @@ class Scheduler:
     def waiting_requests(self) -> list[Request]:
         return self._waiting.requests()
 
-    def queue_lengths(self) -> tuple[int, int]:
-        """(running, waiting), without building the stats (the flight recorder's, per step)."""
+    def queue_lengths(self) -> tuple[int, int]:  # (running, waiting), for the flight recorder per step
         return len(self._running), len(self._waiting)
 
     def stats(self) -> SchedulerStats:
