@@ -4,9 +4,10 @@ servicer's proto conversion of events; see `EventBatch` in protos/stepahead/v1/s
 At 256 streams almost every event of a step is a *plain* decode token (one request, one new
 token, nothing else), and the core hands them over as columns (`events.PlainTokens`). Those
 go in the batch's two packed columns instead of one `TokenEvent` each: no submessage to
-build here, none to parse and walk at the gateway. Everything else is a full `TokenEvent`. The receiver applies a batch's `events` before its plain tokens, so
-a request's plain token followed (in the session's merged lists) by another event of the same
-request closes the batch and the event starts the next one.
+build here, none to parse and walk at the gateway. Everything else is a full `TokenEvent`.
+The receiver applies a batch's `events` before its plain tokens, so a request's plain token
+followed (in the session's merged lists) by another event of the same request closes the
+batch and the event starts the next one.
 """
 
 from __future__ import annotations

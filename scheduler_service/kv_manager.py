@@ -84,7 +84,8 @@ class KVCacheManager:
             tokens = request.token_ids_range(i * bs, (i + 1) * bs)
             if i == len(hashes):  # hashes run from block 0 on, at least as far as the cached prefix
                 hashes.append(self._hash_fn(hashes[-1] if hashes else None, tokens, salt))
-            prefix.append(self.device.register(request.block_ids[i], hashes[i], tokens, salt, prefix[-1] if prefix else 0))
+            parent = prefix[-1] if prefix else 0
+            prefix.append(self.device.register(request.block_ids[i], hashes[i], tokens, salt, parent))
 
     # ---- slots ---------------------------------------------------------------------------
     def blocks_needed(self, request: Request, num_tokens: int) -> int:

@@ -54,7 +54,8 @@ class RunningColumns:
         # num_tokens from which its committed tokens are plain events: past its first output
         # token, unless it asked for logprobs or counted drafts (never)
         self.plain_from = np.zeros(capacity, np.int64)
-        self.ticket = np.zeros(capacity, np.int64)  # who holds the row (0: nobody); an in-flight row is stale once it changed
+        # who holds the row (0: nobody): an in-flight row whose ticket changed since is stale
+        self.ticket = np.zeros(capacity, np.int64)
         self.departures = 0  # requests that left a row so far: while unchanged, no in-flight row is stale
         self.requests = np.empty(capacity, object)
         self.request_ids = np.empty(capacity, object)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-
-import numpy as np
 from functools import partial
 from typing import NamedTuple
+
+import numpy as np
 
 from scheduler_service.decodes import DecodeRun, ScheduledDecodes
 from scheduler_service.logprob_events import check_result_logprobs
@@ -149,12 +149,11 @@ class StepBuilder:
         entry = self.entries.pop(request.request_id, None)
         if entry is not None:
             assert not entry.is_new, "a request admitted this step is never a victim"
-            self.token_budget += entry.num_new_tokens - 1
+            self.token_budget += entry.num_new_tokens
         elif self.decodes.remove(request):
-            pass
+            self.token_budget += 1
         else:
             return  # not scheduled in this step
-        self.token_budget += 1
         self.seq_budget += 1
 
     @property
@@ -202,8 +201,7 @@ class StepBuilder:
         deltas, decodes, sampling = RunningDeltas.of(running), None, sampling_new + sampling_running
         if self.decodes:
             decode_deltas, decodes = self.decodes.build(columns, step_id)
-            deltas = RunningDeltas(*(list(a) + b for a, b in zip(deltas.columns(), decode_deltas.columns())),
-                                   list(deltas.num_new_blocks) + decode_deltas.num_new_blocks)
+            deltas = deltas.followed_by(decode_deltas)
             sampling += decodes.request_ids
         plan = StepPlan(
             step_id=step_id,

@@ -188,6 +188,11 @@ class RunningDeltas(Sequence):
             return deltas
         return cls(*map(tuple, zip(*deltas))) if deltas else cls()
 
+    def followed_by(self, other: RunningDeltas) -> RunningDeltas:
+        """These deltas, then `other`'s, as one set of columns."""
+        columns = (list(mine) + list(theirs) for mine, theirs in zip(self.columns(), other.columns()))
+        return RunningDeltas(*columns, list(self.num_new_blocks) + list(other.num_new_blocks))
+
     def columns(self) -> tuple[Sequence, ...]:
         return (self.request_ids, self.new_block_ids, self.num_scheduled_tokens, self.input_is_placeholder,
                 self.num_draft_tokens)
