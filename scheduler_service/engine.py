@@ -203,14 +203,14 @@ class Engine:
                 item = self._inbox.get(timeout=self._time_to_next_deadline())
             except queue.Empty:
                 item = None
-            while item is not None:  # handle what arrived before planning
+            # handle what arrived before planning, not what arrives meanwhile: a flood of
+            # submissions must not keep a device with room from its next plan (only this
+            # thread takes from the inbox, so the backlog counted here is there to take)
+            items = [item, *(self._inbox.get_nowait() for _ in range(self._inbox.qsize()))] if item is not None else []
+            for item in items:
                 if isinstance(item, _Stop):
                     return
                 self._handle(item)
-                try:
-                    item = self._inbox.get_nowait()
-                except queue.Empty:
-                    item = None
             self._enforce_deadlines()
             for replica in list(self._replicas.values()):
                 replica.pump()
