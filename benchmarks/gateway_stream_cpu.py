@@ -88,7 +88,7 @@ def client_round(target: str, streams: int, input_len: int, output_len: int) -> 
     workload = bench.make_workload(wargs, 1000)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu0 = usage.ru_utime + usage.ru_stime
-    results, elapsed = asyncio.run(bench.run_workload_async(target, None, workload, wargs))
+    results, elapsed, _ = asyncio.run(bench.run_workload_async(target, None, workload, wargs))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"tokens": sum(r.output_len for r in results if not r.error), "failed": sum(1 for r in results if r.error),
             "messages": sum(len(r.token_times) for r in results if not r.error),

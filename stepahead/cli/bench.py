@@ -10,7 +10,9 @@ no `--max-concurrency` every request is sent at once, a finite rate draws Poisso
 A trace (`stepahead.datasets`: Azure CSV or JSONL) is replayed at its own arrival times
 divided by `--trace-speedup`, with its lengths, priorities and prefix groups, EOS ignored.
 Given `--scheduler`, also reports `device_utilization` (the device's busy seconds over the
-run's wall time, from the scheduler's counters) and the flight recorder's idle fraction.
+wall time between two snapshots of the scheduler's counters, just before the first request
+and just after the last answer, on a connection opened before the clock starts) and the
+flight recorder's idle fraction.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import resource
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -159,10 +162,13 @@ async def _one_request_async(stub, item: WorkItem, ignore_eos: bool, metadata) -
     return m
 
 
-async def run_workload_async(target: str, api_key: str | None, workload: list[WorkItem],
-                             args: argparse.Namespace) -> tuple[list[RequestMetrics], float]:
+async def run_workload_async(target: str, api_key: str | None, workload: list[WorkItem], args: argparse.Namespace,
+                             snapshot: Callable[[], object] = lambda: None) -> tuple[list[RequestMetrics], float, tuple]:
     """The workload on one grpc.aio channel and one event loop: no thread per stream, so the
-    client's own CPU per token stays small next to what it measures."""
+    client's own CPU per token stays small next to what it measures. The channel is connected
+    before the clock starts (a client's connection setup is not the server's time); `snapshot`
+    is called just before the first request and just after the last answer, and both results
+    are returned with the run's (results, seconds)."""
     import grpc
     from tqdm import tqdm
 
@@ -173,6 +179,7 @@ async def run_workload_async(target: str, api_key: str | None, workload: list[Wo
     bar = tqdm(total=len(workload), desc="requests", unit="req", disable=args.disable_tqdm)
     ignore_eos = args.ignore_eos or args.dataset_name == "trace"
     async with grpc.aio.insecure_channel(target) as channel:
+        await channel.channel_ready()
         stub = generation_pb2_grpc.GenerationStub(channel)
 
         async def task(item: WorkItem, start_at: float) -> RequestMetrics:
@@ -182,11 +189,13 @@ async def run_workload_async(target: str, api_key: str | None, workload: list[Wo
             bar.update(1)
             return m
 
+        before = snapshot()
         t0 = time.perf_counter()
         results = await asyncio.gather(*(task(item, t0 + item.arrival_s) for item in workload))
         elapsed = time.perf_counter() - t0
+        after = snapshot()
     bar.close()
-    return list(results), elapsed
+    return list(results), elapsed, (before, after)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -224,25 +233,38 @@ def summarize(results: list[RequestMetrics], elapsed: float) -> dict:
     }
 
 
-def scheduler_counters(scheduler: str, token: str | None) -> tuple[float, float, int]:
-    """(wall time, device busy seconds, tokens sampled) from the scheduler's stats."""
-    from stepahead import security
-    from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
+class DeviceCounters:
+    """The scheduler's device counters over one channel kept open: a snapshot is one RPC, so
+    the window they bound is the workload's, give or take a millisecond."""
 
-    with security.channel(scheduler, cluster_token=token) as channel:
-        stats = scheduler_pb2_grpc.SchedulerStub(channel).GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
-    return time.time(), stats.device_busy_s, stats.num_sampled_tokens
+    def __init__(self, scheduler: str, token: str | None) -> None:
+        from stepahead import security
+        from stepahead.v1 import scheduler_pb2_grpc
+
+        self._channel = security.channel(scheduler, cluster_token=token)
+        self._stub = scheduler_pb2_grpc.SchedulerStub(self._channel)
+
+    def snapshot(self) -> tuple[float, float, int]:
+        """(wall time, device busy seconds, tokens sampled)."""
+        from stepahead.v1 import scheduler_pb2
+
+        stats = self._stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=30)
+        return time.time(), stats.device_busy_s, stats.num_sampled_tokens
+
+    def close(self) -> None:
+        self._channel.close()
 
 
-def device_report(scheduler: str, before: tuple[float, float, int], wall_start: float, token: str | None) -> dict:
-    """Utilization = busy seconds / wall seconds; the device's ideal = tokens / busy seconds."""
+def device_report(scheduler: str, window: tuple, token: str | None) -> dict:
+    """Utilization = busy seconds / wall seconds between the two snapshots around the workload;
+    the device's ideal = tokens / busy seconds."""
     from stepahead.flight_recorder import device_idle_fraction
     from stepahead.cli.trace import fetch_records
 
-    after = scheduler_counters(scheduler, token)
+    before, after = window
     wall, busy, tokens = after[0] - before[0], after[1] - before[1], after[2] - before[2]
     _, records = fetch_records(scheduler, token)
-    inside = [r for r in records if r.worker.forward_start >= wall_start and r.worker.forward_end <= after[0]]
+    inside = [r for r in records if r.worker.forward_start >= before[0] and r.worker.forward_end <= after[0]]
     return {
         "device_utilization": busy / wall if busy > 0 else None,  # None: the worker reports no busy time
         "device_busy_s": busy, "device_sampled_tokens": tokens,
@@ -308,18 +330,23 @@ def bench(args: argparse.Namespace) -> dict:
         info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
         workload = make_workload(args, info.vocab_size)
         one_request(stub, WorkItem(workload[0].prompt[:8], 2), True)  # warm-up, not measured
-        before = scheduler_counters(args.scheduler, args.cluster_token) if args.scheduler else None
-        wall_start, cpu_start = time.time(), _cpu_seconds()
-        results, elapsed = asyncio.run(run_workload_async(args.target, os.environ.get("STEPAHEAD_API_KEY"),
-                                                          workload, args))
+        counters = DeviceCounters(args.scheduler, args.cluster_token) if args.scheduler else None
+        cpu_start = _cpu_seconds()
+        try:
+            results, elapsed, window = asyncio.run(run_workload_async(
+                args.target, os.environ.get("STEPAHEAD_API_KEY"), workload, args,
+                counters.snapshot if counters else lambda: None))
+        finally:
+            if counters is not None:
+                counters.close()
         client_cpu = _cpu_seconds() - cpu_start
     summary = {"label": args.label, "model": info.name, **summarize(results, elapsed),
                "client_cpu_s": client_cpu, "client_cpu_per_output_token_us":
                client_cpu / max(1, sum(r.output_len for r in results)) * 1e6}
     summary["config"] = {k: str(v) if isinstance(v, (Path, float)) else v for k, v in vars(args).items()
                          if k != "result_filename" and not callable(v)}
-    if before is not None:
-        summary.update(device_report(args.scheduler, before, wall_start, args.cluster_token))
+    if counters is not None:
+        summary.update(device_report(args.scheduler, window, args.cluster_token))
     if args.result_filename:
         args.result_filename.parent.mkdir(parents=True, exist_ok=True)
         args.result_filename.write_text(json.dumps({**summary, "requests": [asdict(r) for r in results]}))
