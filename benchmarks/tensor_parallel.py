@@ -22,10 +22,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import time
 from pathlib import Path
+
+from stepahead.ports import free_port
 
 KV_TOKENS = 256
 BLOCK = 16
@@ -118,12 +119,6 @@ def rank_main(rank: int, size: int, threads: int, port: int, args, out: str) -> 
         from worker_service.parallel.group import destroy_group
 
         destroy_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_config(config: str, args, tmp: str) -> list[dict]:

@@ -22,7 +22,6 @@ import dataclasses
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -30,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from stepahead import config as cfg
+from stepahead.ports import free_port, free_ports
 
 _SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level", "cluster_token", "insecure", "ssl_certfile",
                       "ssl_keyfile", "ssl_ca_certs", "enable_reflection")
@@ -57,24 +57,6 @@ class ServeConfig:
     api_key: str | None = cfg.field(None, "API keys the gateway requires (comma list; env recommended)")
     max_restarts: int = cfg.field(10, "restarts of a crashed daemon before serve gives up")
     log_level: str = cfg.field("info", "log level of every daemon")
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct free ports (all bound at once while they are picked)."""
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind((host, 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _die_with_parent() -> None:

@@ -7,7 +7,6 @@ swap/recompute preemption. Also: the geometry refusals."""
 from __future__ import annotations
 
 import dataclasses
-import socket
 
 import pytest
 import torch
@@ -15,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from stepahead.plan import SamplingParams
+from stepahead.ports import free_port
 from tests.model.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
 from tests.model.oracle import random_prompts
@@ -72,12 +72,6 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, back
         dist.barrier()
     finally:
         destroy_group()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(size: int, paths: list[str], out: str, backend: str = "gloo") -> list:

@@ -8,7 +8,6 @@ group with an error instead of a hang.
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -29,13 +28,6 @@ class GroupSpec:
 
 def default_backend(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
-
-
-def free_port(host: str) -> int:
-    """A port this host can listen on now (rank 0's rendezvous port, offered when joining)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def init_group(spec: GroupSpec) -> None:

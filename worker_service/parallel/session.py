@@ -21,12 +21,13 @@ import threading
 import grpc
 from prometheus_client import REGISTRY
 
+from stepahead.ports import free_port
 from worker_service.health import NoHealth, WorkerHealth
 from worker_service.daemon import WorkerConfig, _StopWatch, attach_once, build_runner, worker_info
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_config import ModelConfig
 from worker_service.parallel.geometry import ShardGeometry
-from worker_service.parallel.group import GroupSpec, default_backend, destroy_group, free_port, init_group
+from worker_service.parallel.group import GroupSpec, default_backend, destroy_group, init_group
 
 JOIN_POLL_S = 0.2  # how often a pending join looks at the stop flag
 

@@ -1,0 +1,50 @@
+"""Ports for listeners that are picked before they are bound (a daemon's flag, a rendezvous)."""
+
+from __future__ import annotations
+
+import random
+import socket
+from pathlib import Path
+
+__all__ = ["free_port", "free_ports"]
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    return free_ports(1, host)[0]
+
+
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_PICK = random.Random()  # its own generator: a test seeding `random` must not make processes pick alike
+
+
+def _listen_ports() -> range | None:
+    """Ports below the kernel's ephemeral range, where no outgoing connection takes its local
+    port; None where that range leaves no room (then bind(0) picks)."""
+    try:
+        low = int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return range(10000, low) if low - 10000 >= 1000 else None
+
+
+def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
+    """`n` distinct ports free now (all bound at once while they are picked). They come from
+    below the ephemeral range: a port from bind(0) is one that the daemons' own outgoing
+    connections (worker -> scheduler, gateway -> scheduler) may take as their local port
+    between the pick and the listener's bind, and the listener then fails to start."""
+    pool, socks = _listen_ports(), []
+    try:
+        for _ in range(100 * n):
+            if len(socks) == n:
+                return [s.getsockname()[1] for s in socks]
+            s = socket.socket()
+            try:
+                s.bind((host, _PICK.choice(pool) if pool else 0))
+            except OSError:  # taken: another one
+                s.close()
+                continue
+            socks.append(s)
+        raise OSError(f"found {len(socks)} of {n} free ports on {host}")
+    finally:
+        for s in socks:
+            s.close()
