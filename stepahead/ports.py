@@ -35,8 +35,6 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     pool, socks = _listen_ports(), []
     try:
         for _ in range(100 * n):
-            if len(socks) == n:
-                return [s.getsockname()[1] for s in socks]
             s = socket.socket()
             try:
                 s.bind((host, _PICK.choice(pool) if pool else 0))
@@ -44,6 +42,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
                 s.close()
                 continue
             socks.append(s)
+            if len(socks) == n:
+                return [s.getsockname()[1] for s in socks]
         raise OSError(f"found {len(socks)} of {n} free ports on {host}")
     finally:
         for s in socks:
