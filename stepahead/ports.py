@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import random
 import socket
+from collections.abc import Collection
 from pathlib import Path
 
 __all__ = ["free_port", "free_ports"]
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    return free_ports(1, host)[0]
+def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
+    return free_ports(1, host, exclude)[0]
 
 
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -27,8 +28,9 @@ def _listen_ports() -> range | None:
     return range(10000, low) if low - 10000 >= 1000 else None
 
 
-def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
-    """`n` distinct ports free now (all bound at once while they are picked). They come from
+def free_ports(n: int, host: str = "127.0.0.1", exclude: Collection[int] = ()) -> list[int]:
+    """`n` distinct ports free now (all bound at once while they are picked), none of
+    `exclude` (ports already handed to a daemon that has not bound them yet). They come from
     below the ephemeral range: a port from bind(0) is one that the daemons' own outgoing
     connections (worker -> scheduler, gateway -> scheduler) may take as their local port
     between the pick and the listener's bind, and the listener then fails to start."""
@@ -39,6 +41,9 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
             try:
                 s.bind((host, _PICK.choice(pool) if pool else 0))
             except OSError:  # taken: another one
+                s.close()
+                continue
+            if s.getsockname()[1] in exclude:
                 s.close()
                 continue
             socks.append(s)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from stepahead import security
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_ports
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -39,8 +39,9 @@ class LocalCluster:
         self.model_dir, self.profile = str(model_dir), str(sim_profile)
         self.token = secrets.token_urlsafe(16)
         self.env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level, STEPAHEAD_CLUSTER_TOKEN=self.token)
-        self.scheduler_address = f"127.0.0.1:{free_port()}"
-        self.gateway_addresses = [f"127.0.0.1:{free_port()}" for _ in range(gateways)]
+        sched_port, *gateway_ports = free_ports(1 + gateways)
+        self.scheduler_address = f"127.0.0.1:{sched_port}"
+        self.gateway_addresses = [f"127.0.0.1:{port}" for port in gateway_ports]
         self.worker_flags, self.gateway_flags = list(worker_flags), list(gateway_flags)
         self.gateway_env = dict(self.env, **(gateway_env or {}))
         self.everything: list[subprocess.Popen] = []  # every process ever started

@@ -206,8 +206,10 @@ def run(args: argparse.Namespace) -> int:
     if config.data_parallel_size < 1:
         raise SystemExit(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     model_dir = str(resolve_model(config.model))  # build a built-in model once, here
-    port = config.port or free_port(config.host)
-    sched_port, *health_ports = free_ports(1 + config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1))
+    named = {config.port, config.http_port, config.scheduler_port}  # the flags' ports: not to be picked again
+    port = config.port or free_port(config.host, exclude=named)
+    sched_port, *health_ports = free_ports(1 + config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1),
+                                           exclude=named | {port})
     sched_addr = f"127.0.0.1:{config.scheduler_port or sched_port}"
     log = ["--log-level", config.log_level]
     stop = threading.Event()

@@ -33,3 +33,10 @@ def test_ports_come_from_below_the_ephemeral_range_and_are_free():
         with socket.socket() as s:  # free: a listener can have it
             s.bind(("127.0.0.1", port))
             s.listen()
+
+
+
+def test_ports_already_handed_out_are_not_picked_again(monkeypatch):
+    *held, a, b = free_ports(6)  # `held`: named in a daemon's flags, not yet bound by it
+    monkeypatch.setattr("stepahead.ports._listen_ports", lambda: [*held, a, b])  # a pool of six
+    assert sorted(free_ports(2, exclude=held)) == sorted([a, b])
