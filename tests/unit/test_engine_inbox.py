@@ -2,9 +2,9 @@
 
 The engine handles what queued up before it plans, so one plan takes in every request that
 arrived meanwhile. What arrives *while* it handles that backlog waits for the next round: a
-steady flood of submissions (a gateway's burst of 256 prompts, or a client hammering it
-with bad ones) must not keep a device that has room from its next plan. Before this rule,
-a burst at 256 streams left the h200 sim idle for 65 ms between its first steps.
+steady flood of submissions (a gateway forwarding a long burst, or a client on the internal
+port hammering it with bad ones) must not keep a device that has room from its next plan.
+Before this rule the engine planned only once its inbox was empty.
 """
 
 from __future__ import annotations

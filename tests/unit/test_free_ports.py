@@ -1,10 +1,11 @@
 """Ports picked for the daemons' listeners lie outside the kernel's ephemeral range.
 
-`stepahead serve`, the test launcher and a tensor-parallel rendezvous pick the gateway's, the scheduler's and the health
+`stepahead serve`, the test launcher and a tensor-parallel rendezvous pick their listeners'
 ports before the daemons bind them. A port from bind(0) comes from the ephemeral range, the
 range outgoing connections take their local port from, so a worker's or gateway's connection
 to the scheduler could take it first and the listener failed with EADDRINUSE (a capacity
-sweep lost its 512-stream row that way).
+sweep lost its 512-stream row that way). A port already named in a daemon's flags is not
+picked again for another.
 """
 
 from __future__ import annotations
