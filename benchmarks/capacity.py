@@ -81,6 +81,27 @@ def all_running_cpu(records: list[StepRecord], streams: int, sampler: CpuSampler
             "scheduler_cpu_per_step_ms_all_running": None if cpu is None else cpu / steps * 1e3}
 
 
+def phase_totals(records: list[StepRecord], streams: int, since: float = 0.0) -> dict[str, list]:
+    """[busy s, wall s, steps] of the decode phase (steps of at most one token per stream) and
+    of the steps carrying prefill chunks, from the flight record: each step's busy time and the
+    wall time since the previous step ended; steps after `since` (wall clock) only."""
+    by_id = {r.step_id: r for r in records}
+    phases = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}
+    for r in records:
+        prev = by_id.get(r.step_id - 1)
+        if prev is None or not (r.worker.forward_start and prev.worker.forward_end) or prev.worker.forward_end < since:
+            continue
+        phase = phases["decode" if r.num_tokens <= streams else "prefill"]
+        phase[0] += r.worker.device_busy_s
+        phase[1] += r.worker.forward_end - prev.worker.forward_end
+        phase[2] += 1
+    return phases
+
+
+def phase_utilization(records: list[StepRecord], streams: int, since: float = 0.0) -> dict[str, float | None]:
+    return {k: busy / wall if wall else None for k, (busy, wall, _) in phase_totals(records, streams, since).items()}
+
+
 def split_profile(path: Path) -> dict[str, float]:
     """Fraction of GIL-holding samples per category."""
     counts: collections.Counter = collections.Counter()
@@ -140,6 +161,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
                gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
                load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads, python_speed_ms=speed,
+               device_utilization_by_phase=phase_utilization(records, streams, (summary.get("device_window") or [0])[0]),
                **all_running_cpu(records, streams, sampler))
     if spies:
         split = split_profile(args.out.parent / f"capacity_profile_{label}.txt")
@@ -187,6 +209,10 @@ def table(rows: list[dict]) -> str:
             f"{r['gateway_cpu_per_token_us']:.0f} | {r['client_cpu_s']:.1f} | {r['load_average']:.1f} | "
             f"{r.get('python_speed_ms', float('nan')):.0f} |")
     return "\n".join(lines)
+
+
+def _pct(value: float | None) -> str:
+    return "–" if value is None else f"{value:.1%}"
 
 
 def _ms(value: float | None) -> str:
@@ -259,7 +285,10 @@ def main() -> None:
         for r in group:
             if r["mode"] == "async" and r["streams"] in sync:
                 r["async_over_sync"] = r["output_throughput"] / sync[r["streams"]]["output_throughput"]
-                print(f"{setup} {model} {r['streams']} streams: async/sync tok/s = {r['async_over_sync']:.2f}")
+                phases = {k: (r["device_utilization_by_phase"][k], sync[r["streams"]]["device_utilization_by_phase"][k])
+                          for k in ("decode", "prefill")}
+                print(f"{setup} {model} {r['streams']} streams: async/sync tok/s = {r['async_over_sync']:.2f}; util "
+                      + ", ".join(f"{k} phase {_pct(a)} / {_pct(b)}" for k, (a, b) in phases.items()))
     args.out.write_text(json.dumps({"rows": rows, "input_len": args.input_len, "output_len": args.output_len,
                                     "cpus": os.cpu_count()}, indent=2))
     plot(rows, args.out.with_suffix(".png"))

@@ -55,16 +55,12 @@ def chain(base: StepRecord, r: StepRecord) -> dict[str, float]:
 
 def analyse(records: list[StepRecord], window: int, streams: int) -> dict:
     by_id = {r.step_id: r for r in records}
-    phases = {"decode": [0.0, 0.0, 0], "prefill": [0.0, 0.0, 0]}  # busy, wall, steps
+    phases = capacity.phase_totals(records, streams)  # busy, wall, steps
     waits, parts = [], {k: [] for k in SEGMENTS}
     for r in records:
         prev, base = by_id.get(r.step_id - 1), by_id.get(r.step_id - window)
         if prev is None or not (r.worker.forward_start and prev.worker.forward_end):
             continue
-        phase = phases["decode" if r.num_tokens <= streams else "prefill"]
-        phase[0] += r.worker.device_busy_s
-        phase[1] += r.worker.forward_end - prev.worker.forward_end
-        phase[2] += 1
         idle = r.worker.forward_start - prev.worker.forward_end
         if idle > 0.0002 and base is not None:  # the device waited for this plan
             waits.append(idle)

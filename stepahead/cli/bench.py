@@ -270,6 +270,7 @@ def device_report(scheduler: str, window: tuple, token: str | None) -> dict:
         "device_busy_s": busy, "device_sampled_tokens": tokens,
         "device_ideal_output_throughput": tokens / busy if busy > 0 else None,
         "device_idle_fraction": device_idle_fraction(inside) if inside else None,
+        "device_window": [before[0], after[0]],  # wall clock (time.time) of the two snapshots
     }
 
 
