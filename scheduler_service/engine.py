@@ -130,9 +130,10 @@ class Engine:
         return self._model
 
     def submit(self, request: Request, session: GatewaySession) -> None:
-        """Queue a request whose events go to `session` (in order with this thread's aborts;
-        no round trip: the caller never waits for the engine). A request the engine refuses
-        gets one `Rejected` event on `session` (QUEUE_FULL, INVALID or UNAVAILABLE)."""
+        """Queue a request whose events go to `session`, in order with this thread's aborts (no
+        round trip; blocks only while the session has its most queued, `reserve`). A refused
+        request gets one `Rejected` event on `session` (QUEUE_FULL, INVALID or UNAVAILABLE)."""
+        session.reserve()
         self._inbox.put(_Submit(request, session))
 
     def close_session(self, session: GatewaySession) -> None:
@@ -148,8 +149,7 @@ class Engine:
         return handle
 
     @property
-    def carried_counts(self) -> collections.Counter:
-        """Monotonic counters of the replicas lost so far (added to the live ones' totals)."""
+    def carried_counts(self) -> collections.Counter:  # of the replicas lost so far (monotonic)
         return self._carried_counts
 
     def stats(self) -> tuple[SchedulerStats | None, dict[str, SchedulerStats]]:
@@ -251,6 +251,7 @@ class Engine:
     # ---- requests ------------------------------------------------------------------
     def _submit(self, request: Request, session: GatewaySession) -> None:
         """Add a request; whatever is wrong with it is answered to it alone, on its session."""
+        session.handled()
         try:
             self._add(request, session)
         except (RequestRejected, NoWorker) as exc:  # QueueFull is a RequestRejected
@@ -273,8 +274,7 @@ class Engine:
         self.metrics.on_submit(request.request_id)
 
     def _place(self, request: Request) -> Replica:
-        candidates = [Candidate(handle, r.load) for handle, r in self._replicas.items()]
-        return self._replicas[self._router.choose(request, candidates)]
+        return self._replicas[self._router.choose(request, [Candidate(h, r.load) for h, r in self._replicas.items()])]
 
     def _park(self, request: Request) -> None:
         self._parked[request.request_id] = (request, time.monotonic() + self.options.worker_wait_timeout_s)

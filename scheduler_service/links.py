@@ -154,10 +154,27 @@ def rejection(request_id: str, exc: Exception) -> Rejected:
 class GatewaySession:
     """Every request one gateway submitted on its Connect stream: the engine hands over one
     list of events per dispatch; the stream's writer merges lists that queued up meanwhile
-    (and `event_batches` encodes a merged list, split where a request's order needs it)."""
+    (and `event_batches` encodes a merged list, split where a request's order needs it).
 
-    def __init__(self) -> None:
+    At most `max_unhandled` of its submissions wait in the engine's inbox at once: the
+    stream's reader blocks on the next one (`Engine.submit`), so gRPC's flow control pushes
+    back on a peer that submits faster than the engine takes them, and a flood holds no
+    more memory than that."""
+
+    MAX_UNHANDLED = 4096
+
+    def __init__(self, max_unhandled: int = MAX_UNHANDLED) -> None:
         self._batches: queue.SimpleQueue[list | None] = queue.SimpleQueue()
+        self._room = threading.Semaphore(max_unhandled)
+
+    def reserve(self) -> None:
+        """A submission is on its way to the engine: blocks while `max_unhandled` are (so
+        never call it on the engine's own thread)."""
+        self._room.acquire()
+
+    def handled(self) -> None:
+        """The engine took one submission (added or refused)."""
+        self._room.release()
 
     def put_many(self, events: list) -> None:
         self._batches.put(list(events))
