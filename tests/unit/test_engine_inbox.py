@@ -111,7 +111,7 @@ def test_a_session_queues_at_most_its_bound_of_submissions():
     thread = threading.Thread(target=reader)
     thread.start()
     assert at_bound.wait(30)
-    thread.join(0.5)  # a fifth submission would return here if nothing held it
+    thread.join(0.5)  # room for a fifth to return if nothing held it (never needed to pass)
     assert thread.is_alive() and len(submitted) == 4, submitted
     gate.release.set()
     thread.join(30)
