@@ -3,7 +3,7 @@
 Pure domain code (no grpc): the servicer hands it submissions, aborts, workers' hellos and
 step results; it hands plans to each worker's outbox and events to gateway sessions. One
 engine thread owns every replica (`replica.py`: a scheduler core + a `StepLoop` each);
-other threads talk to it through the inbox queue, so nothing needs a lock.
+other threads talk to it through its inbox (`inbox.py`), so nothing needs a lock.
 
 Every worker that attaches becomes a replica and takes requests at once. A new request is
 placed on one replica by the router (`router.py`) and stays there: each replica has its
@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from scheduler_service.admission import check_submission
 from scheduler_service.config import SchedulerConfig
 from scheduler_service.groups import GroupAssembly, GroupFormer
+from scheduler_service.inbox import Abort, Attach, Call, CloseSession, Inbox, Stop, Submit
 from scheduler_service.links import (
     GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerHandle, WorkerLost, WorkerRefused, WorkerResult,
     rejection,
@@ -56,37 +57,6 @@ class EngineOptions:
     freeze_heap_on_attach: bool = False  # the daemon's: gc.freeze() a new replica's block pool (heap.freeze_heap)
 
 
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-
-
-@dataclass(frozen=True)
-class _Submit:
-    request: Request
-    session: GatewaySession
-
-
-@dataclass(frozen=True)
-class _Attach:
-    handle: WorkerHandle
-
-
-@dataclass(frozen=True)
-class _Call:
-    fn: Callable[[], object]
-    reply: queue.SimpleQueue
-
-
-@dataclass(frozen=True)
-class _CloseSession:
-    session: object
-
-
-class _Stop:
-    pass
-
-
 # Geometry every replica of one scheduler must share (requests move between them).
 _SAME_ON_EVERY_REPLICA = ("model_name", "block_size", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs")
 
@@ -102,7 +72,7 @@ class Engine:
         self._make_config = make_config
         self._log = log
         self._on_ready_change = on_ready_change
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()  # C-level put/get: no Python Condition per hand-off
+        self._inbox = Inbox()
         self._replicas: dict[WorkerHandle, Replica] = {}
         self._model: WorkerInfo | None = None  # the first replica's hello: what this scheduler serves
         self._router: Router | None = None
@@ -121,7 +91,7 @@ class Engine:
         self._thread.start()
 
     def stop(self) -> None:
-        self._inbox.put(_Stop())
+        self._inbox.put(Stop())
         self._thread.join(timeout=5)
 
     @property
@@ -134,22 +104,23 @@ class Engine:
         round trip; blocks only while the session has its most queued, `reserve`). A refused
         request gets one `Rejected` event on `session` (QUEUE_FULL, INVALID or UNAVAILABLE)."""
         session.reserve()
-        self._inbox.put(_Submit(request, session))
+        self._inbox.put(Submit(request, session))
 
     def close_session(self, session: GatewaySession) -> None:
         """The gateway's stream ended: abort every request it still has, then close."""
-        self._inbox.put(_CloseSession(session))
+        self._inbox.put(CloseSession(session))
 
     def abort(self, request_id: str) -> None:
-        self._inbox.put(_Abort(request_id))
+        self._inbox.put(Abort(request_id))
 
     def attach_worker(self, info: WorkerInfo, outbox: PlanOutbox) -> WorkerHandle:
         handle = WorkerHandle(self._inbox.put, info, outbox)
-        self._inbox.put(_Attach(handle))
+        self._inbox.put(Attach(handle))
         return handle
 
     @property
-    def carried_counts(self) -> collections.Counter:  # of the replicas lost so far (monotonic)
+    def carried_counts(self) -> collections.Counter:
+        """Monotonic counters of the replicas lost so far (added to the live ones' totals)."""
         return self._carried_counts
 
     def stats(self) -> tuple[SchedulerStats | None, dict[str, SchedulerStats]]:
@@ -181,7 +152,7 @@ class Engine:
         """Run fn on the engine thread and return its result (or raise its exception);
         queue.Empty when `timeout` passes first."""
         reply: queue.SimpleQueue = queue.SimpleQueue()
-        self._inbox.put(_Call(fn, reply))
+        self._inbox.put(Call(fn, reply))
         ok, value = reply.get(timeout=timeout)
         if not ok:
             raise value
@@ -199,16 +170,8 @@ class Engine:
 
     def _loop(self) -> None:
         while True:
-            try:
-                item = self._inbox.get(timeout=self._time_to_next_deadline())
-            except queue.Empty:
-                item = None
-            # handle what arrived before planning, not what arrives meanwhile: a flood of
-            # submissions must not keep a device with room from its next plan (only this
-            # thread takes from the inbox, so the backlog counted here is there to take)
-            items = [item, *(self._inbox.get_nowait() for _ in range(self._inbox.qsize()))] if item is not None else []
-            for item in items:
-                if isinstance(item, _Stop):
+            for item in self._inbox.next_round(self._time_to_next_deadline()):  # what came before planning
+                if isinstance(item, Stop):
                     return
                 self._handle(item)
             self._enforce_deadlines()
@@ -217,15 +180,15 @@ class Engine:
 
     def _handle(self, item) -> None:
         match item:
-            case _Submit(request, session):
+            case Submit(request, session):
                 self._submit(request, session)
-            case _Abort(request_id):
+            case Abort(request_id):
                 self._abort(request_id)
             case WorkerResult(handle, result):
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:  # late results of a dropped replica mean nothing
                     self._commit(replica, result)
-            case _Attach(handle):
+            case Attach(handle):
                 if handle.info.tp_size > 1:  # a rank: the group attaches once all its ranks have
                     handle = self._assembly.add(handle)
                 if handle is not None:
@@ -236,11 +199,11 @@ class Engine:
                     self._lose(replica, reason, error, clean)
                 else:
                     self._assembly.rank_lost(handle)
-            case _CloseSession(session):
+            case CloseSession(session):
                 for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
                     self._abort(request_id)
                 session.close()
-            case _Call(fn, reply):
+            case Call(fn, reply):
                 try:
                     reply.put((True, fn()))
                 except Exception as exc:  # handed to the caller, never swallowed
@@ -274,7 +237,8 @@ class Engine:
         self.metrics.on_submit(request.request_id)
 
     def _place(self, request: Request) -> Replica:
-        return self._replicas[self._router.choose(request, [Candidate(h, r.load) for h, r in self._replicas.items()])]
+        candidates = [Candidate(handle, r.load) for handle, r in self._replicas.items()]
+        return self._replicas[self._router.choose(request, candidates)]
 
     def _park(self, request: Request) -> None:
         self._parked[request.request_id] = (request, time.monotonic() + self.options.worker_wait_timeout_s)
@@ -296,8 +260,9 @@ class Engine:
         try:
             events = replica.commit(result, self.metrics)
         except ValueError as exc:
-            return self._lose(replica, reason := f"invalid step result: {exc}",
-                              WorkerRefused(WorkerRefused.Kind.INVALID, reason))
+            reason = f"invalid step result: {exc}"
+            self._lose(replica, reason, WorkerRefused(WorkerRefused.Kind.INVALID, reason))
+            return
         self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
 

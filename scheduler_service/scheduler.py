@@ -188,8 +188,9 @@ class Scheduler:
         wants, free = np.flatnonzero(new_block[start:start + take]), self._kv.device.num_free
         if len(wants) > free:
             take, wants = int(wants[free]), wants[:free]
-        grown = [(p, req, len(req.block_ids)) for p in wants.tolist() for req in (self._running[start + p],)]
-        self._kv.append_blocks([req for _, req, _ in grown])
+        growing = [self._running[start + p] for p in wants.tolist()]
+        grown = [(p, req, len(req.block_ids)) for p, req in zip(wants.tolist(), growing)]  # before the append
+        self._kv.append_blocks(growing)
         b.add_decodes(self._running.rows()[start:start + take], grown)
         return take
 
