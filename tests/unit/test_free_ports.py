@@ -11,30 +11,42 @@ picked again for another.
 from __future__ import annotations
 
 import socket
-from pathlib import Path
 
 import pytest
 
 from stepahead.ports import free_port, free_ports
 
-_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+@pytest.fixture
+def kernel_range(tmp_path, monkeypatch):
+    """Stands in for /proc/sys/net/ipv4/ip_local_port_range (the kernel's format: low, tab, high)."""
+    def give(low: int, high: int) -> None:
+        path = tmp_path / "ip_local_port_range"
+        path.write_text(f"{low}\t{high}\n")
+        monkeypatch.setattr("stepahead.ports._EPHEMERAL_RANGE", path)
+    return give
 
 
-def ephemeral_low() -> int:
-    return int(_EPHEMERAL_RANGE.read_text().split()[0])
-
-
-@pytest.mark.skipif(not _EPHEMERAL_RANGE.is_file() or ephemeral_low() < 11000,
-                    reason="no ephemeral range with room below it")
-def test_ports_come_from_below_the_ephemeral_range_and_are_free():
-    ports = free_ports(16) + [free_port() for _ in range(16)]
-    assert len(set(ports[:16])) == 16, "one pick gives distinct ports"
-    assert all(1024 <= p < ephemeral_low() for p in ports), (ports, ephemeral_low())
-    for port in ports[:4]:
-        with socket.socket() as s:  # free: a listener can have it
+def assert_free(ports: list[int]) -> None:
+    for port in ports:
+        with socket.socket() as s:  # a listener can have it
             s.bind(("127.0.0.1", port))
             s.listen()
 
+
+def test_ports_come_from_below_the_ephemeral_range_and_are_free(kernel_range):
+    kernel_range(32768, 60999)  # Linux's default
+    ports = free_ports(16) + [free_port() for _ in range(16)]
+    assert len(set(ports[:16])) == 16, "one pick gives distinct ports"
+    assert all(10000 <= p < 32768 for p in ports), ports
+    assert_free(ports[:4])
+
+
+def test_a_range_with_no_room_below_it_falls_back_to_the_kernels_pick(kernel_range):
+    kernel_range(1024, 65535)
+    ports = free_ports(8)
+    assert len(set(ports)) == 8
+    assert_free(ports[:4])
 
 
 def test_ports_already_handed_out_are_not_picked_again(monkeypatch):
