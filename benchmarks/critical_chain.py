@@ -53,13 +53,14 @@ def chain(base: StepRecord, r: StepRecord) -> dict[str, float]:
     }
 
 
-def analyse(records: list[StepRecord], window: int, streams: int) -> dict:
+def analyse(records: list[StepRecord], window: int, streams: int, since: float = 0.0) -> dict:
+    """`since`: the bench's window start (wall clock); steps before it (the warm-up) are left out."""
     by_id = {r.step_id: r for r in records}
-    phases = capacity.phase_totals(records, streams)  # busy, wall, steps
+    phases = capacity.phase_totals(records, streams, since)  # busy, wall, steps
     waits, parts = [], {k: [] for k in SEGMENTS}
     for r in records:
         prev, base = by_id.get(r.step_id - 1), by_id.get(r.step_id - window)
-        if prev is None or not (r.worker.forward_start and prev.worker.forward_end):
+        if prev is None or not (r.worker.forward_start and prev.worker.forward_end) or prev.worker.forward_end < since:
             continue
         idle = r.worker.forward_start - prev.worker.forward_end
         if idle > 0.0002 and base is not None:  # the device waited for this plan
@@ -107,7 +108,8 @@ def run(window: str, streams: int, args) -> dict:
         late = late_fraction(port)
     # the chain of an adaptive window is measured from its base (one step ahead): when it has
     # deepened, a step's plan had one step more of slack than the split assumes
-    out = analyse(sorted(records, key=lambda r: r.step_id), 2 if window == "auto" else int(window), streams)
+    out = analyse(sorted(records, key=lambda r: r.step_id), 2 if window == "auto" else int(window), streams,
+                  summary["device_window"][0])
     out.update(window=window, streams=streams, device_utilization=summary["device_utilization"],
                client_vs_ideal=summary["output_throughput"] / summary["device_ideal_output_throughput"],
                late_steps=late, python_speed_ms=speed)
