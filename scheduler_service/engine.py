@@ -181,9 +181,9 @@ class Engine:
     def _handle(self, item) -> None:
         match item:
             case Submit(request, session):
-                self._submit(request, session)
+                self._guarded(request.request_id, session, self._submit, request, session)
             case Abort(request_id):
-                self._abort(request_id)
+                self._guarded(request_id, self._streams.get(request_id), self._abort, request_id)
             case WorkerResult(handle, result):
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:  # late results of a dropped replica mean nothing
@@ -211,6 +211,34 @@ class Engine:
             case _:
                 raise AssertionError(f"unknown inbox item {item!r}")
 
+    def _guarded(self, request_id: str, session: GatewaySession | None, handle: Callable, *args) -> None:
+        """Handle one request's inbox item; should it raise (a bug, never a bad request: those
+        are refused by name), that request alone fails and the engine goes on. The error is
+        logged with its traceback and the request leaves the engine's maps, so its stream gets
+        one UNAVAILABLE answer and no later event."""
+        try:
+            handle(*args)
+        except Exception:
+            self._log.exception("request_item_failed", request_id=request_id)
+            self._drop(request_id)
+            if session is not None:
+                session.put_many([Rejected(request_id, "internal error in the scheduler while handling "
+                                                       "this request", RejectCode.UNAVAILABLE)])
+
+    def _drop(self, request_id: str) -> None:
+        """Forget a request whose item failed, wherever the failure left it (best effort: a
+        core that raised half way may still list it; its abort finishes it there)."""
+        replica = self._owner.pop(request_id, None)
+        self._parked.pop(request_id, None)
+        self._streams.pop(request_id, None)
+        self.metrics.forget(request_id)
+        if replica is None:
+            return
+        try:
+            replica.scheduler.abort(request_id)
+        except Exception:  # the core is as the failure left it: said, and the engine goes on
+            self._log.exception("request_drop_failed", request_id=request_id)
+
     # ---- requests ------------------------------------------------------------------
     def _submit(self, request: Request, session: GatewaySession) -> None:
         """Add a request; whatever is wrong with it is answered to it alone, on its session."""
@@ -224,6 +252,8 @@ class Engine:
         """Runs on the engine thread; raises RequestRejected (QueueFull) or NoWorker."""
         if self._model is None:
             raise NoWorker("no worker attached yet")
+        if request.arrival_time is None:  # every policy key reads it, parked or placed
+            request.arrival_time = time.monotonic()  # the daemon cores' clock
         if request.request_id in self._streams:
             raise RequestRejected("request_id: a request with this id is already in flight on this stream")
         if self._replicas:

@@ -110,6 +110,7 @@ class Scheduler:
         if rid in self._requests:
             raise RequestRejected(f"duplicate request id {rid!r}: a request with this id is still active")
         assert not request.is_running_row, "adopt a request its earlier core released"
+        assert request.arrival_time is not None, "adopt a request that arrived (its policy keys read the time)"
         request.block_ids, request.host_block_ids, request.prefix_ids = [], [], []
         request.num_scheduled_tokens = request.num_computed_tokens = request.num_output_placeholders = 0
         request.epoch += 1
