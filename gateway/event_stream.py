@@ -179,4 +179,5 @@ async def choices(gen, events: Mailbox, stream_interval: int = 1) -> AsyncIterat
     while not gen.done:
         choice = gen.on_event(await merger.next())
         if choice is not None:
+            gen.delivered(choice)
             yield choice

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import structlog
 from jinja2 import TemplateError
 
 from gateway.admission import StreamGate
@@ -106,6 +107,7 @@ class Generation:
         self._first_token_seen = False
         self._gate = frontend.gate
         self._released = False
+        self._delivered = [0] * n  # token ids handed to the transport, per choice (the usage guard)
 
     @property
     def done(self) -> bool:
@@ -116,14 +118,15 @@ class Generation:
         if event is WAKE:
             return None
         if isinstance(event, LinkBroken):
+            for rid in self._open:
+                self._link.release(rid)
             self._open.clear()
-            self._release_if_done()
             raise event
         rid = event.request_id
         if rid not in self._open:
             return None  # an event after a stop string ended the choice here
         if event.rejected:
-            self.abort()
+            self._abort_upstream(list(self._open))
             raise Rejected(event.message, event.reject_code)
         index = self._index[rid]
         reason = codec.finish_reason_from_proto(event.finish_reason)
@@ -141,23 +144,41 @@ class Generation:
             if event.num_spec_steps or event.num_draft_tokens else NO_SPEC
         return ChoiceOutput(index, out, event.num_prompt_tokens, event.num_cached_tokens, error, spec)
 
+    def delivered(self, choice: ChoiceOutput) -> None:
+        """Count the token ids of `choice` as handed to the client. The final message's usage
+        is the processor's count: if it ever differs from what the stream carried, a message
+        was lost or merged away on the way, which is an error to see, never a silent pass."""
+        out = choice.output
+        self._delivered[choice.index] += len(out.token_ids)
+        if out.finished and self._delivered[choice.index] != out.num_output_tokens:
+            self._metrics.usage_mismatch.labels(self._transport).inc()
+            structlog.get_logger().error("stream_usage_mismatch", request_id=self.request_id, index=choice.index,
+                                         usage_completion_tokens=out.num_output_tokens,
+                                         delivered_token_ids=self._delivered[choice.index],
+                                         transport=self._transport)
+
     def abort(self, upstream_ids: list[str] | None = None) -> None:
-        """Abort every unfinished choice upstream (client gone, or an error)."""
-        for rid in list(self._open) if upstream_ids is None else upstream_ids:
+        """End the call: abort every unfinished choice upstream (client gone, or an error; a
+        no-op upstream once all finished) and give back the request's slot in the stream
+        limit. The transports call it when their last message went out, so a drain
+        (`StreamGate.drain`) waits for the final message to be written, not merely computed."""
+        self._abort_upstream(list(self._open) if upstream_ids is None else upstream_ids)
+        self._open.clear()
+        self._release()
+        self._sink(WAKE)
+
+    def _abort_upstream(self, upstream_ids: list[str]) -> None:
+        for rid in upstream_ids:
             self._link.abort(rid)
             self._close(rid)
-        self._open.clear()
-        self._release_if_done()
-        self._sink(WAKE)
 
     def _close(self, rid: str) -> None:
         self._open.discard(rid)
         self._link.release(rid)
-        self._release_if_done()
 
-    def _release_if_done(self) -> None:
+    def _release(self) -> None:
         """The request's slot in the gateway's stream limit, given back once."""
-        if not self._open and not self._released:
+        if not self._released:
             self._released = True
             self._gate.leave()
             self._metrics.active.dec()

@@ -240,7 +240,7 @@ class OpenAIServer:
             gone.cancel()
             if not work.done():
                 work.cancel()
-                gen.abort()
+            gen.abort()  # gives the stream slot back; a no-op upstream when it finished
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody is listening any more
         try:

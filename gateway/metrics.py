@@ -25,6 +25,11 @@ class GatewayMetrics:
         self.output_tokens = Counter(p + "generation_tokens", "output tokens streamed", ["transport"], registry=r)
         self.ttft = Histogram(p + "time_to_first_token_seconds", "accepted to first token", ["transport"],
                               registry=r, buckets=_LATENCY_BUCKETS)
+        self.usage_mismatch = Counter(
+            p + "usage_mismatch", "streams whose final usage differs from the token ids they delivered (a bug)",
+            ["transport"], registry=r)
+        for transport in ("grpc", "http"):
+            self.usage_mismatch.labels(transport)  # exported at 0 from the start: something to alert on
         self.active = Gauge(p + "active_requests", "requests open now (both transports)", registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "accepted to finished", ["transport"],
                              registry=r, buckets=_LATENCY_BUCKETS)

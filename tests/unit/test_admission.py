@@ -51,3 +51,62 @@ def test_drain_waits_for_the_last_open_stream_and_refuses_new_ones():
 
 def test_drain_with_nothing_open_returns_true_at_once():
     assert StreamGate(1).drain(0.0) is True
+
+
+# ---- a request's slot: held until its transport sent the last message ---------------------
+
+def _frontend(gate: StreamGate):
+    from gateway.generation import Frontend
+    from gateway.metrics import GatewayMetrics
+    from stepahead.v1 import scheduler_pb2
+    from tests.unit.test_gateway_frontend import CharTokenizer, FakeLink
+
+    hello = scheduler_pb2.WorkerHello(model_name="m", max_model_len=64, vocab_size=100)
+    return Frontend(CharTokenizer(), hello, FakeLink(), 1 << 20, GatewayMetrics(), gate)
+
+
+def _start(front, rid="r"):
+    from gateway.openai_protocol import CompletionRequest, completion_to_raw
+
+    return front.start(front.validate(completion_to_raw(CompletionRequest(prompt="hi"), 10)), rid, lambda _: None,
+                       "grpc")
+
+
+def _token(rid, ids, final=False):
+    from stepahead.v1 import common_pb2, scheduler_pb2
+
+    return scheduler_pb2.TokenEvent(request_id=rid, token_ids=ids, finish_reason=common_pb2.FINISH_REASON_LENGTH
+                                    if final else common_pb2.FINISH_REASON_UNSPECIFIED)
+
+
+def test_a_drain_waits_until_the_transport_sent_the_final_message():
+    """Processing the final event is not sending it: the slot (and so the drain) waits for the
+    transport's end of the call, else the server stops under a message still being written."""
+    gate = StreamGate(4)
+    front = _frontend(gate)
+    gen = _start(front)
+    gen.on_event(_token("r", [1, 2]))
+    gen.on_event(_token("r", [3], final=True))
+    assert gen.done and gate.active == 1
+    assert gate.drain(0.0) is False
+    gen.abort()  # the transport's finally, after its last message
+    assert gate.active == 0 and gate.drain(0.0) is True
+    gen.abort()
+    assert gate.active == 0  # given back once
+
+
+def _mismatches(front, transport="grpc") -> float:
+    return front.metrics.registry.get_sample_value("stepahead:gateway_usage_mismatch_total", {"transport": transport})
+
+
+def test_usage_equal_to_the_delivered_ids_passes_and_a_difference_is_counted():
+    front = _frontend(StreamGate(4))
+    assert _mismatches(front) == 0.0 and _mismatches(front, "http") == 0.0
+    whole = _start(front, "a")
+    for event in (_token("a", [1, 2]), _token("a", [3], final=True)):
+        whole.delivered(whole.on_event(event))
+    assert _mismatches(front) == 0.0
+    short = _start(front, "b")
+    short.on_event(_token("b", [1, 2]))  # processed, never handed to the client
+    short.delivered(short.on_event(_token("b", [3], final=True)))
+    assert _mismatches(front) == 1.0
