@@ -4,6 +4,10 @@
 raises `ValidationError` naming the offending field. The rules are `stepahead.limits`, the
 same ones the scheduler applies again to every submission. The servicer maps the error to
 INVALID_ARGUMENT (gRPC) or HTTP 400.
+
+Text and chat prompts are sized (characters, messages) before they are tokenized or
+rendered: refusing a prompt must cost less than serving it, so a burst of oversized
+prompts cannot grow the gateway by the tokenizer's working memory.
 """
 
 from __future__ import annotations
@@ -71,6 +75,7 @@ def validate(
 ) -> ValidRequest:
     """`render_chat(messages, add_generation_prompt)` turns `chat_messages` into prompt ids."""
     _check_envelope(raw, model)
+    stop = limits.check_stop_strings(raw.stop)
     prompt, field = _prompt_ids(raw, model, tokenize, render_chat)
     room = model.max_model_len - len(prompt)
     sampling = SamplingParams(
@@ -96,7 +101,7 @@ def validate(
         request_id=raw.request_id,
         prompt_token_ids=tuple(prompt),
         sampling=sampling,
-        stop=limits.check_stop_strings(raw.stop),
+        stop=stop,
         include_stop_str_in_output=raw.include_stop_str_in_output,
         skip_special_tokens=True if raw.skip_special_tokens is None else raw.skip_special_tokens,
         priority=raw.priority,
@@ -128,9 +133,11 @@ def _prompt_ids(
             raise ValidationError("messages", "at least one message is required")
         if render_chat is None:
             raise ValidationError("messages", "chat prompts are not supported here")
+        limits.check_messages(raw.chat_messages, model.max_model_len)
         return render_chat([dict(m) for m in raw.chat_messages], raw.add_generation_prompt), "messages"
     if raw.prompt_token_ids is not None:
         return list(raw.prompt_token_ids), "prompt.token_ids"
     if raw.prompt_text is not None:
+        limits.check_prompt_text(raw.prompt_text, model.max_model_len)
         return (tokenize(raw.prompt_text) if raw.prompt_text else []), "prompt.text"
     raise ValidationError("prompt", "set prompt.text or prompt.token_ids")

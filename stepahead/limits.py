@@ -19,6 +19,9 @@ The rules (each names its field in the error; `check_*` return the normalised va
 | min_tokens | 0 ≤ n ≤ max_tokens | |
 | stop_token_ids, prompt ids | 0 ≤ id < vocab_size; ≤ 64 stop ids | |
 | prompt | 1 ≤ len < max_model_len | |
+| prompt text, chat messages | checked before tokenizing or rendering: ≤ max_model_len × 32 characters of text in all (32: more than any token of a real tokenizer stands for); ≤ 2048 messages; no NUL character | |
+| stop | ≤ 16 strings, each 1–256 characters, no NUL character | |
+| request | the HTTP body or gRPC message ≤ `--max-request-bytes` (default 1 MiB), checked before it is parsed | |
 | priority | -1000 ≤ p ≤ 1000 | |
 | n | 1 ≤ n ≤ 16 (the gateway fans a request out into n sequences) | |
 | logit_bias | ≤ 1024 distinct ids below vocab_size, each bias finite in [-100, 100] | |
@@ -58,6 +61,8 @@ PRIORITY_RANGE = (-1000, 1000)
 MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
+MAX_CHARS_PER_TOKEN = 32  # bounds a text by the model length before the tokenizer sees it
+MAX_MESSAGES = 2048
 MAX_ID_CHARS = 256  # request ids and cache salts
 MAX_REQUEST_BYTES = 1 << 20
 MAX_N = 16
@@ -345,7 +350,45 @@ def check_stop_strings(stop: Sequence[str]) -> tuple[str, ...]:
             raise LimitError("stop", "stop strings must not be empty")
         if len(s) > MAX_STOP_STRING_CHARS:
             raise LimitError("stop", f"a stop string is longer than {MAX_STOP_STRING_CHARS} characters")
+        _no_nul("stop", s)
     return tuple(stop)
+
+
+def max_text_chars(max_model_len: int) -> int:
+    """The most characters of prompt text worth tokenizing: more cannot fit the model."""
+    return max_model_len * MAX_CHARS_PER_TOKEN
+
+
+def check_prompt_text(text: str, max_model_len: int, field: str = "prompt.text") -> str:
+    """A text prompt, judged by its length before tokenizing it costs memory and CPU."""
+    limit = max_text_chars(max_model_len)
+    if len(text) > limit:
+        raise LimitError(field, f"the prompt has {len(text)} characters; at most {limit} fit the model's "
+                                f"maximum length {max_model_len} (checked before tokenizing)")
+    _no_nul(field, text)
+    return text
+
+
+def check_messages(messages: Sequence[dict], max_model_len: int, field: str = "messages") -> None:
+    """A chat, judged by its size before the chat template renders it."""
+    if len(messages) > MAX_MESSAGES:
+        raise LimitError(field, f"at most {MAX_MESSAGES} messages, got {len(messages)}")
+    limit, total = max_text_chars(max_model_len), 0
+    for i, message in enumerate(messages):
+        for key, value in message.items():
+            if not isinstance(value, str):
+                raise LimitError(f"{field}[{i}].{key}", "must be a string")
+            total += len(value)
+            if total > limit:
+                raise LimitError(field, f"the messages have more than {limit} characters; at most that many fit "
+                                        f"the model's maximum length {max_model_len} (checked before rendering)")
+            _no_nul(f"{field}[{i}].{key}", value)
+
+
+def _no_nul(field: str, text: str) -> None:
+    """NUL is refused in text: C code on the way (tokenizers, templates, logs) may cut there."""
+    if "\0" in text:
+        raise LimitError(field, "contains a NUL character")
 
 
 MAX_BLOCK_SIZE = 1024
