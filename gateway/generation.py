@@ -12,6 +12,7 @@ chooses (`event_stream.LoopEvents`: an asyncio queue on the transport's event lo
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,11 +27,13 @@ from gateway.output import Output, OutputProcessor
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec
+from stepahead.limits import MAX_ID_CHARS
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason
 from stepahead.v1 import scheduler_pb2
 
 SEED_MODULUS = 2**64
+SCOPE_CHARS = 16  # hex digits of a client's scope in its upstream ids
 WAKE = object()  # put into a sink by `Generation.abort` so a waiting consumer sees `done`
 
 
@@ -87,16 +90,30 @@ def derived_seed(seed: int | None, index: int) -> int | None:
     return value - SEED_MODULUS if value >= 2**63 else value
 
 
+def scoped_id(client: str, request_id: str) -> str:
+    """The id a client's request has upstream: its own id inside the client's scope, so that
+    a request id is only ever "already in flight" against the same client's own requests
+    (a client that reuses another's fixed id cannot block it). `client` is what tells
+    clients apart (its API key, else its connection); only a digest of it goes upstream.
+    An id that would pass the id limit with the scope in front goes as its digest."""
+    scope = hashlib.blake2b(client.encode(), digest_size=SCOPE_CHARS // 2).hexdigest()
+    scoped = f"{scope}.{request_id}"
+    if len(scoped) + len("#999") > MAX_ID_CHARS:
+        scoped = f"{scope}.{hashlib.blake2b(request_id.encode(), digest_size=16).hexdigest()}"
+    return scoped
+
+
 class Generation:
     """One client request in flight: n upstream sequences and their output processors."""
 
     def __init__(self, frontend: Frontend, valid: ValidRequest, request_id: str,
-                 sink: Callable[[object], None], transport: str) -> None:
+                 sink: Callable[[object], None], transport: str, client: str = "") -> None:
         self.request_id = request_id
         self._sink = sink
         self.valid = valid
         n = valid.n
-        self.upstream_ids = [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
+        base = scoped_id(client, request_id) if client else request_id
+        self.upstream_ids = [base] if n == 1 else [f"{base}#{i}" for i in range(n)]
         self._index = {rid: i for i, rid in enumerate(self.upstream_ids)}
         self._processors = [OutputProcessor(frontend.tokenizer, valid) for _ in range(n)]
         self._open = set(self.upstream_ids)  # upstream sequences not finished yet
@@ -234,8 +251,9 @@ class Frontend:
         return validate(raw, self.limits, self.tokenize, self.render_chat)
 
     def start(self, valid: ValidRequest, request_id: str, sink: Callable[[object], None],
-              transport: str) -> Generation:
-        """Submit every choice of `valid`; raises ValueError when an id is already in flight,
+              transport: str, client: str = "") -> Generation:
+        """Submit every choice of `valid`; raises ValueError when the id is already in flight
+        for the same `client` (see `scoped_id`; "" = no scope: the id as it is),
         `admission.Overloaded` past the stream limit, `admission.Draining` while draining."""
         try:
             self.gate.enter()
@@ -243,7 +261,7 @@ class Frontend:
             self.metrics.observe_rejected(transport, type(exc).__name__.lower())
             raise
         self.metrics.active.inc()
-        gen = Generation(self, valid, request_id, sink, transport)
+        gen = Generation(self, valid, request_id, sink, transport, client)
         submitted = 0
         try:
             for index, rid in enumerate(gen.upstream_ids):

@@ -110,6 +110,15 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
     )
 
 
+def _client_of(context) -> str:
+    """What scopes a client's request ids (`generation.scoped_id`): its API key when it sent
+    one, else its connection (grpc's peer address)."""
+    for key, value in context.invocation_metadata() or ():
+        if key == "authorization":
+            return f"key:{value}"
+    return f"peer:{context.peer()}"
+
+
 def _logprobs_fields(out) -> dict:
     """GenerateResponse.logprobs / prompt_logprobs of an output (empty when not asked)."""
     fields = {}
@@ -148,7 +157,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._loop_events = LoopEvents(asyncio.get_running_loop())
         events = Mailbox()
         try:
-            gen = front.start(valid, request_id, self._loop_events.sink(events), "grpc")
+            gen = front.start(valid, request_id, self._loop_events.sink(events), "grpc", _client_of(context))
         except ValueError as exc:  # the id is already in flight here
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
         except Overloaded as exc:  # never a silent queue: the client hears it at once

@@ -110,3 +110,58 @@ def test_usage_equal_to_the_delivered_ids_passes_and_a_difference_is_counted():
     short.on_event(_token("b", [1, 2]))  # processed, never handed to the client
     short.delivered(short.on_event(_token("b", [3], final=True)))
     assert _mismatches(front) == 1.0
+
+
+# ---- request ids: scoped per client -------------------------------------------------------
+
+class _DedupLink:
+    """A link that refuses an upstream id already in flight (as `SchedulerLink` does)."""
+
+    def __init__(self):
+        self.open: set[str] = set()
+
+    def submit(self, msg, sink):
+        if msg.request_id in self.open:
+            raise ValueError(f"request_id {msg.request_id!r} is already in flight on this gateway")
+        self.open.add(msg.request_id)
+
+    def abort(self, rid):
+        pass
+
+    def release(self, rid):
+        self.open.discard(rid)
+
+
+def _start_as(front, client, rid, n=1):
+    from gateway.openai_protocol import CompletionRequest, completion_to_raw
+
+    valid = front.validate(completion_to_raw(CompletionRequest(prompt="hi", n=n), 10))
+    return front.start(valid, rid, lambda _: None, "grpc", client)
+
+
+def test_a_client_cannot_block_another_clients_request_id():
+    front = _frontend(StreamGate(8))
+    front.link = _DedupLink()
+    mine = _start_as(front, "key:Bearer alice", "fixed-id")
+    theirs = _start_as(front, "key:Bearer mallory", "fixed-id")  # the same id, another client: its own
+    assert mine.upstream_ids != theirs.upstream_ids
+    with pytest.raises(ValueError):
+        _start_as(front, "key:Bearer alice", "fixed-id")  # a client's own id stays unique for it
+    mine.abort()
+    again = _start_as(front, "key:Bearer alice", "fixed-id")  # free again once it ended
+    assert again.upstream_ids == mine.upstream_ids
+
+
+def test_scoped_ids_keep_within_the_id_limit_and_never_name_the_key():
+    from gateway.generation import scoped_id
+    from stepahead.limits import MAX_ID_CHARS
+
+    long_id = "x" * MAX_ID_CHARS
+    scoped = scoped_id("key:Bearer sk-secret", long_id)
+    assert len(scoped + "#999") <= MAX_ID_CHARS and "secret" not in scoped
+    assert scoped != scoped_id("key:Bearer sk-other", long_id)
+    assert scoped_id("peer:ipv4:127.0.0.1:1", "a") != scoped_id("peer:ipv4:127.0.0.1:2", "a")
+    front = _frontend(StreamGate(8))
+    front.link = _DedupLink()
+    gen = _start_as(front, "peer:ipv4:127.0.0.1:1", long_id, n=3)
+    assert all(len(rid) <= MAX_ID_CHARS for rid in gen.upstream_ids) and len(set(gen.upstream_ids)) == 3
