@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import logging
 import socket
 import ssl
 import threading
@@ -27,12 +28,14 @@ from collections.abc import Callable
 from importlib import metadata
 
 import pydantic
+import h11
 import uvicorn
 from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from gateway.admission import RETRY_AFTER_S, Draining, Overloaded
 from gateway.event_stream import LoopEvents, Mailbox, choices
@@ -279,11 +282,106 @@ def _version() -> str:
         return "0+unknown"
 
 
-class HttpThread:
-    """uvicorn serving `app` on its own thread and event loop, on a socket bound up front."""
+class RateLimitedLog:
+    """One log line per `interval_s` for an event a client can repeat at will (a refused
+    connection, a malformed request), with how many were not logged since the last line."""
 
-    def __init__(self, app, host: str, port: int, *, ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
-                 ssl_ca_certs: str | None = None) -> None:
+    def __init__(self, log, event: str, interval_s: float = 10.0) -> None:
+        self._log, self._event, self._interval_s = log, event, interval_s
+        self._last, self._unlogged = -interval_s, 0
+        self._lock = threading.Lock()
+
+    def note(self, **fields) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self._interval_s:
+                self._unlogged += 1
+                return
+            self._last, unlogged, self._unlogged = now, self._unlogged, 0
+        self._log.warning(self._event, not_logged_since_last=unlogged, **fields)
+
+
+class _RateLimitFilter(logging.Filter):
+    """uvicorn's and asyncio's per-connection warnings through a `RateLimitedLog`."""
+
+    def __init__(self, limited: RateLimitedLog) -> None:
+        super().__init__()
+        self._limited = limited
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR or "accept" in record.getMessage():
+            self._limited.note(logger=record.name, message=record.getMessage())
+            return False
+        return True
+
+
+def guarded_protocol(max_connections: int, request_timeout_s: float, log) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a cap on open connections and a request-head deadline.
+
+    Past `max_connections` a new connection is reset at once (it never holds a file
+    descriptor): the cap sits below the fd limit, so accept() never fails and open streams
+    go on. A connection must deliver a whole request (head and body) within
+    `request_timeout_s` of opening or of its previous response, else it is closed: an
+    idle or trickling client (slowloris) cannot hold a slot.
+    """
+    refused = RateLimitedLog(log, "http_connection_refused")
+    timed_out = RateLimitedLog(log, "http_request_timeout")
+
+    class GuardedH11(H11Protocol):
+        _refused = False
+        _deadline: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            if len(self.connections) >= max_connections:
+                self._refused = True
+                transport.abort()
+                refused.note(open_connections=len(self.connections), max_connections=max_connections)
+                return
+            super().connection_made(transport)
+            self._arm()
+
+        def connection_lost(self, exc) -> None:
+            if self._refused:
+                return
+            self._disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
+                self._disarm()  # the whole request is in: the app answers in its own time
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            if not self.transport.is_closing():
+                self._arm()
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._deadline = self.loop.call_later(request_timeout_s, self._expire)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _expire(self) -> None:
+            self._deadline = None
+            if not self.transport.is_closing() and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+                timed_out.note(open_connections=len(self.connections), timeout_s=request_timeout_s)
+                self.transport.close()
+
+    return GuardedH11
+
+
+class HttpThread:
+    """uvicorn serving `app` on its own thread and event loop, on a socket bound up front,
+    with at most `max_connections` open connections, each allowed `request_timeout_s` to
+    deliver a request and `idle_timeout_s` between requests."""
+
+    def __init__(self, app, host: str, port: int, *, log, max_connections: int, request_timeout_s: float,
+                 idle_timeout_s: float, max_header_bytes: int = 16 * 1024, ssl_certfile: str | None = None,
+                 ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
@@ -291,7 +389,12 @@ class HttpThread:
         self.port = self._sock.getsockname()[1]
         tls = dict(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
                    ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca_certs else ssl.CERT_NONE) if ssl_certfile else {}
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off", timeout_keep_alive=30,
+        noisy = _RateLimitFilter(RateLimitedLog(log, "http_connection_warning"))
+        for name in ("uvicorn.error", "asyncio"):
+            logging.getLogger(name).addFilter(noisy)
+        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+                                http=guarded_protocol(max_connections, request_timeout_s, log),
+                                timeout_keep_alive=idle_timeout_s, h11_max_incomplete_event_size=max_header_bytes,
                                 log_config=None, **tls)
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, args=([self._sock],), name="http", daemon=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import resource
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +24,7 @@ from prometheus_client import start_http_server
 from gateway.admission import RETRY_AFTER_S, Draining, Overloaded, StreamGate
 from gateway.event_stream import LoopEvents, Mailbox, choices
 from gateway.generation import ChoiceOutput, Frontend, Rejected
-from gateway.grpc_thread import NO_BACKLOG_SHEDDING, AioHealth, GrpcThread
+from gateway.grpc_thread import NO_BACKLOG_SHEDDING, AioHealth, GrpcThread, connection_options
 from gateway.metrics import GatewayMetrics
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.scheduler_pool import SchedulerPool
@@ -65,6 +66,15 @@ class GatewayConfig(SchedulerClientConfig):
     stream_interval: int = cfg.field(
         1, "stream a sequence's tokens in messages of at least this many (its first token and its end at once); "
            "larger values cost the gateway and clients less CPU per token")
+    max_connections: int | None = cfg.field(
+        None, "open client connections at most on each public port (gRPC and HTTP); past it a new one is closed at "
+              "once. Unset: what the fd limit leaves, split between the two ports")
+    http_request_timeout: float = cfg.field(
+        10.0, "seconds an HTTP connection gets to send a whole request, from its opening or its previous response")
+    http_idle_timeout: float = cfg.field(5.0, "seconds an idle HTTP keep-alive connection stays open")
+    grpc_max_connection_idle: float = cfg.field(
+        300.0, "seconds a gRPC connection without open calls stays open (it also gets --http-request-timeout to "
+               "finish its handshake)")
     drain_timeout: float = cfg.field(30.0, "on SIGTERM, seconds open requests get to finish before the exit")
     api_key: str | None = cfg.field(None, "API keys clients must send as 'authorization: Bearer KEY' (comma list)")
     ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the public API (gRPC and HTTP)")
@@ -267,6 +277,33 @@ def worker_attached(channels) -> Callable[[], bool]:
     return ask
 
 
+FD_RESERVE = 256  # descriptors kept for the process's own files, scheduler channels and pipes
+
+
+def raise_fd_limit(log) -> int:
+    """Raise the soft fd limit to the hard one (connections are capped below it, so that
+    accept() never fails with EMFILE); returns the limit now in force."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    unlimited = resource.RLIM_INFINITY
+    if soft == unlimited:
+        return 1 << 20
+    target = (1 << 20) if hard == unlimited else hard
+    if soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as exc:
+            log.warning("fd_limit_not_raised", soft=soft, hard=hard, error=str(exc))
+    return soft
+
+
+def connection_cap(config: GatewayConfig, fd_limit: int) -> int:
+    """Open connections allowed on each public port: --max-connections, never more than
+    the fd limit leaves for the two ports together."""
+    room = max((fd_limit - FD_RESERVE) // 2, 1)
+    return room if config.max_connections is None else min(config.max_connections, room)
+
+
 def run(args: argparse.Namespace) -> int:
     from gateway.tokenizer import GatewayTokenizer
     from stepahead.builtin_models import resolve_model
@@ -275,6 +312,13 @@ def run(args: argparse.Namespace) -> int:
     if config.stream_interval < 1:
         raise SystemExit(f"--stream-interval must be >= 1, got {config.stream_interval}")
     log = logs.configure("gateway", config.log_level)
+    if config.max_connections is not None and config.max_connections < 1:
+        raise SystemExit(f"--max-connections must be >= 1, got {config.max_connections}")
+    fd_limit = raise_fd_limit(log)
+    max_connections = connection_cap(config, fd_limit)
+    log.info("connection_limits", fd_limit=fd_limit, max_connections_per_port=max_connections,
+             http_request_timeout_s=config.http_request_timeout, http_idle_timeout_s=config.http_idle_timeout,
+             grpc_max_connection_idle_s=config.grpc_max_connection_idle)
     metrics = GatewayMetrics()
     try:
         GcPauses(metrics.registry, "stepahead:gateway_gc_pause_seconds", log, config.gc_warning_threshold_secs)
@@ -292,9 +336,9 @@ def run(args: argparse.Namespace) -> int:
     gate = StreamGate(config.max_concurrent_streams)
     pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
     frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, metrics, gate, config.stream_interval)
-    grpc_server = build_server(config, frontend, log)
+    grpc_server = build_server(config, frontend, log, max_connections)
     port = grpc_server.start()
-    http = _start_http(frontend, channels, config, log)
+    http = _start_http(frontend, channels, config, log, max_connections)
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
     freeze_heap()  # after the HTTP app is built: FastAPI's routes and models live as long too
@@ -311,9 +355,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_server(config: GatewayConfig, frontend: Frontend, log) -> GrpcThread:
+def build_server(config: GatewayConfig, frontend: Frontend, log, max_connections: int) -> GrpcThread:
     """The public gRPC server (grpc.aio, its own thread): every call is taken at once and
-    admitted or refused by the stream gate (RESOURCE_EXHAUSTED past the limit)."""
+    admitted or refused by the stream gate (RESOURCE_EXHAUSTED past the limit); at most
+    `max_connections` connections (grpc core closes the ones past it at once)."""
     keys = security.split_keys(config.api_key)
 
     async def build(loop):
@@ -321,7 +366,9 @@ def build_server(config: GatewayConfig, frontend: Frontend, log) -> GrpcThread:
             keys, lambda m: frontend.metrics.observe_rejected("grpc", 401)))] if keys else []
         server = grpc.aio.server(
             interceptors=interceptors,
-            options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes), *NO_BACKLOG_SHEDDING],
+            options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes), *NO_BACKLOG_SHEDDING,
+                     *connection_options(max_connections, config.http_request_timeout,
+                                         config.grpc_max_connection_idle)],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, log), server)
         health = AioHealth(server, (SERVICE_NAME,), loop)
@@ -331,13 +378,14 @@ def build_server(config: GatewayConfig, frontend: Frontend, log) -> GrpcThread:
     return GrpcThread(build)
 
 
-def _start_http(frontend: Frontend, channels, config: GatewayConfig, log):
+def _start_http(frontend: Frontend, channels, config: GatewayConfig, log, max_connections: int):
     if config.http_port == 0:
         return None
     from gateway.http_server import HttpThread, OpenAIServer
 
     server = OpenAIServer(frontend, worker_attached(channels), log, security.split_keys(config.api_key))
-    http = HttpThread(server.app, config.host, config.http_port,
+    http = HttpThread(server.app, config.host, config.http_port, log=log, max_connections=max_connections,
+                      request_timeout_s=config.http_request_timeout, idle_timeout_s=config.http_idle_timeout,
                       ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs)
     http.start()
     return http
