@@ -31,6 +31,7 @@ class Stream:
     def __init__(self, stub, max_tokens: int, prompt=(5, 6, 7)) -> None:
         self.started = threading.Event()
         self.tokens: list[int] = []
+        self.text = ""
         self.final = None
         self.error: grpc.RpcError | None = None
         self.call = stub.Generate(greedy(list(prompt), max_tokens), timeout=300)
@@ -41,6 +42,7 @@ class Stream:
         try:
             for msg in self.call:
                 self.tokens += msg.token_ids
+                self.text += msg.text
                 self.final = msg
                 self.started.set()
         except grpc.RpcError as exc:
@@ -50,6 +52,11 @@ class Stream:
 
 def test_sigterm_drains_open_streams_and_logs_quietly(tiny_model_dir):  # noqa: F811
     serve = Serve(tiny_model_dir, log_level="info", capture_stderr=True)
+    undisturbed = []
+    for i in range(6):  # each stream's ids and text alone, before the drain
+        alone = Stream(serve.gateway, 120, prompt=(5, 6, 7 + i))
+        alone.thread.join(120)
+        undisturbed.append((alone.tokens, alone.text))
     streams = [Stream(serve.gateway, 120, prompt=(5, 6, 7 + i)) for i in range(6)]
     for s in streams:
         assert s.started.wait(120)
@@ -58,9 +65,11 @@ def test_sigterm_drains_open_streams_and_logs_quietly(tiny_model_dir):  # noqa: 
     for s in streams:
         s.thread.join(120)
     assert serve.proc.wait(timeout=120) == 0
-    for s in streams:
+    for s, (tokens, text) in zip(streams, undisturbed):
         assert s.error is None, s.error
-        assert s.final.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(s.tokens) == 120
+        assert s.final.finish_reason == common_pb2.FINISH_REASON_LENGTH
+        assert s.tokens == tokens and s.text == text  # every message, none merged away or reordered
+        assert s.final.usage.completion_tokens == len(s.tokens) == 120
     records = [json.loads(line) for line in serve.stderr_lines if line.strip()]  # JSON only
     loud = [r for r in records[logged_before:] if r["level"] not in ("debug", "info")]
     assert not loud, loud
