@@ -49,6 +49,7 @@ from gateway.openai_protocol import (
     openai_param,
 )
 from gateway.scheduler_link import LinkBroken
+from gateway.tokenizer import HEAP_TRIM
 from gateway.validation import ValidationError
 from stepahead.v1 import scheduler_pb2
 
@@ -179,11 +180,16 @@ class OpenAIServer:
         return {"version": _version()}
 
     async def _parse(self, request: Request, model: type[pydantic.BaseModel]):
-        raw = await read_body(request, self.frontend.limits.max_request_bytes)
+        try:
+            raw = await read_body(request, self.frontend.limits.max_request_bytes)
+        except ApiError:
+            HEAP_TRIM.soon()
+            raise
         try:
             body = model.model_validate_json(raw)
         except pydantic.ValidationError as exc:
             self.frontend.metrics.observe_rejected("http", 422)
+            HEAP_TRIM.soon()
             raise _schema_api_error(exc) from None
         return body, len(raw)
 
@@ -193,6 +199,7 @@ class OpenAIServer:
         except ValidationError as exc:
             error = _validation_api_error(exc, chat)
             self.frontend.metrics.observe_rejected("http", error.status)
+            HEAP_TRIM.soon()
             raise error from None
 
     def _echo_text(self, body: CompletionRequest, valid) -> str:

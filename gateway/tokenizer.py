@@ -10,7 +10,10 @@ transformers' own torch-free jinja renderer, with the special tokens as variable
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import json
+import threading
 from pathlib import Path
 
 from tokenizers import Tokenizer
@@ -27,6 +30,46 @@ def _token_text(value) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):  # an AddedToken as saved
         return value["content"]
     return None
+
+
+class HeapTrim:
+    """Hands the heap freed by refused requests back to the OS, once, a moment after a refusal.
+
+    A refused request still leaves its body, its parse and its strings freed in glibc's
+    arenas; glibc keeps such memory for reuse, so a burst of large refusals would leave the
+    gateway that much bigger while idle. `malloc_trim` returns it; it walks every arena, so
+    it runs at most once per `delay_s`, on a timer thread, never on an event loop. A no-op
+    where the C library has no `malloc_trim` (not glibc).
+    """
+
+    def __init__(self, delay_s: float = 1.0) -> None:
+        self._delay_s = delay_s
+        self._pending = False
+        self._lock = threading.Lock()
+        name = ctypes.util.find_library("c")
+        try:
+            self._trim = getattr(ctypes.CDLL(name), "malloc_trim", None) if name else None
+        except OSError:
+            self._trim = None
+
+    def soon(self) -> None:
+        if self._trim is None:
+            return
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        timer = threading.Timer(self._delay_s, self._run)
+        timer.daemon = True
+        timer.start()
+
+    def _run(self) -> None:
+        with self._lock:
+            self._pending = False
+        self._trim(0)
+
+
+HEAP_TRIM = HeapTrim()
 
 
 class GatewayTokenizer:
