@@ -96,6 +96,7 @@ WRONG = {
     "extension": {"authorization": "Bearer " + KEY + "x"},
     "not bearer": {"authorization": KEY},
     "basic": {"authorization": "Basic " + KEY},
+    "another scheme of Bearer's length": {"authorization": "Token: " + KEY},
 }
 OPEN_ROUTES = {"/health"}
 
@@ -103,7 +104,8 @@ OPEN_ROUTES = {"/health"}
 def test_every_route_refuses_a_wrong_key() -> None:
     """Walks the app's own route table, so a route added later is covered too."""
     rejected = []
-    frontend = SimpleNamespace(metrics=SimpleNamespace(observe_rejected=lambda *_: rejected.append(1)))
+    frontend = SimpleNamespace(metrics=SimpleNamespace(observe_rejected=lambda *_: rejected.append(1)),
+                               model=SimpleNamespace(model_name="m", max_model_len=8))
     app = OpenAIServer(frontend, lambda: True, None, (KEY,)).app
     routes = [(m, r.path) for r in app.routes if getattr(r, "methods", None) for m in sorted(r.methods)]
     assert {"/v1/models", "/v1/completions", "/v1/chat/completions", "/metrics", "/version"} <= {p for _, p in routes}
