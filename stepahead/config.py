@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import math
 import os
 import types
 import typing
@@ -23,6 +24,65 @@ _FALSE = {"0", "false", "no", "off"}
 
 class ConfigError(ValueError):
     """A flag or environment variable holds a value of the wrong kind."""
+
+
+class Range:
+    """The values a numeric flag accepts: its argparse `type=`, so that a value out of range
+    is refused at parse time with argparse's own one-line error (exit 2), before a daemon
+    loads a model or dials a peer only to fail on it later."""
+
+    def __init__(self, kind: type, lo: float | None = None, hi: float | None = None, *,
+                 lo_open: bool = False, hi_open: bool = False, allow_inf: bool = False) -> None:
+        self.kind, self.lo, self.hi, self.lo_open, self.hi_open = kind, lo, hi, lo_open, hi_open
+        self.allow_inf = allow_inf
+        self.__name__ = kind.__name__  # argparse names the type in "invalid int value"
+
+    def describe(self) -> str:
+        if self.hi is None:
+            return f"{'>' if self.lo_open else '>='} {self.lo}"
+        return f"in {'(' if self.lo_open else '['}{self.lo}, {self.hi}{')' if self.hi_open else ']'}"
+
+    def __call__(self, raw: str) -> Any:
+        value = self.kind(raw)  # ValueError: argparse reports "invalid <kind> value"
+        if isinstance(value, float) and (math.isnan(value) or (math.isinf(value) and not self.allow_inf)):
+            raise argparse.ArgumentTypeError(f"must be a finite number {self.describe()}, got {raw}")
+        low_ok = self.lo is None or (value > self.lo if self.lo_open else value >= self.lo)
+        high_ok = self.hi is None or (value < self.hi if self.hi_open else value <= self.hi)
+        if not (low_ok and high_ok):
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {raw}")
+        return value
+
+
+_PORT = Range(int, 0, 65535)
+_POSITIVE = Range(int, 1)
+_SECONDS = Range(float, 0, lo_open=True)
+_FRACTION = Range(float, 0, 1)
+# The accepted range of every numeric flag, by field name: one definition whichever daemon
+# (or `serve`) declares the field.
+RANGES: dict[str, Range] = {
+    # ports (0: pick a free one, or off where the help says so)
+    "port": _PORT, "http_port": _PORT, "scheduler_port": _PORT, "metrics_port": _PORT, "health_port": _PORT,
+    # step geometry
+    "block_size": Range(int, 1, 1024), "max_num_seqs": _POSITIVE, "max_num_batched_tokens": _POSITIVE,
+    "max_model_len": Range(int, 2), "num_gpu_blocks_override": _POSITIVE, "kv_cache_memory_bytes": _POSITIVE,
+    "gpu_memory_utilization": Range(float, 0, 1, lo_open=True), "swap_space": Range(float, 0),
+    "long_prefill_token_threshold": Range(int, 0), "max_concurrent_batches": _POSITIVE,
+    "max_queued_requests": _POSITIVE, "max_logprobs": Range(int, 0),
+    # processes and threads
+    "num_threads": _POSITIVE, "max_workers": _POSITIVE, "data_parallel_size": _POSITIVE,
+    "tensor_parallel_size": Range(int, 1, 1024), "sim_num_devices": _POSITIVE, "max_restarts": Range(int, 0),
+    "structured_outputs_cache_size": _POSITIVE, "flight_recorder_steps": Range(int, 0),
+    # timeouts and intervals (seconds)
+    "startup_timeout_s": _SECONDS, "drain_timeout": Range(float, 0), "distributed_timeout": _SECONDS,
+    "reconnect_max_backoff_s": _SECONDS, "worker_step_timeout": _SECONDS, "worker_wait_timeout": _SECONDS,
+    "failover_timeout": _SECONDS, "gc_warning_threshold_secs": Range(float, 0),
+    "max_wait_time": Range(float, 0, lo_open=True, allow_inf=True), "score_ttft_target": Range(float, 0),
+    # gateway
+    "max_request_bytes": _POSITIVE, "max_concurrent_streams": _POSITIVE, "stream_interval": _POSITIVE,
+    # scheduling weights and probabilities
+    "balance_abs_threshold": Range(int, 0), "balance_rel_threshold": Range(float, 0, lo_open=True),
+    "sim_eos_probability": _FRACTION, "sim_acceptance_rate": _FRACTION,
+}
 
 
 def env_name(field_name: str) -> str:
@@ -75,7 +135,7 @@ def _parse(tp: Any, raw: str, source: str) -> Any:
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
             return tp(raw)
         return tp(raw)
-    except ValueError as exc:
+    except (ValueError, argparse.ArgumentTypeError) as exc:
         raise ConfigError(f"{source}={raw!r}: {exc}") from None
 
 
@@ -85,6 +145,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str
         if f.name in exclude:
             continue
         tp = _base_type(hints[f.name])
+        if f.name in RANGES and RANGES[f.name].kind is tp:
+            tp = RANGES[f.name]
         help_text = f.metadata.get("help", "")
         default = f.default if f.default is not dataclasses.MISSING else None
         if env_name(f.name) in os.environ:

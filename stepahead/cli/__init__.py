@@ -9,6 +9,8 @@ import argparse
 import importlib
 import sys
 
+from stepahead import config as cfg
+
 # name -> (help, module exposing add_arguments(parser) and run(args) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("start gateway, scheduler and worker as one system", "stepahead.cli.serve"),
@@ -23,8 +25,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line, without the usage: a daemon has dozens of flags, and the line that
+    names the bad one must not drown in them (`--help` prints the usage)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def _top_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="stepahead",
         description="stepahead: an LLM inference server that plans one step ahead.",
         epilog="commands:\n" + "\n".join(f"  {n:<11} {h}" for n, (h, _) in COMMANDS.items()),
@@ -42,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     help_text, module_name = COMMANDS[name]
     module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"stepahead {name}", description=help_text)
-    module.add_arguments(parser)
-    return int(module.run(parser.parse_args(argv[1:])) or 0)
+    parser = _Parser(prog=f"stepahead {name}", description=help_text)
+    try:
+        module.add_arguments(parser)  # a STEPAHEAD_* variable out of range fails here
+        args = parser.parse_args(argv[1:])
+        return int(module.run(args) or 0)
+    except cfg.ConfigError as exc:  # a bad environment variable, or a checkpoint refused before loading
+        parser.error(str(exc))
+        return 2
 
