@@ -19,7 +19,7 @@ scheduler check what pure Python can (`stepahead.limits.check_structured`).
   go on raises, and its request fails alone.
 
 Speculative decoding: `cut_drafts` keeps the longest prefix of a request's n-gram drafts
-its grammar allows (`accept_token` over them, then `rollback`); `apply(..., drafts)` fills
+its grammar allows (`accept_token` over them, then `rollback`; none once the grammar ended); `apply(..., drafts)` fills
 one mask row per verified position (row j: the matcher after the output and d_1..d_j),
 then rolls the drafts back. The matcher advances over the tokens really emitted only, at
 the next step (`advance` reads the token list, where the resolved run is written).
@@ -157,10 +157,24 @@ class RequestGrammar:
         self.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
         self.num_accepted = 0  # output tokens the matcher has consumed
 
+    @property
+    def ended(self) -> bool:
+        """The grammar accepted its stop token (EOS): the request's structured output is complete."""
+        return self.matcher.is_terminated()
+
     def advance(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         """Accept the output tokens not accepted yet, `token_ids[num_prompt_tokens + num_accepted:]`
-        (every id known on the host, none a placeholder); only the new ones are read."""
+        (every id known on the host, none a placeholder); only the new ones are read.
+
+        The grammar's end is a stop: once the matcher accepted EOS, the tokens after it are
+        never fed to it. Under async scheduling the steps planned before the scheduler saw that
+        EOS sample on (masked to EOS by `fill`), and a speculative run may hold a bonus token
+        after an accepted EOS draft; the scheduler drops them all, since EOS ends a structured
+        request (`stepahead.limits` refuses ignore_eos and min_tokens with structured outputs).
+        """
         for token in token_ids[num_prompt_tokens + self.num_accepted:]:
+            if self.matcher.is_terminated():
+                break
             if not self.matcher.accept_token(token):
                 raise GrammarViolation(f"token {token} (output position {self.num_accepted}) breaks the grammar")
             self.num_accepted += 1
@@ -223,6 +237,8 @@ class GrammarMasks:
         if grammar is None or not drafts:
             return drafts
         grammar.advance(req.token_ids, req.num_prompt_tokens)
+        if grammar.ended:  # nothing is drafted (or verified) past the grammar's end
+            return []
         return drafts[: grammar.allowed_prefix(drafts)]
 
     def apply(self, logits: torch.Tensor, reqs, settle, drafts: list[list[int]] | None = None) -> torch.Tensor:
