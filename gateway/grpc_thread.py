@@ -32,11 +32,15 @@ NO_BACKLOG_SHEDDING = (
 )
 
 
+KEEPALIVE_S = 60
+KEEPALIVE_TIMEOUT_S = 20
+KEEPALIVE_MIN_PING_S = 10
+
+
 def connection_options(max_connections: int, handshake_timeout_s: float, max_idle_s: float) -> tuple:
     """Connection limits of the public server: a cap below the fd limit (grpc core closes a
     connection past it at once, instead of failing accept() and retrying in a loop), a
-    deadline for a new connection's handshake (an idle TCP connection is dropped), idle
-    connections closed, and keepalive pings that find dead peers. Pings from clients are
+    deadline for a new connection's (TLS) handshake, connections without calls closed, and keepalive pings that find dead peers. Pings from clients are
     allowed no more often than every `KEEPALIVE_MIN_PING_S`, with or without open calls."""
     return (
         ("grpc.max_allowed_incoming_connections", max_connections),
@@ -47,11 +51,6 @@ def connection_options(max_connections: int, handshake_timeout_s: float, max_idl
         ("grpc.keepalive_permit_without_calls", 1),
         ("grpc.http2.min_ping_interval_without_data_ms", KEEPALIVE_MIN_PING_S * 1000),
     )
-
-
-KEEPALIVE_S = 60
-KEEPALIVE_TIMEOUT_S = 20
-KEEPALIVE_MIN_PING_S = 10
 
 
 class AioHealth:

@@ -129,6 +129,12 @@ def test_flood_past_the_cap(capped) -> None:
             s.close()
     with grpc.insecure_channel(capped.gateway_addr) as ch:
         generation_pb2_grpc.GenerationStub(ch).ListModels(generation_pb2.ListModelsRequest(), timeout=10)
+    for _ in range(30):  # malformed requests: each answered 400, not each logged
+        with socket.create_connection(http_addr, timeout=5) as s:
+            s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+            assert b" 400 " in s.recv(256)
+    time.sleep(0.5)
+    assert sum("Invalid HTTP" in line for line in capped.stderr_lines) <= 2
     lines = [line for line in capped.stderr_lines if "connection" in line or "accept" in line or "descriptor" in line]
     assert len(lines) <= 6, lines
     assert all(line.lstrip().startswith("{") for line in lines), lines
