@@ -17,6 +17,7 @@ from stepahead.plan import SamplingParams
 from tests.model.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
 from tests.model.oracle import assert_matches_hf, random_prompts
+from worker_service.logits_processing import LogitsProcessing
 from worker_service.model_runner import ModelRunner
 
 NEW = 16
@@ -132,3 +133,31 @@ def test_only_penalty_rows_hold_state_and_sampled_ids_are_counted_on_the_device(
     alone = ModelRunner(path, num_blocks=40, block_size=8)
     alone.execute(StepPlan(0, new_requests=(NewRequest("a", (1, 2, 3), greedy(), (0,), 0, 3, 3),)))
     torch.testing.assert_close(both.logits_of("a"), alone.logits_of("a"), rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("penalty", [1.7, 0.6])
+def test_repetition_penalty_matches_hf_on_negative_logits(penalty):
+    """HF's RepetitionPenaltyLogitsProcessor divides a seen token's positive logit by the
+    penalty and multiplies a negative one (both move away from being picked for penalty > 1);
+    dividing negative logits too would move them towards it."""
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    vocab = 64
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, vocab, generator=gen) * 4.0  # [3, vocab]
+    prompts = [[1, 5, 9], [2, 3], [40, 41, 42, 43]]
+    outputs = [[5, 7, 11], [60], [0, 1]]
+    for i, (p, o) in enumerate(zip(prompts, outputs)):  # seen tokens of both signs in every row
+        seen = p + o
+        logits[i, seen[0]], logits[i, seen[1]] = -abs(logits[i, seen[0]]) - 0.5, abs(logits[i, seen[1]]) + 0.5
+    runner_side = LogitsProcessing(vocab, torch.device("cpu"))
+    params = SamplingParams(temperature=0.0, repetition_penalty=penalty)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        runner_side.register(f"r{i}", params, p + o, len(p))
+    ours = runner_side.apply(logits, [f"r{i}" for i in range(3)], [params] * 3)
+    hf = RepetitionPenaltyLogitsProcessor(penalty)
+    for i, (p, o) in enumerate(zip(prompts, outputs)):
+        seen = p + o
+        assert (logits[i, seen] < 0).any() and (logits[i, seen] > 0).any()  # the test covers both signs
+        expected = hf(torch.tensor([seen]), logits[i : i + 1].clone())[0]
+        torch.testing.assert_close(ours[i], expected)
