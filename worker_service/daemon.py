@@ -110,6 +110,7 @@ def build_runner(config: WorkerConfig, group=None):
     model_dir = resolve_model(config.model)
     model_cfg = ModelConfig.from_dir(model_dir)
     dtype = config.dtype or "float32"
+    check_weights_fit(model_dir, model_cfg, config, parse_dtype(dtype).itemsize)
     host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(dtype))
     runner_class = ModelRunner
     if group is not None:
@@ -138,6 +139,28 @@ def build_runner(config: WorkerConfig, group=None):
         structured_outputs_cache_size=config.structured_outputs_cache_size,
     )
     return runner, model_dir
+
+
+def check_weights_fit(model_dir, model_cfg, config: WorkerConfig, bytes_per_param: int) -> None:
+    """Before anything is allocated: a checkpoint whose config describes more weights than the
+    device (its --gpu-memory-utilization share) or the host holds would otherwise run for
+    minutes building layers, or be killed for memory, instead of failing."""
+    from worker_service.model_config import check_fits, host_memory_bytes
+
+    share = max(config.tensor_parallel_size, 1)  # each rank holds 1/k of the weights
+    if config.device.startswith("cuda"):
+        import torch
+
+        total = torch.cuda.get_device_properties(torch.device(config.device)).total_memory
+        check_fits(model_dir, model_cfg, bytes_per_param, int(total * config.gpu_memory_utilization) * share,
+                   f"{config.device} at --gpu-memory-utilization {config.gpu_memory_utilization}")
+    else:
+        check_fits(model_dir, model_cfg, bytes_per_param, host_memory_bytes() * share, "the host")
+
+
+class HelloRefused(Exception):
+    """The scheduler refused this worker's hello as invalid: the same worker would be refused
+    again, so the daemon stops instead of re-attaching until start-up times out."""
 
 
 def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
@@ -340,6 +363,9 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
                 attach_once(channel, runner, info, watch, log, metrics, health)
                 failures = 0
             except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
+                if isinstance(exc, grpc.RpcError) and exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise HelloRefused(f"the scheduler at {config.scheduler} refused this worker: "
+                                       f"{exc.details()}") from exc
                 failures += 1
                 if not stop.is_set():  # a scheduler restarting is normal; one gone for long is not
                     (log.warning if failures > 5 else log.info)(
@@ -381,6 +407,9 @@ def run(args: argparse.Namespace) -> int:
         serve(config, stop, log, health)
     except GeometryError as exc:  # the model does not split over --tensor-parallel-size
         log.error("bad_tensor_parallel_geometry", error=str(exc))
+        return 2
+    except HelloRefused as exc:
+        log.error("hello_refused", error=str(exc))
         return 2
     finally:
         health.close()
