@@ -75,7 +75,17 @@ def spawn(args: list[str], cpus: set[int] | None = None, env: dict[str, str] | N
             os.sched_setaffinity(0, cpus)
 
     return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], preexec_fn=setup,
-                            env=dict(os.environ, **(env or {})))
+                            env=dict(os.environ, **(env or {})), stderr=subprocess.PIPE, text=True)
+
+
+def _forward_stderr(child: Child) -> None:
+    """Copy a child's stderr to ours line by line, keeping its last line: the reason serve
+    gives when that child dies during start-up."""
+    for line in child.proc.stderr:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+        if line.strip():
+            child.last_line = line.strip()
 
 
 @dataclasses.dataclass
@@ -89,9 +99,12 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     next_start: float = 0.0
+    last_line: str = ""
 
     def start(self) -> None:
         self.proc = spawn(self.args, self.cpus, self.env)
+        self.last_line = ""
+        threading.Thread(target=_forward_stderr, args=(self,), name=f"{self.name}-stderr", daemon=True).start()
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
@@ -204,9 +217,9 @@ def run(args: argparse.Namespace) -> int:
         # Each replica gets its share.
         share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1))
         worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
-    if config.data_parallel_size < 1:
-        raise SystemExit(f"--data-parallel-size must be >= 1, got {config.data_parallel_size}")
     model_dir = str(resolve_model(config.model))  # build a built-in model once, here
+    if worker_cfg.device != "sim":
+        check_checkpoint(model_dir, worker_cfg)
     named = {config.port, config.http_port, config.scheduler_port}  # the flags' ports: not to be picked again
     port = config.port or free_port(config.host, exclude=named)
     sched_port, *health_ports = free_ports(1 + config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1),
@@ -238,14 +251,45 @@ def run(args: argparse.Namespace) -> int:
         workers = [f"127.0.0.1:{p}" for p in health_ports]  # SERVING: attached as a replica
         for address in (sched_addr, *workers, f"{config.host}:{port}"):
             if not wait_healthy(address, [c.proc for c in children], deadline, stop):
-                if not stop.is_set():
-                    print(f"stepahead: {address} did not become healthy", file=sys.stderr, flush=True)
-                return 0 if stop.is_set() else 1
+                if stop.is_set():
+                    return 0
+                return _startup_failed(children, address, config.startup_timeout_s)
         http = f" http at http://{config.host}:{config.http_port}" if config.http_port else ""
         print(f"stepahead ready: gateway at {config.host}:{port} (scheduler at {sched_addr}){http}", flush=True)
         return supervise(children, stop, config.max_restarts)
     finally:
         shutdown([c.proc for c in children], gateway_cfg.drain_timeout)
+
+
+def check_checkpoint(model_dir: str, worker_cfg) -> None:
+    """What the worker and the gateway would refuse, refused here before either starts: the
+    checkpoint's config (`ModelConfig.from_dir`), its weights against the host's memory on a
+    CPU device (the worker checks a CUDA device itself), and the tokenizer the gateway loads."""
+    from pathlib import Path
+
+    from worker_service.model_config import CheckpointError, ModelConfig, check_fits, host_memory_bytes
+
+    model_cfg = ModelConfig.from_dir(model_dir)
+    if worker_cfg.device == "cpu":
+        itemsize = {"bfloat16": 2, "float16": 2}.get(worker_cfg.dtype or "float32", 4)
+        check_fits(model_dir, model_cfg, itemsize, host_memory_bytes(), "the host")
+    tokenizer = Path(model_dir) / "tokenizer.json"
+    if not tokenizer.is_file():
+        raise CheckpointError(f"{tokenizer}: no such file (the gateway's tokenizer)")
+
+
+def _startup_failed(children: list[Child], address: str, timeout_s: float) -> int:
+    """Name the daemon that failed and its last line; 2 when it refused its configuration
+    (exit 2), so that the operator sees one reason rather than the next daemon's address."""
+    dead = next((c for c in children if c.exited()), None)
+    if dead is None:
+        print(f"stepahead: {address} did not become healthy within --startup-timeout-s {timeout_s:g}",
+              file=sys.stderr, flush=True)
+        return 1
+    time.sleep(0.2)  # its stderr forwarder reads the last lines
+    print(f"stepahead: {dead.name} exited during start-up (code {dead.proc.returncode}): "
+          f"{dead.last_line or 'no output'}", file=sys.stderr, flush=True)
+    return 2 if dead.proc.returncode == 2 else 1
 
 
 def _sched_fields() -> list[str]:
