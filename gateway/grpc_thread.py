@@ -40,8 +40,9 @@ KEEPALIVE_MIN_PING_S = 10
 def connection_options(max_connections: int, handshake_timeout_s: float, max_idle_s: float) -> tuple:
     """Connection limits of the public server: a cap below the fd limit (grpc core closes a
     connection past it at once, instead of failing accept() and retrying in a loop), a
-    deadline for a new connection's (TLS) handshake, connections without calls closed, and keepalive pings that find dead peers. Pings from clients are
-    allowed no more often than every `KEEPALIVE_MIN_PING_S`, with or without open calls."""
+    deadline for a new connection's (TLS) handshake, connections without calls closed, and
+    keepalive pings that find dead peers. Pings from clients are allowed no more often than
+    every `KEEPALIVE_MIN_PING_S`, with or without open calls."""
     return (
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", int(handshake_timeout_s * 1000)),

@@ -33,8 +33,8 @@ from stepahead.ports import free_port, free_ports
 
 _SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level", "cluster_token", "insecure", "ssl_certfile",
                       "ssl_keyfile", "ssl_ca_certs", "enable_reflection")
-_GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout", "stream_interval", "max_connections", "http_request_timeout",
-                   "http_idle_timeout", "grpc_max_connection_idle")
+_GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout", "stream_interval", "max_connections",
+                   "http_request_timeout", "http_idle_timeout", "grpc_max_connection_idle")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
     "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
