@@ -164,8 +164,10 @@ class LogitsProcessing:
 
 
 def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: Sequence, eos_token_ids: Sequence[int],
-                                 rows: Sequence[tuple[int, int]] | None = None) -> None:
-    """logits[row, stop ids] = -inf for rows whose request is still short of min_tokens.
+                                 rows: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """logits [num_rows, vocab] with logits[row, stop ids] = -inf for rows whose request is still
+    short of min_tokens: a new tensor when a row is masked, `logits` itself otherwise (the input
+    stays intact, so a retry request by request starts from the raw logits).
 
     `rows`: per logits row, (index into `reqs`, tokens the row comes after beyond the
     request's output: a speculative step's j-th verified position); default one row per
@@ -181,6 +183,7 @@ def mask_stops_before_min_tokens(logits: torch.Tensor, reqs: Sequence, eos_token
             if not r.sampling.ignore_eos:
                 stops.update(eos_token_ids)
             flat += [row * vocab + t for t in stops if 0 <= t < vocab]
-    if flat:
-        index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
-        logits.view(-1).index_fill_(0, index, float("-inf"))
+    if not flat:
+        return logits
+    index = host_to_device(flat, torch.int64, logits.device)  # [num_masked] row * vocab + token
+    return logits.contiguous().view(-1).index_fill(0, index, float("-inf")).view(logits.shape)

@@ -71,9 +71,9 @@ class StepLogprobs:
         self._prompt_owners: list[tuple[CachedRequest, int, int]] = []  # (request, first position, count)
         self._raw: torch.Tensor | None = None  # [m, vocab] float32 log-softmax of the asking rows
         self._raw_rows: list[int] = []  # their rows in the step's sampling batch
-        self._sampled: _DeviceRows | None = None
-        self._sampled_reqs: list[CachedRequest] = []
-        self._sampled_tokens: torch.Tensor | None = None  # [m] on the device
+        # one part per sampling pass that succeeded (several when the step's requests were
+        # retried one by one): (rows, their requests, their tokens [m] on the device, then the host)
+        self._runs: list[tuple[_DeviceRows, list[CachedRequest], torch.Tensor]] = []
 
     # -- on the compute stream --------------------------------------------------------------
 
@@ -94,6 +94,7 @@ class StepLogprobs:
 
     def raw(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> None:
         """logits [n, vocab] of the sampling rows, before any processing: keep the asking rows' log-softmax."""
+        self._raw, self._raw_rows = None, []  # a failed pass before this one leaves nothing behind
         rows = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
         if rows:
             self._raw_rows = rows
@@ -113,9 +114,8 @@ class StepLogprobs:
         tokens = sampled.index_select(0, id_rows)  # [m]
         k = max(max(reqs_out[i].sampling.logprobs for _, i in keep), 1)
         top = lp.topk(k, dim=-1)
-        self._sampled = _DeviceRows(lp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values)
-        self._sampled_reqs = [reqs_out[i] for _, i in keep]
-        self._sampled_tokens = tokens
+        self._runs.append((_DeviceRows(lp.gather(-1, tokens[:, None]).squeeze(-1), top.indices, top.values),
+                           [reqs_out[i] for _, i in keep], tokens))
         self._raw = None
 
     def raw_verified(self, logits: torch.Tensor, reqs: list[CachedRequest], row_req: list[int]) -> None:
@@ -134,16 +134,14 @@ class StepLogprobs:
         k = max(max(r.sampling.logprobs for r in owners), 1)
         top = self._raw.topk(k, dim=-1)
         own = self._raw.gather(-1, tokens.clamp(min=0)[:, None]).squeeze(-1)  # [m]
-        self._sampled = _DeviceRows(own, top.indices, top.values)
-        self._sampled_reqs = owners
-        self._sampled_tokens = tokens
+        self._runs.append((_DeviceRows(own, top.indices, top.values), owners, tokens))
         self._raw = None
 
     def to_host(self, pinned: bool) -> None:
         """Start every D2H copy of this step (on the output stream)."""
-        if self._sampled is not None:
-            self._sampled.to_host(pinned)
-            self._sampled_tokens = _pinned_copy(self._sampled_tokens, pinned)
+        for i, (rows, reqs, tokens) in enumerate(self._runs):
+            rows.to_host(pinned)
+            self._runs[i] = (rows, reqs, _pinned_copy(tokens, pinned))
         for rows in self._prompt:
             rows.to_host(pinned)
 
@@ -155,14 +153,13 @@ class StepLogprobs:
         return self._collect_runs(), self._collect_prompt(failed)
 
     def _collect_runs(self) -> dict[str, list[Logprobs]]:
-        if self._sampled is None:
-            return {}
-        reqs, tokens = self._sampled_reqs, self._sampled_tokens.tolist()
-        entries = self._sampled.rows(tokens, [r.sampling.logprobs for r in reqs])
         runs: dict[str, list[Logprobs]] = {}
-        for r, t, e in zip(reqs, tokens, entries):  # a speculative step's rows are in run order
-            if t >= 0:
-                runs.setdefault(r.request_id, []).append(e)
+        for rows, reqs, host_tokens in self._runs:
+            tokens = host_tokens.tolist()
+            entries = rows.rows(tokens, [r.sampling.logprobs for r in reqs])
+            for r, t, e in zip(reqs, tokens, entries):  # a speculative step's rows are in run order
+                if t >= 0:
+                    runs.setdefault(r.request_id, []).append(e)
         return runs
 
     def _collect_prompt(self, failed: dict[str, str]) -> dict[str, PromptLogprobs]:

@@ -14,8 +14,10 @@ sampling rows, `last_logits_ids` the matching request ids (`logits_of(request_id
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -43,6 +45,35 @@ from worker_service.speculation import SpecOutputs, Speculator
 from worker_service.streams import DeviceStreams, StepEvent
 
 log = logging.getLogger(__name__)
+
+
+def isolate(run: Callable[[slice], object], reqs: Sequence[CachedRequest], what: str, batched: bool = True
+            ) -> tuple[list[tuple[slice, object]], dict[str, str]]:
+    """Per-request failure isolation of a step's per-request work (drafting, sampling: the stop
+    mask, bias and penalties, the grammar mask, raw logprobs, speculative verification).
+
+    `run(rows)` does the work of `reqs[rows]` and returns its result. One batched pass; should
+    it raise, each request runs alone, and each one that raises again fails with its own
+    exception as the reason, while the step and the other requests go on with exactly their
+    results (`run` must leave its inputs intact: a retry starts clean). Returns the (rows,
+    result) of the passes that succeeded, in order, and {request id: reason} of the failures.
+    `batched=False`: the work is per request anyway, straight to one pass each.
+    """
+    if batched:
+        rows = slice(0, len(reqs))
+        try:
+            return [(rows, run(rows))], {}
+        except Exception as exc:  # retried request by request below: the failing ones get their reasons
+            log.warning("%s failed for a batch of %d requests (%r); retried request by request", what, len(reqs),
+                        exc)
+    parts, failed = [], {}
+    for i, r in enumerate(reqs):
+        rows = slice(i, i + 1)
+        try:
+            parts.append((rows, run(rows)))
+        except Exception as exc:  # this request alone fails: it ends with the reason
+            failed[r.request_id] = f"{what} failed: {exc!r}"[:500]
+    return parts, failed
 
 
 class ModelRunner:
@@ -139,7 +170,7 @@ class ModelRunner:
         with self.streams.on_compute_stream():
             self.kv_cache.swap_out(plan.swap_out)
             self.kv_cache.swap_in(plan.swap_in)
-            sched = self._schedule(plan.new_requests, plan.running)
+            sched = self._schedule(plan.new_requests, plan.running, failed)
             if not sched:
                 self._set_sampled([], self._sampled[0, :0])
                 now = time.time()
@@ -190,9 +221,7 @@ class ModelRunner:
         logits = self._forward(inputs)  # [num_sampling (+ drafts), vocab] float32
         spec = self.speculator.batch if self.speculator is not None else None
         if spec is not None:  # sampled: [len(reqs)] the last token of each run; the runs go to the host
-            reqs, sample_failed = inputs.sampling_reqs, {}
-            sampled, self._spec_out = self.speculator.verify(self, logits, reqs, self._step_lp)
-            self.last_logits, self.last_logits_ids = logits, tuple(r.request_id for r in reqs)
+            sampled, reqs, sample_failed = self._verify(logits, inputs.sampling_reqs)
         else:
             sampled, reqs, sample_failed = self._sample(logits, inputs.sampling_reqs)  # [len(reqs)] int64
         self._fail(sample_failed, failed)
@@ -269,8 +298,10 @@ class ModelRunner:
         self._failed_ids.update(newly)
         failed.update(newly)
 
-    def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...]) -> ScheduledBatch:
-        """Registers new requests, applies deltas; decodes (one-token queries) first."""
+    def _schedule(self, new: tuple[NewRequest, ...], running: tuple[RunningRequest, ...],
+                  failed: dict[str, str]) -> ScheduledBatch:
+        """Registers new requests, applies deltas; decodes (one-token queries) first. A request
+        whose drafting fails fails alone (added to `failed`) and stays out of the batch."""
         decodes, chunks = ScheduledBatch(), ScheduledBatch()
         if self.speculator is not None:
             self.speculator.batch = None
@@ -293,8 +324,13 @@ class ModelRunner:
                 self.table.extend(state.row, r.new_block_ids)
                 state.block_ids.extend(r.new_block_ids)
             n, placeholder = r.num_scheduled_tokens, r.input_is_placeholder
-            if r.num_draft_tokens:  # a speculative decode: its input is known once the last step resolved
-                n, placeholder = self.speculator.draft(state, r) if self.speculator else (1, placeholder)
+            if r.num_draft_tokens and self.speculator:  # its input is known once the last step resolved
+                drafted, newly = isolate(lambda _, st=state, rr=r: self.speculator.draft(st, rr), [state],
+                                         "drafting", batched=False)
+                if newly:
+                    self._fail(newly, failed)
+                    continue
+                n, placeholder = drafted[0][1]
             if n == 1:
                 d_states.append(state)
                 d_placeholder.append(placeholder)
@@ -327,25 +363,25 @@ class ModelRunner:
 
         Sampling is one batched pass; should it raise (no valid row can make it: the rows
         were checked against the shared limits), the rows are sampled one by one and only
-        those that fail again fail, each alone with its reason.
+        those that fail again fail, each alone with its reason (`isolate`).
         """
         self.last_logits = logits
         self.last_logits_ids = tuple(r.request_id for r in reqs)
         if not reqs:
             return torch.zeros(0, dtype=torch.int64, device=self.device), [], {}
-        if self._step_lp is not None:
-            self._step_lp.raw(logits, reqs)  # raw logprobs: before the stop mask, bias and penalties
-        if self._num_min_tokens:  # live requests with min_tokens (usually none)
-            mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids)
-        try:
-            out = self._sample_rows(logits, reqs), reqs, {}
-        except Exception:  # isolated below, row by row; each failure is reported with its reason
-            out = self._sample_each_row(logits, reqs)
-        if self._step_lp is not None:
-            self._step_lp.sampled(out[0], reqs, out[1])
-        return out
+        parts, failed = isolate(lambda rows: self._sample_rows(logits[rows], reqs[rows]), reqs, "sampling")
+        good = [r for rows, _ in parts for r in reqs[rows]]
+        ids = [sampled for _, sampled in parts]  # [len(rows)] each
+        return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)), good, failed
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
+        """logits [m, vocab] (left intact) → ids [m]: every per-request stage of a plain step,
+        the penalty counts recorded last (once the rows sampled, nothing can fail them)."""
+        lp = self._step_lp
+        if lp is not None:
+            lp.raw(logits, reqs)  # raw logprobs: before the stop mask, bias and penalties
+        if self._num_min_tokens:  # live requests with min_tokens (usually none)
+            logits = mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids)
         # each row passed stepahead.limits when its request was admitted (split_bad_sampling_rows)
         params = [r.sampling for r in reqs]
         meta = SamplingMetadata.build(params, [len(r.token_ids) for r in reqs], self.vocab_size, self.device,
@@ -354,20 +390,29 @@ class ModelRunner:
         processed = self.logits_processing.apply(logits, [r.request_id for r in reqs], params)
         processed = self.grammar.apply(processed, reqs, self._settle_placeholders)  # structured outputs
         sampled = self.sampler(processed, meta)
+        if lp is not None:
+            lp.sampled(sampled, reqs, reqs)
         self.logits_processing.record(sampled)  # penalty counts see this step's ids, on the device
         return sampled
 
-    def _sample_each_row(self, logits: torch.Tensor, reqs: list[CachedRequest]
-                         ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:
-        good, ids, failed = [], [], {}
-        for i, r in enumerate(reqs):
-            try:
-                ids.append(self._sample_rows(logits[i : i + 1], [r]))  # [1]
-                good.append(r)
-            except Exception as exc:  # this row alone fails: its request ends with the reason
-                failed[r.request_id] = f"sampling failed: {exc!r}"[:500]
-        sampled = torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)
-        return sampled, good, failed
+    def _verify(self, logits: torch.Tensor, reqs: list[CachedRequest]
+                ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:
+        """A speculative step: logits [rows, vocab] (each request's 1 + k rows in order) →
+        (last ids [m], the m requests verified, failures), isolated like `_sample`; the runs
+        wait in `_spec_out` for the D2H copy."""
+        self.last_logits, self.last_logits_ids = logits, tuple(r.request_id for r in reqs)
+        drafts = self.speculator.batch.drafts
+        first = list(itertools.accumulate([len(drafts.get(r.request_id, ())) + 1 for r in reqs], initial=0))
+
+        def verify(rows: slice):
+            return self.speculator.verify(self, logits[first[rows.start] : first[rows.stop]], reqs[rows],
+                                          self._step_lp)
+
+        parts, failed = isolate(verify, reqs, "sampling")
+        good = [r for rows, _ in parts for r in reqs[rows]]
+        last = [ids for _, (ids, _) in parts]  # [len(rows)] each
+        self._spec_out = SpecOutputs.concat([out for _, (_, out) in parts], self.device)
+        return (torch.cat(last) if last else torch.zeros(0, dtype=torch.int64, device=self.device)), good, failed
 
     def _settle_placeholders(self) -> None:
         """Put the sampled ids of steps still in flight into their requests' token lists."""

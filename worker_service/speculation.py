@@ -50,6 +50,17 @@ class SpecOutputs:
     num_drafts: list[int]  # per sampling row: drafts proposed (0 for rows without)
     allowed: list[bool]  # per sampling row: the plan allowed drafts (an outcome is reported)
 
+    @staticmethod
+    def concat(parts: list[SpecOutputs], device: torch.device) -> SpecOutputs:
+        """The outputs of a step verified in several passes (its requests retried one by one),
+        in row order; each part's host [n_i, 2 + K_i] is padded with -1 to the widest."""
+        if not parts:
+            return SpecOutputs(torch.zeros(0, 2, dtype=torch.int64, device=device), [], [])
+        width = max(p.host.shape[1] for p in parts)
+        host = torch.cat([torch.nn.functional.pad(p.host, (0, width - p.host.shape[1]), value=-1)
+                          for p in parts])  # [n, width]
+        return SpecOutputs(host, [k for p in parts for k in p.num_drafts], [a for p in parts for a in p.allowed])
+
     def resolve(self, reqs: list[CachedRequest], slots: list[int]) -> tuple[list[int], dict[str, SpecOutcome]]:
         """Write each request's run into its token list (replacing its reserved slot), roll its
         num_computed back past rejected drafts; returns the sampled (last) ids and the outcomes."""
@@ -143,7 +154,7 @@ class Speculator:
         if step_lp is not None:  # raw logprobs: before the stop mask, bias and penalties
             step_lp.raw_verified(logits, reqs, row_req)
         # EOS / stop ids -inf on rows short of min_tokens, earlier drafts counted
-        mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids, list(zip(row_req, row_j)))
+        logits = mask_stops_before_min_tokens(logits, reqs, self.eos_token_ids, list(zip(row_req, row_j)))
         params = [reqs[i].sampling for i in row_req]
         ntok = [len(reqs[i].token_ids) + j for i, j in zip(row_req, row_j)]
         preceding = [drafts[i][:j] for i, j in zip(row_req, row_j)]
