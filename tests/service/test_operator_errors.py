@@ -1,0 +1,109 @@
+"""Operator mistakes fail at once: exit 2 within seconds, one stderr line naming the flag or
+the checkpoint's file and field, no traceback, no retrying until a start-up timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAIL_WITHIN_S = 30.0  # generous on a loaded 2-core host; the failures are immediate
+
+BAD_FLAGS = [
+    ("serve", ["--block-size", "0"], "--block-size"),
+    ("worker", ["--block-size", "0"], "--block-size"),
+    ("serve", ["--max-num-seqs", "0"], "--max-num-seqs"),
+    ("scheduler", ["--max-num-seqs", "0"], "--max-num-seqs"),
+    ("worker", ["--max-num-seqs", "0"], "--max-num-seqs"),
+    ("serve", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    ("scheduler", ["--max-num-batched-tokens", "0"], "--max-num-batched-tokens"),
+    ("serve", ["--gpu-memory-utilization", "2"], "--gpu-memory-utilization"),
+    ("worker", ["--gpu-memory-utilization", "0"], "--gpu-memory-utilization"),
+    ("serve", ["--port", "70000"], "--port"),
+    ("scheduler", ["--port", "-1"], "--port"),
+    ("worker", ["--num-threads", "0"], "--num-threads"),
+    ("serve", ["--startup-timeout-s", "0"], "--startup-timeout-s"),
+    ("serve", ["--drain-timeout", "-1"], "--drain-timeout"),
+]
+
+
+def _edit(field: str, value):
+    def edit(d: Path) -> None:
+        c = json.loads((d / "config.json").read_text())
+        if value is None:
+            c.pop(field)
+        else:
+            c[field] = value
+        (d / "config.json").write_text(json.dumps(c))
+    return edit
+
+
+def _heads_not_dividing(d: Path) -> None:
+    c = json.loads((d / "config.json").read_text())
+    c.pop("head_dim", None)
+    c["num_attention_heads"] = 7
+    (d / "config.json").write_text(json.dumps(c))
+
+
+# name -> (how the tiny checkpoint is spoiled, what the error line names, commands that refuse it)
+BAD_CHECKPOINTS = {
+    "layers_1e6": (_edit("num_hidden_layers", 10**6), ["config.json", "num_hidden_layers"], ("serve", "worker")),
+    "hidden_0": (_edit("hidden_size", 0), ["config.json", "hidden_size"], ("serve", "worker")),
+    "vocab_negative": (_edit("vocab_size", -1), ["config.json", "vocab_size"], ("serve", "worker")),
+    "heads_7": (_heads_not_dividing, ["config.json", "num_attention_heads"], ("serve", "worker")),
+    "no_hidden_size": (_edit("hidden_size", None), ["config.json", "hidden_size"], ("serve", "worker")),
+    "bad_json": (lambda d: (d / "config.json").write_text('{"model_type": "llama",'), ["config.json"],
+                 ("serve", "worker")),
+    "no_tokenizer": (lambda d: (d / "tokenizer.json").unlink(), ["tokenizer.json"], ("serve",)),
+}
+
+
+def _run(command: str, *flags: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    extra = {"serve": ["--port", "0", "--http-port", "0"], "scheduler": ["--port", "0"],
+             "worker": ["--scheduler", "127.0.0.1:1"]}[command]
+    if "--port" in flags:
+        extra = [a for a in extra if a not in ("--port", "0")] if command == "scheduler" else ["--http-port", "0"]
+    proc = subprocess.run([sys.executable, "-m", "stepahead.cli", command, *extra, *flags], capture_output=True,
+                          text=True, timeout=FAIL_WITHIN_S, env=dict(os.environ, STEPAHEAD_LOG_LEVEL="info"))
+    return proc, [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("command, flags, named", BAD_FLAGS, ids=[f"{c}{' '.join(f)}" for c, f, _ in BAD_FLAGS])
+def test_a_flag_out_of_range_exits_2_with_one_line(command, flags, named, tiny_model_dir) -> None:
+    proc, lines = _run(command, "--model", str(tiny_model_dir), *flags) if command != "scheduler" \
+        else _run(command, *flags)
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and named in lines[0], lines
+
+
+CASES = [(name, command) for name, (_, _, commands) in BAD_CHECKPOINTS.items() for command in commands]
+
+
+@pytest.mark.parametrize("name, command", CASES, ids=[f"{n}-{c}" for n, c in CASES])
+def test_a_bad_checkpoint_exits_2_with_one_line_naming_the_file_and_field(name, command, tiny_model_dir,
+                                                                          tmp_path) -> None:
+    spoil, named, _ = BAD_CHECKPOINTS[name]
+    model = tmp_path / name
+    shutil.copytree(tiny_model_dir, model)
+    spoil(model)
+    proc, lines = _run(command, "--model", str(model))
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1, lines
+    assert str(model) in lines[0] and all(n in lines[0] for n in named), lines
+    assert "Traceback" not in proc.stderr
+
+
+def test_a_refused_hello_is_fatal_and_serve_names_the_worker(tiny_model_dir) -> None:
+    """The scheduler refuses the worker's hello as INVALID_ARGUMENT (no prompt of the model's
+    length fits a step): the worker stops instead of re-attaching, serve names it."""
+    proc, lines = _run("serve", "--model", str(tiny_model_dir), "--no-enable-chunked-prefill",
+                       "--max-num-batched-tokens", "64", "--max-model-len", "128")
+    assert proc.returncode == 2, proc.stderr
+    assert lines[-1].startswith("stepahead: worker exited during start-up (code 2)"), lines[-1]
+    assert "refused this worker" in lines[-1] and "max_num_batched_tokens" in lines[-1], lines[-1]
+    assert "Traceback" not in proc.stderr
