@@ -44,7 +44,7 @@ class HeapTrim:
 
     def __init__(self, delay_s: float = 1.0) -> None:
         self._delay_s = delay_s
-        self._pending = False
+        self._pending = self._asked = False
         self._lock = threading.Lock()
         name = ctypes.util.find_library("c")
         try:
@@ -56,17 +56,25 @@ class HeapTrim:
         if self._trim is None:
             return
         with self._lock:
+            self._asked = True
             if self._pending:
                 return
             self._pending = True
+        self._start()
+
+    def _start(self) -> None:
         timer = threading.Timer(self._delay_s, self._run)
         timer.daemon = True
         timer.start()
 
     def _run(self) -> None:
         with self._lock:
-            self._pending = False
+            self._asked = False
         self._trim(0)
+        with self._lock:  # refused while this one waited or ran: their memory may still have been held
+            again = self._pending = self._asked
+        if again:
+            self._start()
 
 
 HEAP_TRIM = HeapTrim()

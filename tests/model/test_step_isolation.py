@@ -45,20 +45,26 @@ def _mentions_poisoned(args) -> bool:
     return False
 
 
-def _poison(fn):
+def _poison(fn, verify_arg: int | None):
+    """fn raising for calls that concern the poisoned request; `verify_arg`: only for calls
+    from speculative verification, told by that positional argument (drafts, rows) being set,
+    so the fault hits the verify path and not a plain step before it."""
     def wrapped(*args, **kwargs):
-        if _mentions_poisoned(args):
+        from_verify = verify_arg is None or (len(args) > verify_arg and args[verify_arg] is not None)
+        if from_verify and _mentions_poisoned(args):
             raise RuntimeError(f"injected fault in {fn.__name__}")
         return fn(*args, **kwargs)
     return wrapped
 
 
-PATHS = {  # path -> the (owner, attribute) pairs patched
-    "drafting": [(GrammarMasks, "cut_drafts")],
-    "grammar": [(GrammarMasks, "apply")],
-    "penalties": [(LogitsProcessing, "apply")],
-    "logprobs": [(StepLogprobs, "raw")],
-    "min_tokens": [(model_runner, "mask_stops_before_min_tokens"), (speculation, "mask_stops_before_min_tokens")],
+# path -> per mode (plain, ngram): the (owner, attribute, argument telling a call from verify) patched
+PATHS = {
+    "drafting": {True: [(GrammarMasks, "cut_drafts", None)]},
+    "grammar": {False: [(GrammarMasks, "apply", None)], True: [(GrammarMasks, "apply", 4)]},
+    "penalties": {False: [(LogitsProcessing, "apply", None)], True: [(LogitsProcessing, "apply", 4)]},
+    "logprobs": {False: [(StepLogprobs, "raw", None)], True: [(StepLogprobs, "raw_verified", None)]},
+    "min_tokens": {False: [(model_runner, "mask_stops_before_min_tokens", None)],
+                   True: [(speculation, "mask_stops_before_min_tokens", 3)]},
 }
 
 
@@ -101,13 +107,13 @@ def _run(path, spec: bool, failures: dict[str, str]) -> LocalEngine:
 @pytest.mark.parametrize("spec", [False, True], ids=["plain", "ngram"])
 @pytest.mark.parametrize("path", list(PATHS))
 def test_a_fault_in_one_request_fails_it_alone(checkpoint, monkeypatch, path, spec):
-    if path == "drafting" and not spec:
+    if spec not in PATHS[path]:
         pytest.skip("drafting runs with speculation only")
     oracle_failures: dict[str, str] = {}
     oracle = _run(checkpoint, spec, oracle_failures)
     assert not oracle_failures
-    for owner, name in PATHS[path]:
-        monkeypatch.setattr(owner, name, _poison(getattr(owner, name)))
+    for owner, name, verify_arg in PATHS[path][spec]:
+        monkeypatch.setattr(owner, name, _poison(getattr(owner, name), verify_arg))
     failures: dict[str, str] = {}
     engine = _run(checkpoint, spec, failures)
     assert set(failures) == {POISONED}, failures

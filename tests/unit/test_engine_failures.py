@@ -56,11 +56,10 @@ def alive(engine: Engine) -> bool:
 
 
 def rejections(session: GatewaySession, n: int) -> list[Rejected]:
+    """The first `n` rejections the engine hands `session` (queue.Empty if they do not come)."""
     got: list[Rejected] = []
-    for batch in session:
-        got += [e for e in batch if isinstance(e, Rejected)]
-        if len(got) >= n:
-            return got
+    while len(got) < n:
+        got += [e for e in session._batches.get(timeout=WAIT_S) if isinstance(e, Rejected)]
     return got
 
 
