@@ -55,7 +55,7 @@ class ModelConfig:
         model_dir = Path(model_dir)
         config_path = model_dir / "config.json"
         if not config_path.is_file():
-            raise CheckpointError(f"no config.json in model directory {model_dir}")
+            raise FileNotFoundError(f"no config.json in model directory {model_dir}")
         try:
             raw = json.loads(config_path.read_text())
             if not isinstance(raw, dict):
