@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import gc
 import json
 import threading
 from pathlib import Path
@@ -70,6 +71,7 @@ class HeapTrim:
     def _run(self) -> None:
         with self._lock:
             self._asked = False
+        gc.collect(1)  # a refusal's exception and traceback keep its body in a cycle until collected
         self._trim(0)
         with self._lock:  # refused while this one waited or ran: their memory may still have been held
             again = self._pending = self._asked
