@@ -45,8 +45,9 @@ def test_score_ttft_target_reaches_the_scheduler_core_from_env_and_flag(monkeypa
     monkeypatch.setenv("STEPAHEAD_SCORE_TTFT_TARGET", "2.5")
     assert parse([]).core_config(info).score_ttft_target == 2.5
     assert parse(["--score-ttft-target", "1"]).core_config(info).score_ttft_target == 1.0
-    with pytest.raises(ValueError, match="score_ttft_target"):
-        parse(["--score-ttft-target", "-1"]).core_config(info)
+    with pytest.raises(SystemExit) as refused:  # out of range: refused at parse time (argparse, exit 2)
+        parse(["--score-ttft-target", "-1"])
+    assert refused.value.code == 2
 
 
 def test_round_trip_to_flags() -> None:
