@@ -6,12 +6,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
 import subprocess
 import sys
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import grpc
@@ -19,6 +21,9 @@ import grpc
 from stepahead import security
 from stepahead.cli.serve import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+
+_PROBLEM_LEVELS = frozenset({"warning", "error", "critical", "exception"})
+_PROBLEM_TEXT = re.compile(r"Traceback|Error|Exception")
 
 READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)(?: http at (\S+))?")
 
@@ -38,11 +43,33 @@ class ServeProcess:
         )
         self.stderr_lines: list[str] = []  # every daemon's log lines, with capture_stderr
         if capture_stderr:
-            threading.Thread(target=lambda: self.stderr_lines.extend(self.proc.stderr), daemon=True).start()
+            threading.Thread(target=self._read_stderr, daemon=True).start()
         self.gateway_addr, self.scheduler_addr, self.http_url = self._wait_ready(startup_timeout_s)
         self._channels = [grpc.insecure_channel(self.gateway_addr), self.scheduler_channel()]
         self.gateway = generation_pb2_grpc.GenerationStub(self._channels[0])
         self.scheduler = scheduler_pb2_grpc.SchedulerStub(self._channels[1])
+
+    def _read_stderr(self) -> None:
+        for line in self.proc.stderr:
+            self.stderr_lines.append(line)
+            sys.stderr.write(line)  # still shown (pytest shows it with a failure)
+
+    def log_problems(self, expected: Iterable[str] = ()) -> list[str]:
+        """The daemons' log lines (with capture_stderr) that say something went wrong and
+        match none of the `expected` regular expressions: a structured event at warning or
+        above, or a line that is not one of ours and carries a traceback or an error. A crash
+        that a retry or a resubmission hid from the client is still a crash."""
+        allowed, problems = [re.compile(e) for e in expected], []
+        for line in list(self.stderr_lines):
+            try:
+                event = json.loads(line)
+            except ValueError:
+                event = None
+            bad = (event.get("level") in _PROBLEM_LEVELS if isinstance(event, dict)
+                   else _PROBLEM_TEXT.search(line) is not None)
+            if bad and not any(a.search(line) for a in allowed):
+                problems.append(line.rstrip())
+        return problems
 
     def _wait_ready(self, timeout_s: float) -> tuple[str, str, str | None]:
         found: list[tuple[str, str, str | None]] = []

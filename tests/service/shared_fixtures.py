@@ -1,7 +1,8 @@
 """Session-scoped fixtures several service-test modules share. `tests/service/conftest.py`
 registers them: a module just names `serve` / `hf` as arguments (importing them here into a
 module would start a second daemon set that lives until the session ends). A test using
-`serve` must leave it as it found it: every request finished, every block free.
+`serve` must leave it as it found it: every request finished, every block free, and no daemon
+may have logged a warning or an error (`ServeProcess.log_problems`, checked at teardown).
 """
 
 from __future__ import annotations
@@ -26,8 +27,13 @@ def metrics_port() -> int:
 def serve(tiny_model_dir, metrics_port):  # noqa: F811
     """`stepahead serve` of the tiny model, 64 sequences per step, scheduler metrics on
     `metrics_port`."""
-    with Serve(tiny_model_dir, "--max-num-seqs", "64", "--metrics-port", str(metrics_port)) as s:
+    with Serve(tiny_model_dir, "--max-num-seqs", "64", "--metrics-port", str(metrics_port),
+               capture_stderr=True) as s:
         yield s
+        # the hostile-input tests send corrupt bytes to the scheduler's health service; grpc
+        # logs each one it cannot decode (at error, with a traceback)
+        problems = s.log_problems([r'"event": "Exception deserializing message!"'])
+        assert not problems, problems
 
 
 @pytest.fixture(scope="session")
@@ -39,8 +45,11 @@ def hf(tiny_model_dir):  # noqa: F811
 @pytest.fixture(scope="session")
 def openai_serve(tiny_model_dir):  # noqa: F811
     """The daemons the OpenAI HTTP tests talk to (their own: they check every block comes back)."""
-    with Serve(tiny_model_dir, "--max-num-seqs", "32") as s:
+    with Serve(tiny_model_dir, "--max-num-seqs", "32", capture_stderr=True) as s:
         yield s
+        # the structured-output tests send constraints that do not compile, on purpose
+        problems = s.log_problems([r'^(?=.*"event": "request_failed")(?=.*does not compile)'])
+        assert not problems, problems
 
 
 @pytest.fixture(scope="session")

@@ -21,8 +21,9 @@ SPEC = json.dumps({"method": "ngram", "num_speculative_tokens": 4, "prompt_looku
 
 @pytest.fixture(scope="module")
 def serve(tiny_model_dir):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-num-seqs", "8", "--speculative-config", SPEC) as s:
+    with Serve(tiny_model_dir, "--max-num-seqs", "8", "--speculative-config", SPEC, capture_stderr=True) as s:
         yield s
+        assert not s.log_problems(), s.log_problems()  # a step that failed and was retried is a failure
 
 
 def test_greedy_text_equals_hf_and_usage_reports_acceptance(serve, tiny_model_dir, tiny_tokenizer):  # noqa: F811
