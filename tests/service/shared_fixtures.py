@@ -30,9 +30,12 @@ def serve(tiny_model_dir, metrics_port):  # noqa: F811
     with Serve(tiny_model_dir, "--max-num-seqs", "64", "--metrics-port", str(metrics_port),
                capture_stderr=True) as s:
         yield s
-        # the hostile-input tests send corrupt bytes to the scheduler's health service; grpc
-        # logs each one it cannot decode (at error, with a traceback)
-        problems = s.log_problems([r'"event": "Exception deserializing message!"'])
+        # the fuzz and hostile-input tests send random bytes to every method (health's List,
+        # which grpcio-health does not implement, included); grpc logs each message it cannot
+        # decode at error, with a traceback (a log a client can flood: known, not yet bounded)
+        problems = s.log_problems([r'"event": "Exception deserializing message!"',
+                                   r'"event": "Unexpected \[(DecodeError|NotImplementedError)\] raised by servicer',
+                                   r'"event": "Exception calling application: Method not implemented!"'])
         assert not problems, problems
 
 
