@@ -42,7 +42,7 @@ def family_checkpoint(name: str, tiny_dir: Path, out: Path) -> Path:
     return out
 
 
-def run_and_check(model_dir: Path, vocab: int, *flags: str, num: int = 4, seed: int = 8, also=None) -> None:
+def run_and_check(model_dir: Path, vocab: int, *flags: str, num: int = 6, seed: int = 8, also=None) -> None:
     prompts = random_prompts(num, 20, 90, vocab, seed=seed)
     max_tokens = [20] * num
     with Serve(model_dir, *TP, *SMALL_POOL, *flags) as s:
