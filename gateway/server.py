@@ -363,7 +363,8 @@ def build_server(config: GatewayConfig, frontend: Frontend, log, max_connections
 
     async def build(loop):
         interceptors = [AioCredentialInterceptor(security.api_key_interceptor(
-            keys, lambda m: frontend.metrics.observe_rejected("grpc", 401)))] if keys else []
+            keys, security.Refusals(log, lambda method: frontend.metrics.observe_rejected("grpc", 401),
+                                    "grpc_call_refused")))] if keys else []
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes), *NO_BACKLOG_SHEDDING,

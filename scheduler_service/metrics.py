@@ -77,6 +77,9 @@ class SchedulerMetrics:
         self.workers_attached = Gauge(P + "workers_attached", "replicas (workers) attached now", registry=r)
         self.requests_migrated = Counter(P + "requests_migrated", "requests moved off a lost or leaving replica",
                                          registry=r)
+        self.internal_auth_refused = Counter(
+            P + "internal_auth_refused", "internal-plane calls refused for a missing or wrong cluster token",
+            ["daemon", "method"], registry=r)
         self._arrival: dict[str, float] = {}
         self._last_token = LastTokenTimes()
 

@@ -318,11 +318,14 @@ def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None, free
                  ) -> tuple[grpc.Server, Engine, int]:  # freeze_heap: the process is the daemon's own (run)
     config.check_exposure()
     num_speculative_tokens(config.speculative_config)  # a bad --speculative-config fails here, named
-    interceptors = [security.cluster_interceptor(config.cluster_token)] if config.cluster_token else []
+    metrics = SchedulerMetrics(REGISTRY)
+    refusals = security.Refusals(log, lambda method: metrics.internal_auth_refused.labels("scheduler", method).inc(),
+                                 "internal_call_refused")
+    interceptors = [security.cluster_interceptor(config.cluster_token, refusals)] if config.cluster_token else []
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), interceptors=interceptors)
     health = daemon.Health(server, [SERVICE_NAME], reflect=config.enable_reflection)
     options = replace(config.engine_options(), freeze_heap_on_attach=freeze_heap)
-    engine = Engine(config.core_config, log, health.set, options, on_fatal, SchedulerMetrics(REGISTRY))  # serving: a worker
+    engine = Engine(config.core_config, log, health.set, options, on_fatal, metrics)  # serving: a worker
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     port = security.add_port(server, f"{config.host}:{config.port}", tls)

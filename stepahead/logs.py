@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
+import time
 
 import structlog
 
@@ -52,3 +54,23 @@ def _route_stdlib_logging(daemon: str, level: int, timestamper) -> None:
 
         hf_logging.disable_default_handler()
         hf_logging.enable_propagation()
+
+
+class RateLimitedLog:
+    """One warning line per `interval_s` for an event a client can repeat at will (a refused
+    connection or call, a malformed request or message), with how many were not logged since
+    the last line: a flood costs a counter, never a line each."""
+
+    def __init__(self, log, event: str, interval_s: float = 10.0) -> None:
+        self._log, self._event, self._interval_s = log, event, interval_s
+        self._last, self._unlogged = -interval_s, 0
+        self._lock = threading.Lock()
+
+    def note(self, **fields) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if now - self._last < self._interval_s:
+                self._unlogged += 1
+                return
+            self._last, unlogged, self._unlogged = now, self._unlogged, 0
+        self._log.warning(self._event, not_logged_since_last=unlogged, **fields)

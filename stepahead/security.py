@@ -8,7 +8,9 @@ API, and TLS / mTLS for both (grpc plumbing shared by every daemon and tool).
 - Public API: with API keys set, every gateway call carries `authorization: Bearer <key>`.
 - TLS: `TLSFiles` names PEM files; with `ca_certs` a server requires client certificates
   (mTLS) and a client verifies the server against it.
-Tokens are compared in constant time.
+Tokens are compared in constant time. Every refusal is handed to the server's `on_reject`
+(method and peer address): `Refusals` counts it in a metric and logs it rate-limited, so an
+operator sees a probe and a flood of refused calls writes a line per interval, not per call.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 import grpc
 
 from stepahead.config import field as config_field
+from stepahead.logs import RateLimitedLog
 
 CLUSTER_TOKEN_HEADER = "stepahead-cluster-token"
 API_KEY_HEADER = "authorization"
@@ -74,10 +77,12 @@ def is_loopback(host: str) -> bool:
 
 class CredentialInterceptor(grpc.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call whose `header` does not hold one of `secrets`
-    (with `scheme` before it), except methods under `exempt` prefixes."""
+    (with `scheme` before it), except methods under `exempt` prefixes; `on_reject(method,
+    peer)` is called with each refusal."""
 
     def __init__(self, header: str, secrets: Iterable[str], *, scheme: str = "", exempt: Sequence[str] = (),
-                 what: str = "credential", on_reject: Callable[[str], None] = lambda method: None) -> None:
+                 what: str = "credential", on_reject: Callable[[str, str], None] = lambda method, peer: None
+                 ) -> None:
         self._header, self._scheme = header, scheme
         self._secrets = tuple(s.encode() for s in secrets)
         if not self._secrets:
@@ -105,9 +110,10 @@ class CredentialInterceptor(grpc.ServerInterceptor):
         return None if handler is None else self.refusal(handler, handler_call_details.method)
 
     def refusal(self, handler: grpc.RpcMethodHandler, method: str, aio: bool = False) -> grpc.RpcMethodHandler:
-        """Count the refusal of `method` and answer it UNAUTHENTICATED instead of `handler`."""
-        self._on_reject(method)
-        return _refusing(handler, f"missing or wrong {self._what}", aio)
+        """Answer `method` UNAUTHENTICATED instead of `handler`, reporting it to `on_reject`
+        (from the refusing call: it knows the peer)."""
+        return _refusing(handler, f"missing or wrong {self._what}", aio,
+                         lambda context: self._on_reject(method, context.peer()))
 
 
 class AioCredentialInterceptor(grpc.aio.ServerInterceptor):
@@ -123,13 +129,17 @@ class AioCredentialInterceptor(grpc.aio.ServerInterceptor):
         return self._check.refusal(handler, handler_call_details.method, aio=True)
 
 
-def _refusing(handler: grpc.RpcMethodHandler, message: str, aio: bool = False) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that refuses with UNAUTHENTICATED."""
+def _refusing(handler: grpc.RpcMethodHandler, message: str, aio: bool = False,
+              report: Callable[[object], None] = lambda context: None) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that calls `report(context)` and refuses
+    with UNAUTHENTICATED."""
 
     def refuse_sync(request, context):
+        report(context)
         context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     async def refuse_aio(request, context):
+        report(context)
         await context.abort(grpc.StatusCode.UNAUTHENTICATED, message)
 
     refuse = refuse_aio if aio else refuse_sync
@@ -144,11 +154,26 @@ def _refusing(handler: grpc.RpcMethodHandler, message: str, aio: bool = False) -
     return make(refuse, request_deserializer=None, response_serializer=None)
 
 
-def cluster_interceptor(token: str) -> CredentialInterceptor:
-    return CredentialInterceptor(CLUSTER_TOKEN_HEADER, [token], exempt=(HEALTH_PREFIX,), what="cluster token")
+class Refusals:
+    """What a server does with a refused call: `count(method)` (a metric the daemon owns) and
+    a warning `event` at most once per `interval_s` naming the peer, the method and how many
+    refusals went unlogged since the previous line."""
+
+    def __init__(self, log, count: Callable[[str], None], event: str, interval_s: float = 10.0) -> None:
+        self._count = count
+        self._log = RateLimitedLog(log, event, interval_s)
+
+    def __call__(self, method: str, peer: str) -> None:
+        self._count(method)
+        self._log.note(peer=peer, method=method)
 
 
-def api_key_interceptor(keys: Sequence[str], on_reject=lambda method: None) -> CredentialInterceptor:
+def cluster_interceptor(token: str, on_reject=lambda method, peer: None) -> CredentialInterceptor:
+    return CredentialInterceptor(CLUSTER_TOKEN_HEADER, [token], exempt=(HEALTH_PREFIX,), what="cluster token",
+                                 on_reject=on_reject)
+
+
+def api_key_interceptor(keys: Sequence[str], on_reject=lambda method, peer: None) -> CredentialInterceptor:
     return CredentialInterceptor(API_KEY_HEADER, keys, scheme="Bearer ", exempt=(HEALTH_PREFIX,), what="API key",
                                  on_reject=on_reject)
 
