@@ -151,7 +151,8 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str
         default = f.default if f.default is not dataclasses.MISSING else None
         if env_name(f.name) in os.environ:
             default = _parse(tp, os.environ[env_name(f.name)], env_name(f.name))
-        help_text = f"{help_text} [env {env_name(f.name)}; default {default!r}]"
+        shown = default.value if isinstance(default, enum.Enum) else default  # 'fcfs', not <SchedulingPolicy.FCFS: 'fcfs'>
+        help_text = f"{help_text} [env {env_name(f.name)}; default {shown!r}]"
         if _is_list(tp):
             parser.add_argument(flag_name(f.name), dest=f.name, action=_ListAction, default=tuple(default or ()),
                                 help=help_text)

@@ -40,8 +40,19 @@ def _top_parser() -> argparse.ArgumentParser:
         epilog="commands:\n" + "\n".join(f"  {n:<11} {h}" for n, (h, _) in COMMANDS.items()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     parser.add_argument("command", choices=sorted(COMMANDS), metavar="COMMAND")
     return parser
+
+
+def version() -> str:
+    """The installed distribution's version (pyproject.toml's), as `pip show stepahead` gives it."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("stepahead")
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -299,23 +299,26 @@ def plot(results: list[RequestMetrics], path: Path, title: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends "(default: …)"
     parser.add_argument("--target", default="127.0.0.1:50050", help="gateway address")
     parser.add_argument("--scheduler", default="", help="scheduler address, for device utilization")
     parser.add_argument("--cluster-token", default=os.environ.get("STEPAHEAD_CLUSTER_TOKEN"),
                         help="the scheduler's cluster token [env STEPAHEAD_CLUSTER_TOKEN]")
-    parser.add_argument("--dataset-name", choices=["random", "trace"], default="random")
+    parser.add_argument("--dataset-name", choices=["random", "trace"], default="random",
+                        help="random token prompts, or a request trace (--dataset-path)")
     parser.add_argument("--dataset-path", type=Path, default=None, help="trace file (.csv Azure format, or .jsonl)")
     parser.add_argument("--trace-speedup", type=float, default=1.0, help="divide the trace's inter-arrival times")
     parser.add_argument("--num-prompts", type=int, default=64, help="requests (a trace: its first N)")
-    parser.add_argument("--random-input-len", type=int, default=128)
-    parser.add_argument("--random-output-len", type=int, default=64)
-    parser.add_argument("--random-range-ratio", type=float, default=0.0)
+    parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per random request")
+    parser.add_argument("--random-output-len", type=int, default=64, help="output tokens per random request")
+    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+                        help="lengths drawn from [len*(1-r), len*(1+r)]")
     parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None)
+    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (None: no cap)")
     parser.add_argument("--ignore-eos", action="store_true", help="(always on for a trace)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--label", default="stepahead")
-    parser.add_argument("--disable-tqdm", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="workload seed")
+    parser.add_argument("--label", default="stepahead", help="name in the results and the plot title")
+    parser.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
     parser.add_argument("--result-filename", type=Path, default=None, help="JSON results (and a .png beside it)")
 
 
@@ -360,7 +363,51 @@ def _cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+def _row(name: str, value) -> str:
+    if value is None:
+        shown = "n/a"
+    elif isinstance(value, float):
+        shown = "n/a" if value != value else f"{value:.2f}"  # NaN: no sample (e.g. no request got two tokens)
+    else:
+        shown = str(value)
+    return f"{name:<40} {shown}"
+
+
+def format_summary(summary: dict, result_filename: Path | None) -> str:
+    """The summary as `vllm bench serve` prints it (same headings and rows, two decimals), then
+    our extra rows and where the results went."""
+    lines = ["{s:{c}^50}".format(s=" Serving Benchmark Result ", c="="),
+             _row("Label:", summary["label"]), _row("Model:", summary["model"]),
+             _row("Successful requests:", summary["completed"]), _row("Failed requests:", summary["failed"]),
+             _row("Benchmark duration (s):", summary["duration"]),
+             _row("Total input tokens:", summary["total_input_tokens"]),
+             _row("Total generated tokens:", summary["total_output_tokens"]),
+             _row("Request throughput (req/s):", summary["request_throughput"]),
+             _row("Output token throughput (tok/s):", summary["output_throughput"]),
+             _row("Total token throughput (tok/s):", summary["total_token_throughput"])]
+    for key, name, heading in (("ttft", "TTFT", "Time to First Token"),
+                               ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+                               ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency")):
+        lines.append("{s:{c}^50}".format(s=heading, c="-"))
+        for stat, label in (("mean", "Mean"), ("median", "Median"), ("p99", "P99")):
+            lines.append(_row(f"{label} {name} (ms):", summary[f"{stat}_{key}_ms"]))
+    lines.append("{s:{c}^50}".format(s="Client and device", c="-"))
+    lines.append(_row("Client CPU per output token (us):", summary["client_cpu_per_output_token_us"]))
+    if "device_utilization" in summary:
+        lines.append(_row("Device utilization:", summary["device_utilization"]))
+        lines.append(_row("Device ideal output throughput (tok/s):", summary["device_ideal_output_throughput"]))
+    lines.append("=" * 50)
+    for error in summary["errors"]:
+        lines.append(f"error: {error}")
+    if result_filename is not None:
+        lines.append(f"results (JSON, every request): {result_filename}")
+        lines.append(f"plot (token arrivals, TPOT histogram): {result_filename.with_suffix('.png')}")
+    else:
+        lines.append("results not saved (--result-filename FILE.json keeps them, with a plot beside it)")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
     summary = bench(args)
-    print(json.dumps({k: v for k, v in summary.items() if k != "config"}, indent=2))
+    print(format_summary(summary, args.result_filename))
     return 0 if summary["failed"] == 0 else 1

@@ -1,6 +1,6 @@
 """`stepahead generate`: stream one completion from a gateway to stdout.
 
-    stepahead generate --target 127.0.0.1:50050 --max-tokens 32 "def fibonacci(n):"
+    stepahead generate --target 127.0.0.1:50050 --max-tokens 32 "def fibonacci(n):"   # default: 256 tokens
     stepahead generate --json --temperature 0 "import os"   # one JSON object per message
     stepahead generate --chat --system "Be brief." "Write a sort."  # the prompt is a user message
     stepahead generate --logprobs 3 "x ="   # per-token logprobs (and the top 3) on stderr
@@ -14,31 +14,36 @@ import os
 import sys
 
 
+DEFAULT_MAX_TOKENS = 256  # a CLI answer's length; OpenAI's completions default (16) cuts a sentence short
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends "(default: …)"
     parser.add_argument("prompt", help="prompt text")
     parser.add_argument("--target", default="127.0.0.1:50050", help="gateway address")
-    parser.add_argument("--model", default="", help="served model name (default: the only one)")
-    parser.add_argument("--max-tokens", type=int, default=None)
-    parser.add_argument("--min-tokens", type=int, default=0)
-    parser.add_argument("--temperature", type=float, default=None)
-    parser.add_argument("--top-k", type=int, default=-1)
-    parser.add_argument("--top-p", type=float, default=None)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--model", default="", help="served model name (default: %(default)r, the only one served)")
+    parser.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                        help="most tokens to generate; the prompt plus these must fit the model's context")
+    parser.add_argument("--min-tokens", type=int, default=0, help="fewest tokens to generate before EOS or a stop")
+    parser.add_argument("--temperature", type=float, default=None, help="sampling temperature (None: 1.0; 0: greedy)")
+    parser.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (-1: all)")
+    parser.add_argument("--top-p", type=float, default=None, help="nucleus sampling mass (None: 1.0)")
+    parser.add_argument("--min-p", type=float, default=0.0, help="drop tokens below min_p times the top probability")
+    parser.add_argument("--seed", type=int, default=None, help="sampling seed (None: random)")
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    parser.add_argument("--stop-token-ids", type=int, nargs="*", default=[])
-    parser.add_argument("--ignore-eos", action="store_true")
-    parser.add_argument("--include-stop-str-in-output", action="store_true")
-    parser.add_argument("--priority", type=int, default=0)
-    parser.add_argument("--request-id", default="")
+    parser.add_argument("--stop-token-ids", type=int, nargs="*", default=[], help="token ids that end the output")
+    parser.add_argument("--ignore-eos", action="store_true", help="keep generating past EOS")
+    parser.add_argument("--include-stop-str-in-output", action="store_true", help="keep the stop string in the text")
+    parser.add_argument("--priority", type=int, default=0, help="scheduling priority (used by --scheduling-policy priority)")
+    parser.add_argument("--request-id", default="", help="request id (default: %(default)r, the gateway picks one)")
     parser.add_argument("--json", action="store_true", help="print each streamed message as JSON")
     parser.add_argument("--chat", action="store_true",
                         help="send the prompt as a user message, rendered with the model's chat template")
     parser.add_argument("--system", default=None, help="with --chat: a system message before it")
-    parser.add_argument("--n", type=int, default=None, help="number of choices (--json tells them apart by index)")
-    parser.add_argument("--repetition-penalty", type=float, default=None)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--n", type=int, default=None, help="number of choices (--json tells them apart by index; None: 1)")
+    parser.add_argument("--repetition-penalty", type=float, default=None, help="repetition penalty (None: 1.0, off)")
+    parser.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI presence penalty")
+    parser.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI frequency penalty")
     parser.add_argument("--logprobs", type=int, default=None, metavar="N",
                         help="raw logprobs of each output token and its N most likely alternatives (0: the token's "
                         "only); with --json in each message, else one line per token on stderr")
