@@ -54,12 +54,21 @@ def connection_options(max_connections: int, handshake_timeout_s: float, max_idl
     )
 
 
+class _HealthServicer(HealthServicer):
+    """grpcio-health's servicer with `List`, which it leaves to raise NotImplementedError
+    (an error line with a traceback per call, a log any client could flood)."""
+
+    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
+
+
 class AioHealth:
     """gRPC health (overall "" and each named service) and reflection on a grpc.aio server;
     `set` may be called from any thread."""
 
     def __init__(self, server: grpc.aio.Server, services: tuple[str, ...], loop: asyncio.AbstractEventLoop) -> None:
-        self.servicer = HealthServicer()
+        self.servicer = _HealthServicer()
         self.services = ("", *services)
         self.loop = loop
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)

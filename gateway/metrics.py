@@ -30,6 +30,9 @@ class GatewayMetrics:
             ["transport"], registry=r)
         for transport in ("grpc", "http"):
             self.usage_mismatch.labels(transport)  # exported at 0 from the start: something to alert on
+        self.undecodable = Counter(
+            p + "grpc_undecodable_messages", "gRPC request messages that did not decode (INVALID_ARGUMENT)",
+            ["method"], registry=r)
         self.active = Gauge(p + "active_requests", "requests open now (both transports)", registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "accepted to finished", ["transport"],
                              registry=r, buckets=_LATENCY_BUCKETS)

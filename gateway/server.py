@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import resource
 import uuid
@@ -34,6 +35,7 @@ from stepahead import codec, daemon, logs, security
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
+from stepahead.logs import RateLimitedLog
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 SERVICE_NAME = generation_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
@@ -355,6 +357,90 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+class _Undecodable:
+    """What a guarded deserializer returns for bytes that are not the method's message."""
+
+    __slots__ = ("error",)
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+def _lenient(deserializer):
+    def deserialize(raw: bytes):
+        try:
+            return deserializer(raw)
+        except Exception as exc:  # protobuf's DecodeError, or anything a generated parser raises
+            return _Undecodable(exc)
+    return deserialize
+
+
+class UndecodableGuard(grpc.aio.ServerInterceptor):
+    """Bytes that do not decode as a method's request message are answered INVALID_ARGUMENT
+    by the gateway, counted (`on_undecodable(method)`) and logged at most once per interval:
+    left to grpc, each one logs an error with a traceback, a log any client can flood.
+
+    The request deserializer is wrapped to hand back an `_Undecodable` instead of raising;
+    the method's behaviour is wrapped (keeping its kind: coroutine or async generator, a
+    request or a request stream) to abort on one before the servicer sees it."""
+
+    def __init__(self, log, on_undecodable: Callable[[str], None] = lambda method: None,
+                 interval_s: float = 10.0) -> None:
+        self._limited = RateLimitedLog(log, "grpc_message_undecodable", interval_s)
+        self._on_undecodable = on_undecodable
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return self._guarded(handler, handler_call_details.method)
+
+    async def _refuse(self, method: str, request: _Undecodable, context) -> None:
+        self._on_undecodable(method)
+        self._limited.note(peer=context.peer(), method=method, error=type(request.error).__name__)
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not decode")
+
+    def _guarded(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
+        behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
+                    (True, False): handler.stream_unary, (True, True): handler.stream_stream}[
+            (streaming_in, streaming_out)]
+        refuse = self._refuse
+
+        async def checked(requests, context):
+            async for request in requests:
+                if isinstance(request, _Undecodable):
+                    await refuse(method, request, context)
+                yield request
+
+        if streaming_in:
+            if inspect.isasyncgenfunction(behavior):
+                async def guarded(requests, context):
+                    async for response in behavior(checked(requests, context), context):
+                        yield response
+            else:
+                async def guarded(requests, context):
+                    return await behavior(checked(requests, context), context)
+        elif inspect.isasyncgenfunction(behavior):
+            async def guarded(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(method, request, context)
+                async for response in behavior(request, context):
+                    yield response
+        else:
+            async def guarded(request, context):
+                if isinstance(request, _Undecodable):
+                    await refuse(method, request, context)
+                return await behavior(request, context)
+
+        make = {(False, False): grpc.unary_unary_rpc_method_handler,
+                (False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[(streaming_in, streaming_out)]
+        return make(guarded, request_deserializer=_lenient(handler.request_deserializer),
+                    response_serializer=handler.response_serializer)
+
+
 def build_server(config: GatewayConfig, frontend: Frontend, log, max_connections: int) -> GrpcThread:
     """The public gRPC server (grpc.aio, its own thread): every call is taken at once and
     admitted or refused by the stream gate (RESOURCE_EXHAUSTED past the limit); at most
@@ -362,9 +448,11 @@ def build_server(config: GatewayConfig, frontend: Frontend, log, max_connections
     keys = security.split_keys(config.api_key)
 
     async def build(loop):
-        interceptors = [AioCredentialInterceptor(security.api_key_interceptor(
-            keys, security.Refusals(log, lambda method: frontend.metrics.observe_rejected("grpc", 401),
-                                    "grpc_call_refused")))] if keys else []
+        interceptors = [UndecodableGuard(log, lambda method: frontend.metrics.undecodable.labels(method).inc())]
+        if keys:
+            interceptors.append(AioCredentialInterceptor(security.api_key_interceptor(
+                keys, security.Refusals(log, lambda method: frontend.metrics.observe_rejected("grpc", 401),
+                                        "grpc_call_refused"))))
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes), *NO_BACKLOG_SHEDDING,
