@@ -35,6 +35,7 @@ from stepahead import codec, daemon, logs, security
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
+from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.logs import RateLimitedLog
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -60,7 +61,7 @@ class GatewayConfig(SchedulerClientConfig):
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50050, "port to listen on")
     http_port: int = cfg.field(8000, "OpenAI-compatible HTTP port (0 disables HTTP)")
-    model: str = cfg.field("tiny", "model directory (for the tokenizer) or an already built built-in model name")
+    model: str = cfg.field(DEFAULT_MODEL, MODEL_HELP + " (for the tokenizer; already converted)")
     max_request_bytes: int = cfg.field(1 << 20, "largest accepted request message")
     max_concurrent_streams: int = cfg.field(
         1024, "open requests at most (gRPC and HTTP); more get RESOURCE_EXHAUSTED / 429 at once"

