@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from prometheus_client import REGISTRY, start_http_server
 
 from stepahead.speculative import parse_speculative_config
+from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead import codec, daemon, logs
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead import config as cfg
@@ -36,8 +37,9 @@ from stepahead.security import SchedulerClientConfig
 @dataclass(frozen=True)
 class WorkerConfig(SchedulerClientConfig):
     scheduler: str = cfg.field("127.0.0.1:50051", "scheduler address to attach to")
-    model: str = cfg.field("tiny", "model directory, or a built-in model name (tiny, 100m)")
-    served_model_name: str | None = cfg.field(None, "name clients use (default: the model's directory name)")
+    model: str = cfg.field(DEFAULT_MODEL, MODEL_HELP)
+    served_model_name: str | None = cfg.field(None, "name clients use (default: the --model argument, as vLLM)")
+    tokenizer: str | None = cfg.field(None, "tokenizer directory for a .gguf --model that carries none")
     dtype: str | None = cfg.field(
         None, "weight dtype: float32, bfloat16, float16 (default: float32; sim: the checkpoint's torch_dtype)")
     device: str = cfg.field("cpu", "torch device: cpu, cuda, cuda:1, or sim (a simulated accelerator, no torch)")
@@ -107,7 +109,7 @@ def build_runner(config: WorkerConfig, group=None):
 
     if config.num_threads:
         torch.set_num_threads(config.num_threads)
-    model_dir = resolve_model(config.model)
+    model_dir = resolve_model(config.model, tokenizer=config.tokenizer)
     model_cfg = ModelConfig.from_dir(model_dir)
     dtype = config.dtype or "float32"
     check_weights_fit(model_dir, model_cfg, config, parse_dtype(dtype).itemsize)
@@ -166,7 +168,7 @@ class HelloRefused(Exception):
 def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
     return WorkerInfo(
         worker_id=f"{socket.gethostname()}:{os.getpid()}",
-        model_name=config.served_model_name or model_dir.name,
+        model_name=config.served_model_name or config.model,
         model_type=runner.model_type,
         dtype=str(runner.dtype).removeprefix("torch."),
         device=str(runner.device),
