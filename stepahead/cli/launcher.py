@@ -37,6 +37,8 @@ class ServeProcess:
         env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level, STEPAHEAD_CLUSTER_TOKEN=self.cluster_token, **(env or {}))
         if "--http-port" not in flags:
             flags = ("--http-port", str(free_port()), *flags)
+        if "--served-model-name" not in flags:  # the tests name a model by its directory ("tiny")
+            flags = ("--served-model-name", Path(model_dir).name, *flags)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "stepahead.cli", "serve", "--model", str(model_dir), "--port", "0", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE if capture_stderr else None, text=True, env=env,
