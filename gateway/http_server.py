@@ -7,9 +7,9 @@ through `event_stream.LoopEvents` and are read with `event_stream.choices`; a cl
 one of its `n` sequences upstream.
 
 Errors use OpenAI's shape `{"error": {"message", "type", "param", "code"}}`: 400 for a bad
-value (param names the field), 404 for an unknown model or path, 413 for an oversized
-body, 422 for a body that does not match the schema, 503 when no worker is attached or
-the scheduler link is down. A failure after a stream has started is sent as one
+value or a body that does not match the schema (param names the field, as OpenAI and
+vLLM answer), 404 for an unknown model or path, 413 for an oversized body, 503 when no
+worker is attached or the scheduler link is down. A failure after a stream has started is sent as one
 `{"error": ...}` event before `[DONE]`.
 """
 
@@ -32,6 +32,7 @@ import h11
 import uvicorn
 from anyio import to_thread
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -44,8 +45,12 @@ from gateway.openai_format import ChatFormat, CompletionFormat, error_body
 from gateway.openai_protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     chat_to_raw,
     completion_to_raw,
+    message_dict,
     openai_param,
 )
 from gateway.scheduler_link import LinkBroken
@@ -80,7 +85,7 @@ def _schema_api_error(exc: pydantic.ValidationError) -> ApiError:
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first['msg']}")
     loc = ".".join(str(part) for part in first["loc"])
-    return ApiError(422, f"{loc or 'body'}: {first['msg']}", loc or None)
+    return ApiError(400, f"{loc or 'body'}: {first['msg']}", loc or None)
 
 
 def _upstream_api_error(exc: Exception) -> ApiError:
@@ -124,8 +129,9 @@ class OpenAIServer:
         self.worker_attached = worker_attached
         self.log = log
         self._loop_events: LoopEvents | None = None  # made on the server's event loop
-        self.app = FastAPI(title="stepahead", version=_version(), openapi_url=None, docs_url=None, redoc_url=None)
+        self.app = FastAPI(title="stepahead", version=_version(), redoc_url=None)  # /openapi.json and /docs
         self._routes()
+        self.app.openapi = self._openapi
         if api_keys:
             self.app.middleware("http")(_api_key_check(api_keys, frontend))
 
@@ -135,6 +141,8 @@ class OpenAIServer:
         app.add_exception_handler(StarletteHTTPException, _http_exception)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/tokenize")(self.tokenize)
+        app.post("/detokenize")(self.detokenize)
         app.get("/v1/models")(self.models)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics)
@@ -165,9 +173,74 @@ class OpenAIServer:
 
     async def models(self):
         m = self.frontend.model
+        root = getattr(self.frontend.tokenizer, "model_dir", None)  # the directory a client loads a tokenizer from
         card = {"id": m.model_name, "object": "model", "created": int(time.time()), "owned_by": "stepahead",
-                "root": m.model_name, "max_model_len": m.max_model_len}
+                "root": str(root) if root is not None else m.model_name, "parent": None,
+                "max_model_len": m.max_model_len}
         return {"object": "list", "data": [card]}
+
+    async def tokenize(self, request: Request):
+        """vLLM's `/tokenize`: `prompt` (special tokens added unless `add_special_tokens` is
+        false) or `messages` (the chat template's ids, as a chat completion's prompt)."""
+        raw = await self._read(request)
+        try:
+            chat = isinstance(parsed := json.loads(raw), dict) and "messages" in parsed
+        except ValueError:
+            chat = False  # model_validate_json names the JSON error
+        body, _ = self._validated(raw, TokenizeChatRequest if chat else TokenizeCompletionRequest)
+        self._check_model(body.model)
+        tokenizer = self.frontend.tokenizer
+
+        def ids() -> list[int]:
+            if not chat:
+                return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            rendered = self.frontend.render_chat([message_dict(m) for m in body.messages], body.add_generation_prompt)
+            if not body.add_special_tokens:
+                return rendered
+            return tokenizer.encode(tokenizer.decode(rendered), add_special_tokens=True)
+
+        tokens = await self._validate(ids, chat=chat)
+        return {"count": len(tokens), "max_model_len": self.frontend.model.max_model_len, "tokens": tokens}
+
+    async def detokenize(self, request: Request):
+        """vLLM's `/detokenize`: `tokens` back to text (special tokens kept, as vLLM does)."""
+        body, _ = self._validated(await self._read(request), DetokenizeRequest)
+        self._check_model(body.model)
+        vocab = self.frontend.limits.vocab_size
+        bad = next((t for t in body.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ApiError(400, f"tokens: {bad} is not a token id (the vocabulary has {vocab})", "tokens")
+        text = await to_thread.run_sync(lambda: self.frontend.tokenizer.decode(body.tokens, skip_special_tokens=False))
+        return {"prompt": text}
+
+    def _check_model(self, model: str | None) -> None:
+        name = self.frontend.model.model_name
+        if model and model != name:
+            raise ApiError(404, f"unknown model {model!r}; this server serves {name!r}", "model", "not_found_error",
+                           "model_not_found")
+
+    def _openapi(self) -> dict:
+        """FastAPI's schema, with the request bodies the handlers parse themselves (they read
+        the raw body to bound its size, so FastAPI cannot see their models)."""
+        if self.app.openapi_schema:
+            return self.app.openapi_schema
+        schema = get_openapi(title=self.app.title, version=self.app.version, routes=self.app.routes,
+                             description="OpenAI-compatible API (see docs/http-api.md)")
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        bodies = {"/v1/completions": [CompletionRequest], "/v1/chat/completions": [ChatCompletionRequest],
+                  "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest], "/detokenize": [DetokenizeRequest]}
+        for path, models in bodies.items():
+            refs = []
+            for model in models:
+                body_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body_schema.pop("$defs", {}))
+                components[model.__name__] = body_schema
+                refs.append({"$ref": f"#/components/schemas/{model.__name__}"})
+            shown = refs[0] if len(refs) == 1 else {"anyOf": refs}
+            schema["paths"][path]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": shown}}}
+        self.app.openapi_schema = schema
+        return schema
 
     async def health(self):
         attached = await to_thread.run_sync(self.worker_attached)
@@ -180,17 +253,23 @@ class OpenAIServer:
         return {"version": _version()}
 
     async def _parse(self, request: Request, model: type[pydantic.BaseModel]):
+        return self._validated(await self._read(request), model)
+
+    async def _read(self, request: Request) -> bytes:
         try:
-            raw = await read_body(request, self.frontend.limits.max_request_bytes)
+            return await read_body(request, self.frontend.limits.max_request_bytes)
         except ApiError:
             HEAP_TRIM.soon()
             raise
+
+    def _validated(self, raw: bytes, model: type[pydantic.BaseModel]):
         try:
             body = model.model_validate_json(raw)
         except pydantic.ValidationError as exc:
-            self.frontend.metrics.observe_rejected("http", 422)
+            error = _schema_api_error(exc)
+            self.frontend.metrics.observe_rejected("http", error.status)
             HEAP_TRIM.soon()
-            raise _schema_api_error(exc) from None
+            raise error from None
         return body, len(raw)
 
     async def _validate(self, prepare, *, chat: bool):
@@ -260,12 +339,16 @@ class OpenAIServer:
         return JSONResponse(fmt.full())
 
 
+OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})  # documentation, as vLLM
+
+
 def _api_key_check(keys: tuple[str, ...], frontend: Frontend):
-    """Every route but /health needs `Authorization: Bearer KEY` (401 otherwise)."""
+    """Every route but health and the API documentation needs `Authorization: Bearer KEY`
+    (401 otherwise)."""
     secrets = tuple(k.encode() for k in keys)
 
     async def check(request: Request, call_next):
-        if request.url.path != "/health":
+        if request.url.path not in OPEN_PATHS:
             given = request.headers.get("authorization", "")
             token = given[7:].encode() if given.startswith("Bearer ") else b""
             if not any(hmac.compare_digest(token, s) for s in secrets):

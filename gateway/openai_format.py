@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 
 from gateway.generation import ChoiceOutput, SpecUsage
-from gateway.openai_logprobs import chat_logprobs, completion_logprobs, merge_completion_logprobs
+from gateway.openai_logprobs import align_to_text, chat_logprobs, completion_logprobs, merge_completion_logprobs
 
 
 def error_body(message: str, type_: str, param: str | None, code: int | str | None) -> dict:
@@ -95,6 +95,7 @@ class CompletionFormat(_Format):
     def __init__(self, response_id: str, model: str, n: int, echo_text: str | None, logprobs: bool = False) -> None:
         super().__init__(response_id, model, n, logprobs)
         self._echo_pending = [echo_text] * n if echo_text else [None] * n
+        self._echo_text = echo_text or ""
         self._output_offset = len(echo_text or "")  # generated text starts after the echoed prompt
 
     def _text(self, choice: ChoiceOutput) -> str:
@@ -106,7 +107,7 @@ class CompletionFormat(_Format):
         if not self.logprobs:
             return None
         out = choice.output
-        parts = [completion_logprobs(out.prompt_logprobs)] if out.prompt_logprobs else []
+        parts = [completion_logprobs(align_to_text(out.prompt_logprobs, self._echo_text))] if out.prompt_logprobs else []
         parts.append(completion_logprobs(out.logprobs, self._output_offset))
         return merge_completion_logprobs(parts)
 

@@ -10,6 +10,7 @@ logprob of -inf (a token the model rules out entirely) is sent as -9999.0, as vL
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 
@@ -37,6 +38,22 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dic
         top.setdefault(e.token, _num(e.logprob))
         out["top_logprobs"].append(top)
     return out
+
+
+def align_to_text(entries: Sequence[TokenLogprob], text: str) -> list[TokenLogprob]:
+    """The prompt's entries as shares of the echoed `text`: a token whose piece is not in the
+    text where it would start (a special token the tokenizer added, such as BOS, which the
+    prompt string does not contain) gets `""` there, so the tokens still concatenate to the
+    text and every `text_offset` indexes it. When the pieces do not spell the text at all
+    (the tokenizer normalized it), the entries are left as they are."""
+    out, cursor = [], 0
+    for e in entries:
+        if text.startswith(e.token, cursor):
+            out.append(dataclasses.replace(e, offset=cursor))
+            cursor += len(e.token)
+        else:
+            out.append(dataclasses.replace(e, token="", offset=cursor))
+    return out if cursor == len(text) else list(entries)
 
 
 def merge_completion_logprobs(parts: Sequence[dict]) -> dict:

@@ -116,6 +116,31 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[Any] | None = None
 
 
+class TokenizeCompletionRequest(_Strict):
+    """vLLM's `POST /tokenize` with a `prompt`."""
+
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(_Strict):
+    """vLLM's `POST /tokenize` with `messages` (rendered with the chat template, which holds its
+    special tokens: none are added unless `add_special_tokens`)."""
+
+    model: str | None = None
+    messages: list[ChatMessage] = Field(min_length=1)
+    add_generation_prompt: bool = True
+    add_special_tokens: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    """vLLM's `POST /detokenize`."""
+
+    model: str | None = None
+    tokens: list[int]
+
+
 def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
     """OpenAI sends token ids as JSON object keys (strings)."""
     if not bias:
@@ -206,7 +231,7 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRe
                               prompt_logprobs=prompt_logprobs, **_common(body, body.max_tokens, size_bytes))
 
 
-def _message_dict(message: ChatMessage) -> dict[str, str]:
+def message_dict(message: ChatMessage) -> dict[str, str]:
     content = message.content
     if isinstance(content, list):
         content = "".join(part.text for part in content)
@@ -225,7 +250,7 @@ def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequ
         raise ValidationError("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return RawGenerateRequest(
-        chat_messages=[_message_dict(m) for m in body.messages], add_generation_prompt=body.add_generation_prompt,
+        chat_messages=[message_dict(m) for m in body.messages], add_generation_prompt=body.add_generation_prompt,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,  # logprobs=true alone: the sampled token's
         **_common(body, max_tokens, size_bytes),
     )

@@ -85,6 +85,7 @@ HEAP_TRIM = HeapTrim()
 class GatewayTokenizer:
     def __init__(self, model_dir: str | Path) -> None:
         model_dir = Path(model_dir)
+        self.model_dir = model_dir.resolve()  # /v1/models gives it as `root` (a client loads the tokenizer there)
         self._tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
         config_path = model_dir / "tokenizer_config.json"
         config = json.loads(config_path.read_text()) if config_path.is_file() else {}

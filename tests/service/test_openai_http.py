@@ -121,8 +121,8 @@ def test_disconnect_before_a_non_streaming_answer_aborts_upstream(openai_serve):
 C, CH = "/v1/completions", "/v1/chat/completions"
 BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
     "invalid json": (C, b"{not json", 400, None),
-    "prompt missing": (C, {"max_tokens": 3}, 422, "prompt"),
-    "max_tokens as string": (C, {"prompt": "x", "max_tokens": "5"}, 422, "max_tokens"),
+    "prompt missing": (C, {"max_tokens": 3}, 400, "prompt"),
+    "max_tokens as string": (C, {"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
     "max_tokens 0": (C, {"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens past the context": (C, {"prompt": "x", "max_tokens": 10**6}, 400, "max_tokens"),
     "empty prompt": (C, {"prompt": ""}, 400, "prompt"),
@@ -146,10 +146,10 @@ BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
     "logit_bias key not an id": (C, {"prompt": "x", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
     "logit_bias value out of range": (C, {"prompt": "x", "logit_bias": {"5": 500}}, 400, "logit_bias"),
     "unknown model": (C, {"prompt": "x", "model": "gpt-9"}, 404, "model"),
-    "chat without messages": (CH, {"messages": []}, 422, "messages"),
-    "chat message without role": (CH, {"messages": [{"content": "x"}]}, 422, "messages.0.role"),
+    "chat without messages": (CH, {"messages": []}, 400, "messages"),
+    "chat message without role": (CH, {"messages": [{"content": "x"}]}, 400, "messages.0.role"),
     "chat non-text content part": (CH, {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
-                                   422, None),
+                                   400, None),
     "chat top_logprobs without logprobs": (CH, {"messages": USER, "top_logprobs": 2}, 400, "top_logprobs"),
     "chat top_logprobs 21": (CH, {"messages": USER, "logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     "chat top_logprobs -1": (CH, {"messages": USER, "logprobs": True, "top_logprobs": -1}, 400, "top_logprobs"),
@@ -270,3 +270,92 @@ def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(openai_serve,
         capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr
     assert cli.stdout == http.choices[0].message.content + "\n"
+
+
+# ---- first contact: schema errors, the API's own documentation, echo offsets, tokenize -------------------
+
+
+def test_a_body_off_the_schema_is_a_400_the_openai_client_raises_as_bad_request(openai_client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        openai_client.completions.create(model="tiny", prompt="x", max_tokens="5")
+    assert bad.value.status_code == 400 and bad.value.param == "max_tokens"
+    assert "max_tokens" in bad.value.message
+    with pytest.raises(openai.BadRequestError) as bad:
+        openai_client.chat.completions.create(model="tiny", messages=[{"content": "x"}])
+    assert bad.value.param == "messages.0.role"
+
+
+def test_openapi_schema_and_docs_are_served_with_every_request_body(openai_serve):
+    schema = httpx.get(openai_serve.http_url + "/openapi.json", timeout=30)
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    assert {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"} <= set(paths)
+    components = schema.json()["components"]["schemas"]
+    body = paths["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert body == {"$ref": "#/components/schemas/CompletionRequest"}
+    assert {"prompt", "max_tokens", "echo", "logprobs"} <= set(components["CompletionRequest"]["properties"])
+    assert "messages" in components["ChatCompletionRequest"]["properties"]
+    docs = httpx.get(openai_serve.http_url + "/docs", timeout=30)
+    assert docs.status_code == 200 and "swagger" in docs.text.lower() and "/openapi.json" in docs.text
+
+
+def test_echo_logprobs_of_a_string_prompt_index_the_returned_text(openai_client, tiny_tokenizer):  # noqa: F811
+    prompt = "import numpy as np\nx ="
+    ids = tiny_tokenizer.encode(prompt)
+    assert ids[0] in tiny_tokenizer.all_special_ids  # the tokenizer adds BOS, which the text does not contain
+    out = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                           logprobs=1, extra_body=IGNORE_EOS)
+    choice = out.choices[0]
+    lp = choice.logprobs
+    assert choice.text.startswith(prompt)
+    assert len(lp.tokens) == len(ids) + 4 and lp.token_logprobs[0] is None
+    assert lp.tokens[0] == ""  # BOS's share of the text
+    assert "".join(lp.tokens) == choice.text
+    assert lp.text_offset == [len("".join(lp.tokens[:i])) for i in range(len(lp.tokens))]
+    assert all(choice.text[o:].startswith(t) for o, t in zip(lp.text_offset, lp.tokens))
+
+
+def test_lm_eval_loglikelihood_request_echo_logprobs_of_token_ids(openai_serve, tiny_tokenizer):  # noqa: F811
+    """lm-eval's `local-completions` loglikelihood: token ids of context + continuation, echo,
+    logprobs 1, max_tokens 1; it sums token_logprobs[ctxlen:-1]."""
+    ctx, cont = tiny_tokenizer.encode("def add(a, b):"), tiny_tokenizer.encode(" return", add_special_tokens=False)
+    body = {"model": "tiny", "prompt": [ctx + cont], "max_tokens": 1, "temperature": 0, "logprobs": 1, "echo": True,
+            "seed": 1234}
+    response = httpx.post(openai_serve.http_url + "/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    lp = response.json()["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(ctx) + len(cont) + 1
+    assert lp["token_logprobs"][0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][len(ctx):-1])
+
+
+def test_tokenize_detokenize_and_the_models_root_follow_vllm(openai_serve, openai_client, tiny_tokenizer):  # noqa: F811
+    from transformers import AutoTokenizer
+
+    url = openai_serve.http_url
+    prompt = "héllo wörld\n\tdef f(x): return x"
+    card = httpx.get(url + "/v1/models", timeout=30).json()["data"][0]
+    got = httpx.post(url + "/tokenize", json={"model": "tiny", "prompt": prompt}, timeout=30)
+    assert got.status_code == 200, got.text
+    assert got.json() == {"count": len(tiny_tokenizer.encode(prompt)), "max_model_len": card["max_model_len"],
+                          "tokens": tiny_tokenizer.encode(prompt)}
+    bare = httpx.post(url + "/tokenize", json={"prompt": prompt, "add_special_tokens": False}, timeout=30).json()
+    assert bare["tokens"] == tiny_tokenizer.encode(prompt, add_special_tokens=False)
+    messages = [{"role": "user", "content": "Sort a list."}]
+    chat = httpx.post(url + "/tokenize", json={"model": "tiny", "messages": messages}, timeout=30).json()
+    assert chat["tokens"] == tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                                                return_dict=False)
+    back = httpx.post(url + "/detokenize", json={"model": "tiny", "tokens": got.json()["tokens"]}, timeout=30)
+    assert back.status_code == 200 and back.json() == {"prompt": tiny_tokenizer.decode(got.json()["tokens"])}
+
+    # the model's root is a directory a client loads the same tokenizer from (lm-eval does)
+    assert AutoTokenizer.from_pretrained(card["root"]).encode(prompt) == got.json()["tokens"]
+
+    for path, body, status, param in (
+            ("/tokenize", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+            ("/tokenize", {"prompt": 5}, 400, "prompt"),
+            ("/detokenize", {"tokens": [1, 10**7]}, 400, "tokens"),
+            ("/detokenize", {"tokens": "abc"}, 400, "tokens")):
+        response = httpx.post(url + path, json=body, timeout=30)
+        assert response.status_code == status, (path, body, response.text)
+        assert response.json()["error"]["param"] == param, (path, body, response.json())
