@@ -248,7 +248,18 @@ class Frontend:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, raw: RawGenerateRequest) -> ValidRequest:
-        return validate(raw, self.limits, self.tokenize, self.render_chat)
+        valid = validate(raw, self.limits, self.tokenize, self.render_chat)
+        self._check_capabilities(valid)
+        return valid
+
+    def _check_capabilities(self, valid: ValidRequest) -> None:
+        """What the attached workers announced they cannot do (the sim worker: no logits)."""
+        s = valid.sampling
+        if self.model.no_logprobs and (s.logprobs is not None or s.prompt_logprobs is not None):
+            raise ValidationError("logprobs", f"this server's workers ({self.model.device}) compute no logprobs")
+        if self.model.no_structured_outputs and s.structured is not None:
+            raise ValidationError("structured_outputs", f"this server's workers ({self.model.device}) do not "
+                                  "support structured outputs")
 
     def start(self, valid: ValidRequest, request_id: str, sink: Callable[[object], None],
               transport: str, client: str = "") -> Generation:

@@ -267,6 +267,6 @@ def openai_param(field: str, *, chat: bool) -> str | None:
         return "max_completion_tokens"
     if name == "prompt_logprobs":  # completions ask for them with echo + logprobs
         return "logprobs"
-    if chat and name == "logprobs":
+    if chat and field == "sampling.logprobs":  # a k out of range: chat's k is top_logprobs
         return "top_logprobs"
     return name

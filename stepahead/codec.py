@@ -314,6 +314,8 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         group_id=info.group_id,
         tensor_parallel_rank=info.tp_rank,
         tensor_parallel_size=info.tp_size,
+        no_logprobs=not info.logprobs,
+        no_structured_outputs=not info.structured_outputs,
     )
 
 
@@ -334,4 +336,6 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         group_id=msg.group_id,
         tp_rank=msg.tensor_parallel_rank,
         tp_size=max(msg.tensor_parallel_size, 1),
+        logprobs=not msg.no_logprobs,
+        structured_outputs=not msg.no_structured_outputs,
     )

@@ -316,3 +316,5 @@ class WorkerInfo:
     group_id: str = ""  # the tensor-parallel group this worker is a rank of ("" = a replica alone)
     tp_rank: int = 0  # rank in the group; rank 0 alone reports results
     tp_size: int = 1  # the group's size k
+    logprobs: bool = True  # computes logprobs (the sim worker does not: it has no logits)
+    structured_outputs: bool = True  # constrains output to a grammar (the sim worker does not)

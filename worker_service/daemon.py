@@ -179,6 +179,8 @@ def worker_info(config: WorkerConfig, runner, model_dir) -> WorkerInfo:
         vocab_size=runner.vocab_size,
         eos_token_ids=tuple(runner.eos_token_ids),
         max_logprobs=getattr(runner, "max_logprobs", 0),
+        logprobs=getattr(runner, "computes_logprobs", True),  # the sim runner says False to both
+        structured_outputs=getattr(runner, "supports_structured_outputs", True),
     )
 
 

@@ -67,6 +67,11 @@ class SimPendingStep:
 class SimRunner:
     """Same interface as `ModelRunner` for the worker daemon: launch / execute / reset."""
 
+    # announced in the hello (WorkerHello.no_logprobs / no_structured_outputs): no logits, so
+    # gateways refuse such requests up front with a reason instead of a bare finish "error"
+    computes_logprobs = False
+    supports_structured_outputs = False
+
     def __init__(self, model_dir: str | Path, profile: AcceleratorProfile, *, dtype: str = "bfloat16",
                  num_devices: int = 1, block_size: int = 16, num_blocks: int | None = None,
                  memory_utilization: float = 0.9, swap_space_bytes: float = 2**30,
