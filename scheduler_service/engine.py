@@ -39,6 +39,7 @@ from scheduler_service.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
+from stepahead import jitter
 from stepahead.flight_recorder import StepRecord
 from stepahead.heap import freeze_heap
 from stepahead.plan import WorkerInfo
@@ -175,6 +176,7 @@ class Engine:
                     return
                 self._handle(item)
             self._enforce_deadlines()
+            jitter.maybe_jitter()  # test-only delay (STEPAHEAD_TEST_JITTER_MS); a no-op when unset
             for replica in list(self._replicas.values()):
                 replica.pump()
 

@@ -23,7 +23,7 @@ from prometheus_client import REGISTRY, start_http_server
 
 from stepahead.speculative import parse_speculative_config
 from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
-from stepahead import codec, daemon, logs
+from stepahead import codec, daemon, jitter, logs
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead import config as cfg
 from stepahead.logprobs import MAX_LOGPROBS
@@ -222,6 +222,7 @@ class _Pipeline:
         if self._failed.is_set():
             return
         try:
+            jitter.maybe_jitter()  # test-only delay (STEPAHEAD_TEST_JITTER_MS); a no-op when unset
             plan = codec.plan_from_proto(plan_msg)
             self.metrics.on_plan(plan)
             self.outbox.put(self.runner.launch(plan, received))
