@@ -28,6 +28,59 @@ _PROBLEM_TEXT = re.compile(r"Traceback|Error|Exception")
 READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)(?: http at (\S+))?")
 
 
+
+def problem_lines(lines: Iterable[str], expected: Iterable[str] = ()) -> list[str]:
+    """The log lines that say something went wrong and match none of the `expected` regular
+    expressions: a structured event at warning or above, or a line that is not one of ours
+    and carries a traceback or an error."""
+    allowed, problems = [re.compile(e) for e in expected], []
+    for line in list(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            event = None
+        bad = (event.get("level") in _PROBLEM_LEVELS if isinstance(event, dict)
+               else _PROBLEM_TEXT.search(line) is not None)
+        if bad and not any(a.search(line) for a in allowed):
+            problems.append(line.rstrip())
+    return problems
+
+
+class DaemonLogs:
+    """Daemons started one by one (`stepahead scheduler|worker|gateway ...`) with their logs
+    kept: `spawn` returns the Popen, `problems(expected)` what `problem_lines` finds in every
+    daemon's log so far, each line prefixed with the daemon's command. `expected` defaults to
+    the `expected` attribute (a test that kills a daemon on purpose adds what that logs)."""
+
+    def __init__(self, log_level: str = "warning", env: dict[str, str] | None = None) -> None:
+        self.env = dict(os.environ, STEPAHEAD_LOG_LEVEL=log_level, **(env or {}))
+        self.expected: list[str] = []
+        self.lines: list[str] = []
+        self._readers: list[tuple[subprocess.Popen, threading.Thread]] = []
+
+    def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        proc = subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], stderr=subprocess.PIPE, text=True,
+                                env=dict(self.env, **(env or {})))
+        reader = threading.Thread(target=self._read, args=(args[0] if args else "?", proc), daemon=True)
+        reader.start()
+        self._readers.append((proc, reader))
+        return proc
+
+    def _read(self, name: str, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
+            self.lines.append(f"[{name} {proc.pid}] {line}")
+            sys.stderr.write(line)  # still shown (pytest shows it with a failure)
+
+    def problems(self, expected: Iterable[str] | None = None, settle_s: float = 5.0) -> list[str]:
+        """The readers of daemons that have exited get `settle_s` to take their last lines."""
+        for proc, reader in self._readers:
+            if proc.poll() is not None:
+                reader.join(settle_s)
+        stripped = [line.split("] ", 1)[1] for line in list(self.lines)]
+        bad = set(problem_lines(stripped, self.expected if expected is None else expected))
+        return [line.rstrip() for line, raw in zip(self.lines, stripped) if raw.rstrip() in bad]
+
+
 class ServeProcess:
     """`stepahead serve` with the given flags; `.gateway` / `.scheduler` are gRPC stubs."""
 
@@ -58,20 +111,9 @@ class ServeProcess:
 
     def log_problems(self, expected: Iterable[str] = ()) -> list[str]:
         """The daemons' log lines (with capture_stderr) that say something went wrong and
-        match none of the `expected` regular expressions: a structured event at warning or
-        above, or a line that is not one of ours and carries a traceback or an error. A crash
-        that a retry or a resubmission hid from the client is still a crash."""
-        allowed, problems = [re.compile(e) for e in expected], []
-        for line in list(self.stderr_lines):
-            try:
-                event = json.loads(line)
-            except ValueError:
-                event = None
-            bad = (event.get("level") in _PROBLEM_LEVELS if isinstance(event, dict)
-                   else _PROBLEM_TEXT.search(line) is not None)
-            if bad and not any(a.search(line) for a in allowed):
-                problems.append(line.rstrip())
-        return problems
+        match none of the `expected` regular expressions (`problem_lines`). A crash that a
+        retry or a resubmission hid from the client is still a crash."""
+        return problem_lines(self.stderr_lines, expected)
 
     def _wait_ready(self, timeout_s: float) -> tuple[str, str, str | None]:
         found: list[tuple[str, str, str | None]] = []

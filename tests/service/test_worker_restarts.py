@@ -6,9 +6,6 @@ closes (never a silent hang)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 from concurrent import futures
 from pathlib import Path
@@ -16,11 +13,14 @@ from pathlib import Path
 import grpc
 
 from stepahead import columns
+from stepahead.cli.launcher import DaemonLogs
 from stepahead.cli.serve import free_port
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 
 SESSIONS = 21
+# the worker logs each plan it refuses (the ghost request) as a failed step and a failed session
+EXPECTED_LOGS = [r'^(?=.*"event": "(step_failed|attach_session_failed)")(?=.*ghost)']
 
 
 def thread_count(pid: int) -> int:
@@ -64,9 +64,8 @@ def test_worker_restarts_leak_no_thread_and_report_failures(tiny_model_dir):  # 
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(scripted, server)
     server.add_insecure_port(f"127.0.0.1:{port}")
     server.start()
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="error")
-    worker = subprocess.Popen([sys.executable, "-m", "stepahead.cli", "worker", "--scheduler",
-                               f"127.0.0.1:{port}", "--model", str(tiny_model_dir)], env=env)
+    logs = DaemonLogs(log_level="warning")
+    worker = logs.spawn("worker", "--scheduler", f"127.0.0.1:{port}", "--model", str(tiny_model_dir))
     pid.append(worker.pid)
     try:
         assert scripted.done.wait(300), f"only {len(scripted.threads)} attach sessions"
@@ -78,3 +77,5 @@ def test_worker_restarts_leak_no_thread_and_report_failures(tiny_model_dir):  # 
     assert last <= first + 1, f"threads per session: {scripted.threads}"
     assert len(scripted.fatal_errors) == (SESSIONS + 1) // 2
     assert all("ghost" in e for e in scripted.fatal_errors), scripted.fatal_errors
+    problems = logs.problems(EXPECTED_LOGS)
+    assert not problems, problems
