@@ -45,12 +45,14 @@ def family_checkpoint(name: str, tiny_dir: Path, out: Path) -> Path:
 def run_and_check(model_dir: Path, vocab: int, *flags: str, num: int = 6, seed: int = 8, also=None) -> None:
     prompts = random_prompts(num, 20, 90, vocab, seed=seed)
     max_tokens = [20] * num
-    with Serve(model_dir, *TP, *SMALL_POOL, *flags) as s:
+    with Serve(model_dir, *TP, *SMALL_POOL, *flags, capture_stderr=True) as s:
         outputs = run_concurrently(s.gateway, prompts, max_tokens)
         if also is not None:
             also(s)
         stats = s.stats()
         lanes = s.scheduler.GetFlightRecord(scheduler_pb2.GetFlightRecordRequest(), timeout=10).worker_id
+    problems = s.log_problems()  # nothing at warning or above: no step failed, no rank lost
+    assert not problems, problems
     assert lanes.startswith("tp"), f"the replica is not a tensor-parallel group: {lanes}"
     assert stats.num_preemptions > 0, "the pool was meant to be too small to avoid preemption"
     assert stats.num_free_blocks == stats.num_total_blocks

@@ -7,14 +7,17 @@ re-attach cleanly: the same request id is accepted again and runs.
 
 from __future__ import annotations
 
+import json
 import queue
 import threading
 from concurrent import futures
 
 import grpc
 import pytest
+import structlog.testing
 
 from stepahead import columns, logs
+from stepahead.cli.launcher import problem_lines
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
@@ -71,7 +74,10 @@ def test_a_failure_in_wait_is_reported_and_the_worker_reattaches(tiny_model_dir,
     server.start()
     stop = threading.Event()
     config = daemon.WorkerConfig(scheduler=f"127.0.0.1:{port}", model=str(tiny_model_dir), num_threads=1)
-    worker = threading.Thread(target=daemon.serve, args=(config, stop, logs.configure("worker", "error")))
+    log = logs.configure("worker", "warning")
+    captured = structlog.testing.capture_logs()  # the worker's events, as dicts (this test runs it in process)
+    events = captured.__enter__()
+    worker = threading.Thread(target=daemon.serve, args=(config, stop, log))
     worker.start()
     try:
         first = scripted.sessions[0].get(timeout=TIMEOUT_S)  # a hang fails here
@@ -85,8 +91,14 @@ def test_a_failure_in_wait_is_reported_and_the_worker_reattaches(tiny_model_dir,
         stop.set()
         worker.join(timeout=TIMEOUT_S)
         server.stop(0)
+        captured.__exit__(None, None, None)
     assert not worker.is_alive()
     assert len(calls) >= 2
+    # the injected failure is logged (the step, the session); nothing else at warning or above
+    lines = [json.dumps(dict(e, level=e.get("log_level")), default=str) for e in events]
+    problems = problem_lines(lines, [r'^(?=.*"event": "(step_failed|attach_session_failed)")(?=.*illegal memory access)'])
+    assert not problems, problems
+    assert any("illegal memory access" in line for line in lines), "the injected failure was not logged"
 
 
 if __name__ == "__main__":
