@@ -50,6 +50,7 @@ from gateway.openai_protocol import (
     TokenizeCompletionRequest,
     chat_to_raw,
     completion_to_raw,
+    echo_only,
     message_dict,
     openai_param,
 )
@@ -157,7 +158,7 @@ class OpenAIServer:
         valid = await self._validate(prepare, chat=False)
         echo = self._echo_text(body, valid) if body.echo else None
         fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n, echo,
-                               logprobs=valid.sampling.logprobs is not None)
+                               logprobs=valid.sampling.logprobs is not None, echo_only=echo_only(body))
         return await self._respond(request, valid, fmt, body)
 
     async def chat_completions(self, request: Request):

@@ -92,15 +92,17 @@ class CompletionFormat(_Format):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, response_id: str, model: str, n: int, echo_text: str | None, logprobs: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, n: int, echo_text: str | None, logprobs: bool = False,
+                 echo_only: bool = False) -> None:
         super().__init__(response_id, model, n, logprobs)
+        self._echo_only = echo_only  # echo with max_tokens 0: the generated token is left out
         self._echo_pending = [echo_text] * n if echo_text else [None] * n
         self._echo_text = echo_text or ""
         self._output_offset = len(echo_text or "")  # generated text starts after the echoed prompt
 
     def _text(self, choice: ChoiceOutput) -> str:
         echo, self._echo_pending[choice.index] = self._echo_pending[choice.index], None
-        return (echo or "") + choice.output.text
+        return (echo or "") + ("" if self._echo_only else choice.output.text)
 
     def _logprobs(self, choice: ChoiceOutput) -> dict | None:
         """This output's logprobs object: the prompt's first (echo), then the generated tokens'."""
@@ -108,7 +110,8 @@ class CompletionFormat(_Format):
             return None
         out = choice.output
         parts = [completion_logprobs(align_to_text(out.prompt_logprobs, self._echo_text))] if out.prompt_logprobs else []
-        parts.append(completion_logprobs(out.logprobs, self._output_offset))
+        if not self._echo_only:
+            parts.append(completion_logprobs(out.logprobs, self._output_offset))
         return merge_completion_logprobs(parts)
 
     def accumulate(self, choice: ChoiceOutput) -> None:

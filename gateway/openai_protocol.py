@@ -213,6 +213,13 @@ def _common(body: _SamplingFields, max_tokens: int | None, size_bytes: int) -> d
     )
 
 
+def echo_only(body: CompletionRequest) -> bool:
+    """`echo` with `max_tokens: 0`: the prompt (and its logprobs) back, nothing generated, as
+    OpenAI and vLLM allow (lm-eval scores a text this way). One token is generated upstream,
+    as vLLM does, and left out of the response."""
+    return body.echo and body.max_tokens == 0
+
+
 def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRequest:
     if body.best_of is not None and body.best_of != body.n:
         raise ValidationError("best_of", "is not supported (only best_of == n)")
@@ -228,7 +235,8 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRe
     # echo with logprobs: the prompt's logprobs come first (OpenAI's format)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
     return RawGenerateRequest(prompt_text=text, prompt_token_ids=ids, logprobs=body.logprobs,
-                              prompt_logprobs=prompt_logprobs, **_common(body, body.max_tokens, size_bytes))
+                              prompt_logprobs=prompt_logprobs,
+                              **_common(body, 1 if echo_only(body) else body.max_tokens, size_bytes))
 
 
 def message_dict(message: ChatMessage) -> dict[str, str]:

@@ -359,3 +359,21 @@ def test_tokenize_detokenize_and_the_models_root_follow_vllm(openai_serve, opena
         response = httpx.post(url + path, json=body, timeout=30)
         assert response.status_code == status, (path, body, response.text)
         assert response.json()["error"]["param"] == param, (path, body, response.json())
+
+
+def test_echo_with_max_tokens_0_returns_the_prompt_and_its_logprobs_only(openai_client, tiny_tokenizer):  # noqa: F811
+    prompt = "def add(a, b):\n    return a + b"
+    ids = tiny_tokenizer.encode(prompt)
+    out = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                           temperature=0)
+    choice = out.choices[0]
+    assert choice.text == prompt
+    assert len(choice.logprobs.token_logprobs) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    assert "".join(choice.logprobs.tokens) == prompt
+    streamed = list(openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=0, echo=True, logprobs=1,
+                                                     temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in streamed) == prompt
+    assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == choice.logprobs.token_logprobs
+    with pytest.raises(openai.BadRequestError) as bad:  # without echo there is nothing to return
+        openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=0)
+    assert bad.value.param == "max_tokens"
