@@ -29,6 +29,7 @@ import time
 from dataclasses import dataclass
 
 from stepahead import config as cfg
+from stepahead import runfile
 from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.ports import free_port, free_ports
 
@@ -252,6 +253,7 @@ def run(args: argparse.Namespace) -> int:
                           *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],
               control_cpus, gateway_env),
     ]
+    run_file = None
     for child in children:
         child.start()
     try:
@@ -263,10 +265,16 @@ def run(args: argparse.Namespace) -> int:
                     return 0
                 return _startup_failed(children, address, config.startup_timeout_s)
         http = f" http at http://{config.host}:{config.http_port}" if config.http_port else ""
+        run_file = runfile.write({"scheduler": sched_addr, "cluster_token": token["STEPAHEAD_CLUSTER_TOKEN"],
+                                  "gateway": f"{config.host}:{port}", "model": config.model})
         print(f"stepahead ready: gateway at {config.host}:{port} (scheduler at {sched_addr}){http}", flush=True)
+        print(f"stepahead: `stepahead trace` and `stepahead bench --scheduler` find the scheduler and its cluster"
+              f" token in {run_file} (readable only by you)", flush=True)
         return supervise(children, stop, config.max_restarts)
     finally:
         shutdown([c.proc for c in children], gateway_cfg.drain_timeout)
+        if run_file is not None:
+            run_file.unlink(missing_ok=True)
 
 
 def check_ports(config: ServeConfig) -> None:

@@ -1,8 +1,10 @@
 """`stepahead trace`: the flight recorder as a Perfetto trace and a PNG timeline.
 
-    stepahead trace --target 127.0.0.1:50051 --out traces/
+    stepahead trace --out traces/            # against the running `stepahead serve`
+    stepahead trace --target HOST:PORT       # any scheduler; STEPAHEAD_CLUSTER_TOKEN its token
 
-`--target` is the scheduler's address (`stepahead serve` prints it). Writes
+Without `--target`, the scheduler address and cluster token come from the file a running
+`stepahead serve` writes (`stepahead.runfile`). Writes
 `trace.json` (open it in ui.perfetto.dev or chrome://tracing) and `timeline.png` with one
 lane for the scheduler's CPU work and one per replica for its worker's device work; the
 gaps in a device lane are time that device sat idle.
@@ -12,19 +14,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
+
+from stepahead import runfile
 
 from stepahead.flight_recorder import StepRecord, device_idle_fraction, to_chrome_trace
 
 
-def fetch_records(target: str, token: str | None = None) -> tuple[str, list[StepRecord]]:
-    """The scheduler's flight record (token: the cluster token, else STEPAHEAD_CLUSTER_TOKEN)."""
-    import os
-
+def fetch_records(target: str | None, token: str | None = None) -> tuple[str, list[StepRecord]]:
+    """The scheduler's flight record (`stepahead.runfile.scheduler_access` finds the address
+    and the cluster token a flag does not give)."""
     from stepahead import codec, security
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
-    with security.channel(target, cluster_token=token or os.environ.get("STEPAHEAD_CLUSTER_TOKEN")) as channel:
+    target, token = runfile.scheduler_access(target, token)
+    with security.channel(target, cluster_token=token) as channel:
         record = scheduler_pb2_grpc.SchedulerStub(channel).GetFlightRecord(
             scheduler_pb2.GetFlightRecordRequest(), timeout=30
         )
@@ -70,10 +75,19 @@ def write_trace(target: str, out: Path) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default="127.0.0.1:50051", help="scheduler address")
+    parser.add_argument("--target", default=None,
+                        help="scheduler address (default: the running `stepahead serve`'s, else 127.0.0.1:50051)")
     parser.add_argument("--out", type=Path, default=Path("trace"), help="output directory")
 
 
 def run(args: argparse.Namespace) -> int:
-    print(json.dumps(write_trace(args.target, args.out), indent=2))
+    import grpc
+
+    try:
+        print(json.dumps(write_trace(args.target, args.out), indent=2))
+    except grpc.RpcError as exc:
+        print(f"stepahead trace: the scheduler refused or did not answer: {exc.code().name}: {exc.details()}"
+              + (" (set STEPAHEAD_CLUSTER_TOKEN to the scheduler's cluster token)"
+                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""), file=sys.stderr)
+        return 1
     return 0

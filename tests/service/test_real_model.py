@@ -49,11 +49,20 @@ def chat_ids(tokenizer, messages) -> list[int]:
                                               return_dict=False))
 
 
+_HF_CACHE: dict[tuple, tuple[list[int], list[float]]] = {}
+
+
 @torch.inference_mode()
 def hf_greedy(oracle, prompt: list[int], max_new: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
     """HF's greedy tokens, stopping at the model's EOS (kept, as the server sends it), and the
     top-2 logit gap at each step (a near-tie may legitimately go either way)."""
-    _, model = oracle
+    key = (tuple(prompt), max_new)
+    if key not in _HF_CACHE:
+        _HF_CACHE[key] = _hf_generate(oracle[1], prompt, max_new)
+    return _HF_CACHE[key]
+
+
+def _hf_generate(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
     ids = torch.tensor([prompt])
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
                          output_logits=True, return_dict_in_generate=True)
@@ -112,9 +121,9 @@ def real(smollm2_model_dir):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def real_sync_preempting(smollm2_model_dir):  # noqa: F811
-    """Synchronous scheduling and 12 blocks of 16 tokens: six ~60-token requests cannot all fit."""
+    """Synchronous scheduling and 10 blocks of 16 tokens: four ~70-token requests cannot all fit."""
     metrics_port = free_port()
-    with _serve(smollm2_model_dir, "--no-async-scheduling", "--num-gpu-blocks-override", "12",
+    with _serve(smollm2_model_dir, "--no-async-scheduling", "--num-gpu-blocks-override", "10",
                 "--metrics-port", str(metrics_port)) as s:
         yield s, metrics_port
         problems = s.log_problems()
@@ -163,7 +172,7 @@ def test_a_prefix_cache_hit_gives_the_same_answer(real, oracle):
 def test_sync_scheduling_with_preemption_equals_hf(real_sync_preempting, oracle):
     serve, metrics_port = real_sync_preempting
     tokenizer, _ = oracle
-    prompts = [*CHATS, *[[{"role": "user", "content": f"Tell me a fact about the number {n}."}] for n in (3, 7, 12)]]
+    prompts = [*CHATS, [{"role": "user", "content": "Tell me a fact about the number 7."}]]
     with ThreadPoolExecutor(len(prompts)) as pool:
         received = list(pool.map(lambda m: stream(serve.gateway, greedy_request(messages=m)), prompts))
     for i, (messages, got) in enumerate(zip(prompts, received)):
@@ -202,7 +211,7 @@ def test_json_schema_answer_is_valid_json_with_real_words(real):
     value = json.loads(content)
     assert set(value) == {"country", "capital"}
     for field in ("country", "capital"):
-        assert re.fullmatch(r"[A-Z][a-z]+( [A-Za-z]+)*", value[field]), content
+        assert re.fullmatch(r"[A-Za-z]{3,}( [A-Za-z]+)*", value[field]), content  # words, not noise
 
 
 def _post(url: str, body: dict) -> dict:

@@ -1,0 +1,45 @@
+"""`stepahead trace` against a running `stepahead serve`: it finds the scheduler's cluster
+token in the file serve writes for its user, and a refused call is one line, not a traceback."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+
+from stepahead.v1 import common_pb2, generation_pb2
+
+
+def _trace(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "stepahead.cli", "trace", *args], capture_output=True, text=True,
+                          timeout=120, env=env)
+
+
+def test_trace_finds_serves_token_and_refusal_is_one_line(serve, tmp_path):
+    request = generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=[5, 6, 7]),
+        sampling=common_pb2.SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert sum(len(m.token_ids) for m in serve.gateway.Generate(request, timeout=60)) == 4
+    env = {k: v for k, v in os.environ.items() if k != "STEPAHEAD_CLUSTER_TOKEN"}  # as a user's shell
+
+    out = _trace("--target", serve.scheduler_addr, "--out", str(tmp_path / "t"), env=env)
+    assert out.returncode == 0, out.stderr
+    summary = json.loads(out.stdout)
+    assert summary["steps"] > 0 and (tmp_path / "t" / "trace.json").is_file()
+
+    refused = _trace("--target", serve.scheduler_addr, "--out", str(tmp_path / "u"),
+                     env=dict(env, STEPAHEAD_CLUSTER_TOKEN="not-the-token"))
+    assert refused.returncode == 1
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert "UNAUTHENTICATED" in refused.stderr and "STEPAHEAD_CLUSTER_TOKEN" in refused.stderr
+
+
+def test_serves_run_file_is_private(serve):
+    from stepahead import runfile
+
+    entry = runfile.find(serve.scheduler_addr)
+    assert entry is not None and entry["cluster_token"] == serve.cluster_token
+    path = runfile.run_dir() / f"serve-{entry['pid']}.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
