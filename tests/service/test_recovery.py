@@ -4,10 +4,8 @@ another replica: `test_replicas.py`."""
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -16,15 +14,11 @@ import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from stepahead.cli.launcher import DaemonLogs
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.streams import wait_health
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
 
 
 def wait_serving(address: str, timeout_s: float = 120.0) -> None:
@@ -42,8 +36,12 @@ def wait_serving(address: str, timeout_s: float = 120.0) -> None:
 
 @pytest.fixture
 def daemons(tiny_model_dir):  # noqa: F811
+    """(the daemons by name, the scheduler's and the gateway's addresses, their logs): at
+    teardown no daemon may have logged a warning or above but what `logs.expected` names."""
     sched_port, gw_port, http_port = free_port(), free_port(), free_port()
     sched = f"127.0.0.1:{sched_port}"
+    logs = DaemonLogs()
+    spawn = logs.spawn
     procs = {"scheduler": spawn("scheduler", "--port", str(sched_port))}
     procs["worker"] = spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
     procs["gateway"] = spawn("gateway", "--scheduler", sched, "--port", str(gw_port), "--http-port", str(http_port),
@@ -52,7 +50,7 @@ def daemons(tiny_model_dir):  # noqa: F811
     try:
         wait_serving(sched)
         wait_serving(f"127.0.0.1:{gw_port}")
-        yield procs, sched, f"127.0.0.1:{gw_port}"
+        yield procs, sched, f"127.0.0.1:{gw_port}", logs
     finally:
         daemons_ = [p for p in procs.values() if isinstance(p, subprocess.Popen)]
         for p in daemons_:
@@ -60,12 +58,14 @@ def daemons(tiny_model_dir):  # noqa: F811
                 p.terminate()
         for p in daemons_:
             p.wait(timeout=30)
+    problems = logs.problems()
+    assert not problems, problems
 
 
 def test_worker_death_requests_wait_and_resume_on_a_new_worker(daemons, tiny_model_dir):  # noqa: F811
     """The only worker dies mid-stream: /health says 503 while none is attached, the request
     waits (--worker-wait-timeout) instead of failing, and resumes on the next worker."""
-    procs, sched, gateway = daemons
+    procs, sched, gateway, logs = daemons
     gw = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway))
     sched_stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(sched))
     sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -76,12 +76,14 @@ def test_worker_death_requests_wait_and_resume_on_a_new_worker(daemons, tiny_mod
     reader = threading.Thread(target=lambda: rest.extend(call), daemon=True)
     reader.start()
     assert httpx.get(procs["http"] + "/health", timeout=10).status_code == 200
+    # the scheduler logs the loss (a SIGKILLed worker's stream may also end like a detach)
+    logs.expected = [r'"daemon": "scheduler".*"event": "worker_(lost|detached)"']
     procs["worker"].send_signal(signal.SIGKILL)
     procs["worker"].wait(timeout=30)
     wait_health(sched, serving=False)
     assert httpx.get(procs["http"] + "/health", timeout=10).status_code == 503  # no worker attached
 
-    procs["worker"] = spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
+    procs["worker"] = logs.spawn("worker", "--scheduler", sched, "--model", str(tiny_model_dir))
     wait_serving(sched)
     reader.join(timeout=300)
     assert rest and rest[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -92,7 +94,7 @@ def test_worker_death_requests_wait_and_resume_on_a_new_worker(daemons, tiny_mod
 
 
 def test_a_dead_gateway_aborts_its_requests(daemons):
-    procs, sched, gateway = daemons
+    procs, sched, gateway, logs = daemons
     gw = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway))
     sched_stub = scheduler_pb2_grpc.SchedulerStub(grpc.insecure_channel(sched))
     sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=1500, ignore_eos=True)
