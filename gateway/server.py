@@ -432,7 +432,8 @@ class UndecodableGuard(grpc.aio.ServerInterceptor):
             async def guarded(request, context):
                 if isinstance(request, _Undecodable):
                     await refuse(method, request, context)
-                return await behavior(request, context)
+                result = behavior(request, context)  # a servicer method may be sync (GetModelInfo)
+                return await result if inspect.isawaitable(result) else result
 
         make = {(False, False): grpc.unary_unary_rpc_method_handler,
                 (False, True): grpc.unary_stream_rpc_method_handler,
