@@ -221,12 +221,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
         )
 
-    def ListModels(self, request, context):
+    async def ListModels(self, request, context):
         return generation_pb2.ListModelsResponse(models=[self._info()])
 
-    def GetModelInfo(self, request, context):
+    async def GetModelInfo(self, request, context):
         if request.model and request.model != self.model.model_name:
-            context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}")
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.model!r}")
         return self._info()
 
     def _info(self) -> generation_pb2.ModelInfo:
@@ -432,7 +432,7 @@ class UndecodableGuard(grpc.aio.ServerInterceptor):
             async def guarded(request, context):
                 if isinstance(request, _Undecodable):
                     await refuse(method, request, context)
-                result = behavior(request, context)  # a servicer method may be sync (GetModelInfo)
+                result = behavior(request, context)  # a servicer method may be sync
                 return await result if inspect.isawaitable(result) else result
 
         make = {(False, False): grpc.unary_unary_rpc_method_handler,

@@ -216,3 +216,14 @@ def test_sync_and_async_daemons_give_the_same_tokens(serve, tiny_model_dir, tiny
         sync_tokens = run_all(sync.gateway)
         assert sync.stats().num_steps > 0
     assert async_tokens == sync_tokens
+
+
+def test_model_info_and_list_models_answer(serve, tiny_tokenizer):  # noqa: F811
+    """Both unary methods (one async, one not) answer through the gateway's call guards."""
+    info = serve.gateway.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert info.name == "tiny" and info.model_type == "llama" and info.vocab_size == len(tiny_tokenizer)
+    listed = serve.gateway.ListModels(generation_pb2.ListModelsRequest(), timeout=10)
+    assert [m.name for m in listed.models] == ["tiny"]
+    with pytest.raises(grpc.RpcError) as err:
+        serve.gateway.GetModelInfo(generation_pb2.GetModelInfoRequest(model="gpt-9"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
