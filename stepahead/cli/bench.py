@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import argparse
 import os
+import sys
 import json
 import math
 import random
@@ -408,6 +409,18 @@ def format_summary(summary: dict, result_filename: Path | None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    summary = bench(args)
+    import grpc
+
+    from stepahead import runfile
+
+    if args.scheduler:  # a running `stepahead serve`'s run file gives its token
+        args.scheduler, args.cluster_token = runfile.scheduler_access(args.scheduler, args.cluster_token)
+    try:
+        summary = bench(args)
+    except grpc.RpcError as exc:
+        hint = (" (the scheduler's cluster token: --cluster-token or STEPAHEAD_CLUSTER_TOKEN)"
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED else "")
+        print(f"stepahead bench: {exc.code().name}: {exc.details()}{hint}", file=sys.stderr)
+        return 1
     print(format_summary(summary, args.result_filename))
     return 0 if summary["failed"] == 0 else 1

@@ -43,3 +43,14 @@ def test_serves_run_file_is_private(serve):
     assert entry is not None and entry["cluster_token"] == serve.cluster_token
     path = runfile.run_dir() / f"serve-{entry['pid']}.json"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_bench_with_scheduler_finds_serves_token(serve, tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "STEPAHEAD_CLUSTER_TOKEN"}
+    done = subprocess.run([sys.executable, "-m", "stepahead.cli", "bench", "--target", serve.gateway_addr,
+                           "--scheduler", serve.scheduler_addr, "--num-prompts", "2", "--random-input-len", "8",
+                           "--random-output-len", "4", "--disable-tqdm", "--result-filename",
+                           str(tmp_path / "b.json")], capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    saved = json.loads((tmp_path / "b.json").read_text())
+    assert saved["completed"] == 2 and saved["device_sampled_tokens"] >= 8  # the counters were read
