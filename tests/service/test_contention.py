@@ -140,22 +140,27 @@ def _drain(s: Serve, reference: dict) -> None:
 @pytest.mark.parametrize("seed", contention.seeds())
 def test_outputs_equal_their_reference_under_contention(tiny_model_dir, reference, seed):  # noqa: F811
     env = contention.jitter_env(seed)
-    with contention.cpu_burners():
-        with ThreadPoolExecutor(2) as pool:  # both systems start together (each waits for its ready line)
-            starting = [pool.submit(Serve, tiny_model_dir, "--max-num-seqs", "16", *flags, env=env,
-                                    capture_stderr=True)
-                        for flags in ((), ("--speculative-config", SPEC))]
-            systems = [f.result() for f in starting]
-        try:
+    with ThreadPoolExecutor(2) as pool:  # both systems start together (the burners start after: startup is not the test)
+        starting = [pool.submit(Serve, tiny_model_dir, "--max-num-seqs", "16", *flags, env=env, capture_stderr=True)
+                    for flags in ((), ("--speculative-config", SPEC))]
+    failed = [f.exception() for f in starting if f.exception() is not None]
+    if failed:  # the other one started: stop it too
+        for f in starting:
+            if f.exception() is None:
+                f.result().close()
+        raise failed[0]
+    systems = [f.result() for f in starting]
+    try:
+        with contention.cpu_burners():
             for s in systems:
                 _exercise(s, reference)
             assert systems[1].stats().spec_num_draft_tokens > 0, "the n-gram speculator never drafted"
             for s in systems:
                 wait_idle(s, timeout_s=30)
                 _drain(s, reference)
-        finally:
-            for s in systems:
-                s.close()
+    finally:
+        for s in systems:
+            s.close()
     for name, s in zip(("plain", "speculative"), systems):
         problems = s.log_problems()
         assert not problems, (name, problems)

@@ -31,8 +31,10 @@ NOISE = "".join(random.Random(0).choice(string.ascii_letters + string.digits + "
 
 @pytest.fixture(scope="module")
 def daemons(tiny_model_dir):  # noqa: F811
-    with Serve(tiny_model_dir) as s:
+    with Serve(tiny_model_dir, capture_stderr=True) as s:
         yield s
+        problems = s.log_problems()  # refusals are answers, not failures: nothing at warning or above
+        assert not problems, problems
 
 
 def _gateway_rss_mb(serve) -> float:

@@ -8,10 +8,7 @@ requests over the same way and exits 0."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -19,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
+from stepahead.cli.launcher import DaemonLogs
 from stepahead.cli.serve import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
@@ -28,14 +26,19 @@ from tests.service.streams import greedy, wait_health
 from tests.service.test_e2e import random_prompts
 
 
-def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
+# a SIGKILLed or drained worker: the scheduler logs the loss (or a detach) and moves its requests
+WORKER_GONE = r'"daemon": "scheduler".*"event": "worker_(lost|detached)"'
 
 
 class Cluster:
+    """Separate daemons; `check_logs()` (after `close()`) fails on any warning or above that
+    `self.expected` (regular expressions) does not name."""
+
     def __init__(self, model_dir, num_workers: int, num_gateways: int, *sched_flags: str) -> None:
         self.model_dir = model_dir
+        self.logs = DaemonLogs()
+        self.expected: list[str] = []
+        spawn = self.logs.spawn
         port, self.metrics_port = free_port(), free_port()
         self.sched = f"127.0.0.1:{port}"
         self.procs = {"scheduler": spawn("scheduler", "--port", str(port), "--metrics-port", str(self.metrics_port),
@@ -53,7 +56,7 @@ class Cluster:
         self.stubs = [generation_pb2_grpc.GenerationStub(ch) for ch in self.channels[1:]]
 
     def start_worker(self, name: str) -> None:
-        self.procs[name] = spawn("worker", "--scheduler", self.sched, "--model", str(self.model_dir),
+        self.procs[name] = self.logs.spawn("worker", "--scheduler", self.sched, "--model", str(self.model_dir),
                                  "--num-threads", "1")
 
     def wait_ready(self, num_replicas: int) -> None:
@@ -87,6 +90,10 @@ class Cluster:
         for p in self.procs.values():
             p.wait(timeout=30)
 
+    def check_logs(self) -> None:
+        problems = self.logs.problems(self.expected)
+        assert not problems, problems
+
 
 @pytest.fixture
 def cluster(tiny_model_dir):  # noqa: F811
@@ -96,6 +103,7 @@ def cluster(tiny_model_dir):  # noqa: F811
         yield c
     finally:
         c.close()
+    c.check_logs()
 
 
 class Stream:
@@ -153,6 +161,7 @@ def test_requests_spread_over_replicas_and_survive_a_killed_worker(cluster, hf, 
         m = cluster.metrics()
         running = {k: v for k, v in m.items() if k.startswith("stepahead:num_requests_running{")}
         assert len(running) == 2 and all(v > 0 for v in running.values()), f"not spread over both: {running}"
+        cluster.expected = [WORKER_GONE]
         cluster.procs["worker0"].send_signal(signal.SIGKILL)
 
     streams = run_streams(cluster, prompts, 32, during=kill_one_worker)
@@ -185,6 +194,7 @@ def test_without_any_replica_requests_wait_then_resume_or_end_unavailable(tiny_m
         prompt = [5, 17, 300, 41]
 
         def kill_and_replace() -> None:
+            c.expected = [WORKER_GONE]
             c.procs["worker0"].send_signal(signal.SIGKILL)
             c.wait_metric("stepahead:workers_attached", 0)
             c.start_worker("worker1")
@@ -193,6 +203,7 @@ def test_without_any_replica_requests_wait_then_resume_or_end_unavailable(tiny_m
         check_no_leaks(c)
     finally:
         c.close()
+    c.check_logs()
 
     c = Cluster(tiny_model_dir, 1, 1, "--worker-wait-timeout", "0.5")
     try:
@@ -200,6 +211,7 @@ def test_without_any_replica_requests_wait_then_resume_or_end_unavailable(tiny_m
 
 
         def kill() -> None:
+            c.expected = [WORKER_GONE]
             c.procs["worker0"].send_signal(signal.SIGKILL)
 
         with pytest.raises(grpc.RpcError) as info:
@@ -208,3 +220,4 @@ def test_without_any_replica_requests_wait_then_resume_or_end_unavailable(tiny_m
         assert "--worker-wait-timeout" in info.value.details()
     finally:
         c.close()
+    c.check_logs()
