@@ -12,12 +12,21 @@ Reported: requests completed, cut by a gateway kill (the client's own connection
 aborted by the client, past the client's own 120 s deadline (the system saturated), lost (a client that stayed but did not get its whole output: must be
 0), tokens duplicated or wrong against the sim reference (0), blocks leaked at the end (0),
 and RSS / threads / open fds of each daemon at the start and at the end.
+
+`--sample-every S` adds the scheduler's RSS every S seconds (a timeline: the scheduler is
+never killed, so its growth is visible). `--heap-probe` starts tracemalloc in the scheduler
+(a `sitecustomize` on its PYTHONPATH) and has it write, at each sample, the memory Python
+has allocated, the live objects by type and the largest allocation sites to
+`<out dir>/soak-heap-<pid>.jsonl`: Python objects that grow show there; RSS growing while
+they stay flat is the C heap (glibc arenas, fragmentation). `MALLOC_ARENA_MAX` and other
+environment variables pass through to every daemon.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import threading
 import time
@@ -108,8 +117,62 @@ class Client(threading.Thread):
         self.failures.append(why)
 
 
+HEAP_PROBE = """
+import gc, json, os, sys, threading, time, tracemalloc
+from collections import Counter
+
+if "scheduler" in sys.argv[1:3]:
+    tracemalloc.start(1)
+    _path = os.path.join(os.environ["STEPAHEAD_SOAK_PROBE_DIR"], f"soak-heap-{os.getpid()}.jsonl")
+    _every = float(os.environ["STEPAHEAD_SOAK_PROBE_EVERY"])
+    _start = time.monotonic()
+
+    def _sample():
+        while True:
+            time.sleep(_every)  # a sampling period of a diagnostic probe, not synchronisation
+            types = Counter(type(o).__name__ for o in gc.get_objects())
+            top = tracemalloc.take_snapshot().statistics("lineno")[:15]
+            current, peak = tracemalloc.get_traced_memory()
+            with open(_path, "a") as f:
+                f.write(json.dumps({
+                    "t_s": round(time.monotonic() - _start, 1),
+                    "traced_mib": round(current / 2**20, 1), "traced_peak_mib": round(peak / 2**20, 1),
+                    "gc_objects": sum(types.values()), "gc_frozen": gc.get_freeze_count(),
+                    "top_types": types.most_common(12),
+                    "top_sites": [[str(s.traceback[0]), round(s.size / 2**20, 2), s.count] for s in top],
+                }) + "\\n")
+
+    threading.Thread(target=_sample, name="soak-heap-probe", daemon=True).start()
+"""
+
+
+def install_heap_probe(directory: Path, every_s: float) -> None:
+    """Put the probe on the PYTHONPATH every daemon inherits (only the scheduler runs it)."""
+    probe = directory / "soak-probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / "sitecustomize.py").write_text(HEAP_PROBE)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(probe), os.environ.get("PYTHONPATH")]))
+    os.environ["STEPAHEAD_SOAK_PROBE_DIR"] = str(directory.resolve())
+    os.environ["STEPAHEAD_SOAK_PROBE_EVERY"] = str(every_s)
+
+
+class Sampler(threading.Thread):
+    """The scheduler's RSS / threads / fds every `every_s` seconds until stopped."""
+
+    def __init__(self, pid: int, every_s: float) -> None:
+        super().__init__(daemon=True)
+        self.pid, self.every_s = pid, every_s
+        self.stopped = threading.Event()
+        self.samples: list[dict] = []
+        self._start = time.monotonic()
+
+    def run(self) -> None:
+        while not self.stopped.wait(self.every_s):
+            self.samples.append({"t_s": round(time.monotonic() - self._start, 1), **process_usage(self.pid)})
+
+
 def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_every_s: float,
-         workdir: Path, seed: int = 0, model_dir: Path | None = None) -> dict:
+         workdir: Path, seed: int = 0, model_dir: Path | None = None, sample_every_s: float = 0.0) -> dict:
     from worker_service.sim.profiles import load_profile
     from worker_service.sim.runner import SimRunner
     from worker_service.sim.tokens import reference_output
@@ -122,6 +185,9 @@ def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_ever
     try:
         cluster.wait_ready()
         usage_start = cluster.usage()
+        sampler = Sampler(cluster.members["scheduler"].pid, sample_every_s) if sample_every_s > 0 else None
+        if sampler is not None:
+            sampler.start()
         channels = [grpc.insecure_channel(a) for a in cluster.gateway_addresses]
         stubs = [generation_pb2_grpc.GenerationStub(ch) for ch in channels]
         deadline = time.monotonic() + duration_s
@@ -134,6 +200,9 @@ def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_ever
             c.join(timeout=180)
         leaks = cluster.leaked_blocks()
         usage_end = cluster.usage()
+        if sampler is not None:
+            sampler.stopped.set()
+            sampler.join()
         failures = [f for c in clients for f in c.failures]
         for ch in channels:
             ch.close()
@@ -146,13 +215,15 @@ def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_ever
                                                  "tokens_streamed")},
         "blocks_leaked": leaks, "orphans": cluster.orphans(), "failures": failures[:10],
         "usage_start": usage_start, "usage_end": usage_end,
+        "scheduler_timeline": sampler.samples if sampler is not None else [],
+        "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
     }
 
 
 def _chaos(cluster: LocalCluster, deadline: float, every_s: float, rng: random.Random) -> list[str]:
     """Kill a worker or a gateway every `every_s` seconds (the last 10 s stay calm)."""
     kills, stop = [], threading.Event()
-    while not stop.wait(every_s) and time.monotonic() < deadline - 10:
+    while every_s > 0 and not stop.wait(every_s) and time.monotonic() < deadline - 10:
         kind = rng.choice(["worker", "gateway"])
         cluster.kill_and_restart(kind, rng)
         kills.append(kind)
@@ -167,15 +238,22 @@ def main() -> None:
     parser.add_argument("--streams", type=int, default=1000)
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--gateways", type=int, default=2)
-    parser.add_argument("--kill-every", type=float, default=30.0)
+    parser.add_argument("--kill-every", type=float, default=30.0, help="0: no kills")
+    parser.add_argument("--sample-every", type=float, default=0.0, help="scheduler RSS timeline period (0: none)")
+    parser.add_argument("--heap-probe", action="store_true", help="tracemalloc and gc counts in the scheduler")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/soak.json"))
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    result = soak(args.duration, args.streams, args.workers, args.gateways, args.kill_every, args.out.parent)
+    if args.heap_probe:
+        install_heap_probe(args.out.parent, args.sample_every or 30.0)
+    result = soak(args.duration, args.streams, args.workers, args.gateways, args.kill_every, args.out.parent,
+                  sample_every_s=args.sample_every)
     args.out.write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if not k.startswith("usage")}, indent=1))
     for name in result["usage_start"]:
         print(f"{name:>12}: start {result['usage_start'][name]}  end {result['usage_end'].get(name)}")
+    for sample in result["scheduler_timeline"]:
+        print(f"scheduler t={sample['t_s']:>6}s rss {sample['rss_mib']} MiB")
 
 
 if __name__ == "__main__":
