@@ -199,6 +199,7 @@ def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_ever
         for c in clients:
             c.join(timeout=180)
         leaks = cluster.leaked_blocks()
+        total_blocks = cluster.stats().num_total_blocks  # every replica's pool: what the prefix cache can hold
         usage_end = cluster.usage()
         if sampler is not None:
             sampler.stopped.set()
@@ -213,7 +214,7 @@ def soak(duration_s: float, streams: int, workers: int, gateways: int, kill_ever
         "kills": kills, **{k: tally[k] for k in ("completed", "aborted_by_client", "cut_by_gateway_kill",
                                                  "client_deadline_exceeded", "lost", "tokens_wrong_or_duplicated",
                                                  "tokens_streamed")},
-        "blocks_leaked": leaks, "orphans": cluster.orphans(), "failures": failures[:10],
+        "blocks_leaked": leaks, "num_total_blocks": total_blocks, "orphans": cluster.orphans(), "failures": failures[:10],
         "usage_start": usage_start, "usage_end": usage_end,
         "scheduler_timeline": sampler.samples if sampler is not None else [],
         "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX"),
