@@ -60,6 +60,11 @@ BAD_CHECKPOINTS = {
     "bad_json": (lambda d: (d / "config.json").write_text('{"model_type": "llama",'), ["config.json"],
                  ("serve", "worker")),
     "no_tokenizer": (lambda d: (d / "tokenizer.json").unlink(), ["tokenizer.json"], ("serve",)),
+    # architectures the worker does not build, as transformers saves them (gpt2 has no hidden_size)
+    "gemma2": (_edit("model_type", "gemma2"), ["config.json", "model_type 'gemma2' is not supported"],
+               ("serve", "worker")),
+    "gpt2": (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64})),
+             ["config.json", "model_type 'gpt2' is not supported", "llama, mistral, qwen2, qwen3"], ("serve", "worker")),
 }
 
 
@@ -107,3 +112,27 @@ def test_a_refused_hello_is_fatal_and_serve_names_the_worker(tiny_model_dir) -> 
     assert lines[-1].startswith("stepahead: worker exited during start-up (code 2)"), lines[-1]
     assert "refused this worker" in lines[-1] and "max_num_batched_tokens" in lines[-1], lines[-1]
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("flag", ["--http-port", "--port"])
+def test_a_taken_port_is_named_before_any_daemon_starts(flag, tiny_model_dir) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = str(holder.getsockname()[1])
+        flags = ["--http-port", port, "--port", "0"] if flag == "--http-port" else ["--port", port, "--http-port", "0"]
+        proc = subprocess.run([sys.executable, "-m", "stepahead.cli", "serve", str(tiny_model_dir), *flags],
+                              capture_output=True, text=True, timeout=FAIL_WITHIN_S)
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert f"{flag} {port}: cannot listen on 127.0.0.1:{port}" in lines[0], lines
+
+
+def test_a_gguf_file_serve_cannot_convert_is_one_line(tmp_path) -> None:
+    bad = tmp_path / "model.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    proc, lines = _run("serve", str(bad))
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert str(bad) in lines[0] and "not a readable GGUF file" in lines[0], lines
