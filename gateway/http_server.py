@@ -57,6 +57,7 @@ from gateway.openai_protocol import (
 from gateway.scheduler_link import LinkBroken
 from gateway.tokenizer import HEAP_TRIM
 from gateway.validation import ValidationError
+from stepahead.logs import RateLimitedLog
 from stepahead.v1 import scheduler_pb2
 
 
@@ -371,25 +372,6 @@ def _version() -> str:
         return metadata.version("stepahead")
     except metadata.PackageNotFoundError:
         return "0+unknown"
-
-
-class RateLimitedLog:
-    """One log line per `interval_s` for an event a client can repeat at will (a refused
-    connection, a malformed request), with how many were not logged since the last line."""
-
-    def __init__(self, log, event: str, interval_s: float = 10.0) -> None:
-        self._log, self._event, self._interval_s = log, event, interval_s
-        self._last, self._unlogged = -interval_s, 0
-        self._lock = threading.Lock()
-
-    def note(self, **fields) -> None:
-        with self._lock:
-            now = time.monotonic()
-            if now - self._last < self._interval_s:
-                self._unlogged += 1
-                return
-            self._last, unlogged, self._unlogged = now, self._unlogged, 0
-        self._log.warning(self._event, not_logged_since_last=unlogged, **fields)
 
 
 class _RateLimitFilter(logging.Filter):
