@@ -29,20 +29,44 @@ READY = re.compile(r"stepahead ready: gateway at (\S+) \(scheduler at (\S+)\)(?:
 
 
 
+def _continues_traceback(line: str) -> bool:
+    return (not line.strip() or line[:1].isspace() or line.startswith(("Traceback", "During handling of the above",
+                                                                       "The above exception")))
+
+
 def problem_lines(lines: Iterable[str], expected: Iterable[str] = ()) -> list[str]:
     """The log lines that say something went wrong and match none of the `expected` regular
     expressions: a structured event at warning or above, or a line that is not one of ours
-    and carries a traceback or an error."""
+    and carries a traceback or an error. A plain-text traceback (an uncaught exception in a
+    thread, say) is one entry, from its first line to the exception's, so that an expected
+    pattern can name the exception."""
     allowed, problems = [re.compile(e) for e in expected], []
+    block: list[str] | None = None  # the plain-text traceback being read
+
+    def judge(entry: str, bad: bool) -> None:
+        if bad and not any(a.search(entry) for a in allowed):
+            problems.append(entry)
+
     for line in list(lines):
         try:
             event = json.loads(line)
         except ValueError:
             event = None
-        bad = (event.get("level") in _PROBLEM_LEVELS if isinstance(event, dict)
-               else _PROBLEM_TEXT.search(line) is not None)
-        if bad and not any(a.search(line) for a in allowed):
-            problems.append(line.rstrip())
+        if isinstance(event, dict):  # one of ours (it may come between a traceback's lines)
+            judge(line.rstrip(), event.get("level") in _PROBLEM_LEVELS)
+            continue
+        if block is not None:
+            block.append(line.rstrip())
+            if not _continues_traceback(line):  # the exception's own line ends it
+                judge("\n".join(block), True)
+                block = None
+            continue
+        if line.startswith(("Traceback (most recent call last)", "Exception in thread")):
+            block = [line.rstrip()]
+            continue
+        judge(line.rstrip(), _PROBLEM_TEXT.search(line) is not None)
+    if block is not None:
+        judge("\n".join(block), True)
     return problems
 
 
@@ -76,9 +100,12 @@ class DaemonLogs:
         for proc, reader in self._readers:
             if proc.poll() is not None:
                 reader.join(settle_s)
-        stripped = [line.split("] ", 1)[1] for line in list(self.lines)]
-        bad = set(problem_lines(stripped, self.expected if expected is None else expected))
-        return [line.rstrip() for line, raw in zip(self.lines, stripped) if raw.rstrip() in bad]
+        by_daemon: dict[str, list[str]] = {}
+        for line in list(self.lines):
+            tag, raw = line.split("] ", 1)
+            by_daemon.setdefault(tag + "]", []).append(raw)
+        expected = self.expected if expected is None else expected
+        return [f"{tag} {entry}" for tag, raw in by_daemon.items() for entry in problem_lines(raw, expected)]
 
 
 class ServeProcess:
