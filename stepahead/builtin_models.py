@@ -32,7 +32,7 @@ from stepahead.tokenizer_train import (
     CorpusSpec,
 )
 
-from stepahead.config import ConfigError
+from stepahead.config import ConfigError, NotBuiltYet
 
 CACHE_ENV = "STEPAHEAD_CACHE_DIR"
 # What `serve`, the worker and the gateway load without --model: a real instruct model.
@@ -276,7 +276,7 @@ def resolve_model(spec: str, *, build: bool = True, tokenizer: str | None = None
             return ensure_model(spec)
         cached = cache_dir() / "models" / spec
         if not cached.is_dir():
-            raise ConfigError(f"built-in model {spec!r} is not built yet: pass its directory, start it with"
+            raise NotBuiltYet(f"built-in model {spec!r} is not built yet: pass its directory, start it with"
                              f" `stepahead serve`, or build it with `stepahead make-model`")
         return cached
     path = Path(spec).expanduser()

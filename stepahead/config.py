@@ -26,6 +26,11 @@ class ConfigError(ValueError):
     """A flag or environment variable holds a value of the wrong kind."""
 
 
+class NotBuiltYet(ConfigError):
+    """A built-in model or a .gguf file asked for without building (the gateway) that is built
+    or converted on first use and has not been yet."""
+
+
 class Range:
     """The values a numeric flag accepts: its argparse `type=`, so that a value out of range
     is refused at parse time with argparse's own one-line error (exit 2), before a daemon

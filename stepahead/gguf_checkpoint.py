@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepahead.config import ConfigError
+from stepahead.config import ConfigError, NotBuiltYet
 
 ORIGIN_FILE = "stepahead_origin.json"
 
@@ -278,7 +278,7 @@ def cached_conversion(gguf_path: str | os.PathLike, models_dir: Path, *, dtype: 
     if target.is_dir():
         return target
     if not build:
-        raise GGUFError(f"{path} is not converted yet: start the worker (or `stepahead serve`) with it first")
+        raise NotBuiltYet(f"{path} is not converted yet: start the worker (or `stepahead serve`) with it first")
     models_dir.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.building-", dir=models_dir))
     try:

@@ -207,7 +207,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from gateway.server import GatewayConfig
     from scheduler_service.server import SchedulerDaemonConfig
-    from stepahead.builtin_models import resolve_model
     from worker_service.daemon import WorkerConfig
 
     if args.model_positional is not None:
@@ -226,7 +225,7 @@ def run(args: argparse.Namespace) -> int:
     check_ports(config)
     if worker_cfg.served_model_name is None:  # vLLM's rule: the --model argument, as given
         worker_cfg = dataclasses.replace(worker_cfg, served_model_name=config.model)
-    model_dir = str(resolve_model(config.model, tokenizer=worker_cfg.tokenizer))  # build or convert once, here
+    model_dir = str(prepare_model(config.model, worker_cfg.tokenizer))
     if worker_cfg.device != "sim":
         check_checkpoint(model_dir, worker_cfg)
     named = {config.port, config.http_port, config.scheduler_port}  # the flags' ports: not to be picked again
@@ -275,6 +274,19 @@ def run(args: argparse.Namespace) -> int:
         shutdown([c.proc for c in children], gateway_cfg.drain_timeout)
         if run_file is not None:
             run_file.unlink(missing_ok=True)
+
+
+def prepare_model(spec: str, tokenizer: str | None):
+    """The model's directory: a built-in model is built, a .gguf file converted, once, here
+    (the daemons then find it in the cache); says so first, as it takes a while."""
+    from stepahead.builtin_models import cache_dir, resolve_model
+
+    try:
+        return resolve_model(spec, tokenizer=tokenizer, build=False)
+    except cfg.NotBuiltYet:
+        pass
+    print(f"stepahead: preparing {spec} (once; cached under {cache_dir() / 'models'})", file=sys.stderr, flush=True)
+    return resolve_model(spec, tokenizer=tokenizer)
 
 
 def check_ports(config: ServeConfig) -> None:

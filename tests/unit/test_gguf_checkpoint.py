@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from stepahead import gguf_checkpoint
+from stepahead.config import NotBuiltYet
 from stepahead.gguf_checkpoint import GGUFError
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 
@@ -153,7 +154,7 @@ def test_not_a_gguf_file_is_one_clear_error(tmp_path):
 
 def test_cached_conversion_converts_once_and_the_gateway_never_converts(tiny_gguf, tiny_model_dir, tmp_path):  # noqa: F811
     path, _ = tiny_gguf
-    with pytest.raises(GGUFError, match="not converted yet"):
+    with pytest.raises(NotBuiltYet, match="not converted yet"):
         gguf_checkpoint.cached_conversion(path, tmp_path, tokenizer_dir=str(tiny_model_dir), build=False)
     first = gguf_checkpoint.cached_conversion(path, tmp_path, tokenizer_dir=str(tiny_model_dir))
     mtime = (first / "model.safetensors").stat().st_mtime_ns
