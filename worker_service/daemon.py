@@ -160,6 +160,15 @@ def check_weights_fit(model_dir, model_cfg, config: WorkerConfig, bytes_per_para
         check_fits(model_dir, model_cfg, bytes_per_param, host_memory_bytes() * share, "the host")
 
 
+def log_kv_capacity(log, info: WorkerInfo) -> None:
+    """What the KV cache holds, as vLLM reports it at start-up: tokens, and requests of the
+    model's full length at once (a workload that needs more preempts)."""
+    tokens = info.num_device_blocks * info.block_size
+    log.info("kv_cache_capacity", tokens=tokens, blocks=info.num_device_blocks, block_size=info.block_size,
+             max_model_len=info.max_model_len, full_length_requests=round(tokens / max(info.max_model_len, 1), 2),
+             host_swap_tokens=info.num_host_blocks * info.block_size)
+
+
 class HelloRefused(Exception):
     """The scheduler refused this worker's hello as invalid: the same worker would be refused
     again, so the daemon stops instead of re-attaching until start-up times out."""
@@ -355,6 +364,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
     runner, model_dir = build_runner(config)
     info = worker_info(config, runner, model_dir)
     log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
+    log_kv_capacity(log, info)
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
     metrics.watch_grammars(runner)
     freeze_heap()  # the model, the KV cache and the imports live as long as the process
