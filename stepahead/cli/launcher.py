@@ -157,7 +157,9 @@ class ServeProcess:
         threading.Thread(target=read, daemon=True).start()
         if not done.wait(timeout_s) or not found:
             self.close()
-            raise RuntimeError(f"stepahead serve did not become ready (exit code {self.proc.poll()})")
+            tail = "".join(self.stderr_lines[-20:])  # with capture_stderr: why (the daemons' last lines)
+            raise RuntimeError(f"stepahead serve did not become ready (exit code {self.proc.poll()})"
+                               + (f":\n{tail}" if tail else ""))
         return found[0]
 
     def scheduler_channel(self) -> grpc.Channel:
