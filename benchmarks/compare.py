@@ -1,12 +1,29 @@
-"""stepahead async vs sync vs Hugging Face, same model and workload, one invocation.
+"""stepahead async vs sync vs Hugging Face (vs llama.cpp), same model and workload, one invocation.
 
     .venv/bin/python benchmarks/compare.py --model tiny --out results/compare_tiny.json
+    .venv/bin/python benchmarks/compare.py --model smollm2-135m --concurrency 16,64 \
+        --out benchmarks/results/compare_smollm2-135m.json
 
 Runs, one after the other on this machine: `stepahead serve` (async scheduling) and
 `stepahead serve --no-async-scheduling`, each measured by `stepahead bench`; Hugging Face
 `generate_batch` (continuous batching, `ContinuousBatchingConfig`); and Hugging Face
 static `generate` in batches. Every run decodes greedily with EOS ignored, so every system
 produces the same number of tokens. Prints one table and writes JSON.
+
+`--dataset real` (the default for `smollm2-135m`) sends real text instead of random ids:
+chat questions rendered with the model's chat template and Python code prefixes, cycled
+to `--num-prompts`. `--concurrency 16,64` measures every system at each cap on requests in
+flight (stepahead and llama.cpp: the client's cap; HF static: the batch size; HF continuous
+batching: `max_requests_per_batch`); without it every request is sent at once, as before.
+TTFT and TPOT count from the moment a request is admitted (its slot under the cap, its HF
+batch, its HF continuous-batching admission), so queueing behind the cap is not in them.
+
+With `--model smollm2-135m`, llama.cpp's server (`llama-cpp-python[server]`, an optional
+peer, used only when importable; `--skip-llamacpp` to leave it out) serves the same GGUF
+file the built-in model is converted from, and an F16 copy of it (`--llamacpp-f16`, made
+once with llama.cpp's own quantize tool, requantizing allowed). Its requests are
+OpenAI-compatible streaming completions of the same prompt text, greedy, with the
+end-of-generation tokens biased away so that every request gives its full output length.
 """
 
 from __future__ import annotations
@@ -27,17 +44,111 @@ from stepahead.cli.launcher import ServeProcess
 ALL_CPUS = os.sched_getaffinity(0)
 
 
+CHAT_QUESTIONS = [
+    "What is the capital of France? Answer in one sentence.",
+    "Explain what a hash table is to a beginner.",
+    "Give me three tips for writing clear emails.",
+    "Why is the sky blue?",
+    "Write a short poem about the sea.",
+    "What are the main differences between Python and JavaScript?",
+    "How do vaccines work?",
+    "Summarize the plot of Romeo and Juliet.",
+    "What is photosynthesis?",
+    "Suggest a healthy breakfast and explain why it is healthy.",
+    "How does a bicycle stay upright?",
+    "What is the difference between weather and climate?",
+    "Describe how to make a cup of tea.",
+    "What causes earthquakes?",
+    "Explain recursion with an example.",
+    "What should I pack for a weekend hiking trip?",
+    "How do airplanes fly?",
+    "What is machine learning?",
+    "Give me a recipe for pancakes.",
+    "Why do we have seasons?",
+    "What is the tallest mountain in the world and how tall is it?",
+    "Explain the rules of chess briefly.",
+    "How can I improve my sleep?",
+    "What is an API?",
+    "Tell me a fun fact about octopuses.",
+    "What is the water cycle?",
+    "How do I stay focused while studying?",
+    "What is the difference between a virus and a bacterium?",
+    "Explain what a database index is.",
+    "Write a haiku about autumn.",
+    "What is inflation in economics?",
+    "How does the internet work?",
+]
+
+CODE_PROMPTS = [
+    "def fibonacci(n):",
+    "def is_prime(n):\n    \"\"\"Return True if n is a prime number.\"\"\"\n",
+    "def quicksort(items):",
+    "def binary_search(arr, target):\n",
+    "class Stack:\n    def __init__(self):\n",
+    "def reverse_string(s):",
+    "def factorial(n):\n    if n == 0:\n",
+    "import json\n\ndef load_config(path):\n",
+    "def merge_sorted(a, b):\n    \"\"\"Merge two sorted lists into one sorted list.\"\"\"\n",
+    "def count_words(text):",
+    "class LinkedList:\n    def __init__(self):\n        self.head = None\n\n    def append(self, value):\n",
+    "def gcd(a, b):",
+    "def flatten(nested):\n    \"\"\"Flatten a list of lists.\"\"\"\n",
+    "def is_palindrome(s):",
+    "import os\n\ndef list_python_files(root):\n",
+    "def matrix_multiply(a, b):",
+    "def bubble_sort(arr):\n    n = len(arr)\n",
+    "def celsius_to_fahrenheit(c):",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n    def increment(self):\n",
+    "def read_csv(path):\n    rows = []\n",
+    "def longest_common_prefix(strs):",
+    "def two_sum(nums, target):\n",
+    "def power_set(s):",
+    "def dfs(graph, start):\n    visited = set()\n",
+    "def word_frequencies(text):\n    \"\"\"Return a dict mapping each word to its count.\"\"\"\n",
+    "def transpose(matrix):",
+    "import re\n\ndef extract_emails(text):\n",
+    "def running_average(values):",
+    "class Queue:\n    def __init__(self):\n",
+    "def chunks(lst, n):\n    \"\"\"Yield successive n-sized chunks from lst.\"\"\"\n",
+    "def levenshtein(a, b):",
+    "def parse_date(s):\n    from datetime import datetime\n",
+]
+
+
+def real_texts(model_dir: Path, n: int) -> list[str]:
+    """Chat questions rendered with the model's chat template, alternating with code prefixes."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    chats = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+             for q in CHAT_QUESTIONS]
+    mixed = [t for pair in zip(chats, CODE_PROMPTS) for t in pair]
+    return [mixed[i % len(mixed)] for i in range(n)]
+
+
+def real_workload(args) -> tuple[list[str], list[list[int]]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(args.model_dir)
+    texts = real_texts(args.model_dir, args.num_prompts)
+    # the chat template already starts with its own special tokens; the model adds no BOS
+    return texts, [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
 def workload(args) -> list[list[int]]:
-    """Exactly the prompts `stepahead bench` sends."""
+    """Exactly the prompts `stepahead bench` sends (or the real-text prompts)."""
+    if args.dataset == "real":
+        return args.real_prompts
     return [w.prompt for w in bench.make_workload(bench_args(args, "hf", "", ""), args.vocab)]
 
 
-def bench_args(args, label: str, target: str, scheduler: str, token: str) -> argparse.Namespace:
+def bench_args(args, label: str, target: str, scheduler: str, token: str = "",
+               concurrency: int | None = None) -> argparse.Namespace:
     return argparse.Namespace(
         target=target, scheduler=scheduler, cluster_token=token, num_prompts=args.num_prompts, random_input_len=args.input_len,
         random_output_len=args.output_len, random_range_ratio=args.random_range_ratio,
         request_rate=args.request_rate,
-        max_concurrency=None, ignore_eos=True, seed=args.seed, label=label, disable_tqdm=False,
+        max_concurrency=concurrency, ignore_eos=True, seed=args.seed, label=label, disable_tqdm=False,
         dataset_name="random", dataset_path=None, trace_speedup=1.0,
         result_filename=args.out.parent / f"{args.out.stem}_{label}.json",
     )
@@ -45,10 +156,43 @@ def bench_args(args, label: str, target: str, scheduler: str, token: str) -> arg
 
 def run_stepahead(args, label: str, *flags: str) -> dict:
     extra = args.serve_args.split()
-    with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.num_prompts), *extra,
-                      *flags) as s:
-        with client_off_device_cores():
-            return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr, s.cluster_token))
+    if not args.concurrency:
+        with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(args.num_prompts), *extra,
+                          *flags) as s:
+            with client_off_device_cores():
+                return bench.bench(bench_args(args, label, s.gateway_addr, s.scheduler_addr, s.cluster_token))
+    rows = []
+    with ServeProcess(args.model_dir, "--dtype", args.dtype, "--max-num-seqs", str(max(args.concurrency)), *extra,
+                      *flags, capture_stderr=True) as s:
+        for c in args.concurrency:
+            with client_off_device_cores():
+                rows.append(bench_items(args, s, f"{label}@{c}", c))
+        problems = s.log_problems()
+    for r in rows:
+        r["daemon_problems"] = problems[:10]
+    return rows
+
+
+def bench_items(args, s, label: str, concurrency: int) -> dict:
+    """`stepahead bench` on the given prompts (bench.bench draws random ids itself)."""
+    import asyncio
+
+    from stepahead import security
+    from stepahead.v1 import generation_pb2_grpc
+
+    items = [bench.WorkItem(p, args.output_len) for p in workload(args)]
+    a = bench_args(args, label, s.gateway_addr, s.scheduler_addr, s.cluster_token, concurrency)
+    with security.channel(s.gateway_addr, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
+        bench.one_request(generation_pb2_grpc.GenerationStub(channel), bench.WorkItem(items[0].prompt, 2), True)
+    counters = bench.DeviceCounters(s.scheduler_addr, s.cluster_token)
+    try:
+        results, elapsed, window = asyncio.run(bench.run_workload_async(
+            s.gateway_addr, os.environ.get("STEPAHEAD_API_KEY"), items, a, counters.snapshot))
+    finally:
+        counters.close()
+    row = {"label": label, "concurrency": concurrency, **bench.summarize(results, elapsed),
+           **bench.device_report(s.scheduler_addr, window, s.cluster_token)}
+    return row
 
 
 @contextlib.contextmanager
@@ -73,6 +217,51 @@ def load_hf(args):
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=getattr(torch, args.dtype)).eval()
     model.generation_config.eos_token_id = None
     return model
+
+
+def latency_row(label: str, concurrency: int, tokens: int, elapsed: float, ttfts_s: list[float],
+                tpots_s: list[float], **extra) -> dict:
+    return {"label": label, "concurrency": concurrency, "total_output_tokens": tokens, "duration": elapsed,
+            "output_throughput": tokens / elapsed, **bench.latency_stats("ttft", [t * 1e3 for t in ttfts_s]),
+            **bench.latency_stats("tpot", [t * 1e3 for t in tpots_s]), **extra}
+
+
+class StepClock:
+    """A logits processor that only reads the clock: `generate` calls it once per new token."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids, scores):
+        self.times.append(time.perf_counter())
+        return scores
+
+
+@torch.inference_mode()
+def run_hf_static_padded(args, prompts, b: int) -> dict:
+    """Static batches of `b` prompts of any lengths, left-padded; each request's TTFT counts
+    from its batch's start, its TPOT over the rest of the batch's steps."""
+    from transformers import LogitsProcessorList
+
+    model = load_hf(args)
+    pad = 0
+    model.generate(torch.tensor(prompts[:1]), max_new_tokens=2, do_sample=False, pad_token_id=pad)  # warm-up
+    start, tokens, ttfts, tpots = time.perf_counter(), 0, [], []
+    for i in range(0, len(prompts), b):
+        batch = prompts[i: i + b]
+        width = max(map(len, batch))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in batch])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in batch])
+        clock = StepClock()
+        t0 = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=args.output_len, do_sample=False,
+                             pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))
+        n = out.shape[1] - ids.shape[1]
+        tokens += n * ids.shape[0]
+        ttfts += [clock.times[0] - t0] * len(batch)
+        tpots += [(clock.times[-1] - clock.times[0]) / max(1, n - 1)] * len(batch)
+    elapsed = time.perf_counter() - start
+    return latency_row(f"hf_static@{b}", b, tokens, elapsed, ttfts, tpots, batch_size=b)
 
 
 @torch.inference_mode()
@@ -107,13 +296,149 @@ def run_hf_continuous(args, prompts) -> dict:
             "output_throughput": tokens / elapsed}
 
 
+@torch.inference_mode()
+def run_hf_continuous_capped(args, prompts, c: int) -> dict:
+    from transformers import GenerationConfig
+    from transformers.generation import ContinuousBatchingConfig
+
+    model = load_hf(args)
+    config = GenerationConfig(max_new_tokens=args.output_len, do_sample=False, eos_token_id=None, pad_token_id=0)
+    start = time.perf_counter()
+    try:
+        out = model.generate_batch(inputs=prompts, generation_config=config, record_timestamps=True,
+                                   continuous_batching_config=ContinuousBatchingConfig(max_requests_per_batch=c),
+                                   progress_bar=False)
+    except Exception as exc:  # reported in the table, never hidden
+        return {"label": f"hf_continuous_batching@{c}", "concurrency": c, "output_throughput": float("nan"),
+                "error": repr(exc)[:300]}
+    elapsed = time.perf_counter() - start
+    outs = list(out.values())
+    tokens = sum(len(o.generated_tokens) for o in outs)
+    ttfts = [o.timestamps[0] - o.lifespan[0] for o in outs if o.timestamps]
+    tpots = [(o.timestamps[-1] - o.timestamps[0]) / (len(o.timestamps) - 1) for o in outs
+             if o.timestamps and len(o.timestamps) > 1]
+    return latency_row(f"hf_continuous_batching@{c}", c, tokens, elapsed, ttfts, tpots,
+                       errors=sorted({o.error for o in outs if o.error})[:5])
+
+
+# ---- llama.cpp (llama-cpp-python's OpenAI-compatible server), an optional peer ----
+
+def llamacpp_available() -> bool:
+    try:
+        import llama_cpp  # noqa: F401
+        import llama_cpp.server  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def llamacpp_f16(gguf: Path, cache: Path) -> Path:
+    """An F16 copy of `gguf`, made once by llama.cpp's quantize (dequantizing the Q4_1 blocks)."""
+    import llama_cpp
+
+    out = cache / (gguf.stem.replace("Q4_1", "F16") + ".gguf")
+    if out.exists():
+        return out
+    cache.mkdir(parents=True, exist_ok=True)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_MOSTLY_F16
+    params.allow_requantize = True
+    params.nthread = 2
+    tmp = out.with_suffix(".tmp")
+    rc = llama_cpp.llama_model_quantize(str(gguf).encode(), str(tmp).encode(), params)
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize to F16 failed (rc {rc})")
+    tmp.rename(out)
+    return out
+
+
+@contextlib.contextmanager
+def llamacpp_server(gguf: Path, n_parallel: int, threads: int, n_ctx: int):
+    import subprocess
+    import sys
+    import urllib.request
+
+    from stepahead.cli.serve import free_port
+
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llamacpp_{port}.log", "w")
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+           "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
+           "--n_batch", "512", "--verbose", "False"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama_cpp.server exited {proc.returncode}: see {log.name}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
+                break
+            except Exception:
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", cmd
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+        log.close()
+
+
+def _llamacpp_one(url: str, text: str, max_tokens: int, bias: dict) -> bench.RequestMetrics:
+    import urllib.request
+
+    m = bench.RequestMetrics(prompt_len=0)
+    body = json.dumps({"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
+                       "logit_bias": bias, "stop": []}).encode()
+    req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    m.start = time.perf_counter()
+    try:
+        with urllib.request.urlopen(req, timeout=3600) as resp:
+            for raw in resp:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if not json.loads(line[6:]).get("choices"):
+                    continue
+                now = time.perf_counter()
+                if not m.first_token:
+                    m.first_token = now
+                m.token_times.append(now)
+                m.output_len += 1  # one streamed chunk per generated token
+    except Exception as exc:
+        m.error = repr(exc)[:200]
+    m.end = time.perf_counter()
+    return m
+
+
+def run_llamacpp(args, label: str, gguf: Path, texts: list[str], c: int) -> dict:
+    """`c` client threads, each one streaming request at a time (the client's cap)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bias = {str(t): -100.0 for t in args.eog_ids}  # EOS ignored, as in every other run
+
+    def go(url):
+        _llamacpp_one(url, texts[0], 2, bias)  # warm-up, not measured
+        with ThreadPoolExecutor(c) as pool:
+            t0 = time.perf_counter()
+            results = list(pool.map(lambda t: _llamacpp_one(url, t, args.output_len, bias), texts))
+            return results, time.perf_counter() - t0
+
+    with llamacpp_server(gguf, c, args.llamacpp_threads, args.llamacpp_ctx) as (url, cmd):
+        with client_off_device_cores():
+            results, elapsed = go(url)
+    s = bench.summarize(results, elapsed)
+    return {"label": f"{label}@{c}", "concurrency": c, "gguf": gguf.name, "server_command": " ".join(cmd[1:]), **s}
+
+
 def table(rows: list[dict]) -> str:
-    head = f"{'system':<24}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'idle':>7}"
+    head = f"{'system':<34}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'idle':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         idle = r.get("device_idle_fraction")
         lines.append(
-            f"{r['label']:<24}{r['output_throughput']:>9.1f}"
+            f"{r['label']:<34}{r['output_throughput']:>9.1f}"
             + "".join(f"{r[k]:>10.1f}" if k in r else f"{'-':>10}"
                       for k in ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms"))
             + (f"{idle:>7.1%}" if idle is not None else f"{'-':>7}")
@@ -124,6 +449,15 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="tiny")
+    parser.add_argument("--dataset", choices=["random", "real"], default=None,
+                        help="random ids (default) or real chat + code text (default for smollm2-135m)")
+    parser.add_argument("--concurrency", type=lambda v: [int(x) for x in v.split(",")], default=None,
+                        help="caps on requests in flight, e.g. 16,64 (default: all at once)")
+    parser.add_argument("--skip-llamacpp", action="store_true", help="leave out llama.cpp even when installed")
+    parser.add_argument("--llamacpp-f16", action=argparse.BooleanOptionalAction, default=True,
+                        help="also serve an F16 copy of the GGUF with llama.cpp")
+    parser.add_argument("--llamacpp-threads", type=int, default=2)
+    parser.add_argument("--llamacpp-ctx", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
@@ -142,17 +476,89 @@ def main() -> None:
     args.model_dir = resolve_model(args.model)
     args.vocab = json.loads((args.model_dir / "config.json").read_text())["vocab_size"]
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    rows = [run_stepahead(args, "stepahead_async"), run_stepahead(args, "stepahead_sync", "--no-async-scheduling")]
+    if args.dataset is None:
+        args.dataset = "real" if args.model == "smollm2-135m" else "random"
+    if args.dataset == "real":
+        args.real_texts, args.real_prompts = real_workload(args)
+    if not args.concurrency:
+        rows = [run_stepahead(args, "stepahead_async"),
+                run_stepahead(args, "stepahead_sync", "--no-async-scheduling")]
+        if not args.skip_hf:
+            prompts = workload(args)
+            rows += [run_hf_continuous(args, prompts), run_hf_static(args, prompts)]
+        by = {r["label"]: r["output_throughput"] for r in rows}
+        ratios = {f"async/{k}": by["stepahead_async"] / v for k, v in by.items() if k != "stepahead_async"}
+        print(table(rows))
+        print(json.dumps(ratios, indent=2))
+        args.out.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != "config"} for r in rows],
+                                        "ratios": ratios, "model": args.model, "num_prompts": args.num_prompts,
+                                        "input_len": args.input_len, "output_len": args.output_len}, indent=2))
+        return
+    main_concurrency(args)
+
+
+def main_concurrency(args) -> None:
+    """Every system at every `--concurrency`, one table."""
+    rows: list[dict] = []
+    notes: dict[str, str] = {}
+
+    def done(new):
+        for r in new if isinstance(new, list) else [new]:
+            rows.append(r)
+            print(table([r]).splitlines()[-1], flush=True)
+
+    done(run_stepahead(args, "stepahead_async"))
+    done(run_stepahead(args, "stepahead_sync", "--no-async-scheduling"))
+    prompts = workload(args)
     if not args.skip_hf:
-        prompts = workload(args)
-        rows += [run_hf_continuous(args, prompts), run_hf_static(args, prompts)]
-    by = {r["label"]: r["output_throughput"] for r in rows}
-    ratios = {f"async/{k}": by["stepahead_async"] / v for k, v in by.items() if k != "stepahead_async"}
+        for c in args.concurrency:
+            done(run_hf_continuous_capped(args, prompts, c))
+            done(run_hf_static_padded(args, prompts, c))
+    if args.skip_llamacpp:
+        notes["llama.cpp"] = "left out (--skip-llamacpp)"
+    elif args.model != "smollm2-135m":
+        notes["llama.cpp"] = "only with --model smollm2-135m (needs the GGUF file)"
+    elif not llamacpp_available():
+        notes["llama.cpp"] = "not measured: llama-cpp-python[server] is not importable in this environment"
+    else:
+        from stepahead.builtin_models import PACKAGED_MODELS
+
+        q = Path(PACKAGED_MODELS[args.model].path())
+        args.eog_ids = sorted({0, 2})  # <|endoftext|>, <|im_end|>: the model's end-of-generation tokens
+        texts = args.real_texts if args.dataset == "real" else None
+        if texts is None:
+            raise SystemExit("llama.cpp runs need --dataset real (they send text)")
+        ggufs = [("llamacpp_q4_1", q)]
+        if args.llamacpp_f16:
+            try:
+                ggufs.append(("llamacpp_f16", llamacpp_f16(q, args.model_dir.parent / "gguf")))
+            except Exception as exc:
+                notes["llama.cpp F16"] = f"not measured: {exc!r}"
+        for label, path in ggufs:
+            for c in args.concurrency:
+                try:
+                    done(run_llamacpp(args, label, path, texts, c))
+                except Exception as exc:
+                    notes[f"{label}@{c}"] = f"failed: {exc!r}"[:300]
+    print()
     print(table(rows))
+    for k, v in notes.items():
+        print(f"{k}: {v}")
+    by = {r["label"]: r["output_throughput"] for r in rows}
+    ratios = {}
+    for c in args.concurrency:
+        base = by.get(f"stepahead_async@{c}")
+        for k, v in by.items():
+            if k.endswith(f"@{c}") and k != f"stepahead_async@{c}" and base and v == v and v:
+                ratios[f"async/{k}"] = round(base / v, 3)
     print(json.dumps(ratios, indent=2))
-    args.out.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != "config"} for r in rows],
-                                    "ratios": ratios, "model": args.model, "num_prompts": args.num_prompts,
-                                    "input_len": args.input_len, "output_len": args.output_len}, indent=2))
+    args.out.write_text(json.dumps({
+        "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
+        "output_len": args.output_len, "concurrency": args.concurrency, "dtype": args.dtype,
+        "serve_args": args.serve_args, "ignore_eos": True, "greedy": True,
+        "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+        "rows": [{k: v for k, v in r.items() if k != "config"} for r in rows],
+        "ratios": ratios, "notes": notes}, indent=2) + "\n")
 
 
 if __name__ == "__main__":

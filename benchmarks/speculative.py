@@ -4,6 +4,8 @@
         --out benchmarks/results/spec_tiny.json
     PYTHONPATH=. .venv/bin/python benchmarks/speculative.py --model sim \
         --out benchmarks/results/spec_sim.json
+    PYTHONPATH=. .venv/bin/python benchmarks/speculative.py --model smollm2-135m \
+        --out benchmarks/results/speculative_smollm2-135m.json
 
 The real scheduler core and the real `ModelRunner` (or `--model sim`: the simulated H200
 running Llama-3-8B, whose drafts are accepted with `--sim-acceptance-rate`) in one
@@ -15,7 +17,13 @@ greedy requests, interleaved over `--rounds` (drift on a shared machine hits all
   continuation of a random S (`--doc-len` tokens): the text to reproduce is in the prompt,
   and a model that continues S the same way again reproduces it (random-weight models
   mostly do; `--model sim` accepts at its configured rate whatever the workload);
-- `random`: random prompts of `--doc-len` tokens.
+- `random`: random prompts of `--doc-len` tokens;
+- `code` and `chat` (the default workloads of `--model smollm2-135m`, a trained model):
+  real text, the Python code prefixes and the chat questions (rendered with the model's
+  chat template) of benchmarks/compare.py, `--batch` of each, stopping at the model's EOS
+  (`--ignore-eos` to run to `--max-tokens`). For this model K defaults to 0 and 4 with
+  `--prompt-lookup-max 4`: the same drafter as serving with
+  `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}'`.
 
 Reports output tokens/s (committed tokens / wall seconds; the sim: / modelled device
 seconds), steps, acceptance rate (accepted / proposed drafts) and mean accepted length
@@ -42,8 +50,8 @@ from stepahead.speculative import SpeculativeConfig
 BLOCK = 16
 
 
-def build_runner(model: str, k: int, rate: float, num_blocks: int):
-    spec = SpeculativeConfig(k, 1, 3) if k else None
+def build_runner(model: str, k: int, rate: float, num_blocks: int, lookup_max: int = 3):
+    spec = SpeculativeConfig(k, 1, lookup_max) if k else None
     if model == "sim":
         from stepahead.builtin_models import resolve_model
         from worker_service.sim.profiles import load_profile
@@ -58,7 +66,29 @@ def build_runner(model: str, k: int, rate: float, num_blocks: int):
                        max_num_seqs=64, max_num_batched_tokens=2048)
 
 
-def workload(kind: str, runner, n: int, vocab: int, doc_len: int, seed: int) -> list[list[int]]:
+def real_workload(kind: str, model: str, n: int) -> list[list[int]]:
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from stepahead.builtin_models import resolve_model
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from compare import CHAT_QUESTIONS, CODE_PROMPTS
+
+    model_dir = resolve_model(model)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    if kind == "chat":
+        texts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+                 for q in CHAT_QUESTIONS[:n]]
+    else:
+        texts = CODE_PROMPTS[:n]
+    return [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def workload(kind: str, runner, n: int, vocab: int, doc_len: int, seed: int, model: str = "") -> list[list[int]]:
+    if kind in ("code", "chat"):
+        return real_workload(kind, model, n)
     rng = random.Random(seed)
     if kind == "random":
         return [[rng.randrange(vocab) for _ in range(doc_len)] for _ in range(n)]
@@ -67,15 +97,15 @@ def workload(kind: str, runner, n: int, vocab: int, doc_len: int, seed: int) -> 
     return [s + own[f"r{i}"] + s for i, s in enumerate(seeds)]
 
 
-def run_once(runner, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
+def run_once(runner, k: int, prompts: list[list[int]], max_tokens: int, eos: tuple[int, ...] = ()) -> dict:
     config = SchedulerConfig(num_gpu_blocks=runner.num_blocks, max_model_len=runner.max_model_len, block_size=BLOCK,
                              max_num_batched_tokens=2048, max_num_seqs=64, num_speculative_tokens=k,
-                             eos_token_ids=(), enable_prefix_caching=False)
+                             eos_token_ids=eos, enable_prefix_caching=False)
     sched = Scheduler(config)
     loop = StepLoop(sched)
     for i, p in enumerate(prompts):
         sched.add_request(Request(f"r{i}", p, SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                                            ignore_eos=True)))
+                                                            ignore_eos=not eos)))
     outputs: dict[str, list[int]] = collections.defaultdict(list)
     pending = collections.deque()
     busy = 0.0
@@ -97,15 +127,17 @@ def run_once(runner, k: int, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def measure(args, kind: str) -> dict:
-    runners = {k: build_runner(args.model, k, args.sim_acceptance_rate, args.num_blocks) for k in args.ks}
+    runners = {k: build_runner(args.model, k, args.sim_acceptance_rate, args.num_blocks, args.prompt_lookup_max)
+               for k in args.ks}
     vocab = min(r.vocab_size for r in runners.values())
-    prompts = workload(kind, runners[min(runners)], args.batch, vocab, args.doc_len, seed=7)
+    prompts = workload(kind, runners[min(runners)], args.batch, vocab, args.doc_len, seed=7, model=args.model)
+    eos = () if args.ignore_eos or kind not in ("code", "chat") else args.eos
     runs = collections.defaultdict(list)
     for _ in range(args.rounds):
         for k, runner in runners.items():
             if hasattr(runner, "reset"):
                 runner.reset()
-            runs[k].append(run_once(runner, k, prompts, args.max_tokens))
+            runs[k].append(run_once(runner, k, prompts, args.max_tokens, eos))
     base = runs[0][0]["outputs"] if 0 in runs else None
     rows = {}
     for k, rs in runs.items():
@@ -124,8 +156,14 @@ def measure(args, kind: str) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="tiny", help="tiny, 100m, a checkpoint directory, or sim")
-    parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=[0, 2, 4, 8])
+    parser.add_argument("--model", default="tiny", help="tiny, 100m, smollm2-135m, a checkpoint directory, or sim")
+    parser.add_argument("--ks", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                        help="K values (default 0,2,4,8; smollm2-135m: 0,4)")
+    parser.add_argument("--prompt-lookup-max", type=int, default=None, help="default 3 (smollm2-135m: 4)")
+    parser.add_argument("--workloads", default=None,
+                        help="comma-separated: repetitive, random, code, chat (default repetitive,random; "
+                             "smollm2-135m: code,chat)")
+    parser.add_argument("--ignore-eos", action="store_true", help="real-text workloads: run to --max-tokens")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--doc-len", type=int, default=64)
@@ -135,15 +173,27 @@ def main() -> None:
     parser.add_argument("--num-threads", type=int, default=1, help="torch intra-op threads")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
+    real = args.model == "smollm2-135m"
+    args.ks = args.ks or ([0, 4] if real else [0, 2, 4, 8])
+    args.prompt_lookup_max = args.prompt_lookup_max or (4 if real else 3)
+    kinds = (args.workloads or ("code,chat" if real else "repetitive,random")).split(",")
+    args.eos = ()
+    if args.model != "sim":
+        from stepahead.builtin_models import resolve_model
+
+        eos = json.loads((resolve_model(args.model) / "config.json").read_text()).get("eos_token_id")
+        args.eos = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()
     if args.model != "sim":
         import torch
 
         torch.set_num_threads(args.num_threads)
     result = dict(model=args.model, batch=args.batch, max_tokens=args.max_tokens, doc_len=args.doc_len,
-                  rounds=args.rounds, greedy=True, async_scheduling=True)
+                  rounds=args.rounds, greedy=True, async_scheduling=True, prompt_lookup_min=1,
+                  prompt_lookup_max=args.prompt_lookup_max, num_threads=args.num_threads,
+                  stop_at_eos=bool(args.eos) and not args.ignore_eos)
     if args.model == "sim":
         result["sim_acceptance_rate"] = args.sim_acceptance_rate
-    for kind in ("repetitive", "random"):
+    for kind in kinds:
         rows = measure(args, kind)
         result[kind] = {f"K={k}": row for k, row in rows.items()}
         for k, row in rows.items():
