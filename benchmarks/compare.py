@@ -353,7 +353,9 @@ def llamacpp_f16(gguf: Path, cache: Path) -> Path:
 
 
 @contextlib.contextmanager
-def llamacpp_server(gguf: Path, n_parallel: int, threads: int, n_ctx: int):
+def llamacpp_server(gguf: Path, threads: int, n_ctx: int):
+    """llama-cpp-python's server runs one completion at a time (a lock around its one
+    context): requests beyond the first wait, which is what its numbers measure."""
     import subprocess
     import sys
     import urllib.request
@@ -364,7 +366,9 @@ def llamacpp_server(gguf: Path, n_parallel: int, threads: int, n_ctx: int):
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llamacpp_{port}.log", "w")
     cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(gguf), "--host", "127.0.0.1", "--port", str(port),
            "--n_threads", str(threads), "--n_threads_batch", str(threads), "--n_ctx", str(n_ctx),
-           "--n_batch", "512", "--verbose", "False"]
+           "--n_batch", "512", "--verbose", "False",
+           # its default cuts a streaming request short as soon as another one waits
+           "--interrupt_requests", "False"]
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         for _ in range(600):
@@ -399,8 +403,9 @@ def _llamacpp_one(url: str, text: str, max_tokens: int, bias: dict) -> bench.Req
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                if not json.loads(line[6:]).get("choices"):
-                    continue
+                choices = json.loads(line[6:]).get("choices") or [{}]
+                if choices[0].get("finish_reason") is not None and not choices[0].get("text"):
+                    continue  # the closing chunk carries no token
                 now = time.perf_counter()
                 if not m.first_token:
                     m.first_token = now
@@ -425,11 +430,13 @@ def run_llamacpp(args, label: str, gguf: Path, texts: list[str], c: int) -> dict
             results = list(pool.map(lambda t: _llamacpp_one(url, t, args.output_len, bias), texts))
             return results, time.perf_counter() - t0
 
-    with llamacpp_server(gguf, c, args.llamacpp_threads, args.llamacpp_ctx) as (url, cmd):
+    with llamacpp_server(gguf, args.llamacpp_threads, args.llamacpp_ctx) as (url, cmd):
         with client_off_device_cores():
             results, elapsed = go(url)
     s = bench.summarize(results, elapsed)
-    return {"label": f"{label}@{c}", "concurrency": c, "gguf": gguf.name, "server_command": " ".join(cmd[1:]), **s}
+    short = sum(1 for r in results if not r.error and r.output_len < args.output_len)
+    return {"label": f"{label}@{c}", "concurrency": c, "gguf": gguf.name, "server_command": " ".join(cmd[1:]),
+            "requests_short_of_output_len": short, **s}
 
 
 def table(rows: list[dict]) -> str:
