@@ -52,3 +52,17 @@ def install_stop_handlers() -> threading.Event:
 def serve_until_stopped(server: grpc.Server, stop: threading.Event, grace_s: float = 2.0) -> None:
     stop.wait()
     server.stop(grace_s).wait()
+
+
+def wait_channel_ready(channel: grpc.Channel, timeout_s: float) -> None:
+    """Block until `channel` reaches a server; grpc.FutureTimeoutError after `timeout_s`. A
+    health call with wait_for_ready (any answer, an error status included, means a server is
+    there), not `grpc.channel_ready_future`: that future's connectivity-polling thread can
+    outlive the channel its caller closes next and die of "Cannot monitor channel state:
+    Channel closed!" (seen re-attaching to a dead scheduler)."""
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s,
+                                                  wait_for_ready=True)
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise grpc.FutureTimeoutError() from None

@@ -373,7 +373,7 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
     while not stop.is_set():
         with config.scheduler_channel(config.scheduler) as channel:
             try:
-                grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
+                daemon.wait_channel_ready(channel, max(backoff, 1.0))
                 backoff = 0.05
                 attach_once(channel, runner, info, watch, log, metrics, health)
                 failures = 0

@@ -21,6 +21,7 @@ import threading
 import grpc
 from prometheus_client import REGISTRY
 
+from stepahead import daemon
 from stepahead.ports import free_port
 from worker_service.health import NoHealth, WorkerHealth
 from worker_service.daemon import WorkerConfig, _StopWatch, attach_once, build_runner, worker_info
@@ -50,7 +51,7 @@ def serve_group(config: WorkerConfig, stop: threading.Event, log, health: Worker
     while not stop.is_set():
         with config.scheduler_channel(config.scheduler) as channel:
             try:
-                grpc.channel_ready_future(channel).result(timeout=max(backoff, 1.0))
+                daemon.wait_channel_ready(channel, max(backoff, 1.0))
                 spec = join(channel, config, stop)
                 if spec is None:
                     break
