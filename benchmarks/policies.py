@@ -11,12 +11,27 @@ p99, TPOT p99; overall: max queue wait (arrival to first schedule) vs the aging 
 100 ms). Goals: at 1.5x, priority 0's p99 TTFT <= 2x its value at 0.5x; under score no
 request waits longer than the aging bound; score's goodput >= fcfs's. Score runs with
 `--score-ttft-target` = this goodput's TTFT target (2 s; `--score-ttft-target 0`: without).
+
+`--arrivals bursty` replaces the Poisson trace with the shape of the Azure LLM inference
+trace's conversation service (issue 37; no real trace ships here): bursts (Gamma inter-arrival
+times of coefficient of variation `--burst-cv`, the rate switching between busy and calm
+phases `--burst-ratio` times apart, at the same mean rate) and heavy-tailed lengths
+(`bursty_rows`; with `--prompt-len 8 7000 --output-len 1 1000`: prompts of median ~1 k and
+p99 ~4.6 k tokens, outputs of median ~150 and p99 ~1.4 k). `--capacity R` skips the capacity
+run and takes R requests/s. Every row reports preemptions per request (mean, max).
+
+    PYTHONPATH=. .venv/bin/python benchmarks/policies.py --sim-profile h200 --num-requests 5000 \
+        --arrivals bursty --prompt-len 8 7000 --output-len 1 1000 --seed 1 --capacity 22.71334
+
+replays the trace on which score livelocked at 1.5x before the progress fix
+(`tests/sim/test_overload_progress.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import tempfile
 from pathlib import Path
@@ -31,16 +46,42 @@ LOADS = (0.5, 1.0, 1.5)
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
 
 
-def write_trace(path: Path, n: int, rate: float, seed: int, prompt: tuple[int, int], output: tuple[int, int]) -> Path:
+def write_trace(path: Path, n: int, rate: float, seed: int, prompt: tuple[int, int], output: tuple[int, int],
+                arrivals: str = "poisson", burst_cv: float = 2.5, burst_ratio: float = 4.0,
+                burst_phase_s: float = 20.0) -> Path:
     rng = random.Random(seed)
-    t, rows = 0.0, []
-    for _ in range(n):
-        priority = rng.choices([c for c, _ in CLASSES], [w for _, w in CLASSES])[0]
-        rows.append({"arrival_s": t, "prompt_len": rng.randint(*prompt), "output_len": rng.randint(*output),
-                     "priority": priority})
-        t += rng.expovariate(rate) if rate != float("inf") else 0.0
+    if arrivals == "bursty":
+        rows = bursty_rows(rng, n, rate, prompt, output, burst_cv, burst_ratio, burst_phase_s)
+    else:
+        t, rows = 0.0, []
+        for _ in range(n):
+            priority = rng.choices([c for c, _ in CLASSES], [w for _, w in CLASSES])[0]
+            rows.append({"arrival_s": t, "prompt_len": rng.randint(*prompt), "output_len": rng.randint(*output),
+                         "priority": priority})
+            t += rng.expovariate(rate) if rate != float("inf") else 0.0
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
+
+
+def bursty_rows(rng: random.Random, n: int, rate: float, prompt: tuple[int, int], output: tuple[int, int],
+                cv: float, ratio: float, phase_s: float) -> list[dict]:
+    """Arrivals at mean `rate` in bursts: Gamma gaps of coefficient of variation `cv`, the rate
+    `ratio` times higher in busy phases than in calm ones (phases of exponential length, mean
+    `phase_s`, as much time busy as calm). Lengths of the conversation trace's shape:
+    log-normal prompts (median 1,020 tokens) and outputs (median 150), clipped to
+    `prompt` and to `output`'s low end, prompt + output at most `prompt[1] + output[1]`."""
+    shape, busy, calm = 1 / cv**2, 2 * ratio / (ratio + 1), 2 / (ratio + 1)
+    t, state, switch, rows = 0.0, 0, rng.expovariate(1 / phase_s), []
+    for _ in range(n):
+        if rate != float("inf"):
+            t += rng.gammavariate(shape, 1 / (shape * rate * (busy if state else calm)))
+        while t > switch:
+            state, switch = state ^ 1, switch + rng.expovariate(1 / phase_s)
+        p = min(prompt[1], max(prompt[0], int(rng.lognormvariate(math.log(1020), 0.65))))
+        o = min(prompt[1] + output[1] - p, max(output[0], int(rng.lognormvariate(math.log(150), 0.95))))
+        priority = rng.choices([c for c, _ in CLASSES], [w for _, w in CLASSES])[0]
+        rows.append({"arrival_s": t, "prompt_len": p, "output_len": o, "priority": priority})
+    return rows
 
 
 def steady_rate(requests: list[dict]) -> float:
@@ -73,6 +114,8 @@ def quality(result: dict, max_wait: float) -> dict:
     return {
         "goodput": good / len(reqs), "max_queue_wait_s": max(waits), "aging_bound_s": max_wait,
         "num_preemptions": result["num_preemptions"], "output_throughput": result["output_throughput"],
+        "preemptions_per_request": result["num_preemptions"] / len(reqs),
+        "max_preemptions_per_request": result["max_preemptions_per_request"],
         "classes": {p: {k: v[k] for k in ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "num_requests")}
                     for p, v in result["by_priority"].items()},
     }
@@ -80,13 +123,14 @@ def quality(result: dict, max_wait: float) -> dict:
 
 def table(rows: list[dict]) -> str:
     lines = ["| load | policy | p0 TTFT p50/p99 ms | p1 TTFT p50/p99 ms | p2 TTFT p50/p99 ms | TPOT p99 ms (p0/p1/p2) "
-             "| max wait s (bound) | preemptions | goodput |", "|" + "---|" * 9]
+             "| max wait s (bound) | preemptions (per request, max) | goodput |", "|" + "---|" * 9]
     for r in rows:
         c = r["classes"]
         ttft = " | ".join(f"{c[p]['median_ttft_ms']:.0f} / {c[p]['p99_ttft_ms']:.0f}" for p in ("0", "1", "2"))
         tpot = " / ".join(f"{c[p]['p99_tpot_ms']:.0f}" for p in ("0", "1", "2"))
         lines.append(f"| {r['load']}x | {r['policy']} | {ttft} | {tpot} | {r['max_queue_wait_s']:.1f} "
-                     f"({r['aging_bound_s']:.0f}) | {r['num_preemptions']} | {r['goodput']:.1%} |")
+                     f"({r['aging_bound_s']:.0f}) | {r['num_preemptions']} ({r['preemptions_per_request']:.2f}, "
+                     f"{r['max_preemptions_per_request']}) | {r['goodput']:.1%} |")
     return "\n".join(lines)
 
 
@@ -141,6 +185,12 @@ def main() -> None:
     parser.add_argument("--score-ttft-target", type=float, default=TTFT_SLO_S,
                         help="the score policy's TTFT target, seconds (0: off)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson",
+                        help="bursty: the conversation trace's shape (bursts, heavy-tailed lengths)")
+    parser.add_argument("--capacity", type=float, default=None, help="requests/s; default: measured")
+    parser.add_argument("--burst-cv", type=float, default=2.5, help="bursty: CV of the inter-arrival times")
+    parser.add_argument("--burst-ratio", type=float, default=4.0, help="bursty: busy / calm rate")
+    parser.add_argument("--burst-phase-s", type=float, default=20.0, help="bursty: mean phase length, seconds")
     parser.add_argument("--extra", nargs="*", default=[], help="more scheduler flags for every run")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/policies.json"))
     args = parser.parse_args()
@@ -149,16 +199,21 @@ def main() -> None:
         run_all(args, Path(tmp))
 
 
+def trace_for(args, path: Path, rate: float) -> Path:
+    return write_trace(path, args.num_requests, rate, args.seed, args.prompt_len, args.output_len, args.arrivals,
+                       args.burst_cv, args.burst_ratio, args.burst_phase_s)
+
+
 def run_all(args, work: Path) -> None:
-    burst = write_trace(work / "burst.jsonl", args.num_requests, float("inf"), args.seed, args.prompt_len, args.output_len)
-    saturated = run_sim(args, burst, "fcfs")
-    capacity = steady_rate(saturated["requests"])
-    print(f"capacity: {capacity:.2f} requests/s (steady state of a burst of {args.num_requests}, fcfs) "
-          f"on {args.sim_profile} with {args.model}", flush=True)
+    capacity = args.capacity
+    if capacity is None:
+        saturated = run_sim(args, trace_for(args, work / "burst.jsonl", float("inf")), "fcfs")
+        capacity = steady_rate(saturated["requests"])
+        print(f"capacity: {capacity:.2f} requests/s (steady state of a burst of {args.num_requests}, fcfs) "
+              f"on {args.sim_profile} with {args.model}", flush=True)
     rows = []
     for load in LOADS:
-        trace = write_trace(work / f"load{load}.jsonl", args.num_requests, load * capacity, args.seed,
-                            args.prompt_len, args.output_len)
+        trace = trace_for(args, work / f"load{load}.jsonl", load * capacity)
         for policy in POLICIES:
             rows.append({"load": load, "policy": policy, **quality(run_sim(args, trace, policy), args.max_wait_time)})
             print(table(rows[-1:]).splitlines()[-1], flush=True)

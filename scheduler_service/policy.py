@@ -97,8 +97,13 @@ class ScorePolicy(QueuePolicy):
     the order is static: `w_p * priority + w_l * remaining + w_w * arrival`. A request that
     has been in the waiting queue longer than `max_wait_time` (since it arrived or was last
     preempted) has aged: it goes ahead of every request that has not, aged requests go in
-    queueing order, and an aged request may preempt any running request. So nobody
-    starves: a preempted request ages again after `max_wait_time` and takes its turn.
+    queueing order, and an aged request may preempt any running request but one that was
+    itself admitted aged (its aged turn: the running key records it). So nobody starves: a
+    preempted request ages again after `max_wait_time` and takes its turn, and keeps it.
+    (When aged requests could preempt one another, deep overload, where nearly every
+    waiting request has aged, livelocked: each aged admission threw out a request still in
+    its re-prefill, which aged again and did the same, and no request ever got its next
+    token: `tests/sim/test_overload_progress.py`.)
     """
 
     has_aging = True
@@ -120,13 +125,14 @@ class ScorePolicy(QueuePolicy):
         return self.w_priority * request.priority + self.w_length * remaining + self.w_wait * request.arrival_time
 
     def static_key(self, request: Request) -> tuple:
-        return self.running_key(request, 0.0)
+        return (1, self.score(request), request.arrival_time)
 
     def is_aged(self, request: Request, now: float) -> bool:
         return now - request.queued_time > self.max_wait
 
     def running_key(self, request: Request, now: float) -> tuple:
-        return (1, self.score(request), request.arrival_time)
+        """The static key, then whether it is admitted on its aged turn (`_had_aged_turn`)."""
+        return (*self.static_key(request), self.is_aged(request, now))
 
     def urgent_key(self, request: Request) -> tuple:
         return (1, self.w_priority * request.priority + self.w_wait * request.arrival_time, request.arrival_time)
@@ -136,13 +142,16 @@ class ScorePolicy(QueuePolicy):
             return (0, request.queued_time, request.arrival_time)
         if self.is_urgent(request, now):
             return self.urgent_key(request)
-        return self.running_key(request, now)
+        return self.static_key(request)
 
     def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
-        """An aged request preempts anything. Otherwise a strictly better priority preempts
-        worse running work, but each victim only once: a request preempted before can then
-        only lose its place to an aged request, so it finishes (no starvation by preemption)."""
-        return self.is_aged(candidate, now) or _outranks(candidate.priority, victim)
+        """An aged request preempts anything but a request on its own aged turn. Otherwise a
+        strictly better priority preempts worse running work, but each victim only once: a
+        request preempted before can then only lose its place to an aged request, and not
+        once it runs on its aged turn, so it finishes (no starvation by preemption, and no
+        preempt / readmit cycle among aged requests)."""
+        return ((self.is_aged(candidate, now) and not _had_aged_turn(victim))
+                or _outranks(candidate.priority, victim))
 
     def pick_victim(self, candidate: Request, worst_first: Iterable[Request], now: float) -> Request | None:
         """Among the running requests the candidate may preempt (not only the worst one: a
@@ -151,12 +160,19 @@ class ScorePolicy(QueuePolicy):
         (its TTFT is met: preemption stalls its stream for a while, spread over its TPOT),
         else the worst-scored one (one still before its first token pays the wait in TTFT)."""
         aged, priority = self.is_aged(candidate, now), candidate.priority
-        eligible = [v for v in worst_first if aged or _outranks(priority, v)]  # may_preempt, inlined: hot
+        # may_preempt, inlined (hot): run_key[-1] is `_had_aged_turn`
+        eligible = [v for v in worst_first if (aged and not v.run_key[-1]) or _outranks(priority, v)]
         if not eligible:
             return None
         worst = max(v.priority for v in eligible)
         eligible = [v for v in eligible if v.priority == worst]
         return next((v for v in eligible if v.num_output_tokens), eligible[0])
+
+
+def _had_aged_turn(victim: Request) -> bool:
+    """Was the running (or swapped) `victim` admitted on its aged turn? Then no aged request
+    preempts it: aged requests take their turns in queueing order and keep them."""
+    return victim.run_key[-1]
 
 
 def _outranks(priority: int, victim: Request) -> bool:

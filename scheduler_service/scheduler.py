@@ -7,6 +7,13 @@ token budget and one sequence budget. Async: up to `max_concurrent_batches` plan
 in-flight samples counted as placeholders, results committed in plan order (`commit.py`);
 results for requests preempted / finished / aborted since are stale. Per-request token rules
 (tokens per step, when a token ends a request): `token_rules.py`.
+
+Progress: a waiting request preempts running work only for what preemption frees for good
+(a sequence slot, KV blocks), never for this step's token budget (that hands one step's
+tokens from a running request to a new one and throws the victim's work away). And the core
+watches its progress: once more committed steps in a row than any run without lost work
+needs (`stall_limit`) gave no request a token nor ended one, `stall()` says why (the
+simulator stops with it).
 """
 
 from __future__ import annotations
@@ -74,6 +81,9 @@ class Scheduler:
         self._pending_finished: list[str] = []
         self._pending_preempted: list[str] = []
         self._counts = Counter(counters or {})  # carried over from an earlier core: totals survive re-attach
+        self._stall_limit = stall_limit(config)
+        self._steps_without_token = 0  # committed steps in a row that gave no request a token or an end
+        self._preemptions_at_progress = self._counts["num_preemptions"]
 
     def counters(self) -> Counter:
         """A copy of the monotonic counters (steps, finishes, preemptions, prefix tokens)."""
@@ -265,8 +275,8 @@ class Scheduler:
             outcome = self._try_admit(req, b, now)
             if outcome is _Admission.OK:
                 continue
-            if outcome is _Admission.WAIT_FENCE:
-                return
+            if outcome is _Admission.WAIT_FENCE or outcome is _Admission.NO_BUDGET:
+                return  # preempting would free nothing that lasts past this step
             victim = self._policy_victim(req, b, now)
             if victim is None:
                 return
@@ -361,6 +371,7 @@ class Scheduler:
             self._pending_finished.append(req.request_id)
             req.in_worker = False
         del self._requests[req.request_id]
+        self._progressed()
         self._counts["num_finished"] += 1
         self._counts["num_aborted"] += reason is FinishReason.ABORT
 
@@ -379,7 +390,34 @@ class Scheduler:
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)
         count_result(self._counts, result)
-        return self._committer.commit(record, result, ordered)
+        events = self._committer.commit(record, result, ordered)
+        if len(events):
+            self._progressed()
+        else:
+            self._steps_without_token += 1
+        return events
+
+    # ---- progress ------------------------------------------------------------------------------
+    def _progressed(self) -> None:
+        self._steps_without_token = 0
+        self._preemptions_at_progress = self._counts["num_preemptions"]
+
+    def stall(self) -> str | None:
+        """Why no request has got a token (or ended) in the last committed steps, once they
+        are more than `stall_limit` allows; None while the core makes progress. A core that
+        only throws work away (a preempt / readmit cycle) reports here instead of spinning."""
+        if self._steps_without_token <= self._stall_limit or not self._requests:
+            return None
+        now = self._clock()
+        most = max(self._requests.values(), key=lambda r: r.num_preemptions)
+        aged = sum(self._policy.is_aged(r, now) for r in self._waiting.requests())
+        kv = self._kv.device
+        return (f"no request got a token in the last {self._steps_without_token} committed steps (at most "
+                f"{self._stall_limit} without lost work); "
+                f"{self._counts['num_preemptions'] - self._preemptions_at_progress} preemptions meanwhile, "
+                f"{most.request_id!r} preempted {most.num_preemptions} times in all; {len(self._running)} running, "
+                f"{len(self._waiting)} waiting ({aged} aged), {len(self._swapped)} swapped; {kv.num_free} free "
+                f"and {kv.num_fenced} fenced device blocks; {len(self._in_flight)} plans in flight")
 
     # ---- introspection -------------------------------------------------------------------------
     def get_request(self, request_id: str) -> Request | None:
@@ -400,3 +438,11 @@ class Scheduler:
         check_core(self.config, self._requests, self._running, self._swapped, self._waiting, self._kv,
                    [p.step_id for p in self._in_flight], self._next_step_id)
 
+
+def stall_limit(config: SchedulerConfig) -> int:
+    """Committed steps without a token that a core making progress never exceeds: prefilling
+    `max_num_seqs` requests of `max_model_len` tokens one after another, a chunk a step, and
+    the plans in flight (without preemption every step computes a full chunk of someone's
+    prefill, or some request samples)."""
+    chunk = min(config.max_num_batched_tokens, config.long_prefill_token_threshold or config.max_num_batched_tokens)
+    return config.max_num_seqs * cdiv(config.max_model_len, chunk) + config.max_in_flight

@@ -15,6 +15,10 @@ arrival, a plan can start on the device `plan` after it was made, a result is co
 `result` after its step ended, and a token reaches its client `egress` after its commit. Output: the same metric keys as `stepahead bench` (vLLM's), plus
 `device_utilization`, per priority class summaries and every request's timeline; comparing
 it with a real-time run of the sim-worker system shows what the control plane costs.
+
+Every run ends: when the scheduler can plan nothing while requests remain, or when its
+committed steps stop giving any request a token (`Scheduler.stall`: a preempt / readmit
+cycle), the run stops with `SimulationStalled` naming the reason, instead of spinning.
 """
 
 from __future__ import annotations
@@ -29,6 +33,10 @@ from pathlib import Path
 from stepahead import config as cfg
 
 
+class SimulationStalled(RuntimeError):
+    """The simulated scheduler stopped making progress; the message says why."""
+
+
 @dataclass
 class SimRequestLog:
     index: int
@@ -40,6 +48,7 @@ class SimRequestLog:
     first_scheduled: float | None = None
     finish: float | None = None
     finish_reason: str = ""
+    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -139,10 +148,14 @@ class VirtualSystem:
             if not times:
                 if not self.scheduler.has_unfinished_requests():
                     return  # the last arrivals were rejected
-                raise RuntimeError(f"simulation stuck at t={self.now}: {self.scheduler.stats()}")
+                raise SimulationStalled(f"simulation stuck at t={self.now}: nothing to plan, "
+                                        f"{self.scheduler.stats()}")
             self.now = max(self.now, min(times))
             if self.in_flight and self.in_flight[0][3] <= self.now:
                 self._commit()
+                stall = self.scheduler.stall()
+                if stall is not None:
+                    raise SimulationStalled(f"simulation livelocked at t={self.now:.3f} s: {stall}")
 
     def _pump(self) -> None:
         from scheduler_service.window import is_late
@@ -194,6 +207,8 @@ def simulate(config: SimulateConfig, sched_flags) -> dict:
         arrivals.append((r.arrival_s, Request(f"req-{i}", prompt, sampling, priority=r.priority), log))
     system = VirtualSystem(runner, sched_config, ControlPlane.of(config))
     system.run(arrivals)
+    for _, request, log in arrivals:
+        log.num_preemptions = request.num_preemptions
     logs = [log for _, _, log in arrivals]
     return summarize(logs, system, info, config)
 
@@ -213,6 +228,7 @@ def summarize(logs: list[SimRequestLog], system: VirtualSystem, info, config: Si
         **request_latencies(logs),
         "device_utilization": system.busy / duration, "device_busy_s": system.busy, "num_steps": system.num_steps,
         "num_preemptions": system.scheduler.stats().num_preemptions,
+        "max_preemptions_per_request": max((log.num_preemptions for log in logs), default=0),
         "by_priority": {str(p): request_latencies([log for log in logs if log.priority == p])
                         for p in sorted({log.priority for log in logs})},
         "config": dataclasses.asdict(config),
