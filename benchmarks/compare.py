@@ -513,6 +513,8 @@ def main_concurrency(args) -> None:
         for r in new if isinstance(new, list) else [new]:
             rows.append(r)
             print(table([r]).splitlines()[-1], flush=True)
+        partial = {"partial": True, "rows": [{k: v for k, v in r.items() if k != "config"} for r in rows]}
+        args.out.write_text(json.dumps(partial, indent=2) + "\n")  # a cut run keeps what it measured
 
     done(run_stepahead(args, "stepahead_async"))
     done(run_stepahead(args, "stepahead_sync", "--no-async-scheduling"))
