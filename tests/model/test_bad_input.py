@@ -42,7 +42,7 @@ def edit_config(path, **changes):
 
 def test_unknown_model_type(copy):
     edit_config(copy, model_type="gpt_neox")
-    with pytest.raises(ValueError, match="unknown model_type 'gpt_neox'"):
+    with pytest.raises(ValueError, match="model_type 'gpt_neox' is not supported"):
         ModelRunner(copy, num_blocks=4)
 
 
