@@ -35,6 +35,8 @@ from stepahead import codec, daemon, logs, security
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
+from stepahead import undecodable
+from stepahead.undecodable import Undecodable
 from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.logs import RateLimitedLog
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
@@ -358,36 +360,18 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-class _Undecodable:
-    """What a guarded deserializer returns for bytes that are not the method's message."""
-
-    __slots__ = ("error",)
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
-def _lenient(deserializer):
-    def deserialize(raw: bytes):
-        try:
-            return deserializer(raw)
-        except Exception as exc:  # protobuf's DecodeError, or anything a generated parser raises
-            return _Undecodable(exc)
-    return deserialize
-
-
 class UndecodableGuard(grpc.aio.ServerInterceptor):
     """Bytes that do not decode as a method's request message are answered INVALID_ARGUMENT
     by the gateway, counted (`on_undecodable(method)`) and logged at most once per interval:
     left to grpc, each one logs an error with a traceback, a log any client can flood.
 
-    The request deserializer is wrapped to hand back an `_Undecodable` instead of raising;
+    The request deserializer is wrapped to hand back an `Undecodable` instead of raising;
     the method's behaviour is wrapped (keeping its kind: coroutine or async generator, a
     request or a request stream) to abort on one before the servicer sees it."""
 
     def __init__(self, log, on_undecodable: Callable[[str], None] = lambda method: None,
                  interval_s: float = 10.0) -> None:
-        self._limited = RateLimitedLog(log, "grpc_message_undecodable", interval_s)
+        self._limited = RateLimitedLog(log, undecodable.EVENT, interval_s)
         self._on_undecodable = on_undecodable
 
     async def intercept_service(self, continuation, handler_call_details):
@@ -396,21 +380,19 @@ class UndecodableGuard(grpc.aio.ServerInterceptor):
             return handler
         return self._guarded(handler, handler_call_details.method)
 
-    async def _refuse(self, method: str, request: _Undecodable, context) -> None:
+    async def _refuse(self, method: str, request: Undecodable, context) -> None:
         self._on_undecodable(method)
         self._limited.note(peer=context.peer(), method=method, error=type(request.error).__name__)
-        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the request message does not decode")
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, undecodable.DETAILS)
 
     def _guarded(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
-        streaming_in, streaming_out = handler.request_streaming, handler.response_streaming
-        behavior = {(False, False): handler.unary_unary, (False, True): handler.unary_stream,
-                    (True, False): handler.stream_unary, (True, True): handler.stream_stream}[
-            (streaming_in, streaming_out)]
+        streaming_in = handler.request_streaming
+        behavior = undecodable.behaviour(handler)
         refuse = self._refuse
 
         async def checked(requests, context):
             async for request in requests:
-                if isinstance(request, _Undecodable):
+                if isinstance(request, Undecodable):
                     await refuse(method, request, context)
                 yield request
 
@@ -424,23 +406,18 @@ class UndecodableGuard(grpc.aio.ServerInterceptor):
                     return await behavior(checked(requests, context), context)
         elif inspect.isasyncgenfunction(behavior):
             async def guarded(request, context):
-                if isinstance(request, _Undecodable):
+                if isinstance(request, Undecodable):
                     await refuse(method, request, context)
                 async for response in behavior(request, context):
                     yield response
         else:
             async def guarded(request, context):
-                if isinstance(request, _Undecodable):
+                if isinstance(request, Undecodable):
                     await refuse(method, request, context)
                 result = behavior(request, context)  # a servicer method may be sync
                 return await result if inspect.isawaitable(result) else result
 
-        make = {(False, False): grpc.unary_unary_rpc_method_handler,
-                (False, True): grpc.unary_stream_rpc_method_handler,
-                (True, False): grpc.stream_unary_rpc_method_handler,
-                (True, True): grpc.stream_stream_rpc_method_handler}[(streaming_in, streaming_out)]
-        return make(guarded, request_deserializer=_lenient(handler.request_deserializer),
-                    response_serializer=handler.response_serializer)
+        return undecodable.rebuilt(handler, guarded)
 
 
 def build_server(config: GatewayConfig, frontend: Frontend, log, max_connections: int) -> GrpcThread:

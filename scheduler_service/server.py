@@ -36,6 +36,7 @@ from scheduler_service.request import Request
 from scheduler_service.scheduler import RequestRejected
 from stepahead.speculative import num_speculative_tokens
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
+from stepahead.undecodable import UndecodableGuard
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo
@@ -322,6 +323,7 @@ def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None, free
     refusals = security.Refusals(log, lambda method: metrics.internal_auth_refused.labels("scheduler", method).inc(),
                                  "internal_call_refused")
     interceptors = [security.cluster_interceptor(config.cluster_token, refusals)] if config.cluster_token else []
+    interceptors.append(UndecodableGuard(log))  # innermost: a refused credential never reads a message
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), interceptors=interceptors)
     health = daemon.Health(server, [SERVICE_NAME], reflect=config.enable_reflection)
     options = replace(config.engine_options(), freeze_heap_on_attach=freeze_heap)

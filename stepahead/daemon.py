@@ -16,12 +16,23 @@ HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 ATTACH_ACCEPTED = ("stepahead-attach", "accepted")
 
 
+class _HealthServicer(health.HealthServicer):
+    """grpcio-health's servicer with `List`, which it leaves to raise NotImplementedError (an
+    error line with a traceback per call, on a service that needs no credential)."""
+
+    def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        with self._lock:
+            statuses = dict(self._server_status)
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()})
+
+
 class Health:
     """gRPC health for the overall server ("") and each named service; server reflection of
     them too when `reflect` (public services; internal ones only when asked for)."""
 
     def __init__(self, server: grpc.Server, services: Iterable[str], reflect: bool = True) -> None:
-        self.servicer = health.HealthServicer()
+        self.servicer = _HealthServicer()
         self.services = ("", *services)
         health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
         if reflect:

@@ -412,7 +412,8 @@ def run(args: argparse.Namespace) -> int:
     from worker_service.parallel.geometry import GeometryError
 
     try:  # up before the model loads: a probe sees NOT_SERVING, not a refused connection
-        health = WorkerHealth(config.health_host, config.health_port) if config.health_port is not None else NoHealth()
+        health = WorkerHealth(config.health_host, config.health_port, log) if config.health_port is not None \
+            else NoHealth()
     except RuntimeError as exc:  # grpc cannot bind the port
         log.error("bad_configuration", error=f"--health-port {config.health_port}: {exc}")
         return 2

@@ -17,13 +17,15 @@ from concurrent import futures
 import grpc
 
 from stepahead import daemon
+from stepahead.undecodable import UndecodableGuard
 
 
 class WorkerHealth:
-    def __init__(self, host: str, port: int) -> None:
+    def __init__(self, host: str, port: int, log) -> None:
         self._lock = threading.Lock()
         self._stopping = False
-        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+        # nothing guards this port (health needs no credential): garbage is refused quietly
+        self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[UndecodableGuard(log)])
         self._health = daemon.Health(self._server, [], reflect=False)  # NOT_SERVING
         self.port = self._server.add_insecure_port(f"{host}:{port}")
         self._server.start()

@@ -124,8 +124,9 @@ class ServeProcess:
             stdout=subprocess.PIPE, stderr=subprocess.PIPE if capture_stderr else None, text=True, env=env,
         )
         self.stderr_lines: list[str] = []  # every daemon's log lines, with capture_stderr
-        if capture_stderr:
-            threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True) if capture_stderr else None
+        if self._stderr_reader is not None:
+            self._stderr_reader.start()
         self.gateway_addr, self.scheduler_addr, self.http_url = self._wait_ready(startup_timeout_s)
         self._channels = [grpc.insecure_channel(self.gateway_addr), self.scheduler_channel()]
         self.gateway = generation_pb2_grpc.GenerationStub(self._channels[0])
@@ -181,11 +182,14 @@ class ServeProcess:
         return sorted(pids)
 
     def close(self) -> None:
+        """Stop every daemon; with capture_stderr, `stderr_lines` then holds their last lines too."""
         for ch in getattr(self, "_channels", []):
             ch.close()
         if self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=30)
+        if self._stderr_reader is not None:
+            self._stderr_reader.join(30)  # the pipe ends once serve and its daemons have exited
 
     def __enter__(self) -> ServeProcess:
         return self

@@ -95,3 +95,32 @@ def test_refused_internal_calls_are_counted_and_logged_rate_limited(scheduler):
     assert first["peer"].startswith(("ipv4:127.0.0.1:", "ipv6:[::1]:")), first
     assert sum(e["not_logged_since_last"] + 1 for e in refused) <= CALLS + 1
     assert not [e for e in lines if e.get("level") in ("error", "critical") or "Traceback" in json.dumps(e)]
+
+
+def test_garbage_to_the_unauthenticated_health_service_is_refused_quietly(scheduler):
+    """Health needs no credential, so anyone reaching the port can send it bytes: each one is
+    INVALID_ARGUMENT, List answers, and the log gets one rate-limited line, no traceback.
+    Garbage to a guarded method without the token is still refused for the token first."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    address, _, log_path, proc = scheduler
+    _wait_listening(address, proc)
+    with grpc.insecure_channel(address) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        codes = []
+        for i in range(100):
+            with pytest.raises(grpc.RpcError) as info:
+                check(b"\xff\xff\xff garbage %d" % i, timeout=10)
+            codes.append(info.value.code())
+        assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 100
+        listed = health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=10)
+        assert "" in listed.statuses
+        with pytest.raises(grpc.RpcError) as info:
+            channel.unary_unary("/stepahead.v1.Scheduler/GetStats")(b"\xff\xff garbage", timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    proc.terminate()
+    proc.wait(timeout=30)
+    lines = [line for line in log_path.read_text().splitlines() if line.strip()]
+    problems = [line for line in lines if json.loads(line)["level"] not in ("debug", "info")]
+    assert [json.loads(line)["event"] for line in problems] == ["grpc_message_undecodable", "internal_call_refused"]
+    assert not any("Traceback" in line for line in lines), lines
