@@ -56,7 +56,9 @@ class ServeConfig:
     scheduler_port: int = cfg.field(0, "scheduler port (0 picks a free one)")
     data_parallel_size: int = cfg.field(1, "workers to start: each attaches as a replica with its own KV pool")
     startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
-    pin_cpus: bool = cfg.field(True, "CPU device: worker on all cores but the last, the rest on the last")
+    pin_cpus: bool | None = cfg.field(
+        None, "CPU device: worker on all cores but the last, the rest on the last (default: auto, see "
+        "cpu_layout: pinned unless the model is big for the machine)")
     api_key: str | None = cfg.field(None, "API keys the gateway requires (comma list; env recommended)")
     max_restarts: int = cfg.field(10, "restarts of a crashed daemon before serve gives up")
     log_level: str = cfg.field("info", "log level of every daemon")
@@ -110,6 +112,23 @@ class Child:
 
     def exited(self) -> bool:
         return self.proc is not None and self.proc.poll() is not None
+
+
+# `--pin-cpus` auto: a model this large, on fewer cores than this, runs unpinned on every core.
+# Pinning gives the control plane a core of its own, so planning and streaming never stall the
+# forward pass's threads; it costs the forward pass 1/cores of the machine, which a small model
+# does not miss and a large one on a few cores does (benchmarks/compare.py, docs/benchmarks.md).
+BIG_MODEL_PARAMS = 20_000_000
+FEW_CORES = 4
+
+
+def cpu_layout(pin_cpus: bool | None, num_params: int, cores: int) -> bool:
+    """Whether `serve` pins the worker apart from the control plane on a CPU device: the flag
+    when given, else auto (pinned unless a model of BIG_MODEL_PARAMS or more runs on fewer than
+    FEW_CORES cores)."""
+    if pin_cpus is not None:
+        return pin_cpus
+    return not (num_params >= BIG_MODEL_PARAMS and cores < FEW_CORES)
 
 
 def cpu_split(device: str) -> tuple[set[int] | None, set[int] | None]:
@@ -215,19 +234,21 @@ def run(args: argparse.Namespace) -> int:
     gateway_cfg = cfg.from_args(GatewayConfig, args)
     sched_cfg = cfg.from_args(SchedulerDaemonConfig, args)
     worker_cfg = cfg.from_args(WorkerConfig, args)
-    worker_cpus, control_cpus = cpu_split(worker_cfg.device) if config.pin_cpus else (None, None)
-    if worker_cfg.device == "cpu" and worker_cfg.num_threads is None:
-        # The CPU is the device here: leave a core to the scheduler and the gateway so that
-        # planning and streaming overlap with the forward pass instead of preempting it.
-        # Each replica gets its share.
-        share = max(1, ((os.cpu_count() or 2) - 1) // max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1))
-        worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
     check_ports(config)
     if worker_cfg.served_model_name is None:  # vLLM's rule: the --model argument, as given
         worker_cfg = dataclasses.replace(worker_cfg, served_model_name=config.model)
     model_dir = str(prepare_model(config.model, worker_cfg.tokenizer))
-    if worker_cfg.device != "sim":
-        check_checkpoint(model_dir, worker_cfg)
+    num_params = check_checkpoint(model_dir, worker_cfg).num_parameters() if worker_cfg.device != "sim" else 0
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    pin = cpu_layout(config.pin_cpus, num_params, cores)
+    worker_cpus, control_cpus = cpu_split(worker_cfg.device) if pin else (None, None)
+    if worker_cfg.device == "cpu" and worker_cfg.num_threads is None:
+        # The CPU is the device: pinned, the worker's threads own every core but the one the
+        # scheduler and the gateway plan and stream on; unpinned, they take every core.
+        # Each replica gets its share.
+        replicas = max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1)
+        share = max(1, (cores - 1 if worker_cpus else cores) // replicas)
+        worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
     named = {config.port, config.http_port, config.scheduler_port}  # the flags' ports: not to be picked again
     port = config.port or free_port(config.host, exclude=named)
     sched_port, *health_ports = free_ports(1 + config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1),
@@ -307,10 +328,11 @@ def check_ports(config: ServeConfig) -> None:
                                       f"stop what holds it or pick another {flag}") from None
 
 
-def check_checkpoint(model_dir: str, worker_cfg) -> None:
+def check_checkpoint(model_dir: str, worker_cfg):
     """What the worker and the gateway would refuse, refused here before either starts: the
-    checkpoint's config (`ModelConfig.from_dir`), its weights against the host's memory on a
-    CPU device (the worker checks a CUDA device itself), and the tokenizer the gateway loads."""
+    checkpoint's config (`ModelConfig.from_dir`, returned), its weights against the host's
+    memory on a CPU device (the worker checks a CUDA device itself), and the tokenizer the
+    gateway loads."""
     from pathlib import Path
 
     from worker_service.model_config import CheckpointError, ModelConfig, check_fits, host_memory_bytes
@@ -322,6 +344,7 @@ def check_checkpoint(model_dir: str, worker_cfg) -> None:
     tokenizer = Path(model_dir) / "tokenizer.json"
     if not tokenizer.is_file():
         raise CheckpointError(f"{tokenizer}: no such file (the gateway's tokenizer)")
+    return model_cfg
 
 
 def _startup_failed(children: list[Child], address: str, timeout_s: float) -> int:
