@@ -24,6 +24,7 @@ from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.fixtures_models import smollm2_model_dir  # noqa: F401
 from tests.model.oracle import TIE_GAP
+from tests.service.test_e2e import collect
 
 MAX_TOKENS = 24
 CHATS = [
@@ -76,15 +77,6 @@ def assert_same_tokens(ours: list[int], want: list[int], gaps: list[float], what
             assert gaps[k] < TIE_GAP, f"{what}: token {k} is {a}, HF says {b} (top-2 gap {gaps[k]:.3g})\n{ours}\n{want}"
             return
     assert len(ours) == len(want), f"{what}: {len(ours)} tokens, HF {len(want)}\n{ours}\n{want}"
-
-
-def stream(stub, request: generation_pb2.GenerateRequest) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
-    ids, text, last = [], "", None
-    for msg in stub.Generate(request, timeout=300):
-        ids += msg.token_ids
-        text += msg.text
-        last = msg
-    return ids, text, last
 
 
 def greedy_request(*, text: str | None = None, messages=None, request_id: str = "") -> generation_pb2.GenerateRequest:
@@ -145,7 +137,7 @@ def test_the_first_answer_is_a_real_sentence(real, oracle):
 @pytest.mark.parametrize("i", range(len(CHATS)))
 def test_chat_over_grpc_equals_hf(real, oracle, i):
     tokenizer, _ = oracle
-    check_stream(oracle, chat_ids(tokenizer, CHATS[i]), stream(real.gateway, greedy_request(messages=CHATS[i])),
+    check_stream(oracle, chat_ids(tokenizer, CHATS[i]), collect(real.gateway, greedy_request(messages=CHATS[i])),
                  f"chat {i}")
 
 
@@ -153,7 +145,7 @@ def test_chat_over_grpc_equals_hf(real, oracle, i):
 def test_completion_over_grpc_equals_hf(real, oracle, i):
     tokenizer, _ = oracle
     prompt = tokenizer.encode(COMPLETIONS[i])
-    check_stream(oracle, prompt, stream(real.gateway, greedy_request(text=COMPLETIONS[i])), f"completion {i}")
+    check_stream(oracle, prompt, collect(real.gateway, greedy_request(text=COMPLETIONS[i])), f"completion {i}")
 
 
 def test_a_prefix_cache_hit_gives_the_same_answer(real, oracle):
@@ -174,7 +166,7 @@ def test_sync_scheduling_with_preemption_equals_hf(real_sync_preempting, oracle)
     tokenizer, _ = oracle
     prompts = [*CHATS, [{"role": "user", "content": "Tell me a fact about the number 7."}]]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        received = list(pool.map(lambda m: stream(serve.gateway, greedy_request(messages=m)), prompts))
+        received = list(pool.map(lambda m: collect(serve.gateway, greedy_request(messages=m)), prompts))
     for i, (messages, got) in enumerate(zip(prompts, received)):
         check_stream(oracle, chat_ids(tokenizer, messages), got, f"sync chat {i}")
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
