@@ -39,6 +39,7 @@ from scheduler_service.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.stats import SchedulerStats, sum_stats
+from stepahead.logs import RateLimitedLog
 from stepahead import jitter
 from stepahead.flight_recorder import StepRecord
 from stepahead.heap import freeze_heap
@@ -72,6 +73,7 @@ class Engine:
         self.crashed = False
         self._make_config = make_config
         self._log = log
+        self._stalls = RateLimitedLog(log, "scheduler_stalled")  # a core whose steps give nobody a token
         self._on_ready_change = on_ready_change
         self._inbox = Inbox()
         self._replicas: dict[WorkerHandle, Replica] = {}
@@ -297,6 +299,9 @@ class Engine:
             return
         self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
+        stalled = replica.scheduler.stall()
+        if stalled is not None:
+            self._stalls.note(replica=replica.name, reason=stalled)
 
     def _dispatch(self, events: list[RequestEvent | Rejected], plain: PlainTokens | None = None) -> None:
         """Hand events to their sinks: one list per sink, so a gateway session gets one message
