@@ -11,6 +11,8 @@ Per seed, two systems under contention, asynchronous scheduling, one with n-gram
   without speculation;
 - drain: SIGTERM mid-stream; every open stream still gets exactly the reference's ids and
   text, and `serve` exits 0;
+- failover (once, seed 0): the only worker SIGKILLed while every long stream is open, each
+  stream still equal to the reference;
 - and no daemon logged a warning or above (`log_problems` finds nothing: a step that failed
   and was retried, a lost worker or a crashed engine fails the test even if the client saw
   nothing).
@@ -21,6 +23,7 @@ Longer: `STEPAHEAD_CONTENTION_SEEDS=10` (seeds), `STEPAHEAD_CONTENTION_JITTER_MS
 from __future__ import annotations
 
 import json
+import os
 import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -164,3 +167,25 @@ def test_outputs_equal_their_reference_under_contention(tiny_model_dir, referenc
     for name, s in zip(("plain", "speculative"), systems):
         problems = s.log_problems()
         assert not problems, (name, problems)
+
+
+def test_failover_under_contention(tiny_model_dir, reference):  # noqa: F811
+    """SIGKILL the only worker while every long stream is open, burners and jitter on: serve
+    restarts it, the scheduler re-runs its requests on the new one, and every stream still
+    ends whole, equal to the reference. Only the loss itself may be logged."""
+    from tests.service.test_tensor_parallel import worker_pids
+
+    with Serve(tiny_model_dir, "--max-num-seqs", "16", env=contention.jitter_env(0), capture_stderr=True) as s:
+        with contention.cpu_burners():
+            started = [threading.Event() for _ in PROMPTS]
+            with ThreadPoolExecutor(len(PROMPTS)) as pool:
+                runs = [pool.submit(_stream, s.gateway, p, LONG, e) for p, e in zip(PROMPTS, started)]
+                for e in started:
+                    assert e.wait(120), "a stream never got its first message"
+                [worker] = worker_pids(s)
+                os.kill(worker, signal.SIGKILL)
+                got = [r.result(timeout=300) for r in runs]
+        for i, (g, want) in enumerate(zip(got, reference["long"])):
+            assert g == want, (i, len(g.get("ids", [])), g.get("error"))
+        problems = s.log_problems([r'"daemon": "scheduler".*"event": "worker_(lost|detached)"'])
+    assert not problems, problems
