@@ -38,16 +38,16 @@ class _Family:
     """How one GGUF `general.architecture` maps onto a Hugging Face model_type."""
 
     model_type: str
+    hf_class: str  # config.json's `architectures`
     # llama.cpp's converter permutes q/k rows of these (Llama's rotary layout); others keep HF's
     permuted_qk: bool
-    qk_norm: bool = False
 
 
 # The architectures the worker serves (worker_service.model_config), by GGUF name.
 FAMILIES: dict[str, _Family] = {
-    "llama": _Family("llama", permuted_qk=True),
-    "qwen2": _Family("qwen2", permuted_qk=False),
-    "qwen3": _Family("qwen3", permuted_qk=False, qk_norm=True),
+    "llama": _Family("llama", "LlamaForCausalLM", permuted_qk=True),
+    "qwen2": _Family("qwen2", "Qwen2ForCausalLM", permuted_qk=False),
+    "qwen3": _Family("qwen3", "Qwen3ForCausalLM", permuted_qk=False),
 }
 
 # GGUF per-layer tensor name -> Hugging Face name (format with the layer index).
@@ -72,8 +72,9 @@ _GLOBAL_TENSORS = {
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
 }
-# Tensors llama.cpp precomputes and Hugging Face derives from the config instead.
-_SKIPPED = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
+# Rotary frequency factors (Llama 3.1-style or LongRoPE scaling): refused, as this converter
+# writes no rope_scaling and the model would run with plain rotary frequencies.
+_ROPE_FACTORS = {"rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight"}
 
 
 def is_gguf(spec: str | os.PathLike) -> bool:
@@ -102,10 +103,8 @@ SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
                    "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
-def _hf_name(gguf_name: str) -> str | None:
-    """The Hugging Face parameter name of a GGUF tensor; None for one HF derives itself."""
-    if gguf_name in _SKIPPED:
-        return None
+def _hf_name(gguf_name: str) -> str:
+    """The Hugging Face parameter name of a GGUF tensor."""
     if gguf_name in _GLOBAL_TENSORS:
         return _GLOBAL_TENSORS[gguf_name]
     parts = gguf_name.split(".", 2)
@@ -122,6 +121,10 @@ def check(gguf_path: str | os.PathLike, *, need_tokenizer: bool = True) -> str:
     if arch not in FAMILIES:
         raise GGUFError(f"{path}: GGUF architecture {arch!r} is not supported "
                         f"(supported: {', '.join(sorted(FAMILIES))})")
+    scaling = _field(reader, f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none") or any(t.name in _ROPE_FACTORS for t in reader.tensors):
+        raise GGUFError(f"{path}: rotary scaling ({scaling or 'frequency factors'}) is not supported by this "
+                        "converter; convert the original Hugging Face checkpoint instead")
     for tensor in reader.tensors:
         if tensor.tensor_type.name not in SUPPORTED_TYPES:
             raise GGUFError(f"{path}: tensor {tensor.name} has quantization type {tensor.tensor_type.name}, "
@@ -132,9 +135,11 @@ def check(gguf_path: str | os.PathLike, *, need_tokenizer: bool = True) -> str:
     return arch
 
 
-def _config(reader, family: _Family, tie: bool, dtype: str, tokenizer) -> dict:
-    """config.json for the family, from the GGUF's `<arch>.*` keys."""
+def _config(reader, family: _Family, dtype: str) -> dict:
+    """config.json for the family, from the GGUF's `<arch>.*` keys and its tensors."""
     arch = _field(reader, "general.architecture")
+    names = {t.name: t for t in reader.tensors}
+    vocab = int(names["token_embd.weight"].shape[-1])  # [hidden, vocab] fastest-first: the embedding's rows
 
     def key(name, default=None):
         return _field(reader, f"{arch}.{name}", default)
@@ -143,10 +148,9 @@ def _config(reader, family: _Family, tie: bool, dtype: str, tokenizer) -> dict:
     hidden = int(key("embedding_length"))
     head_dim = int(key("attention.key_length", hidden // heads))
     config = {
-        "architectures": [{"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                           "qwen3": "Qwen3ForCausalLM"}[family.model_type]],
+        "architectures": [family.hf_class],
         "model_type": family.model_type,
-        "vocab_size": len(tokenizer),
+        "vocab_size": vocab,
         "hidden_size": hidden,
         "intermediate_size": int(key("feed_forward_length")),
         "num_hidden_layers": int(key("block_count")),
@@ -157,8 +161,8 @@ def _config(reader, family: _Family, tie: bool, dtype: str, tokenizer) -> dict:
         "max_position_embeddings": int(key("context_length")),
         "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon")),
         "rope_theta": float(key("rope.freq_base", 10000.0)),
-        "tie_word_embeddings": tie,
-        "attention_bias": family.model_type == "qwen2",
+        "tie_word_embeddings": "output.weight" not in names,
+        "attention_bias": "blk.0.attn_q.bias" in names,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id"),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id"),
         "pad_token_id": _field(reader, "tokenizer.ggml.padding_token_id"),
@@ -177,8 +181,6 @@ def _tensors(reader, family: _Family, config: dict, dtype: str) -> dict:
     heads = {"self_attn.q_proj": config["num_attention_heads"], "self_attn.k_proj": config["num_key_value_heads"]}
     for tensor in reader.tensors:
         name = _hf_name(tensor.name)
-        if name is None:
-            continue
         shape = tuple(int(n) for n in reversed(tensor.shape))  # GGUF lists dims fastest-first
         if tensor.tensor_type in (GGMLQuantizationType.F32, GGMLQuantizationType.F16):
             array = np.asarray(tensor.data, dtype=np.float32)
@@ -242,11 +244,10 @@ def convert(gguf_path: str | os.PathLike, out_dir: str | os.PathLike, *, dtype: 
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = _tokenizer(path, tokenizer_dir)
-    tie = all(t.name != "output.weight" for t in reader.tensors)
-    config = _config(reader, family, tie, dtype, tokenizer)
+    config = _config(reader, family, dtype)
+    if len(tokenizer) > config["vocab_size"]:
+        raise GGUFError(f"{path}: the tokenizer has {len(tokenizer)} tokens, the embedding {config['vocab_size']} rows")
     tensors = _tensors(reader, family, config, dtype)
-    if tie:
-        tensors.pop("lm_head.weight", None)
     safetensors.torch.save_file(dict(sorted(tensors.items())), out / "model.safetensors", metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     eos = config.get("eos_token_id")

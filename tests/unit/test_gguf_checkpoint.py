@@ -40,7 +40,7 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def write_gguf(model_dir: Path, path: Path, *, arch: str = "llama", quant: gguf.GGMLQuantizationType | None = None,
-               tokenizer: bool = False) -> dict[str, torch.Tensor]:
+               tokenizer: bool = False, rope_scaling: bool = False) -> dict[str, torch.Tensor]:
     """`model_dir` (a Llama) as a GGUF file; 2-D weights in `quant` when given. Returns the
     state dict it was written from."""
     import json
@@ -60,6 +60,9 @@ def write_gguf(model_dir: Path, path: Path, *, arch: str = "llama", quant: gguf.
     writer.add_rope_freq_base(config.get("rope_theta", 10000.0))
     if tokenizer:
         writer.add_tokenizer_model("gpt2")
+    if rope_scaling:
+        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        writer.add_rope_scaling_factor(4.0)
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     for name, tensor in sorted(state.items()):
         array = tensor.float().numpy()
@@ -134,6 +137,12 @@ def test_unsupported_tensor_type_is_named(tiny_model_dir, tmp_path):  # noqa: F8
     write_gguf(tiny_model_dir, tmp_path / "t.gguf", quant=gguf.GGMLQuantizationType.TQ2_0, tokenizer=True)
     with pytest.raises(GGUFError, match=r"quantization type TQ2_0, which this converter cannot dequantize"):
         gguf_checkpoint.check(tmp_path / "t.gguf")
+
+
+def test_rotary_scaling_is_refused_not_dropped(tiny_model_dir, tmp_path):  # noqa: F811
+    write_gguf(tiny_model_dir, tmp_path / "r.gguf", tokenizer=True, rope_scaling=True)
+    with pytest.raises(GGUFError, match=r"rotary scaling \(linear\) is not supported"):
+        gguf_checkpoint.check(tmp_path / "r.gguf")
 
 
 def test_a_gguf_without_tokenizer_asks_for_one(tiny_gguf):
