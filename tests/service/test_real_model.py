@@ -27,6 +27,7 @@ from tests.model.oracle import TIE_GAP
 from tests.service.test_e2e import collect
 
 MAX_TOKENS = 24
+PREEMPT_TOKENS = 40  # the preemption test's outputs: long enough to outgrow its pool
 CHATS = [
     [{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
     [{"role": "system", "content": "You are a terse assistant."}, {"role": "user", "content": "Name three primary colors."}],
@@ -54,19 +55,27 @@ _HF_CACHE: dict[tuple, tuple[list[int], list[float]]] = {}
 
 
 @torch.inference_mode()
-def hf_greedy(oracle, prompt: list[int], max_new: int = MAX_TOKENS) -> tuple[list[int], list[float]]:
-    """HF's greedy tokens, stopping at the model's EOS (kept, as the server sends it), and the
+def hf_greedy(oracle, prompt: list[int], max_new: int = MAX_TOKENS, *,
+              stop_at_eos: bool = True) -> tuple[list[int], list[float]]:
+    """HF's greedy tokens, stopping at the model's EOS (kept, as the server sends it) unless
+    `stop_at_eos` is False (EOS is then a token like any other, as with ignore_eos), and the
     top-2 logit gap at each step (a near-tie may legitimately go either way)."""
-    key = (tuple(prompt), max_new)
+    key = (tuple(prompt), max_new, stop_at_eos)
     if key not in _HF_CACHE:
-        _HF_CACHE[key] = _hf_generate(oracle[1], prompt, max_new)
+        _HF_CACHE[key] = _hf_generate(oracle[1], prompt, max_new, stop_at_eos)
     return _HF_CACHE[key]
 
 
-def _hf_generate(model, prompt: list[int], max_new: int) -> tuple[list[int], list[float]]:
-    ids = torch.tensor([prompt])
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
-                         output_logits=True, return_dict_in_generate=True)
+def _hf_generate(model, prompt: list[int], max_new: int, stop_at_eos: bool) -> tuple[list[int], list[float]]:
+    eos = model.generation_config.eos_token_id
+    if not stop_at_eos:
+        model.generation_config.eos_token_id = None  # as the service tests' HFGreedy does
+    try:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    finally:
+        model.generation_config.eos_token_id = eos
     gaps = [float(g[0] - g[1]) for g in (torch.topk(step[0].float(), 2).values for step in out.logits)]
     return out.sequences[0, len(prompt):].tolist(), gaps
 
@@ -79,8 +88,9 @@ def assert_same_tokens(ours: list[int], want: list[int], gaps: list[float], what
     assert len(ours) == len(want), f"{what}: {len(ours)} tokens, HF {len(want)}\n{ours}\n{want}"
 
 
-def greedy_request(*, text: str | None = None, messages=None, request_id: str = "") -> generation_pb2.GenerateRequest:
-    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+def greedy_request(*, text: str | None = None, messages=None, request_id: str = "", max_tokens: int = MAX_TOKENS,
+                   ignore_eos: bool = False) -> generation_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos)
     if messages is not None:
         chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(**m) for m in messages])
         return generation_pb2.GenerateRequest(request_id=request_id, chat=chat, sampling=sampling)
@@ -113,9 +123,9 @@ def real(smollm2_model_dir):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def real_sync_preempting(smollm2_model_dir):  # noqa: F811
-    """Synchronous scheduling and 10 blocks of 16 tokens: four ~70-token requests cannot all fit."""
+    """Synchronous scheduling and 8 blocks of 16 tokens (see the test that uses it)."""
     metrics_port = free_port()
-    with _serve(smollm2_model_dir, "--no-async-scheduling", "--num-gpu-blocks-override", "10",
+    with _serve(smollm2_model_dir, "--no-async-scheduling", "--num-gpu-blocks-override", "8",
                 "--metrics-port", str(metrics_port)) as s:
         yield s, metrics_port
         problems = s.log_problems()
@@ -162,13 +172,20 @@ def test_a_prefix_cache_hit_gives_the_same_answer(real, oracle):
 
 
 def test_sync_scheduling_with_preemption_equals_hf(real_sync_preempting, oracle):
+    """Each request needs 3 blocks to start and 6 by its end (EOS ignored): any two running
+    together outgrow the 8 blocks, so someone is preempted and recomputed or swapped."""
     serve, metrics_port = real_sync_preempting
     tokenizer, _ = oracle
     prompts = [*CHATS, [{"role": "user", "content": "Tell me a fact about the number 7."}]]
     with ThreadPoolExecutor(len(prompts)) as pool:
-        received = list(pool.map(lambda m: collect(serve.gateway, greedy_request(messages=m)), prompts))
-    for i, (messages, got) in enumerate(zip(prompts, received)):
-        check_stream(oracle, chat_ids(tokenizer, messages), got, f"sync chat {i}")
+        received = list(pool.map(lambda m: collect(serve.gateway, greedy_request(
+            messages=m, max_tokens=PREEMPT_TOKENS, ignore_eos=True)), prompts))
+    for i, (messages, (ids, text, last)) in enumerate(zip(prompts, received)):
+        want, gaps = hf_greedy(oracle, chat_ids(tokenizer, messages), PREEMPT_TOKENS, stop_at_eos=False)
+        assert_same_tokens(ids, want, gaps, f"sync chat {i}")
+        assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH and len(ids) == PREEMPT_TOKENS
+        if ids == want:
+            assert text == tokenizer.decode(want, skip_special_tokens=True)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
     preemptions = re.search(r"^stepahead:num_preemptions_total\S* (\S+)$", metrics, re.M)
     assert preemptions and float(preemptions.group(1)) > 0, "the pool was meant to be too small for the batch"
