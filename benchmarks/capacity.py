@@ -32,9 +32,9 @@ import subprocess
 from pathlib import Path
 
 from benchmarks.machine import CpuSampler, cpu_seconds, python_speed_ms, python_thread_names, thread_cpu_seconds
-from stepahead.cli import bench
-from stepahead.cli.launcher import ServeProcess
-from stepahead.cli.trace import fetch_records
+from cli import bench
+from testing.launcher import ServeProcess
+from cli.trace import fetch_records
 from stepahead.flight_recorder import StepRecord
 
 # py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up)

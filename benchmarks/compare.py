@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from stepahead.cli import bench
-from stepahead.builtin_models import resolve_model
-from stepahead.cli.launcher import ServeProcess
+from cli import bench
+from model_zoo.builtin_models import resolve_model
+from testing.launcher import ServeProcess
 
 ALL_CPUS = os.sched_getaffinity(0)
 
@@ -200,7 +200,7 @@ def client_off_device_cores():
     """The benchmark client runs on the control-plane core, as a client on another host
     would not take the device's cores (set only after the server started: children
     inherit affinity)."""
-    from stepahead.cli.serve import cpu_split
+    from cli.serve import cpu_split
 
     _, control = cpu_split("cpu")
     if control:
@@ -360,7 +360,7 @@ def llamacpp_server(gguf: Path, threads: int, n_ctx: int):
     import sys
     import urllib.request
 
-    from stepahead.cli.serve import free_port
+    from cli.serve import free_port
 
     port = free_port()
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llamacpp_{port}.log", "w")
@@ -530,7 +530,7 @@ def main_concurrency(args) -> None:
     elif not llamacpp_available():
         notes["llama.cpp"] = "not measured: llama-cpp-python[server] is not importable in this environment"
     else:
-        from stepahead.builtin_models import PACKAGED_MODELS
+        from model_zoo.builtin_models import PACKAGED_MODELS
 
         q = Path(PACKAGED_MODELS[args.model].path())
         args.eog_ids = sorted({0, 2})  # <|endoftext|>, <|im_end|>: the model's end-of-generation tokens

@@ -33,10 +33,10 @@ from pathlib import Path
 
 from benchmarks import capacity
 from benchmarks.machine import python_speed_ms
-from stepahead.cli import bench
-from stepahead.cli.launcher import ServeProcess
-from stepahead.cli.serve import free_port
-from stepahead.cli.trace import fetch_records
+from cli import bench
+from testing.launcher import ServeProcess
+from stepahead.ports import free_port
+from cli.trace import fetch_records
 from stepahead.flight_recorder import StepRecord
 
 SEGMENTS = ("result → commit", "update", "schedule", "plan → worker", "worker prep")

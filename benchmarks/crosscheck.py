@@ -19,9 +19,9 @@ import random
 from pathlib import Path
 
 from scheduler_service.server import SchedulerDaemonConfig
-from stepahead.cli import bench, simulate
+from cli import bench, simulate
 from stepahead import config as cfg
-from stepahead.cli.launcher import ServeProcess
+from testing.launcher import ServeProcess
 from benchmarks import hops
 
 KEYS = ("median_ttft_ms", "median_tpot_ms", "median_itl_ms", "p99_ttft_ms", "p99_tpot_ms", "output_throughput")

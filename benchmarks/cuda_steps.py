@@ -28,7 +28,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
 
 def make_runner(model: str, device: str, backend: str, batch: int, dtype: str):
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
     from worker_service.attention_names import AttentionBackendName
     from worker_service.loader import parse_dtype
     from worker_service.model_runner import ModelRunner

@@ -27,13 +27,13 @@ from pathlib import Path
 
 import grpc
 
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 def spawn(*args: str) -> subprocess.Popen:
     env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], env=env)
 
 
 def wait_serving(address: str, timeout_s: float = 300.0) -> None:
@@ -90,7 +90,7 @@ def main() -> None:
     parser.add_argument("--worker-args", default="--num-threads 1")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/failover.json"))
     args = parser.parse_args()
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
 
     model = str(resolve_model(args.model))
     sched_port, gw_port = free_port(), free_port()

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 KV_TOKENS = 256
-SPECS = {  # fallback configs, equal to stepahead.builtin_models' specs
+SPECS = {  # fallback configs, equal to model_zoo.builtin_models' specs
     "tiny": dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                  vocab_size=4096, intermediate_size=512, tie_word_embeddings=False),
     "100m": dict(hidden_size=768, num_hidden_layers=12, num_attention_heads=12, num_key_value_heads=4,
@@ -34,7 +34,7 @@ SPECS = {  # fallback configs, equal to stepahead.builtin_models' specs
 
 def model_dir(name: str) -> Path:
     try:
-        from stepahead.builtin_models import ensure_model
+        from model_zoo.builtin_models import ensure_model
     except ImportError:
         return _fallback_model(name)
     return ensure_model(name)

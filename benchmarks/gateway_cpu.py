@@ -22,8 +22,8 @@ from pathlib import Path
 import httpx2 as httpx
 
 from benchmarks.machine import cpu_seconds
-from stepahead.builtin_models import resolve_model
-from stepahead.cli.launcher import ServeProcess
+from model_zoo.builtin_models import resolve_model
+from testing.launcher import ServeProcess
 from stepahead.v1 import common_pb2, generation_pb2
 
 

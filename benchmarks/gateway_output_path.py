@@ -58,7 +58,7 @@ def measure(streams: int, output_len: int, model: str) -> dict:
     from gateway.metrics import GatewayMetrics
     from gateway.server import GenerationServicer
     from gateway.tokenizer import GatewayTokenizer
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
     from stepahead.v1 import common_pb2, generation_pb2, scheduler_pb2
 
     import structlog

@@ -29,9 +29,9 @@ import grpc
 
 from benchmarks.machine import cpu_seconds
 from stepahead import security
-from stepahead.builtin_models import resolve_model
-from stepahead.cli.local_cluster import LocalCluster
-from stepahead.cli.serve import free_port
+from model_zoo.builtin_models import resolve_model
+from testing.local_cluster import LocalCluster
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
@@ -48,7 +48,7 @@ def make_certs(directory: Path):
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/
-    from tests.service.certs import make_certs as make
+    from testing.certs import make_certs as make
 
     return make(directory)
 

@@ -78,7 +78,7 @@ def wait_ready(target: str, timeout_s: float = 120.0) -> None:
 
 def client_round(target: str, streams: int, input_len: int, output_len: int) -> dict:
     """One round of the `stepahead bench` client's grpc.aio workload (run in a child process)."""
-    from stepahead.cli import bench
+    from cli import bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
@@ -159,7 +159,7 @@ def servers_for(args, interval: int) -> list[Server]:
     for i, (name, tree) in enumerate(trees_of(args)):
         port = args.port + 2 + i
         sched_addr = f"127.0.0.1:{replay_port(args, i)}"
-        out.append(Server(name, tree, ["-m", "stepahead.cli", "gateway", "--scheduler", sched_addr, "--port",
+        out.append(Server(name, tree, ["-m", "cli", "gateway", "--scheduler", sched_addr, "--port",
                                        str(port), "--http-port", "0", "--model", args.model, "--stream-interval",
                                        str(interval), "--max-concurrent-streams", str(max(args.streams, 16)),
                                        "--log-level", "warning"], port))

@@ -22,9 +22,9 @@ import time
 from pathlib import Path
 
 from stepahead import security
-from stepahead.cli import bench
-from stepahead.cli.launcher import ServeProcess
-from stepahead.cli.trace import fetch_records
+from cli import bench
+from testing.launcher import ServeProcess
+from cli.trace import fetch_records
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
 HOPS = ("client -> scheduler plans", "schedule", "plan handed to the stream", "plan on the wire", "worker prep",

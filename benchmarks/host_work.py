@@ -42,7 +42,7 @@ SAMPLED = SamplingParams(temperature=0.8, top_p=0.9, seed=7, max_tokens=1 << 20)
 
 
 def build_runner(max_rows: int):
-    from tests.model.checkpoints import build_checkpoint
+    from testing.checkpoints import build_checkpoint
     from worker_service.model_runner import ModelRunner
 
     path = Path(tempfile.mkdtemp(prefix="host-work-"))

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead import config as cfg
-from stepahead.cli import simulate
+from cli import simulate
 
 CLASSES = ((0, 0.1), (1, 0.3), (2, 0.6))
 POLICIES = ("fcfs", "priority", "score")

@@ -25,8 +25,8 @@ import tempfile
 from pathlib import Path
 
 from benchmarks import policies
-from stepahead.cli import bench
-from stepahead.cli.launcher import ServeProcess
+from cli import bench
+from testing.launcher import ServeProcess
 from worker_service.sim.profiles import load_profile
 
 LOADS = (0.5, 1.5)

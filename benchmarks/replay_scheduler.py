@@ -26,7 +26,7 @@ import grpc
 
 from scheduler_service.event_batches import event_batches
 from scheduler_service.events import RequestEvent
-from stepahead.builtin_models import resolve_model
+from model_zoo.builtin_models import resolve_model
 from stepahead.plan import FinishReason
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 

@@ -26,8 +26,8 @@ from pathlib import Path
 import grpc
 
 from benchmarks.machine import cpu_seconds
-from stepahead.cli import bench as bench_mod
-from stepahead.cli.serve import free_port
+from cli import bench as bench_mod
+from stepahead.ports import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 MODEL = "llama3-8b-sim"
@@ -35,7 +35,7 @@ MODEL = "llama3-8b-sim"
 
 def spawn(*args: str) -> subprocess.Popen:
     env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], env=env)
 
 
 def wait_serving(address: str) -> None:
@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=4000)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/replicas.json"))
     args = parser.parse_args()
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
 
     model_dir = str(resolve_model(MODEL))
     rows = []

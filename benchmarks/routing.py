@@ -26,8 +26,8 @@ from pathlib import Path
 
 import grpc
 
-from stepahead.cli import bench as bench_mod
-from stepahead.cli.serve import free_port, wait_healthy
+from cli import bench as bench_mod
+from cli.serve import free_port, wait_healthy
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 MODEL = "llama3-8b-sim"
@@ -36,7 +36,7 @@ POLICIES = ("cache_aware", "least_loaded", "round_robin")
 
 def spawn(*args: str) -> subprocess.Popen:
     env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], env=env)
 
 
 def make_workload(args, vocab: int) -> list[bench_mod.WorkItem]:
@@ -106,7 +106,7 @@ def main() -> None:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=POLICIES)
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/routing.json"))
     args = parser.parse_args()
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
 
     model_dir = str(resolve_model(MODEL))
     rows = []

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from stepahead.builtin_models import resolve_model
+from model_zoo.builtin_models import resolve_model
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
 from worker_service.model_runner import ModelRunner
 

@@ -35,8 +35,8 @@ from pathlib import Path
 
 import grpc
 
-from stepahead.builtin_models import resolve_model
-from stepahead.cli.local_cluster import LocalCluster, process_usage
+from model_zoo.builtin_models import resolve_model
+from testing.local_cluster import LocalCluster, process_usage
 from stepahead.plan import SamplingParams
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 

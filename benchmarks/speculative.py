@@ -53,13 +53,13 @@ BLOCK = 16
 def build_runner(model: str, k: int, rate: float, num_blocks: int, lookup_max: int = 3):
     spec = SpeculativeConfig(k, 1, lookup_max) if k else None
     if model == "sim":
-        from stepahead.builtin_models import resolve_model
+        from model_zoo.builtin_models import resolve_model
         from worker_service.sim.profiles import load_profile
         from worker_service.sim.runner import SimRunner
 
         return SimRunner(resolve_model("llama3-8b-sim"), load_profile("h200"), num_blocks=num_blocks,
                          block_size=BLOCK, speculative_config=spec, acceptance_rate=rate, seed=1)
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
     from worker_service.model_runner import ModelRunner
 
     return ModelRunner(resolve_model(model), block_size=BLOCK, num_blocks=num_blocks, speculative_config=spec,
@@ -71,7 +71,7 @@ def real_workload(kind: str, model: str, n: int) -> list[list[int]]:
 
     from transformers import AutoTokenizer
 
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
 
     sys.path.insert(0, str(Path(__file__).parent))
     from compare import CHAT_QUESTIONS, CODE_PROMPTS
@@ -179,7 +179,7 @@ def main() -> None:
     kinds = (args.workloads or ("code,chat" if real else "repetitive,random")).split(",")
     args.eos = ()
     if args.model != "sim":
-        from stepahead.builtin_models import resolve_model
+        from model_zoo.builtin_models import resolve_model
 
         eos = json.loads((resolve_model(args.model) / "config.json").read_text()).get("eos_token_id")
         args.eos = tuple(eos) if isinstance(eos, list) else (eos,) if eos is not None else ()

@@ -94,7 +94,7 @@ def bench(model: str, device: str, batch: int, num_requests: int) -> dict:
     from transformers import AutoTokenizer
 
     from scheduler_service.config import SchedulerConfig
-    from stepahead.builtin_models import ensure_model
+    from model_zoo.builtin_models import ensure_model
     from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
     from worker_service.model_runner import ModelRunner
 

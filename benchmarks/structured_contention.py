@@ -65,7 +65,7 @@ def free_port() -> int:
 def start_serve(flags: list[str]) -> tuple[subprocess.Popen, str, list[str], threading.Thread]:
     http_port = free_port()
     env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "stepahead.cli", "serve", "--model", "tiny", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--model", "tiny", "--port", "0",
                              "--http-port", str(http_port), *flags],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     lines: list[str] = []

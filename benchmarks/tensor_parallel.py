@@ -71,7 +71,7 @@ def rank_main(rank: int, size: int, threads: int, port: int, args, out: str) -> 
     import torch
 
     torch.set_num_threads(threads)
-    from stepahead.builtin_models import ensure_model
+    from model_zoo.builtin_models import ensure_model
     from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
     from worker_service.loader import load_model, parse_dtype
 

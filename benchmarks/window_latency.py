@@ -21,9 +21,9 @@ from pathlib import Path
 from benchmarks.critical_chain import late_fraction, window_flags
 from benchmarks.crosscheck import write_trace
 from benchmarks.machine import python_speed_ms
-from stepahead.cli import bench
-from stepahead.cli.launcher import ServeProcess
-from stepahead.cli.serve import free_port
+from cli import bench
+from testing.launcher import ServeProcess
+from stepahead.ports import free_port
 
 KEYS = ("median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "output_throughput", "device_utilization")
 

@@ -39,7 +39,7 @@ from pathlib import Path
 
 from benchmarks.machine import calibration_us
 from stepahead import codec
-from stepahead.builtin_models import resolve_model
+from model_zoo.builtin_models import resolve_model
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
 from stepahead.v1 import scheduler_pb2
 from worker_service.metrics import WorkerMetrics

@@ -37,7 +37,7 @@ from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
 from stepahead import undecodable
 from stepahead.undecodable import Undecodable
-from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
+from model_zoo.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.logs import RateLimitedLog
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
@@ -311,7 +311,7 @@ def connection_cap(config: GatewayConfig, fd_limit: int) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from gateway.tokenizer import GatewayTokenizer
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
 
     config = cfg.from_args(GatewayConfig, args)
     if config.stream_interval < 1:

@@ -19,7 +19,7 @@ _built: dict[str, Path] = {}
 def built_model_dir(name: str, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Build built-in model `name` once per session and return its directory."""
     if name not in _built:
-        from stepahead.builtin_models import build_model
+        from model_zoo.builtin_models import build_model
 
         _built[name] = build_model(name, tmp_path_factory.getbasetemp() / "builtin-models" / name)
     return _built[name]

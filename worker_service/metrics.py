@@ -37,7 +37,7 @@ class WorkerMetrics:
 
     def watch_grammars(self, runner) -> None:
         """Observe the runner's grammar compilations (the sim runner has none)."""
-        grammar = getattr(runner, "grammar", None)
+        grammar = runner.grammar
         if grammar is not None:
             grammar.cache.observer = self
 

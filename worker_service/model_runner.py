@@ -77,6 +77,11 @@ def isolate(run: Callable[[slice], object], reqs: Sequence[CachedRequest], what:
 
 
 class ModelRunner:
+    """A `runners.Runner` on torch: one model, its paged KV cache and the sampler on one device."""
+
+    computes_logprobs = True
+    supports_structured_outputs = True
+
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,

@@ -48,7 +48,7 @@ import pytest
 import torch
 
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
-from tests.model.checkpoints import build_checkpoint
+from testing.checkpoints import build_checkpoint
 from worker_service import model_runner as model_runner_module
 from worker_service.kv_cache import KVCache, block_bytes
 from worker_service.model_runner import ModelRunner

@@ -14,7 +14,7 @@ from scheduler_service.request import Request
 from scheduler_service.scheduler import FinishReason
 from stepahead.plan import SamplingParams
 from tests.integration.local_engine import LocalEngine
-from tests.model.checkpoints import VOCAB, build_checkpoint
+from testing.checkpoints import VOCAB, build_checkpoint
 from worker_service.model_runner import ModelRunner
 
 BLOCK = 4

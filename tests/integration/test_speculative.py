@@ -20,7 +20,7 @@ from scheduler_service.scheduler import FinishReason
 from stepahead.plan import SamplingParams
 from stepahead.speculative import SpeculativeConfig
 from tests.integration.local_engine import LocalEngine
-from tests.model.checkpoints import VOCAB, build_checkpoint
+from testing.checkpoints import VOCAB, build_checkpoint
 from tests.model.oracle import assert_matches_hf, hf_greedy
 from worker_service.model_runner import ModelRunner
 

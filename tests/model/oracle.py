@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tests.model.checkpoints import VOCAB
+from testing.checkpoints import VOCAB
 
 TIE_GAP = 1e-4
 MAX_NEW = 48

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from stepahead.plan import NewRequest, RunningRequest, StepPlan
-from tests.model.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import GREEDY, ToyRequest, ToyScheduler
 from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
 from worker_service.input_batch import decode_bucket
@@ -160,7 +160,8 @@ def test_attention_backend_flag_builds_the_paged_backend(checkpoint, monkeypatch
     import argparse
 
     from stepahead import config as cfg
-    from worker_service.daemon import WorkerConfig, add_arguments, build_runner
+    from worker_service.daemon import WorkerConfig, add_arguments
+    from worker_service.runners import build_runner
 
     path, _, _ = checkpoint
     parser = argparse.ArgumentParser()

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from stepahead.plan import NewRequest, RunningRequest, StepPlan
-from tests.model.checkpoints import VARIANTS, VOCAB, build_checkpoint
+from testing.checkpoints import VARIANTS, VOCAB, build_checkpoint
 from tests.model.driver import GREEDY
 from worker_service.model_runner import ModelRunner
 

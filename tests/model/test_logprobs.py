@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from stepahead.plan import SamplingParams
-from tests.model.checkpoints import VOCAB, build_checkpoint
+from testing.checkpoints import VOCAB, build_checkpoint
 from tests.model.driver import GREEDY, ToyRequest, ToyScheduler
 from worker_service.model_runner import ModelRunner
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
-from tests.model.checkpoints import build_checkpoint
+from testing.checkpoints import build_checkpoint
 from worker_service.model_runner import ModelRunner
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from stepahead.plan import SamplingParams
-from tests.model.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
 from tests.model.oracle import assert_matches_hf, random_prompts
 from worker_service.logits_processing import LogitsProcessing

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.model.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
 from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
 from worker_service.kv_cache import KVCache

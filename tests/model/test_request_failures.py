@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
-from tests.model.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import GREEDY
 from worker_service.model_runner import ModelRunner
 from worker_service.sampler import Sampler, seeded_uniform

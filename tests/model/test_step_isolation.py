@@ -18,7 +18,7 @@ from scheduler_service.request import Request
 from stepahead.plan import SamplingParams
 from stepahead.speculative import SpeculativeConfig
 from tests.integration.local_engine import LocalEngine
-from tests.model.checkpoints import VARIANTS, VOCAB, build_checkpoint
+from testing.checkpoints import VARIANTS, VOCAB, build_checkpoint
 from worker_service.grammar import GrammarMasks
 from worker_service.input_batch import CachedRequest
 from worker_service.logits_processing import LogitsProcessing

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from stepahead.plan import SamplingParams
 from stepahead.ports import free_port
-from tests.model.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
 from tests.model.oracle import random_prompts
 from worker_service.model_config import ModelConfig

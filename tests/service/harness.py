@@ -1,5 +1,5 @@
-"""The service tests start real daemons through `stepahead.cli.launcher`."""
+"""The service tests start real daemons through `testing.launcher`."""
 
-from stepahead.cli.launcher import ServeProcess as Serve
+from testing.launcher import ServeProcess as Serve
 
 __all__ = ["Serve"]

@@ -18,7 +18,7 @@ from tests.service.hf_oracle import HFGreedy
 @pytest.fixture(scope="session")
 def metrics_port() -> int:
     """The shared `serve`'s scheduler --metrics-port."""
-    from stepahead.cli.serve import free_port
+    from stepahead.ports import free_port
 
     return free_port()
 

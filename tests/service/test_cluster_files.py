@@ -18,8 +18,8 @@ import grpc
 import pytest
 import yaml
 
-from stepahead.cli import COMMANDS
-from stepahead.cli.serve import free_port
+from cli import COMMANDS
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc
 from tests.service.streams import greedy
 
@@ -54,7 +54,7 @@ def local_command(argv: list[str], ports: dict[str, int], models: Path, own_port
     if "--http-port" in out:
         out[out.index("--http-port") + 1] = str(free_port())
     if out[0] == "stepahead":
-        out = [sys.executable, "-m", "stepahead.cli", *out[1:]]
+        out = [sys.executable, "-m", "cli", *out[1:]]
     return out
 
 

@@ -21,7 +21,7 @@ import grpc
 import pytest
 
 from stepahead import columns
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.service.streams import ConnectSession
 
@@ -37,7 +37,7 @@ HELLO = scheduler_pb2.WorkerHello(
 def scheduler():
     port = free_port()
     env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    proc = subprocess.Popen([sys.executable, "-m", "stepahead.cli", "scheduler", "--port", str(port)], env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "scheduler", "--port", str(port)], env=env)
     address = f"127.0.0.1:{port}"
     try:
         with grpc.insecure_channel(address) as ch:

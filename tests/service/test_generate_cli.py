@@ -41,7 +41,7 @@ def test_exit_status_follows_how_the_stream_ended(case):
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
-        done = subprocess.run([sys.executable, "-m", "stepahead.cli", "generate", "--target", f"127.0.0.1:{port}", "hi"],
+        done = subprocess.run([sys.executable, "-m", "cli", "generate", "--target", f"127.0.0.1:{port}", "hi"],
                               capture_output=True, text=True, timeout=60)
     finally:
         server.stop(0)
@@ -50,7 +50,7 @@ def test_exit_status_follows_how_the_stream_ended(case):
 
 
 def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stepahead.cli", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True,
                           timeout=kw.pop("timeout", 60), **kw)
 
 

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stepahead.cli.launcher import ServeProcess
+from testing.launcher import ServeProcess
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 
 CALLS = 200

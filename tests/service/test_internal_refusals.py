@@ -29,7 +29,7 @@ def scheduler(tmp_path):
     log_path = tmp_path / "scheduler.log"
     with open(log_path, "w") as log_file:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "stepahead.cli", "scheduler", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "cli", "scheduler", "--host", "127.0.0.1", "--port", str(port),
              "--metrics-port", str(metrics_port), "--cluster-token", TOKEN],
             stdout=subprocess.DEVNULL, stderr=log_file)
     try:

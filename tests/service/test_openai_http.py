@@ -265,7 +265,7 @@ def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(openai_serve,
     assert msgs[-1].usage.prompt_tokens == len(ids) == http.usage.prompt_tokens
     assert "".join(m.text for m in msgs) == http.choices[0].message.content
     cli = subprocess.run(
-        [sys.executable, "-m", "stepahead.cli", "generate", "--target", openai_serve.gateway_addr, "--chat",
+        [sys.executable, "-m", "cli", "generate", "--target", openai_serve.gateway_addr, "--chat",
          "--system", "Be brief.", "--temperature", "0", "--max-tokens", "8", "--ignore-eos", "Write a sort."],
         capture_output=True, text=True, timeout=120)
     assert cli.returncode == 0, cli.stderr

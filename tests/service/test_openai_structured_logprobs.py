@@ -171,7 +171,7 @@ def test_grpc_logprobs_and_prompt_logprobs_match_http(openai_serve, openai_clien
     import sys
 
     cli = subprocess.run(
-        [sys.executable, "-m", "stepahead.cli", "generate", "--target", openai_serve.gateway_addr, "--temperature", "0",
+        [sys.executable, "-m", "cli", "generate", "--target", openai_serve.gateway_addr, "--temperature", "0",
          "--max-tokens", "6", "--ignore-eos", "--logprobs", "2", "while True:"], capture_output=True, text=True,
         timeout=120)
     assert cli.returncode == 0, cli.stderr

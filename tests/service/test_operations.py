@@ -18,7 +18,7 @@ import urllib.request
 
 import grpc
 
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
@@ -106,7 +106,7 @@ def test_gateway_metrics_and_json_logs(tiny_model_dir, serve):  # noqa: F811
     port, metrics_port = free_port(), free_port()
     env = dict(os.environ, STEPAHEAD_CLUSTER_TOKEN=serve.cluster_token, STEPAHEAD_LOG_LEVEL="info")
     gateway = subprocess.Popen(
-        [sys.executable, "-m", "stepahead.cli", "gateway", "--scheduler", serve.scheduler_addr, "--port",
+        [sys.executable, "-m", "cli", "gateway", "--scheduler", serve.scheduler_addr, "--port",
          str(port), "--model", str(tiny_model_dir), "--metrics-port", str(metrics_port), "--http-port", "0"],
         env=env, stderr=subprocess.PIPE, text=True)
     try:

@@ -73,7 +73,7 @@ def _run(command: str, *flags: str) -> tuple[subprocess.CompletedProcess, list[s
              "worker": ["--scheduler", "127.0.0.1:1"]}[command]
     if "--port" in flags:
         extra = [a for a in extra if a not in ("--port", "0")] if command == "scheduler" else ["--http-port", "0"]
-    proc = subprocess.run([sys.executable, "-m", "stepahead.cli", command, *extra, *flags], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "cli", command, *extra, *flags], capture_output=True,
                           text=True, timeout=FAIL_WITHIN_S, env=dict(os.environ, STEPAHEAD_LOG_LEVEL="info"))
     return proc, [line for line in proc.stderr.splitlines() if line.strip()]
 
@@ -123,7 +123,7 @@ def test_a_taken_port_is_named_before_any_daemon_starts(flag, tiny_model_dir) ->
         holder.listen()
         port = str(holder.getsockname()[1])
         flags = ["--http-port", port, "--port", "0"] if flag == "--http-port" else ["--port", port, "--http-port", "0"]
-        proc = subprocess.run([sys.executable, "-m", "stepahead.cli", "serve", str(tiny_model_dir), *flags],
+        proc = subprocess.run([sys.executable, "-m", "cli", "serve", str(tiny_model_dir), *flags],
                               capture_output=True, text=True, timeout=FAIL_WITHIN_S)
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr

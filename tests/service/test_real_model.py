@@ -19,7 +19,7 @@ import openai
 import pytest
 import torch
 
-from stepahead.cli.launcher import ServeProcess
+from testing.launcher import ServeProcess
 from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.fixtures_models import smollm2_model_dir  # noqa: F401

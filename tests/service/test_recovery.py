@@ -14,8 +14,8 @@ import httpx2 as httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stepahead.cli.launcher import DaemonLogs
-from stepahead.cli.serve import free_port
+from testing.launcher import DaemonLogs
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.streams import wait_health

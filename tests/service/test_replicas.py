@@ -16,8 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from stepahead.cli.launcher import DaemonLogs
-from stepahead.cli.serve import free_port
+from testing.launcher import DaemonLogs
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.model.oracle import assert_matches_hf

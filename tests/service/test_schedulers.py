@@ -12,9 +12,9 @@ import threading
 import grpc
 import pytest
 
-from stepahead.cli.launcher import DaemonLogs
-from stepahead.cli.serve import free_port
-from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from testing.launcher import DaemonLogs
+from stepahead.ports import free_port
+from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.streams import wait_health
 from tests.service.test_replicas import Stream, check_streams

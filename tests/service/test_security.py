@@ -16,10 +16,10 @@ import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from stepahead import security
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
-from tests.service.certs import make_certs
+from testing.certs import make_certs
 from tests.service.harness import Serve
 from tests.service.streams import ConnectSession, greedy, wait_health
 
@@ -99,7 +99,7 @@ def test_a_gateway_can_abort_only_its_own_requests(serve):
 
 
 def _spawn(*args: str, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "cli", *args],
                             env=dict(os.environ, STEPAHEAD_LOG_LEVEL="warning", **env))
 
 
@@ -146,7 +146,7 @@ def test_tls_and_mtls_on_both_planes(tmp_path, tiny_model_dir):  # noqa: F811
 
 
 def test_scheduler_refuses_an_open_plane_off_loopback():
-    done = subprocess.run([sys.executable, "-m", "stepahead.cli", "scheduler", "--host", "0.0.0.0", "--port", "0"],
+    done = subprocess.run([sys.executable, "-m", "cli", "scheduler", "--host", "0.0.0.0", "--port", "0"],
                           capture_output=True, text=True, timeout=60, env=dict(os.environ, STEPAHEAD_CLUSTER_TOKEN=""))
     assert done.returncode != 0 and "--cluster-token" in done.stderr
 

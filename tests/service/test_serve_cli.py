@@ -32,7 +32,7 @@ def test_generate_cli_json_and_sigterm_leaves_no_process(tiny_model_dir, tiny_to
         children = serve.child_pids()
         assert len(children) == 3, f"expected scheduler, worker and gateway, got {children}"
         out = subprocess.run(
-            [sys.executable, "-m", "stepahead.cli", "generate", "--target", serve.gateway_addr, "--json",
+            [sys.executable, "-m", "cli", "generate", "--target", serve.gateway_addr, "--json",
              "--temperature", "0", "--max-tokens", "12", "--ignore-eos", "import os"],
             capture_output=True, text=True, timeout=120, check=True,
         ).stdout

@@ -49,7 +49,7 @@ def test_greedy_text_equals_hf_and_usage_reports_acceptance(serve, tiny_model_di
     ('{"method": "ngram"', "not valid JSON"),
 ])
 def test_bad_config_exits_naming_the_field(bad, field):
-    proc = subprocess.run([sys.executable, "-m", "stepahead.cli", "scheduler", "--port", "0",
+    proc = subprocess.run([sys.executable, "-m", "cli", "scheduler", "--port", "0",
                            "--speculative-config", bad], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2
     assert field in proc.stdout + proc.stderr

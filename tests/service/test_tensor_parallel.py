@@ -23,7 +23,7 @@ import pytest
 
 from stepahead.v1 import scheduler_pb2
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
-from tests.model.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.service.harness import Serve
 from tests.service.hf_oracle import HFGreedy
 from tests.service.test_e2e import check_against_hf, random_prompts, run_concurrently
@@ -100,7 +100,7 @@ def test_kill_one_rank_of_tp2_x_dp2_loses_nothing(tiny_model_dir, tiny_tokenizer
 
     from tests.service.test_e2e import collect, greedy_request
 
-    from stepahead.cli.serve import free_port
+    from stepahead.ports import free_port
 
     prompts = random_prompts(8, 20, 60, len(tiny_tokenizer), seed=9)
     metrics_port = free_port()
@@ -133,7 +133,7 @@ def test_a_model_that_does_not_split_is_refused_naming_the_dimension(tiny_model_
     shutil.copytree(tiny_model_dir, bad)
     config = (bad / "config.json").read_text().replace('"num_attention_heads": 8', '"num_attention_heads": 6')
     (bad / "config.json").write_text(config)
-    proc = subprocess.run([sys.executable, "-m", "stepahead.cli", "worker", "--model", str(bad),
+    proc = subprocess.run([sys.executable, "-m", "cli", "worker", "--model", str(bad),
                            "--tensor-parallel-size", "4", "--scheduler", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2

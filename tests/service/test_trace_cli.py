@@ -13,7 +13,7 @@ from stepahead.v1 import common_pb2, generation_pb2
 
 
 def _trace(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "stepahead.cli", "trace", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "cli", "trace", *args], capture_output=True, text=True,
                           timeout=120, env=env)
 
 
@@ -37,7 +37,7 @@ def test_trace_finds_serves_token_and_refusal_is_one_line(serve, tmp_path):
 
 
 def test_serves_run_file_is_private(serve):
-    from stepahead import runfile
+    from cli import runfile
 
     entry = runfile.find(serve.scheduler_addr)
     assert entry is not None and entry["cluster_token"] == serve.cluster_token
@@ -47,7 +47,7 @@ def test_serves_run_file_is_private(serve):
 
 def test_bench_with_scheduler_finds_serves_token(serve, tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "STEPAHEAD_CLUSTER_TOKEN"}
-    done = subprocess.run([sys.executable, "-m", "stepahead.cli", "bench", "--target", serve.gateway_addr,
+    done = subprocess.run([sys.executable, "-m", "cli", "bench", "--target", serve.gateway_addr,
                            "--scheduler", serve.scheduler_addr, "--num-prompts", "2", "--random-input-len", "8",
                            "--random-output-len", "4", "--disable-tqdm", "--result-filename",
                            str(tmp_path / "b.json")], capture_output=True, text=True, timeout=300, env=env)

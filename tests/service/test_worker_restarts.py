@@ -13,8 +13,8 @@ from pathlib import Path
 import grpc
 
 from stepahead import columns
-from stepahead.cli.launcher import DaemonLogs
-from stepahead.cli.serve import free_port
+from testing.launcher import DaemonLogs
+from stepahead.ports import free_port
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 

@@ -17,8 +17,8 @@ import pytest
 import structlog.testing
 
 from stepahead import columns, logs
-from stepahead.cli.launcher import problem_lines
-from stepahead.cli.serve import free_port
+from testing.launcher import problem_lines
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, scheduler_pb2, scheduler_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from worker_service import daemon, model_runner

@@ -15,11 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.plan import SamplingParams
 from tests.service.harness import Serve
 from stepahead.v1.scheduler_pb2 import GetModelRequest
-from tests.sim.test_sim_data_parallel import wait_replicas
+from testing.processes import wait_replicas
 from tests.sim.test_sim_e2e import to_proto
 
 REPLICAS, GROUPS, FOLLOWERS, PREFIX, BLOCK = 3, 4, 3, 128, 16

@@ -24,7 +24,7 @@ from scheduler_service import scheduler as scheduler_module
 from scheduler_service.config import SchedulerConfig, SchedulingPolicy
 from scheduler_service.policy import FcfsPolicy
 from scheduler_service.request import Request, RequestStatus
-from stepahead.cli import simulate
+from cli import simulate
 from stepahead.plan import SamplingParams
 from tests.unit.fake_executor import Driver, hashed_tokens
 

@@ -11,11 +11,9 @@ size (2,000 requests, 4 workers per scheduler, 4 gateways)."""
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,17 +22,13 @@ import grpc
 import pytest
 
 from stepahead.plan import SamplingParams
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from testing.processes import spawn
 from tests.service.streams import wait_health
 
 SEED, EOS_P = 5, 0.02
 NUM_SCHEDULERS = 2
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="error")
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env)
 
 
 class SimCluster:
@@ -54,7 +48,7 @@ class SimCluster:
         return ["scheduler", "--port", str(self.ports[i]), "--worker-wait-timeout", "120"]
 
     def _start(self, args: list[str]) -> subprocess.Popen:
-        p = spawn(*args)
+        p = spawn(*args, log_level="error")
         self.procs.append(p)
         return p
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from stepahead.sim_models import SIM_MODELS
+from model_zoo.sim_models import SIM_MODELS
 from worker_service.model_config import ModelConfig
 from worker_service.sim.cost import CostModel, ModelGeometry
 from worker_service.sim.profiles import BUILTIN_PROFILES, AcceleratorProfile, load_profile

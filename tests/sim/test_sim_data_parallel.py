@@ -4,7 +4,6 @@ over both (per-replica metrics lanes), and every output is the sim reference."""
 
 from __future__ import annotations
 
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -16,13 +15,6 @@ from tests.sim.test_sim_e2e import to_proto
 from worker_service.sim.profiles import load_profile
 from worker_service.sim.runner import SimRunner
 from worker_service.sim.tokens import reference_output
-
-
-def wait_replicas(stub, n: int, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while len(stub.GetFlightRecord(scheduler_pb2.GetFlightRecordRequest(), timeout=10).worker_id.split(",")) < n:
-        assert time.monotonic() < deadline, f"{n} replicas never attached"
-        time.sleep(0.05)
 
 
 def test_serve_starts_n_replicas_and_spreads_requests(sim_model_dir, fast_profile):

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.plan import SamplingParams
 from stepahead.v1 import common_pb2, generation_pb2
 from tests.service.harness import Serve

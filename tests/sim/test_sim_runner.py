@@ -137,7 +137,8 @@ def test_device_runs_one_step_at_a_time_and_waits_without_cpu(sim_model_dir):
 def test_the_sim_worker_imports_no_torch(sim_model_dir):
     code = f"""
 import sys
-from worker_service.daemon import WorkerConfig, build_runner, worker_info
+from worker_service.config import WorkerConfig
+from worker_service.runners import build_runner, worker_info
 from stepahead.plan import NewRequest, SamplingParams, StepPlan
 runner, model_dir = build_runner(WorkerConfig(device="sim", sim_profile="h200", model={str(sim_model_dir)!r}))
 info = worker_info(WorkerConfig(device="sim"), runner, model_dir)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from stepahead.cli import simulate
+from cli import simulate
 
 
 def write_trace(path, n: int, span_s: float, seed: int = 0, classes: bool = False, max_output: int = 200) -> str:

@@ -8,8 +8,8 @@ import json
 
 import pytest
 
-from stepahead.cli import bench
-from stepahead.datasets import TraceError, load_trace, trace_prompts
+from cli import bench
+from cli.datasets import TraceError, load_trace, trace_prompts
 from tests.service.harness import Serve
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
@@ -87,7 +87,7 @@ def bench_args(path: str, serve, num_prompts: int, result: str) -> argparse.Name
 def offline(sim_model_dir, path: str, num_prompts: int) -> dict:
     from scheduler_service.server import SchedulerDaemonConfig
     from stepahead import config as cfg
-    from stepahead.cli import simulate
+    from cli import simulate
 
     parser = argparse.ArgumentParser()
     simulate.add_arguments(parser)

@@ -5,7 +5,6 @@ soon as it is told to stop (draining). `python -m stepahead.healthcheck` agrees.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -14,16 +13,16 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
+from testing import processes
 from tests.service.streams import wait_health
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 def spawn(*args: str, capture: bool = False) -> subprocess.Popen:
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="info")
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env, text=True,
-                            stderr=subprocess.PIPE if capture else subprocess.DEVNULL)
+    return processes.spawn(*args, log_level="info", text=True,
+                           stderr=subprocess.PIPE if capture else subprocess.DEVNULL)
 
 
 def status(address: str) -> int:

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from stepahead import builtin_models
-from stepahead.builtin_models import BUILTIN_MODELS, cache_dir, ensure_model, get_spec, resolve_model
-from stepahead.cli import main as cli_main
+from model_zoo import builtin_models
+from model_zoo.builtin_models import BUILTIN_MODELS, cache_dir, ensure_model, get_spec, resolve_model
+from cli import main as cli_main
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 
 # What the assignment specifies for each size, independent of the ModelSpec table.
@@ -206,7 +206,7 @@ def test_ensure_model_two_real_processes_race(tmp_path: Path, tiny_model_dir: Pa
     import os
 
     env = {**os.environ, "STEPAHEAD_CACHE_DIR": str(tmp_path)}
-    code = "from stepahead.builtin_models import ensure_model; print(ensure_model('tiny'))"
+    code = "from model_zoo.builtin_models import ensure_model; print(ensure_model('tiny'))"
     procs = [
         subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
         for _ in range(2)
@@ -235,7 +235,7 @@ def test_resolve_model(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, tiny_mod
 
 def test_cli_module_imports_are_light() -> None:
     code = (
-        "import sys, stepahead.builtin_models, stepahead.tokenizer_train;"
+        "import sys, model_zoo.builtin_models, model_zoo.tokenizer_train;"
         "heavy = [m for m in ('torch', 'transformers', 'tokenizers') if m in sys.modules];"
         "assert not heavy, heavy"
     )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stepahead.cli.serve import BIG_MODEL_PARAMS, FEW_CORES, cpu_layout
+from cli.serve import BIG_MODEL_PARAMS, FEW_CORES, cpu_layout
 from tests.fixtures_models import smollm2_model_dir, tiny_model_dir  # noqa: F401
 
 

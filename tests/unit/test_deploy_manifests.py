@@ -104,7 +104,7 @@ def test_the_build_context_leaves_out_the_venv_git_caches_and_plots_but_keeps_th
                  "gateway/__pycache__/server.cpython-311.pyc", ".pytest_cache/v/cache",
                  "benchmarks/results/capacity_h200_8b.png", "stepahead.egg-info/PKG-INFO"):
         assert _ignored(patterns, path), path
-    for path in ("pyproject.toml", "README.md", "stepahead/cli/__init__.py", "gateway/http_server.py",
+    for path in ("pyproject.toml", "README.md", "cli/__init__.py", "gateway/http_server.py",
                  "worker_service/sim/profiles.py", "protos/stepahead/v1/scheduler.proto", "Makefile"):
         assert not _ignored(patterns, path), path
         assert (ROOT / path).exists(), path

@@ -51,7 +51,7 @@ def test_every_range_matches_the_kind_of_the_fields_named_after_it() -> None:
 
     from gateway.server import GatewayConfig
     from scheduler_service.server import SchedulerDaemonConfig
-    from stepahead.cli.serve import ServeConfig
+    from cli.serve import ServeConfig
     from worker_service.daemon import WorkerConfig
 
     seen = set()

@@ -70,7 +70,7 @@ def test_the_gateway_never_imports_torch(tiny_model_dir):  # noqa: F811
         "from gateway.tokenizer import GatewayTokenizer;"
         f"t = GatewayTokenizer({str(tiny_model_dir)!r}); t.encode('x'); t.decode([5, 6]);"
         "t.apply_chat_template([{'role': 'user', 'content': 'hi'}], add_generation_prompt=True);"
-        "from stepahead.builtin_models import resolve_model;"
+        "from model_zoo.builtin_models import resolve_model;"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)

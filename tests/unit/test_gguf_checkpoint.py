@@ -1,4 +1,4 @@
-"""GGUF → Hugging Face directory (`stepahead.gguf_checkpoint`).
+"""GGUF → Hugging Face directory (`model_zoo.gguf_checkpoint`).
 
 The oracle is the checkpoint the GGUF was written from: the built-in `tiny` is written as
 llama.cpp's converter writes a Llama (q/k rows permuted for its rotary layout, GGUF tensor
@@ -17,9 +17,9 @@ import numpy as np
 import pytest
 import torch
 
-from stepahead import gguf_checkpoint
+from model_zoo import gguf_checkpoint
 from stepahead.config import NotBuiltYet
-from stepahead.gguf_checkpoint import GGUFError
+from model_zoo.gguf_checkpoint import GGUFError
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 
 _HF_TO_GGUF = {v: k for k, v in {**gguf_checkpoint._GLOBAL_TENSORS}.items()}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from stepahead.plan import WorkerInfo
-from worker_service.daemon import log_kv_capacity
+from worker_service.runners import log_kv_capacity
 
 
 class _Log:

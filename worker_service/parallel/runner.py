@@ -6,7 +6,7 @@ sampled ids `[num_sampling]` inside the step, so every rank keeps the same ids o
 device for the next step's placeholder decodes. A row whose sampling failed on rank 0 is
 broadcast as -1: every rank then forgets that request alike, so later plans stay
 identical on all ranks. Only rank 0's result goes to the scheduler (see
-`worker_service/daemon.py`); the others' results are discarded.
+`worker_service/attach.py`); the others' results are discarded.
 
 The KV pool has the same number of blocks on every rank (the minimum over ranks).
 """

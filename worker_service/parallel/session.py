@@ -18,24 +18,24 @@ import os
 import socket
 import threading
 
-import grpc
 from prometheus_client import REGISTRY
 
-from stepahead import daemon
 from stepahead.ports import free_port
+from worker_service.attach import StopWatch, attach_once, reconnect
+from worker_service.config import WorkerConfig
 from worker_service.health import NoHealth, WorkerHealth
-from worker_service.daemon import WorkerConfig, _StopWatch, attach_once, build_runner, worker_info
 from worker_service.metrics import WorkerMetrics
 from worker_service.model_config import ModelConfig
 from worker_service.parallel.geometry import ShardGeometry
 from worker_service.parallel.group import GroupSpec, default_backend, destroy_group, init_group
+from worker_service.runners import build_runner, worker_info
 
 JOIN_POLL_S = 0.2  # how often a pending join looks at the stop flag
 
 
 def check_geometry(config: WorkerConfig) -> None:
     """Before joining: a model that does not split k ways is refused (GeometryError names the dimension)."""
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
 
     if config.device == "sim":
         raise SystemExit("stepahead worker: --device sim models tensor parallelism with --sim-num-devices; "
@@ -46,30 +46,21 @@ def check_geometry(config: WorkerConfig) -> None:
 def serve_group(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth | NoHealth = NoHealth()) -> None:
     check_geometry(config)
     metrics = WorkerMetrics(REGISTRY)  # one per daemon: counters go on across groups
-    watch = _StopWatch(stop, on_stop=health.stopping)
-    backoff, failures = 0.05, 0
-    while not stop.is_set():
-        with config.scheduler_channel(config.scheduler) as channel:
-            try:
-                daemon.wait_channel_ready(channel, max(backoff, 1.0))
-                spec = join(channel, config, stop)
-                if spec is None:
-                    break
-                backoff = 0.05
-                run_group(channel, config, spec, watch, log, metrics, health)
-                failures = 0
-            except (grpc.RpcError, grpc.FutureTimeoutError) as exc:
-                failures += 1
-                if not stop.is_set():
-                    (log.warning if failures > 5 else log.info)(
-                        "attach_failed", scheduler=config.scheduler, attempts=failures, error=repr(exc)[:300])
-            except Exception as exc:  # a collective failed or timed out: the group is gone; start clean
-                log.warning("group_session_failed", error=repr(exc)[:300])
-            finally:
-                destroy_group()
-                gc.collect()  # the shard and its KV cache go before the next one is loaded
-        stop.wait(backoff)
-        backoff = min(backoff * 2, config.reconnect_max_backoff_s)
+    watch = StopWatch(stop, on_stop=health.stopping)
+
+    def session(channel) -> bool:
+        spec = join(channel, config, stop)
+        if spec is None:  # told to stop while waiting for a group
+            return False
+        run_group(channel, config, spec, watch, log, metrics, health)
+        return True
+
+    def end_session() -> None:  # any end tears the group down; the next one starts clean
+        destroy_group()
+        gc.collect()  # the shard and its KV cache go before the next one is loaded
+
+    reconnect(config, stop, log, session, on_session_end=end_session, failed_event="group_session_failed",
+              refusal_is_final=False)
 
 
 def join(channel, config: WorkerConfig, stop: threading.Event) -> GroupSpec | None:

@@ -17,7 +17,7 @@ def checkpoint_dtype(model_dir: Path) -> str:
 
 
 def build_sim_runner(config) -> tuple[SimRunner, Path]:
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
 
     model_dir = resolve_model(config.model)
     runner = SimRunner(

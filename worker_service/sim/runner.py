@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepahead.plan import NewRequest, RunningRequest, SamplingParams, SpecOutcome, StepPlan, StepResult, WorkerTiming
+from stepahead.plan import NewRequest, SamplingParams, SpecOutcome, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service.model_config import ModelConfig
 from worker_service.plan_checks import PlanError, check_plan, split_bad_sampling_rows
@@ -65,12 +65,14 @@ class SimPendingStep:
 
 
 class SimRunner:
-    """Same interface as `ModelRunner` for the worker daemon: launch / execute / reset."""
+    """A `runners.Runner` on a simulated accelerator: launch / execute / reset."""
 
     # announced in the hello (WorkerHello.no_logprobs / no_structured_outputs): no logits, so
     # gateways refuse such requests up front with a reason instead of a bare finish "error"
     computes_logprobs = False
     supports_structured_outputs = False
+    max_logprobs = 0
+    grammar = None  # no compiled grammars to watch
 
     def __init__(self, model_dir: str | Path, profile: AcceleratorProfile, *, dtype: str = "bfloat16",
                  num_devices: int = 1, block_size: int = 16, num_blocks: int | None = None,

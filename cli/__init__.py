@@ -13,15 +13,15 @@ from stepahead import config as cfg
 
 # name -> (help, module exposing add_arguments(parser) and run(args) -> int)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("start gateway, scheduler and worker as one system", "stepahead.cli.serve"),
-    "generate": ("stream a completion from a running gateway", "stepahead.cli.client"),
+    "serve": ("start gateway, scheduler and worker as one system", "cli.serve"),
+    "generate": ("stream a completion from a running gateway", "cli.client"),
     "gateway": ("run the gateway daemon (public API)", "gateway.server"),
     "scheduler": ("run the scheduler daemon", "scheduler_service.server"),
     "worker": ("run a worker daemon", "worker_service.daemon"),
-    "bench": ("benchmark a running gateway (flags follow vllm bench serve)", "stepahead.cli.bench"),
-    "simulate": ("replay a request trace offline on a virtual clock (sim cost model)", "stepahead.cli.simulate"),
-    "trace": ("write the flight recorder as a Perfetto trace and a PNG timeline", "stepahead.cli.trace"),
-    "make-model": ("build a built-in Hugging Face checkpoint offline", "stepahead.builtin_models"),
+    "bench": ("benchmark a running gateway (flags follow vllm bench serve)", "cli.bench"),
+    "simulate": ("replay a request trace offline on a virtual clock (sim cost model)", "cli.simulate"),
+    "trace": ("write the flight recorder as a Perfetto trace and a PNG timeline", "cli.trace"),
+    "make-model": ("build a built-in Hugging Face checkpoint offline", "model_zoo.builtin_models"),
 }
 
 

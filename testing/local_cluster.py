@@ -53,7 +53,7 @@ class LocalCluster:
             self.members[f"gateway{i}"] = self._spawn(self._gateway_args(address), self.gateway_env)
 
     def _spawn(self, args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], env=env or self.env)
+        proc = subprocess.Popen([sys.executable, "-m", "cli", *args], env=env or self.env)
         self.everything.append(proc)
         return proc
 
@@ -74,7 +74,7 @@ class LocalCluster:
         report SERVING (a TLS gateway is checked by its caller)."""
         import threading
 
-        from stepahead.cli.serve import wait_healthy
+        from cli.serve import wait_healthy
 
         deadline = time.monotonic() + timeout_s
         for address in (self.scheduler_address, *(self.gateway_addresses if gateways else ())):

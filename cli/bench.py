@@ -7,7 +7,7 @@
 Flags and result keys follow `vllm bench serve` (`output_throughput`, `median_ttft_ms`,
 `p99_tpot_ms`, ...). Random prompts are seeded token ids; with `--request-rate inf` and
 no `--max-concurrency` every request is sent at once, a finite rate draws Poisson arrivals.
-A trace (`stepahead.datasets`: Azure CSV or JSONL) is replayed at its own arrival times
+A trace (`cli.datasets`: Azure CSV or JSONL) is replayed at its own arrival times
 divided by `--trace-speedup`, with its lengths, priorities and prefix groups, EOS ignored.
 Given `--scheduler`, also reports `device_utilization` (the device's busy seconds over the
 wall time between two snapshots of the scheduler's counters, just before the first request
@@ -84,7 +84,7 @@ def sample_lengths(n: int, mean: int, range_ratio: float, rng: random.Random) ->
 
 def make_workload(args: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
     if args.dataset_name == "trace":
-        from stepahead.datasets import load_trace, trace_prompts
+        from cli.datasets import load_trace, trace_prompts
 
         trace = load_trace(args.dataset_path, args.num_prompts, args.trace_speedup)
         prompts = trace_prompts(trace, vocab_size, args.seed)
@@ -260,7 +260,7 @@ def device_report(scheduler: str, window: tuple, token: str | None) -> dict:
     """Utilization = busy seconds / wall seconds between the two snapshots around the workload;
     the device's ideal = tokens / busy seconds."""
     from stepahead.flight_recorder import device_idle_fraction
-    from stepahead.cli.trace import fetch_records
+    from cli.trace import fetch_records
 
     before, after = window
     wall, busy, tokens = after[0] - before[0], after[1] - before[1], after[2] - before[2]
@@ -411,7 +411,7 @@ def format_summary(summary: dict, result_filename: Path | None) -> str:
 def run(args: argparse.Namespace) -> int:
     import grpc
 
-    from stepahead import runfile
+    from cli import runfile
 
     if args.scheduler:  # a running `stepahead serve`'s run file gives its token
         args.scheduler, args.cluster_token = runfile.scheduler_access(args.scheduler, args.cluster_token)

@@ -74,7 +74,7 @@ class SimulateConfig:
 
 def build(config: SimulateConfig, sched_flags):
     """(runner, scheduler config) from the simulator's and the scheduler daemon's flags."""
-    from stepahead.builtin_models import resolve_model
+    from model_zoo.builtin_models import resolve_model
     from stepahead.plan import WorkerInfo
     from worker_service.sim.build import checkpoint_dtype
     from worker_service.sim.profiles import load_profile
@@ -194,7 +194,7 @@ class VirtualSystem:
 
 def simulate(config: SimulateConfig, sched_flags) -> dict:
     from scheduler_service.request import Request
-    from stepahead.datasets import load_trace, trace_prompts
+    from cli.datasets import load_trace, trace_prompts
     from stepahead.plan import SamplingParams
 
     runner, sched_config, info = build(config, sched_flags)
@@ -238,7 +238,7 @@ def summarize(logs: list[SimRequestLog], system: VirtualSystem, info, config: Si
 
 
 def request_latencies(logs: list[SimRequestLog]) -> dict:
-    from stepahead.cli.bench import latency_stats
+    from cli.bench import latency_stats
 
     ttft = [(log.token_times[0] - log.arrival) * 1e3 for log in logs if log.token_times]
     tpot = [(log.token_times[-1] - log.token_times[0]) / (len(log.token_times) - 1) * 1e3

@@ -4,7 +4,7 @@
     stepahead trace --target HOST:PORT       # any scheduler; STEPAHEAD_CLUSTER_TOKEN its token
 
 Without `--target`, the scheduler address and cluster token come from the file a running
-`stepahead serve` writes (`stepahead.runfile`). Writes
+`stepahead serve` writes (`cli.runfile`). Writes
 `trace.json` (open it in ui.perfetto.dev or chrome://tracing) and `timeline.png` with one
 lane for the scheduler's CPU work and one per replica for its worker's device work; the
 gaps in a device lane are time that device sat idle.
@@ -17,13 +17,13 @@ import json
 import sys
 from pathlib import Path
 
-from stepahead import runfile
+from cli import runfile
 
 from stepahead.flight_recorder import StepRecord, device_idle_fraction, to_chrome_trace
 
 
 def fetch_records(target: str | None, token: str | None = None) -> tuple[str, list[StepRecord]]:
-    """The scheduler's flight record (`stepahead.runfile.scheduler_access` finds the address
+    """The scheduler's flight record (`cli.runfile.scheduler_access` finds the address
     and the cluster token a flag does not give)."""
     from stepahead import codec, security
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc

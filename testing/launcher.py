@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 
 from stepahead import security
-from stepahead.cli.serve import free_port
+from stepahead.ports import free_port
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 _PROBLEM_LEVELS = frozenset({"warning", "error", "critical", "exception"})
@@ -83,7 +83,7 @@ class DaemonLogs:
         self._readers: list[tuple[subprocess.Popen, threading.Thread]] = []
 
     def spawn(self, *args: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        proc = subprocess.Popen([sys.executable, "-m", "stepahead.cli", *args], stderr=subprocess.PIPE, text=True,
+        proc = subprocess.Popen([sys.executable, "-m", "cli", *args], stderr=subprocess.PIPE, text=True,
                                 env=dict(self.env, **(env or {})))
         reader = threading.Thread(target=self._read, args=(args[0] if args else "?", proc), daemon=True)
         reader.start()
@@ -120,7 +120,7 @@ class ServeProcess:
         if "--served-model-name" not in flags:  # the tests name a model by its directory ("tiny")
             flags = ("--served-model-name", Path(model_dir).name, *flags)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "stepahead.cli", "serve", "--model", str(model_dir), "--port", "0", *flags],
+            [sys.executable, "-m", "cli", "serve", "--model", str(model_dir), "--port", "0", *flags],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE if capture_stderr else None, text=True, env=env,
         )
         self.stderr_lines: list[str] = []  # every daemon's log lines, with capture_stderr
