@@ -1,6 +1,6 @@
 """Where the device's idle time comes from: the async loop's critical chain, step by step.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/critical_chain.py --streams 256 \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/critical_chain.py --streams 256 \
         --windows 2 3 auto --out benchmarks/results/critical_chain_256.json
 
 With W plans in flight (a fixed window; `auto`, the scheduler's default, keeps two and plans a

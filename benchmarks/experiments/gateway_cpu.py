@@ -1,6 +1,6 @@
 """Gateway CPU per streamed token: OpenAI HTTP/SSE vs gRPC, side by side in one run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gateway_cpu.py --model tiny \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/gateway_cpu.py --model tiny \
         --out benchmarks/results/gateway_cpu_tiny.json
 
 Starts `stepahead serve`, then alternates rounds of `--concurrency` streaming requests of

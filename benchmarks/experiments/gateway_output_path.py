@@ -1,6 +1,6 @@
 """The gateway's own Python per streamed token, without gRPC: the output path in-process.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gateway_output_path.py --streams 256 --output-len 256 \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/gateway_output_path.py --streams 256 --output-len 256 \
         [--baseline /tmp/old-checkout] [--out benchmarks/results/gateway_output_path.json]
 
 What `gateway_stream_cpu.py` cannot separate from grpc.aio's own cost: the real `Frontend`

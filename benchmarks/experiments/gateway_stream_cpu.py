@@ -1,6 +1,6 @@
 """Gateway and bench-client CPU per streamed token, the gateway isolated from the scheduler.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/gateway_stream_cpu.py --streams 256 \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/gateway_stream_cpu.py --streams 256 \
         --input-len 512 --output-len 256 --stream-intervals 1 4 --rounds 3 \
         [--baseline /tmp/old-checkout] [--floor] [--profile] --out benchmarks/results/gateway_cpu_256.json
 

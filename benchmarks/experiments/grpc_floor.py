@@ -1,6 +1,6 @@
 """grpc.aio's own cost per streamed message: a `Generation` server with no gateway code.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/grpc_floor.py --port 50069 --step-ms 22
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/grpc_floor.py --port 50069 --step-ms 22
 
 `Generate` streams `sampling.max_tokens` copies of one prebuilt one-token `GenerateResponse`,
 one per step (every stream wakes on one shared future per `--step-ms`), the way the gateway

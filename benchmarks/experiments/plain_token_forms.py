@@ -5,7 +5,7 @@ wire), and one nested message holding repeated columns (the last two built here 
 dynamic descriptor). Per batch of N plain tokens: encode + serialize, and parse + walk the
 pairs as the gateway's reader does; min of 7 repeats.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/plain_token_forms.py [--tokens 256] \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/plain_token_forms.py [--tokens 256] \
         [--out benchmarks/results/plain_token_forms.json]
 """
 

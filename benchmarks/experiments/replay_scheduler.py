@@ -1,6 +1,6 @@
 """A scheduler stand-in for gateway benchmarks: the real internal protocol, no scheduling.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/replay_scheduler.py --model llama3-8b-sim \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/replay_scheduler.py --model llama3-8b-sim \
         --port 50061 --step-ms 22
 
 Serves `Scheduler.GetModel` (the model directory's limits) and `Scheduler.Connect`: every

@@ -1,7 +1,7 @@
 """Scheduler core cost per step: `schedule()` + `update_from_output()` with N running
 decode requests and 1k waiting ones (which cannot be admitted: max_num_seqs = N).
 
-    .venv/bin/python benchmarks/scheduler.py [--running 64 256 1024] [--steps 300] [--plot out.png]
+    .venv/bin/python benchmarks/experiments/scheduler.py [--running 64 256 1024] [--steps 300] [--plot out.png]
 
 A minimal worker stand-in (outside the timed region) answers each plan with one token per
 sampling request, so the measured time is the scheduler's alone. Target: <= 1.5 ms per

@@ -1,7 +1,7 @@
 """The scheduler's CPU per step that is gRPC and thread hand-offs alone: a worker-like client
 and a server that does no scheduling, sending a prebuilt 256-request plan per result.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/scheduler_link_floor.py --rounds 5 --steps 3000 \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/scheduler_link_floor.py --rounds 5 --steps 3000 \
         --out benchmarks/results/scheduler_link_floor.json
 
 Two servers, run alternately in fresh processes (this VM's speed drifts):

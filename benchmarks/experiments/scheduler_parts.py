@@ -1,6 +1,6 @@
 """The scheduler daemon's CPU per decode step, part by part, in one process (no gRPC).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/scheduler_parts.py [--running 32 256 1024] [--steps 300]
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/scheduler_parts.py [--running 32 256 1024] [--steps 300]
         [--out benchmarks/results/scheduler_parts.json]
 
 Each step does what the daemon's engine does for one replica with N running decode requests
@@ -25,7 +25,7 @@ import time
 from collections import deque
 from pathlib import Path
 
-from benchmarks.scheduler import NUM_WAITING, PROMPT_LEN, EchoWorker, add, make_scheduler
+from benchmarks.experiments.scheduler import NUM_WAITING, PROMPT_LEN, EchoWorker, add, make_scheduler
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.event_batches import add_event, event_batches
 from scheduler_service.events import PlainTokens, RequestEvent, split_plain

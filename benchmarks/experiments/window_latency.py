@@ -1,6 +1,6 @@
 """What a deeper in-flight window costs at moderate load: TTFT / TPOT per `--max-concurrent-batches`.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/window_latency.py --windows 2 3 auto --rounds 2 \
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/window_latency.py --windows 2 3 auto --rounds 2 \
         --out benchmarks/results/window_latency.json
 
 The cross-check's trace (`crosscheck.py`: Poisson, 6 requests/s, prompts 64–1024, outputs
@@ -18,7 +18,7 @@ import argparse
 import json
 from pathlib import Path
 
-from benchmarks.critical_chain import late_fraction, window_flags
+from benchmarks.experiments.critical_chain import late_fraction, window_flags
 from benchmarks.crosscheck import write_trace
 from benchmarks.machine import python_speed_ms
 from stepahead.cli import bench

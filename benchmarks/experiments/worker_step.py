@@ -1,6 +1,6 @@
 """CPU of the sim worker's per-step path, and of the scheduler's side of the plan/result codec.
 
-    python benchmarks/worker_step.py [--rows 32 256 1024] [--steps 200] [--profile-rows 256]
+    python benchmarks/experiments/worker_step.py [--rows 32 256 1024] [--steps 200] [--profile-rows 256]
                                      [--label after] [--out benchmarks/results/worker_step.json]
 
 Before / after in one file: copy this script into a checkout of the old commit and run it
