@@ -14,7 +14,8 @@ client) from /proc, scheduler CPU per step (over the run, and while all N stream
 are running: the steps planned with N running, first to last, CPU sampled every 20 ms) and
 gateway CPU per streamed token, the load
 average and the machine's speed at the time (`python_speed_ms`: CPU ms of a fixed
-pure-Python workload, measured before each run; on a shared VM it varies by ~2x). With
+pure-Python workload, measured before each run; on a shared VM it varies from minute to
+minute). With
 `--profile-cpu`, py-spy samples the scheduler's and the gateway's GIL holders (the gateway's
 largest leaf frames, in µs per streamed token), and splits the scheduler's CPU per step
 into schedule, update, plan encode, result decode, event fan-out, stats/metrics and the

@@ -1,6 +1,6 @@
 """stepahead async vs sync vs Hugging Face (vs llama.cpp), same model and workload, one invocation.
 
-    .venv/bin/python benchmarks/compare.py --model tiny --out results/compare_tiny.json
+    .venv/bin/python benchmarks/compare.py --model tiny --out benchmarks/results/compare_tiny.json
     .venv/bin/python benchmarks/compare.py --model smollm2-135m --concurrency 16,64 \
         --out benchmarks/results/compare_smollm2-135m.json
 

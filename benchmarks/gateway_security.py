@@ -45,9 +45,6 @@ def fast_profile(directory: Path) -> Path:
 
 def make_certs(directory: Path):
     """The test suite's certificate factory (a CA, a server and a client certificate)."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root: tests/
     from testing.certs import make_certs as make
 
     return make(directory)

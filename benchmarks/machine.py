@@ -4,8 +4,8 @@
 Two speed measures, both kept because results on disk carry them: `calibration_us`, the best
 of many short runs of `sum(range(10_000))` (wall µs: the machine's floor), recorded by the
 per-step microbenchmarks; `python_speed_ms`, the median CPU ms of a longer loop, recorded per
-capacity run (what a daemon's work costs at that moment: this VM's two vCPUs change speed by
-~2x from minute to minute, and both measures follow it).
+capacity run (what a daemon's work costs at that moment: a shared VM's vCPUs change speed
+from minute to minute, and both measures follow it).
 """
 
 from __future__ import annotations

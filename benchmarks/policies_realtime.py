@@ -5,8 +5,8 @@ side by side with the offline simulator's prediction of the same run.
     PYTHONPATH=. .venv/bin/python benchmarks/policies_realtime.py --slowdown 16 --num-requests 200 \
         --policies score priority --out benchmarks/results/policies_realtime.json
 
-An H100 at full speed serves ~8,700 output tok/s on these traces, more than this 2-core
-machine's control plane and client can stream. So time is dilated: the device is K times
+An H100 at full speed serves these traces faster than a small machine's control plane and
+client can stream (docs/benchmarks.md). So time is dilated: the device is K times
 slower (memory bandwidth, FLOP/s and host link / K, step overhead x K: every step takes
 exactly K times as long), the trace's arrivals are K times further apart and the aging
 bound and the score policy's TTFT target are K times longer. The schedule is then the same

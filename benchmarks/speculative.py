@@ -67,14 +67,12 @@ def build_runner(model: str, k: int, rate: float, num_blocks: int, lookup_max: i
 
 
 def real_workload(kind: str, model: str, n: int) -> list[list[int]]:
-    import sys
 
     from transformers import AutoTokenizer
 
     from model_zoo.builtin_models import resolve_model
 
-    sys.path.insert(0, str(Path(__file__).parent))
-    from compare import CHAT_QUESTIONS, CODE_PROMPTS
+    from benchmarks.compare import CHAT_QUESTIONS, CODE_PROMPTS
 
     model_dir = resolve_model(model)
     tok = AutoTokenizer.from_pretrained(model_dir)

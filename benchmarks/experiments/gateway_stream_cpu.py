@@ -1,0 +1,245 @@
+"""Gateway and bench-client CPU per streamed token, the gateway isolated from the scheduler.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/gateway_stream_cpu.py --streams 256 \
+        --input-len 512 --output-len 256 --stream-intervals 1 4 --rounds 3 \
+        [--baseline /tmp/old-checkout] [--floor] [--profile] --out benchmarks/results/gateway_cpu_256.json
+
+A real `stepahead gateway` against `replay_scheduler.py` (the real `Scheduler.Connect`
+protocol, encoded by the scheduler's own writer: one token per open request every
+`--step-ms`, the shape of the sim worker's h200 + Llama-3-8B decode steps at 256 streams) and a real
+`stepahead bench` client (its grpc.aio workload code, in a child process). Per round:
+`--streams` requests at once, each of `--input-len` random prompt ids and `--output-len`
+tokens. Reported per round: the gateway process's CPU (/proc, user + system) and the client
+process's CPU (getrusage), each divided by the tokens the client received, and the tokens
+per streamed message (above 1 at stream interval 1 when the gateway fell behind the steps
+and merged queued tokens: fewer messages, less CPU per token; compare rows at the same
+tokens/message). The replay scheduler's CPU is not counted.
+
+`--baseline DIR` runs a second gateway and client from another checkout (e.g. `git archive`
+of the commit before a change), with a replay scheduler of that checkout (its wire format),
+rounds alternating, so before and after are measured side by side under the same machine
+load. `--floor` adds grpc.aio's own cost: a server that streams one prebuilt response per
+stream per step (no gateway code) to the same client. `--profile` records the gateway with
+py-spy during its last round and reports the largest leaf frames (µs per token: sample share
+× the measured CPU; py-spy counts a thread waiting for the GIL as busy, so read it as a
+ranking, not an exact split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from benchmarks.machine import cpu_seconds, python_thread_names, thread_cpu_seconds
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+
+
+def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
+    """CPU seconds (user + system) per thread of process `pid`: Python threads by their name,
+    the others (grpc core's) by their OS name, threads of one name summed."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for tid, (comm, seconds) in thread_cpu_seconds(pid).items():
+        out[names.get(tid, f"{comm} (not Python)")] += seconds
+    return out
+
+
+def start(argv: list[str], tree: Path) -> subprocess.Popen:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+
+
+def wait_ready(target: str, timeout_s: float = 120.0) -> None:
+    import grpc
+
+    from stepahead.v1 import generation_pb2, generation_pb2_grpc
+
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(target) as channel:
+        stub = generation_pb2_grpc.GenerationStub(channel)
+        while True:
+            try:
+                stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5, wait_for_ready=True)
+                return
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+def client_round(target: str, streams: int, input_len: int, output_len: int) -> dict:
+    """One round of the `stepahead bench` client's grpc.aio workload (run in a child process)."""
+    from cli import bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    wargs = parser.parse_args(["--num-prompts", str(streams), "--max-concurrency", str(streams),
+                               "--random-input-len", str(input_len), "--random-output-len", str(output_len),
+                               "--ignore-eos", "--disable-tqdm"])
+    workload = bench.make_workload(wargs, 1000)
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = usage.ru_utime + usage.ru_stime
+    results, elapsed, _ = asyncio.run(bench.run_workload_async(target, None, workload, wargs))
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return {"tokens": sum(r.output_len for r in results if not r.error), "failed": sum(1 for r in results if r.error),
+            "messages": sum(len(r.token_times) for r in results if not r.error),
+            "wall_s": elapsed, "client_cpu_s": usage.ru_utime + usage.ru_stime - cpu0}
+
+
+def one_round(target: str, pid: int, tree: Path, args, streams: int, output_len: int, spy_out: Path | None) -> dict:
+    spy = None
+    if spy_out is not None:
+        spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-r", "200", "-f", "raw",
+                                "-o", str(spy_out), "-p", str(pid)], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        time.sleep(1.0)  # py-spy attaches
+    names = python_thread_names(pid)
+    gw0, threads0 = cpu_seconds(pid), thread_cpu(pid, names)
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-round", target, "--streams",
+                          str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len)],
+                         env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
+    gw, threads = cpu_seconds(pid) - gw0, thread_cpu(pid, names)
+    if spy is not None:
+        spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
+        spy.wait(60)
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    tokens = max(r["tokens"], 1)
+    return {"tokens": r["tokens"], "failed": r["failed"], "wall_s": round(r["wall_s"], 3),
+            "output_tok_s": round(r["tokens"] / r["wall_s"]), "tokens_per_message": round(tokens / max(r["messages"], 1), 3),
+            "gateway_cpu_s": round(gw, 3),
+            "client_cpu_s": round(r["client_cpu_s"], 3), "gateway_us_per_token": round(gw / tokens * 1e6, 1),
+            "client_us_per_token": round(r["client_cpu_s"] / tokens * 1e6, 1),
+            "gateway_threads_us_per_token": {name: round((t - threads0.get(name, 0.0)) / tokens * 1e6, 1)
+                                             for name, t in sorted(threads.items(), key=lambda kv: -kv[1])
+                                             if t - threads0.get(name, 0.0) > 0}}
+
+
+def top_frames(path: Path, us_per_token: float, n: int = 15) -> dict[str, float]:
+    """Leaf frames of py-spy's (non-idle) samples, in µs per token."""
+    counts: collections.Counter = collections.Counter()
+    for line in path.read_text().splitlines():
+        stack, _, k = line.rpartition(" ")
+        counts[stack.split(";")[-1]] += int(k)
+    total = sum(counts.values()) or 1
+    return {k: round(v / total * us_per_token, 1) for k, v in counts.most_common(n)}
+
+
+class Server:
+    """A gateway (or the grpc.aio floor server) of one checkout, started once per stream interval."""
+
+    def __init__(self, name: str, tree: Path, argv: list[str], port: int) -> None:
+        self.name, self.tree, self.target = name, tree, f"127.0.0.1:{port}"
+        self.proc = start(argv, tree)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+def trees_of(args) -> list[tuple[str, Path]]:
+    return [("after", REPO)] + ([("before", args.baseline.resolve())] if args.baseline else [])
+
+
+def replay_port(args, i: int) -> int:
+    """The port of tree i's replay scheduler."""
+    return args.port + 1 + 4 * i
+
+
+def servers_for(args, interval: int) -> list[Server]:
+    out = []
+    for i, (name, tree) in enumerate(trees_of(args)):
+        port = args.port + 2 + i
+        sched_addr = f"127.0.0.1:{replay_port(args, i)}"
+        out.append(Server(name, tree, ["-m", "cli", "gateway", "--scheduler", sched_addr, "--port",
+                                       str(port), "--http-port", "0", "--model", args.model, "--stream-interval",
+                                       str(interval), "--max-concurrent-streams", str(max(args.streams, 16)),
+                                       "--log-level", "warning"], port))
+    if args.floor and interval == 1:
+        port = args.port + 9
+        out.append(Server("grpc.aio floor", REPO, [str(HERE / "grpc_floor.py"), "--port", str(port),
+                                                  "--step-ms", str(args.step_ms)], port))
+    return out
+
+
+def run_interval(args, interval: int) -> list[dict]:
+    servers = servers_for(args, interval)
+    rows = {s.name: [] for s in servers}
+    try:
+        for s in servers:
+            wait_ready(s.target)
+            one_round(s.target, s.proc.pid, s.tree, args, 16, 8, None)  # warm-up
+        for r in range(args.rounds):
+            for s in servers:  # alternating: the same machine load for each
+                spy_out = args.out.parent / f"gateway_cpu_profile_{s.name}_si{interval}.txt" if (
+                    args.profile and args.out and r == args.rounds - 1 and s.name != "grpc.aio floor") else None
+                rows[s.name].append(one_round(s.target, s.proc.pid, s.tree, args, args.streams, args.output_len,
+                                              spy_out))
+                print(f"  {s.name} stream interval {interval} round {r}: {rows[s.name][-1]}", flush=True)
+    finally:
+        for s in servers:
+            s.close()
+    out = []
+    for name, rounds in rows.items():
+        row = {"code": name, "stream_interval": interval, "rounds": rounds,
+               "gateway_us_per_token": statistics.median(x["gateway_us_per_token"] for x in rounds),
+               "client_us_per_token": statistics.median(x["client_us_per_token"] for x in rounds),
+               "output_tok_s": statistics.median(x["output_tok_s"] for x in rounds),
+               "tokens_per_message": statistics.median(x["tokens_per_message"] for x in rounds)}
+        profile = args.out.parent / f"gateway_cpu_profile_{name}_si{interval}.txt" if args.out else None
+        if args.profile and profile and profile.exists():
+            row["gateway_top_leaf_us_per_token"] = top_frames(profile, rounds[-1]["gateway_us_per_token"])
+        out.append(row)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="llama3-8b-sim", help="model directory or built-in (its tokenizer)")
+    parser.add_argument("--streams", type=int, default=256)
+    parser.add_argument("--input-len", type=int, default=512)
+    parser.add_argument("--output-len", type=int, default=256)
+    parser.add_argument("--step-ms", type=float, default=22.0, help="the replay scheduler's step time")
+    parser.add_argument("--stream-intervals", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--port", type=int, default=50060, help="first of the ports this uses (10 of them)")
+    parser.add_argument("--baseline", type=Path, default=None, help="another checkout to measure side by side")
+    parser.add_argument("--floor", action="store_true", help="also measure grpc.aio's own per-message cost")
+    parser.add_argument("--profile", action="store_true", help="py-spy each gateway in its last round")
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--client-round", default=None, help=argparse.SUPPRESS)  # the child process's mode
+    args = parser.parse_args()
+    if args.client_round:
+        print(json.dumps(client_round(args.client_round, args.streams, args.input_len, args.output_len)))
+        return
+    replays = [start([str(tree / "benchmarks" / "experiments" / "replay_scheduler.py"), "--model", args.model, "--port",
+                      str(replay_port(args, i)), "--step-ms", str(args.step_ms)], tree)
+               for i, (_, tree) in enumerate(trees_of(args))]  # each checkout's own wire format
+    try:
+        rows = [row for interval in args.stream_intervals for row in run_interval(args, interval)]
+    finally:
+        for replay in replays:
+            replay.terminate()
+            replay.wait(30)
+    print(f"{args.streams} streams x {args.output_len} tokens, {args.step_ms} ms steps, "
+          f"load {os.getloadavg()[0]:.2f}, medians of {args.rounds} rounds")
+    for row in rows:
+        print(f"  {row['code']:<15} stream interval {row['stream_interval']}: gateway {row['gateway_us_per_token']:6.1f}"
+              f" us/token, client {row['client_us_per_token']:6.1f} us/token, {row['output_tok_s']} tok/s, "
+              f"{row['tokens_per_message']:.2f} tokens/message")
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "results": rows,
+                                        "load_average": os.getloadavg()}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
