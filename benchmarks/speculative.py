@@ -40,9 +40,9 @@ import statistics
 import time
 from pathlib import Path
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.step_loop import StepLoop
 from stepahead.plan import SamplingParams
 from stepahead.speculative import SpeculativeConfig

@@ -52,8 +52,8 @@ SCHEMA = {
 
 def run_once(runner, config, prompts, samplings) -> dict:
     """Launch-ahead loop over the real scheduler core; returns per-step samples."""
-    from scheduler_service.request import Request
-    from scheduler_service.scheduler import Scheduler
+    from scheduler_service.core.request import Request
+    from scheduler_service.core.scheduler import Scheduler
     from scheduler_service.step_loop import StepLoop
 
     runner.reset()
@@ -93,7 +93,7 @@ def summarise(samples) -> dict:
 def bench(model: str, device: str, batch: int, num_requests: int) -> dict:
     from transformers import AutoTokenizer
 
-    from scheduler_service.config import SchedulerConfig
+    from scheduler_service.core.config import SchedulerConfig
     from model_zoo.builtin_models import ensure_model
     from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
     from worker_service.model_runner import ModelRunner

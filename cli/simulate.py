@@ -3,16 +3,17 @@
     stepahead simulate --dataset-path trace.jsonl --sim-profile h200 --model llama3-8b-sim \
         --scheduling-policy priority --result-filename sim.json
 
-The real scheduler core (`scheduler_service.scheduler.Scheduler`, its clock injected) plans
+The real scheduler core (`scheduler_service.core.scheduler.Scheduler`, its clock injected) plans
 steps; the sim worker's runner (`worker_service.sim`) applies them and prices them with the
 roofline cost model. No processes, no sleeping: an hour of trace takes seconds. The
-in-flight window is the engine's (`scheduler_service.window`: one step ahead, deeper up to
-`--max-concurrent-batches` while the device waits for plans; 1 with `--no-async-scheduling`)
-and the device runs one step at a time. The control plane is free
+in-flight window is the engine's own `StepLoop` (`scheduler_service.window`: one step
+ahead, deeper up to `--max-concurrent-batches` while the device waits for plans; 1 with
+`--no-async-scheduling`) and the device runs one step at a time. The control plane is free
 by default; `--sim-*-latency-ms` give it the four latencies of the real daemons
 (`benchmarks/hops.py` measures them): a request reaches the scheduler `ingress` after its
 arrival, a plan can start on the device `plan` after it was made, a result is committed
-`result` after its step ended, and a token reaches its client `egress` after its commit. Output: the same metric keys as `stepahead bench` (vLLM's), plus
+`result` after its step ended, and a token reaches its client `egress` after its commit.
+Output: the same metric keys as `stepahead bench` (vLLM's), plus
 `device_utilization`, per priority class summaries and every request's timeline; comparing
 it with a real-time run of the sim-worker system shows what the control plane costs.
 
@@ -110,19 +111,26 @@ class ControlPlane:
 
 
 class VirtualSystem:
-    """Scheduler core + sim runner on one virtual clock: arrivals, plans, device steps."""
+    """Scheduler core + sim runner on one virtual clock: arrivals, plans, device steps.
+
+    The window is the daemon's own: a `StepLoop` plans while it has room (on a commit, or
+    when work arrives) and commits results in plan order, judging each step's lateness from
+    its timing as the engine does. The runner here is a virtual-clock worker: each plan runs
+    on the device as soon as it arrives and the device is free, and its result reaches the
+    scheduler `ControlPlane.result` after the step ends.
+    """
 
     def __init__(self, runner, sched_config, control: ControlPlane = ControlPlane()) -> None:
-        from scheduler_service.scheduler import Scheduler
-        from scheduler_service.window import AdaptiveWindow
+        from scheduler_service.core.scheduler import Scheduler
+        from scheduler_service.step_loop import StepLoop
 
         self.control = control
         self.now = 0.0
         self.runner = runner
         self.scheduler = Scheduler(sched_config, clock=lambda: self.now)
-        self.window = AdaptiveWindow.of(sched_config)  # the engine's StepLoop window, on the virtual clock
+        self.loop = StepLoop(self.scheduler)
         self._after_commit = False  # the next pump follows a commit (the window's lateness signal)
-        self.in_flight: collections.deque = collections.deque()  # (plan, sampled, failed, commit time, spec, late)
+        self.device: collections.deque = collections.deque()  # (result, when it reaches the scheduler), in plan order
         self.device_free = 0.0
         self.busy = 0.0
         self.num_steps = 0
@@ -130,11 +138,11 @@ class VirtualSystem:
 
     def run(self, arrivals: list[tuple[float, object, SimRequestLog]]) -> None:
         """arrivals: (time, Request, log) sorted by time; fills each log."""
-        from scheduler_service.scheduler import RequestRejected
+        from scheduler_service.core.scheduler import RequestRejected
 
         logs = self.logs
         pending = collections.deque((t + self.control.ingress, request, log) for t, request, log in arrivals)
-        while pending or self.in_flight or self.scheduler.has_unfinished_requests():
+        while pending or self.device or self.scheduler.has_unfinished_requests():
             while pending and pending[0][0] <= self.now:
                 _, request, log = pending.popleft()
                 try:
@@ -144,48 +152,41 @@ class VirtualSystem:
                     continue
                 logs[request.request_id] = log
             self._pump()
-            times = ([self.in_flight[0][3]] if self.in_flight else []) + ([pending[0][0]] if pending else [])
+            times = ([self.device[0][1]] if self.device else []) + ([pending[0][0]] if pending else [])
             if not times:
                 if not self.scheduler.has_unfinished_requests():
                     return  # the last arrivals were rejected
                 raise SimulationStalled(f"simulation stuck at t={self.now}: nothing to plan, "
                                         f"{self.scheduler.stats()}")
             self.now = max(self.now, min(times))
-            if self.in_flight and self.in_flight[0][3] <= self.now:
+            if self.device and self.device[0][1] <= self.now:
                 self._commit()
                 stall = self.scheduler.stall()
                 if stall is not None:
                     raise SimulationStalled(f"simulation livelocked at t={self.now:.3f} s: {stall}")
 
     def _pump(self) -> None:
-        from scheduler_service.window import is_late
+        from stepahead.plan import StepResult, WorkerTiming
 
         on_commit, self._after_commit = self._after_commit, False
-        while len(self.in_flight) < self.window.size and self.scheduler.can_schedule():
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return
+        while (plan := self.loop.plan_next(on_commit)) is not None:
             for r in plan.new_requests:  # the queue wait ends when a plan first takes the request
                 log = self.logs[r.request_id]
                 log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
             sampled, seconds, failed = self.runner.apply(plan)
-            ready = self.now + self.control.plan
-            late = self.device_free > 0 and is_late(ready - self.device_free, on_commit)  # as the engine judges it
-            start = max(ready, self.device_free)
+            start = max(self.now + self.control.plan, self.device_free)
             self.device_free = start + seconds
             self.busy += seconds
-            self.in_flight.append((plan, sampled, failed, self.device_free + self.control.result,
-                                   self.runner.last_speculation, late))
+            result = StepResult(plan.step_id, sampled, failed=failed, speculation=self.runner.last_speculation,
+                                timing=WorkerTiming(forward_start=start, forward_end=self.device_free))
+            self.device.append((result, self.device_free + self.control.result))
 
     def _commit(self) -> None:
-        from stepahead.plan import StepResult
-
-        plan, sampled, failed, _, spec, late = self.in_flight.popleft()
-        self.window.on_step(late)
+        result, _ = self.device.popleft()
+        _, events = self.loop.commit(result)
         self._after_commit = True
         self.num_steps += 1
-        for event in self.scheduler.update_from_output(plan, StepResult(plan.step_id, sampled, failed=failed,
-                                                                                 speculation=spec)):
+        for event in events:
             log, seen = self.logs[event.request_id], self.now + self.control.egress
             log.token_times += [seen] * len(event.new_token_ids)
             if event.finish_reason is not None:
@@ -193,7 +194,7 @@ class VirtualSystem:
 
 
 def simulate(config: SimulateConfig, sched_flags) -> dict:
-    from scheduler_service.request import Request
+    from scheduler_service.core.request import Request
     from cli.datasets import load_trace, trace_prompts
     from stepahead.plan import SamplingParams
 

@@ -24,8 +24,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_service.admission import check_submission
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.admission import check_submission
+from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.groups import GroupAssembly, GroupFormer
 from scheduler_service.inbox import Abort, Attach, Call, CloseSession, Inbox, Stop, Submit
 from scheduler_service.links import (
@@ -34,11 +34,11 @@ from scheduler_service.links import (
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.events import PlainTokens, split_plain
-from scheduler_service.request import Request
+from scheduler_service.core.events import PlainTokens, split_plain
+from scheduler_service.core.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
-from scheduler_service.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
-from scheduler_service.stats import SchedulerStats, sum_stats
+from scheduler_service.core.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
+from scheduler_service.core.stats import SchedulerStats, sum_stats
 from stepahead.logs import RateLimitedLog
 from stepahead import jitter
 from stepahead.flight_recorder import StepRecord

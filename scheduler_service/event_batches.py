@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from scheduler_service.events import PlainTokens, RequestEvent
+from scheduler_service.core.events import PlainTokens, RequestEvent
 from scheduler_service.links import RejectCode, Rejected
 from stepahead import codec
 from stepahead.columns import pack_ids, pack_u32

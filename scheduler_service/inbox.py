@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_service.links import GatewaySession, WorkerHandle
-from scheduler_service.request import Request
+from scheduler_service.core.request import Request
 
 
 @dataclass(frozen=True)

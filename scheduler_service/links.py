@@ -12,7 +12,7 @@ import queue
 import threading
 from dataclasses import dataclass
 
-from scheduler_service.request import QueueFull
+from scheduler_service.core.request import QueueFull
 from stepahead.plan import StepPlan, StepResult, WorkerInfo
 
 

@@ -23,8 +23,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.utils import floatToGoString
 
-from scheduler_service.events import PlainTokenEvent, PlainTokens, RequestEvent, StepEvents
-from scheduler_service.scheduler import SchedulerStats
+from scheduler_service.core.events import PlainTokenEvent, PlainTokens, RequestEvent, StepEvents
+from scheduler_service.core.scheduler import SchedulerStats
 from scheduler_service.token_times import LastTokenTimes
 from stepahead.flight_recorder import StepRecord
 

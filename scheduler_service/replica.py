@@ -12,8 +12,8 @@ import time
 
 from scheduler_service.links import WorkerHandle
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.events import StepEvents
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.events import StepEvents
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.step_loop import StepLoop
 from stepahead.flight_recorder import FlightRecorder, StepRecord
 from stepahead.plan import StepPlan, StepResult

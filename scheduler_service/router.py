@@ -22,8 +22,8 @@ import itertools
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
-from scheduler_service.block_pool import default_block_hash
-from scheduler_service.request import Request
+from scheduler_service.core.block_pool import default_block_hash
+from scheduler_service.core.request import Request
 
 
 class RoutingPolicy(str, enum.Enum):

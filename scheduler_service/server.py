@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import grpc
 from prometheus_client import REGISTRY, start_http_server
 
-from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from scheduler_service.engine import Engine, EngineOptions
 from scheduler_service.event_batches import event_batches
 from scheduler_service.groups import Joiner
@@ -32,8 +32,8 @@ from scheduler_service.links import (
 )
 from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
-from scheduler_service.request import Request
-from scheduler_service.scheduler import RequestRejected
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import RequestRejected
 from stepahead.speculative import num_speculative_tokens
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead.undecodable import UndecodableGuard

@@ -15,11 +15,10 @@ the in-process integration engine drive the same class, so the window has one de
 from __future__ import annotations
 
 import collections
-import dataclasses
-import math
 
-from scheduler_service.events import StepEvents
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.events import StepEvents
+from scheduler_service.core.result_checks import check_timing
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.window import AdaptiveWindow, is_late
 from stepahead.plan import StepPlan, StepResult, WorkerTiming
 
@@ -90,16 +89,3 @@ class StepLoop:
             self.last_late = is_late(self.last_idle_s, on_commit)
             self.window.on_step(self.last_late)
         self._last_forward_end = timing.forward_end or self._last_forward_end
-
-
-_TIMING_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerTiming))
-
-
-def check_timing(result: StepResult) -> None:
-    """Worker timings feed metrics and the flight recorder: finite, non-negative seconds
-    (read field by field: `dataclasses.asdict` deep-copies, ~30 µs per step)."""
-    timing = result.timing
-    for name in _TIMING_FIELDS:
-        value = getattr(timing, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise ValueError(f"result {result.step_id}: timing.{name} is {value!r}")

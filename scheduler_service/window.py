@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.config import SchedulerConfig
 
 LATE_S = 0.0005  # the device idled this long before a step whose plan was made as early as the window allowed
 ONE_STEP_AHEAD = 2  # plans in flight of the async loop without deepening: the step running and the next

@@ -53,7 +53,7 @@ def measure(streams: int, output_len: int, model: str) -> dict:
     from gateway.generation import Frontend
     from gateway.plain_tokens import deliver
     from scheduler_service.event_batches import event_batches
-    from scheduler_service.events import RequestEvent
+    from scheduler_service.core.events import RequestEvent
     from stepahead.plan import FinishReason
     from gateway.metrics import GatewayMetrics
     from gateway.server import GenerationServicer

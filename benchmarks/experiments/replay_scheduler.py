@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 
 from scheduler_service.event_batches import event_batches
-from scheduler_service.events import RequestEvent
+from scheduler_service.core.events import RequestEvent
 from model_zoo.builtin_models import resolve_model
 from stepahead.plan import FinishReason
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc

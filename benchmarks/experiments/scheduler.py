@@ -15,9 +15,9 @@ import statistics
 import time
 from collections import deque
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
 from stepahead.plan import SamplingParams, StepPlan, StepResult
 
 PROMPT_LEN, BLOCK_SIZE, NUM_WAITING = 128, 16, 1000

@@ -28,7 +28,7 @@ from pathlib import Path
 from benchmarks.experiments.scheduler import NUM_WAITING, PROMPT_LEN, EchoWorker, add, make_scheduler
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.event_batches import add_event, event_batches
-from scheduler_service.events import PlainTokens, RequestEvent, split_plain
+from scheduler_service.core.events import PlainTokens, RequestEvent, split_plain
 from stepahead import codec
 from stepahead.flight_recorder import StepRecord
 from stepahead.plan import WorkerTiming

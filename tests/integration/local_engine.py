@@ -11,9 +11,9 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.scheduler import RequestEvent, Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import RequestEvent, Scheduler
 from scheduler_service.step_loop import StepLoop
 from stepahead.plan import StepPlan
 

@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.scheduler import FinishReason
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import FinishReason
 from stepahead.plan import SamplingParams
 from tests.integration.local_engine import LocalEngine
 from testing.checkpoints import VOCAB, build_checkpoint

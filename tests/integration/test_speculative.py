@@ -14,9 +14,9 @@ import random
 
 import pytest
 
-from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.scheduler import FinishReason
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import FinishReason
 from stepahead.plan import SamplingParams
 from stepahead.speculative import SpeculativeConfig
 from tests.integration.local_engine import LocalEngine

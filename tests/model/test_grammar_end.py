@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 import torch
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.scheduler import FinishReason
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import FinishReason
 from stepahead.plan import SamplingParams
 from stepahead.speculative import SpeculativeConfig
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401

@@ -13,8 +13,8 @@ import pytest
 
 import worker_service.model_runner as model_runner
 import worker_service.speculation as speculation
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
 from stepahead.plan import SamplingParams
 from stepahead.speculative import SpeculativeConfig
 from tests.integration.local_engine import LocalEngine

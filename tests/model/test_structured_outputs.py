@@ -16,9 +16,9 @@ import re
 import jsonschema
 import torch
 
-from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.request import Request
-from scheduler_service.scheduler import FinishReason
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import FinishReason
 from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.integration.local_engine import LocalEngine

@@ -20,10 +20,10 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service import scheduler as scheduler_module
-from scheduler_service.config import SchedulerConfig, SchedulingPolicy
-from scheduler_service.policy import FcfsPolicy
-from scheduler_service.request import Request, RequestStatus
+from scheduler_service.core import scheduler as scheduler_module
+from scheduler_service.core.config import SchedulerConfig, SchedulingPolicy
+from scheduler_service.core.policy import FcfsPolicy
+from scheduler_service.core.request import Request, RequestStatus
 from cli import simulate
 from stepahead.plan import SamplingParams
 from tests.unit.fake_executor import Driver, hashed_tokens

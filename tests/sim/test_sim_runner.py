@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.request import Request
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig
+from scheduler_service.core.request import Request
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
 from tests.integration.local_engine import LocalEngine
 from tests.sim.workload import mixed_workload

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.request import Request
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig
+from scheduler_service.core.request import Request
 from stepahead.speculative import SpeculativeConfig
 from tests.integration.local_engine import LocalEngine
 from tests.sim.workload import mixed_workload

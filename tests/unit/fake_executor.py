@@ -18,10 +18,10 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.events import RequestEvent
-from scheduler_service.request import FinishReason, Request
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.events import RequestEvent
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.scheduler import Scheduler
 from scheduler_service.step_loop import StepLoop
 from stepahead.plan import SamplingParams, SpecOutcome, StepPlan, StepResult
 
@@ -277,7 +277,7 @@ def run_alone(config: SchedulerConfig, spec: RequestSpec, token_fn: TokenFn) -> 
     """The oracle: the same request alone through a fresh synchronous scheduler."""
     from dataclasses import replace
 
-    from scheduler_service.kv_manager import cdiv
+    from scheduler_service.core.kv_manager import cdiv
 
     solo = replace(
         config,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.block_pool import BlockPool
-from scheduler_service.kv_manager import KVCacheManager
-from scheduler_service.request import Request
+from scheduler_service.core.block_pool import BlockPool
+from scheduler_service.core.kv_manager import KVCacheManager
+from scheduler_service.core.request import Request
 from stepahead.plan import SamplingParams
 
 

@@ -1,4 +1,4 @@
-"""The bulk decode path (`scheduler_service/decodes.py`) against its oracle, the per-request
+"""The bulk decode path (`scheduler_service/core/decodes.py`) against its oracle, the per-request
 rules (`Scheduler(bulk_decodes=False)`: each decode decided by `token_rules.num_new_tokens`
 and committed by `commit_one`, the prefix-cache check and `add_committed`, one by one): the
 same workload driven in lockstep through both cores gives the same plans (the same
@@ -14,7 +14,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scheduler_service.events import PlainTokenEvent
+from scheduler_service.core.events import PlainTokenEvent
 from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens
 from tests.unit.test_sched_stateful import EOS, configs, request_params
 
@@ -84,7 +84,7 @@ def test_bulk_decodes_equal_the_per_request_rules(config, arrivals, data):
 def test_a_long_decode_run_goes_plain_in_bulk_with_new_blocks_and_prefix_hits():
     """Many running requests decoding past several block boundaries with prefix caching: the
     bulk path gives out blocks and registers filled ones exactly as the rules do."""
-    from scheduler_service.config import SchedulerConfig
+    from scheduler_service.core.config import SchedulerConfig
     from stepahead.plan import SamplingParams
 
     config = SchedulerConfig(num_gpu_blocks=400, max_model_len=96, block_size=4, max_num_batched_tokens=64,

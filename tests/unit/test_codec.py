@@ -84,7 +84,7 @@ def test_worker_timing_with_device_busy_time_round_trips():
 
 
 def test_event_batches_carry_every_field_and_cut_the_scope():
-    from scheduler_service.events import RequestEvent
+    from scheduler_service.core.events import RequestEvent
     from scheduler_service.event_batches import event_batches
     from stepahead.plan import FinishReason
     from stepahead.v1 import common_pb2

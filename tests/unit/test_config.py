@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from scheduler_service.config import PreemptionMode, SchedulingPolicy
+from scheduler_service.core.config import PreemptionMode, SchedulingPolicy
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo

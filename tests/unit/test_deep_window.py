@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.config import SchedulerConfig
 from stepahead.plan import SamplingParams
 from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens, run_alone
 

@@ -19,7 +19,7 @@ import structlog
 
 from scheduler_service.engine import Engine, PlanOutbox
 from scheduler_service.links import GatewaySession
-from scheduler_service.request import Request
+from scheduler_service.core.request import Request
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead.plan import SamplingParams, WorkerInfo
 

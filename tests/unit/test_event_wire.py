@@ -18,7 +18,7 @@ from gateway.plain_tokens import MalformedBatch, OpenRequest, PlainToken, delive
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from scheduler_service.event_batches import event_batches
 from scheduler_service.links import GatewaySession, RejectCode, Rejected
-from scheduler_service.events import PlainTokens, RequestEvent
+from scheduler_service.core.events import PlainTokens, RequestEvent
 from stepahead import codec, columns
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason

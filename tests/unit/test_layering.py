@@ -103,6 +103,12 @@ def test_no_import_points_up_the_layers():
     assert upward_imports(import_graph()) == []
 
 
+def test_the_scheduler_core_imports_nothing_of_its_daemon():
+    daemon_side = sorted(f"{m} imports {t}" for m, ts in import_graph().items() if m.startswith("scheduler_service.core")
+                         for t in ts if t.startswith("scheduler_service.") and not t.startswith("scheduler_service.core"))
+    assert daemon_side == []
+
+
 def test_no_import_cycle_between_modules():
     assert cycles(import_graph()) == []
 

@@ -7,8 +7,9 @@ import math
 
 import pytest
 
-from scheduler_service.logprob_events import check_result_logprobs, take_prompt_logprobs
-from scheduler_service.request import Request
+from scheduler_service.core.logprob_events import take_prompt_logprobs
+from scheduler_service.core.result_checks import check_logprobs
+from scheduler_service.core.request import Request
 from stepahead import codec, limits
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import SamplingParams, SpecOutcome, StepResult
@@ -40,8 +41,8 @@ def result(**kw) -> StepResult:
 ])
 def test_forged_logprobs_are_refused(bad, why):
     with pytest.raises(ValueError, match=why):
-        check_result_logprobs(result(**bad), {"a": 5}, {"a"}, vocab_size=100, max_logprobs=2)
-    check_result_logprobs(result(logprobs={"a": Logprobs(5, -math.inf, ((1, -0.5), (5, -math.inf)))}),
+        check_logprobs(result(**bad), {"a": 5}, {"a"}, vocab_size=100, max_logprobs=2)
+    check_logprobs(result(logprobs={"a": Logprobs(5, -math.inf, ((1, -0.5), (5, -math.inf)))}),
                           {"a": 5}, {"a"}, vocab_size=100, max_logprobs=2)
 
 

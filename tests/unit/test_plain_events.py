@@ -9,10 +9,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import replace
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.events import PlainTokenEvent, RequestEvent
-from scheduler_service.request import Request
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.events import PlainTokenEvent, RequestEvent
+from scheduler_service.core.request import Request
+from scheduler_service.core.scheduler import Scheduler
 from stepahead.logprobs import Logprobs
 from stepahead.plan import SamplingParams, StepResult
 from tests.unit.fake_executor import Driver, RequestSpec, eos_at, hashed_tokens, run_alone

@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from scheduler_service.config import SchedulerConfig, SchedulingPolicy
-from scheduler_service.policy import WaitingQueue, make_policy
-from scheduler_service.request import Request, RequestStatus
+from scheduler_service.core.config import SchedulerConfig, SchedulingPolicy
+from scheduler_service.core.policy import WaitingQueue, make_policy
+from scheduler_service.core.request import Request, RequestStatus
 from stepahead.plan import SamplingParams
 from tests.unit.fake_executor import Driver, hashed_tokens
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.request import Request
+from scheduler_service.core.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig, RoutingPolicy
 from stepahead.plan import SamplingParams
 

@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from scheduler_service.request import FinishReason, Request, RequestStatus
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from scheduler_service.core.request import FinishReason, Request, RequestStatus
+from scheduler_service.core.scheduler import Scheduler
 from stepahead.plan import SamplingParams, StepResult
 from tests.unit.fake_executor import Driver, RequestSpec, eos_at, hashed_tokens, run_alone
 

@@ -6,9 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request, RequestRejected
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request, RequestRejected
+from scheduler_service.core.scheduler import Scheduler
 from stepahead.plan import SamplingParams
 
 CONFIG = SchedulerConfig(num_gpu_blocks=4, max_model_len=32, block_size=4)

@@ -21,10 +21,10 @@ from hypothesis import event
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens, run_alone
-from scheduler_service.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
-from scheduler_service.kv_manager import cdiv
-from scheduler_service.policy import ScorePolicy
-from scheduler_service.request import FinishReason
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from scheduler_service.core.kv_manager import cdiv
+from scheduler_service.core.policy import ScorePolicy
+from scheduler_service.core.request import FinishReason
 from stepahead.plan import SamplingParams
 
 EOS = 0

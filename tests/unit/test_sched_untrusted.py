@@ -10,9 +10,9 @@ import math
 
 import pytest
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import FinishReason, QueueFull, Request, RequestRejected
-from scheduler_service.scheduler import Scheduler
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import FinishReason, QueueFull, Request, RequestRejected
+from scheduler_service.core.scheduler import Scheduler
 from stepahead.plan import SamplingParams, StepResult
 from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens, run_alone
 

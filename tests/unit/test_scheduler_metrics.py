@@ -10,9 +10,9 @@ import numpy as np
 from prometheus_client import CollectorRegistry, Histogram
 
 from scheduler_service.metrics import _LATENCY_BUCKETS, HotHistogram, SchedulerMetrics
-from scheduler_service.events import PlainTokens, RequestEvent
-from scheduler_service.request import FinishReason
-from scheduler_service.stats import SchedulerStats
+from scheduler_service.core.events import PlainTokens, RequestEvent
+from scheduler_service.core.request import FinishReason
+from scheduler_service.core.stats import SchedulerStats
 
 
 def samples(registry: CollectorRegistry, name: str) -> dict[tuple, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.config import SchedulerConfig
 from stepahead.config import ConfigError
 from stepahead.speculative import SpeculativeConfig, num_speculative_tokens, parse_speculative_config
 from worker_service.ngram import propose_ngram

@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler_service.config import SchedulerConfig
+from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.window import LATE_S, AdaptiveWindow, is_late
 from stepahead.plan import SamplingParams, WorkerTiming
 from tests.unit.fake_executor import Driver, RequestSpec, eos_at, hashed_tokens, run_alone

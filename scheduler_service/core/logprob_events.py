@@ -1,11 +1,8 @@
-"""Logprobs on the scheduler: checked in a worker's result, forwarded in events (pure Python);
-and the event of a request that committed tokens (`add_committed`: a plain token when
-`is_plain_commit`, else `token_event`'s, which carries them).
+"""Logprobs on the scheduler, forwarded in events (pure Python; `result_checks` checks them
+in a worker's result first); and the event of a request that committed tokens
+(`add_committed`: a plain token when `is_plain_commit`, else `token_event`'s, which carries them).
 
-A result's logprobs are a network message like its tokens: entries only for requests that
-sampled (each naming the sampled token) or ran in the step, ids inside the vocabulary, no
-NaN, no more top entries than the worker serves. Prompt logprobs are forwarded once per
-position: a request recomputed after preemption (or adopted by another replica) computes
+Prompt logprobs are forwarded once per position: a request recomputed after preemption (or adopted by another replica) computes
 its prompt again, and only positions past `Request.prompt_logprobs_end` go out. Once every
 prompt position was delivered the request stops asking (a later recompute computes none),
 and it may use the prefix cache again.
@@ -15,46 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
-from scheduler_service.events import RequestEvent, StepEvents
-from scheduler_service.request import FinishReason, Request
+from scheduler_service.core.events import RequestEvent, StepEvents
+from scheduler_service.core.request import FinishReason, Request
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import StepResult
-
-
-def check_result_logprobs(result: StepResult, sampled_ids: dict[str, int], plan_ids: set[str],
-                          vocab_size: int | None, max_logprobs: int) -> None:
-    """Raises ValueError naming what is wrong with the result's logprobs."""
-    step = result.step_id
-    for rid, lp in result.logprobs.items():
-        if sampled_ids.get(rid) != lp.token_id:
-            raise ValueError(f"result {step} has logprobs for {rid!r} that are not of its sampled token")
-        _check_entry(step, lp, vocab_size, max_logprobs)
-    for rid, outcome in result.speculation.items():  # one entry per accepted draft, of that draft
-        if not (rid in result.logprobs or outcome.accepted_logprobs):
-            continue
-        if rid not in result.logprobs or \
-                tuple(lp.token_id for lp in outcome.accepted_logprobs) != outcome.accepted_token_ids:
-            raise ValueError(f"result {step} has accepted-draft logprobs for {rid!r} that are not of its "
-                             "accepted drafts")
-        for lp in outcome.accepted_logprobs:
-            _check_entry(step, lp, vocab_size, max_logprobs)
-    for rid, part in result.prompt_logprobs.items():
-        if rid not in plan_ids:
-            raise ValueError(f"result {step} has prompt logprobs for a request it did not run: {rid!r}")
-        if part.start < 1:
-            raise ValueError(f"result {step} has prompt logprobs for {rid!r} starting at position {part.start}")
-        for lp in part.entries:
-            _check_entry(step, lp, vocab_size, max_logprobs)
-
-
-def _check_entry(step: int, lp: Logprobs, vocab_size: int | None, max_logprobs: int) -> None:
-    ids = [lp.token_id, *(t for t, _ in lp.top)]
-    if vocab_size is not None and not all(0 <= t < vocab_size for t in ids):
-        raise ValueError(f"result {step} has logprobs of token ids outside the vocabulary")
-    # a log-probability is <= 0 (a little rounding slack); NaN fails the comparison
-    if len(lp.top) > max_logprobs or not all(v <= 1e-3 for v in [lp.logprob, *(v for _, v in lp.top)]):
-        raise ValueError(f"result {step} has malformed logprobs (more than {max_logprobs} top entries, "
-                         "NaN or positive values)")
 
 
 def take_prompt_logprobs(req: Request, result: StepResult) -> PromptLogprobs | None:

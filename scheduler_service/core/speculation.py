@@ -9,8 +9,8 @@ commits what was accepted and rolls the rest back (`settle`).
 
 from __future__ import annotations
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import Request
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import Request
 from stepahead.plan import StepResult
 
 
@@ -48,23 +48,3 @@ def settle(req: Request, num_tokens: int, num_drafts: int, result: StepResult) -
         req.num_accepted_tokens += len(outcome.accepted_token_ids)
         req.num_spec_steps += outcome.num_draft_tokens > 0
     return new
-
-
-def check_outcomes(result: StepResult, allowance: dict[str, int], vocab_size: int | None) -> None:
-    """A worker's speculation report is a network message: raises ValueError naming what is wrong."""
-    spec = result.speculation
-    if not spec:
-        return
-    extra = spec.keys() - allowance.keys()
-    if extra:
-        raise ValueError(f"result {result.step_id} has speculation outcomes for requests allowed no drafts: "
-                         f"{sorted(extra)[:8]}")
-    for rid, outcome in spec.items():
-        if rid not in result.sampled_token_ids:
-            raise ValueError(f"result {result.step_id}: speculation outcome for {rid!r} without a sampled token")
-        if not len(outcome.accepted_token_ids) <= outcome.num_draft_tokens <= allowance[rid]:
-            raise ValueError(
-                f"result {result.step_id}: request {rid!r} reports {outcome.num_draft_tokens} drafts "
-                f"({len(outcome.accepted_token_ids)} accepted) but was allowed {allowance[rid]}")
-        if vocab_size is not None and any(not 0 <= t < vocab_size for t in outcome.accepted_token_ids):
-            raise ValueError(f"result {result.step_id}: request {rid!r} has accepted token ids outside the vocabulary")

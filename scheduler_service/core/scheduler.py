@@ -27,21 +27,22 @@ from operator import attrgetter
 
 import numpy as np
 
-from scheduler_service.admission import check_submission
-from scheduler_service.block_pool import BlockHashFn, default_block_hash
-from scheduler_service.config import PreemptionMode, SchedulerConfig
-from scheduler_service.commit import StepCommitter
-from scheduler_service.decodes import decode_masks
-from scheduler_service.events import RequestEvent, StepEvents
-from scheduler_service.integrity import check_core
-from scheduler_service.kv_manager import KVCacheManager, PrefixHit, cdiv
-from scheduler_service.policy import WaitingQueue, make_policy
-from scheduler_service.running_set import RunningSet
-from scheduler_service.speculation import draft_allowance
-from scheduler_service.request import FINISHED_STATUS, FinishReason, QueueFull, Request, RequestRejected, RequestStatus
-from scheduler_service.stats import SchedulerStats, build_stats, count_result
-from scheduler_service.step_builder import InFlightPlan, StepBuilder
-from scheduler_service.token_rules import num_new_tokens
+from scheduler_service.core.admission import check_submission
+from scheduler_service.core.block_pool import BlockHashFn, default_block_hash
+from scheduler_service.core.config import PreemptionMode, SchedulerConfig
+from scheduler_service.core.commit import StepCommitter
+from scheduler_service.core.decodes import decode_masks
+from scheduler_service.core.events import RequestEvent, StepEvents
+from scheduler_service.core.integrity import check_core
+from scheduler_service.core.kv_manager import KVCacheManager, PrefixHit, cdiv
+from scheduler_service.core.policy import WaitingQueue, make_policy
+from scheduler_service.core.running_set import RunningSet
+from scheduler_service.core.speculation import draft_allowance
+from scheduler_service.core.result_checks import check_result
+from scheduler_service.core.request import FINISHED_STATUS, FinishReason, QueueFull, Request, RequestRejected, RequestStatus
+from scheduler_service.core.stats import SchedulerStats, build_stats, count_result
+from scheduler_service.core.step_builder import InFlightPlan, StepBuilder
+from scheduler_service.core.token_rules import num_new_tokens
 from stepahead.plan import StepPlan, StepResult
 
 __all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats", "StepEvents"]
@@ -385,7 +386,7 @@ class Scheduler:
         if result.step_id != plan.step_id:
             raise ValueError(f"result for step {result.step_id} given with plan {plan.step_id}")
         record = self._in_flight[0]
-        ordered = record.check_result(result, self.config.vocab_size, self.config.max_logprobs)
+        ordered = check_result(record, result, self.config.vocab_size, self.config.max_logprobs)
         self._in_flight.popleft()
         self._kv.device.release_fences(record.step_id)
         self._kv.host.release_fences(record.step_id)

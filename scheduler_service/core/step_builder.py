@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
 import numpy as np
 
-from scheduler_service.decodes import DecodeRun, ScheduledDecodes
-from scheduler_service.logprob_events import check_result_logprobs
-from scheduler_service.request import Request
-from scheduler_service.running_set import RunningColumns
-from stepahead.columns import SampledTokens, pack_ids
-from stepahead.logprobs import MAX_LOGPROBS
-from scheduler_service.speculation import check_outcomes
-from stepahead.plan import NewRequest, RunningDeltas, StepPlan, StepResult, running_request
+from scheduler_service.core.decodes import DecodeRun, ScheduledDecodes
+from scheduler_service.core.request import Request
+from scheduler_service.core.running_set import RunningColumns
+from stepahead.plan import NewRequest, RunningDeltas, StepPlan, running_request
 
 
 class ScheduledEntry(NamedTuple):
@@ -46,69 +41,15 @@ class InFlightPlan:
     draft_allowance: dict[str, int] = field(default_factory=dict)  # speculating request -> drafts allowed
     decodes: DecodeRun | None = None  # the plan's decodes (each samples one token)
 
-    def _fresh_ids(self) -> set[str]:
+    def fresh_ids(self) -> set[str]:
+        """The requests of this plan still in the state the plan saw (not preempted, finished or aborted since)."""
         fresh = {req.request_id for req, epoch, *_ in self.entries if req.epoch == epoch}
         return fresh.union(self.decodes.fresh_ids()) if self.decodes is not None else fresh
 
-    def _plan_ids(self) -> set[str]:
+    def plan_ids(self) -> set[str]:
+        """Every request of this plan."""
         ids = {req.request_id for req, *_ in self.entries}
         return ids.union(self.decodes.request_ids) if self.decodes is not None else ids
-
-    def check_result(self, result: StepResult, vocab_size: int | None = None, max_logprobs: int = MAX_LOGPROBS
-                     ) -> list[int] | None:
-        """Tokens exactly for the requests that sample (stale or failed ones may be missing),
-        each inside the vocabulary; failures only for requests of this plan. A result is a
-        network message: raises ValueError naming what is wrong, before anything changes.
-        Returns the tokens in the plan's sampling order when the result lists exactly the
-        requests of `sampling`, in that order (the common case: nothing to look up by id);
-        else None."""
-        tokens, failed = result.sampled_token_ids, result.failed
-        ordered = None if failed else _in_order(tokens, self.sampling)
-        if ordered is None:
-            self._check_sampled_ids(result)
-        values = ordered if ordered is not None else list(tokens.values())
-        if vocab_size is not None and values and not (0 <= min(values) and max(values) < vocab_size):
-            bad = [t for t in values if not 0 <= t < vocab_size]
-            raise ValueError(f"result {result.step_id} has token ids outside the vocabulary: {bad[:8]}")
-        check_outcomes(result, self.draft_allowance, vocab_size)
-        if result.logprobs or result.prompt_logprobs:
-            check_result_logprobs(result, tokens, self._plan_ids(), vocab_size, max_logprobs)
-        return ordered
-
-    def _check_sampled_ids(self, result: StepResult) -> None:
-        tokens, failed, sampling = result.sampled_token_ids, result.failed, frozenset(self.sampling)
-        extra = tokens.keys() - sampling
-        if extra:
-            raise ValueError(f"result {result.step_id} has tokens for requests it did not sample: {sorted(extra)[:8]}")
-        if failed or result.invalid_ids:
-            self._check_failed(result)
-        missing = sampling - tokens.keys() - failed.keys()
-        if missing:  # only fresh entries must have a token
-            missing &= self._fresh_ids()
-        if missing:
-            raise ValueError(f"result {result.step_id} lacks sampled tokens for {sorted(missing)[:8]}")
-
-    def _check_failed(self, result: StepResult) -> None:
-        failed = result.failed
-        both = failed.keys() & result.sampled_token_ids.keys()
-        if both:
-            raise ValueError(f"result {result.step_id} has both a token and a failure for {sorted(both)[:8]}")
-        if not failed.keys() >= set(result.invalid_ids):
-            raise ValueError(f"result {result.step_id} lists invalid requests that did not fail")
-        unknown = failed.keys() - self._plan_ids()
-        if unknown:
-            raise ValueError(f"result {result.step_id} reports failures of requests it did not run: {sorted(unknown)[:8]}")
-
-
-def _in_order(tokens: Mapping[str, int], sampling: list[str]) -> list[int] | None:
-    """`tokens`' values if its ids are exactly `sampling`, in order; else None. Off the wire
-    the packed ids are compared as bytes (no id parsed)."""
-    if len(tokens) != len(sampling):
-        return None
-    if isinstance(tokens, SampledTokens):
-        return tokens.tokens if tokens.packed_ids == pack_ids(sampling) else None
-    return list(tokens.values()) if list(tokens) == sampling else None
-
 
 @dataclass
 class StepBuilder:

@@ -12,8 +12,8 @@ import itertools
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 
-from scheduler_service.config import SchedulerConfig, SchedulingPolicy
-from scheduler_service.request import Request
+from scheduler_service.core.config import SchedulerConfig, SchedulingPolicy
+from scheduler_service.core.request import Request
 
 
 class QueuePolicy(ABC):

@@ -11,15 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.decodes import DecodeRun, commit_decodes
-from scheduler_service.events import RequestEvent, StepEvents
-from scheduler_service.kv_manager import KVCacheManager
-from scheduler_service.logprob_events import add_committed, take_prompt_logprobs
-from scheduler_service.request import FinishReason, Request
-from scheduler_service.speculation import settle
-from scheduler_service.step_builder import InFlightPlan
-from scheduler_service.token_rules import commit_one, commit_run, stop_reason
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.decodes import DecodeRun, commit_decodes
+from scheduler_service.core.events import RequestEvent, StepEvents
+from scheduler_service.core.kv_manager import KVCacheManager
+from scheduler_service.core.logprob_events import add_committed, take_prompt_logprobs
+from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.speculation import settle
+from scheduler_service.core.step_builder import InFlightPlan
+from scheduler_service.core.token_rules import commit_one, commit_run, stop_reason
 from stepahead.plan import StepResult
 
 
@@ -33,7 +33,7 @@ class StepCommitter:
 
     def commit(self, record: InFlightPlan, result: StepResult, ordered: list[int] | None) -> StepEvents:
         """Commit `result` for its (checked) in-flight plan; `ordered`: its tokens in the plan's
-        sampling order when it lists them so (`InFlightPlan.check_result`)."""
+        sampling order when it lists them so (`result_checks.check_result`)."""
         out, sampled, decoded = StepEvents(), result.sampled_token_ids, None
         if ordered is not None:  # in the plan's order: the decodes' tokens are the tail, no id to look up
             head = len(ordered) - (len(record.decodes.request_ids) if record.decodes is not None else 0)

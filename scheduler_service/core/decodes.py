@@ -29,8 +29,8 @@ from itertools import compress
 
 import numpy as np
 
-from scheduler_service.request import Request
-from scheduler_service.running_set import RunningColumns, RunningSet
+from scheduler_service.core.request import Request
+from scheduler_service.core.running_set import RunningColumns, RunningSet
 from stepahead.plan import RunningDeltas, StepResult
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, fields
 
-from scheduler_service.kv_manager import KVCacheManager
+from scheduler_service.core.kv_manager import KVCacheManager
 from stepahead.plan import StepResult
 
 

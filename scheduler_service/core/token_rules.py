@@ -4,8 +4,8 @@ request computes in a step (chunking, the budget, never past `max_tokens` /
 
 from __future__ import annotations
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.request import FinishReason, Request
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.request import FinishReason, Request
 
 
 def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_left: int,

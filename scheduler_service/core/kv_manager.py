@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.block_pool import BlockHashFn, BlockPool, default_block_hash
-from scheduler_service.request import Request
+from scheduler_service.core.block_pool import BlockHashFn, BlockPool, default_block_hash
+from scheduler_service.core.request import Request
 
 
 def cdiv(a: int, b: int) -> int:

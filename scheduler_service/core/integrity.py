@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 
-from scheduler_service.kv_manager import cdiv
-from scheduler_service.request import Request, RequestStatus
+from scheduler_service.core.kv_manager import cdiv
+from scheduler_service.core.request import Request, RequestStatus
 
 
 def _require(ok: bool, req: Request, what: str) -> None:

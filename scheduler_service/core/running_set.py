@@ -28,7 +28,7 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from scheduler_service.request import COLUMN_COUNTERS, Request
+from scheduler_service.core.request import COLUMN_COUNTERS, Request
 
 _run_key = attrgetter("run_key")  # the policy's order of running requests
 _row_of = attrgetter("_row")

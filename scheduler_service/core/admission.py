@@ -7,9 +7,9 @@ queue's bound. The checked request's sampling params are the normalised ones.
 
 from __future__ import annotations
 
-from scheduler_service.config import SchedulerConfig
-from scheduler_service.kv_manager import cdiv
-from scheduler_service.request import QueueFull, Request, RequestRejected
+from scheduler_service.core.config import SchedulerConfig
+from scheduler_service.core.kv_manager import cdiv
+from scheduler_service.core.request import QueueFull, Request, RequestRejected
 from stepahead import limits
 
 UNCHECKED_VOCAB = 2**62  # a config without vocab_size (core tests) checks ids only for >= 0
