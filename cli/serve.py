@@ -29,23 +29,10 @@ import time
 from dataclasses import dataclass
 
 from stepahead import config as cfg
+from stepahead.knobs import fields_of
 from cli import runfile
 from model_zoo.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.ports import free_port, free_ports
-
-_SCHEDULER_EXCLUDE = ("host", "port", "max_workers", "log_level", "cluster_token", "insecure", "ssl_certfile",
-                      "ssl_keyfile", "ssl_ca_certs", "enable_reflection")
-_GATEWAY_FIELDS = ("max_concurrent_streams", "drain_timeout", "stream_interval", "max_connections",
-                   "http_request_timeout", "http_idle_timeout", "grpc_max_connection_idle")
-_WORKER_FIELDS = (
-    "dtype", "device", "block_size", "kv_cache_memory_bytes", "gpu_memory_utilization",
-    "num_gpu_blocks_override", "swap_space", "max_model_len", "seed", "served_model_name", "tokenizer", "num_threads",
-    "attention_backend", "max_logprobs", "tensor_parallel_size", "distributed_backend", "distributed_timeout",
-    "sim_profile", "sim_num_devices", "sim_eos_probability", "sim_acceptance_rate",
-)
-# flags the scheduler declares; the worker sizes its step buffers with the same values
-_SHARED_FIELDS = ("max_num_seqs", "max_num_batched_tokens", "speculative_config")
-
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -208,19 +195,32 @@ def supervise(children: list[Child], stop: threading.Event, max_restarts: int) -
     return 0
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from gateway.server import GatewayConfig
-    from scheduler_service.server import SchedulerDaemonConfig
-    from worker_service.daemon import WorkerConfig
+def served_groups() -> dict[str, tuple[type, ...]]:
+    """The flag groups serve declares and hands on, per daemon (each knob once: a group two
+    daemons share, like the step budget, is one set of flags that reaches both)."""
+    from gateway.server import GatewayServingConfig
+    from scheduler_service.server import SchedulerEngineConfig
+    from scheduler_service.core.config import SchedulingConfig
+    from stepahead.knobs import SpeculativeFlag
+    from worker_service.config import SERVED_GROUPS
 
+    return {"scheduler": (SchedulingConfig, SpeculativeFlag, SchedulerEngineConfig), "worker": SERVED_GROUPS,
+            "gateway": (GatewayServingConfig,)}
+
+
+def served_fields(daemon: str) -> tuple[str, ...]:
+    return fields_of(*served_groups()[daemon])
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_positional", nargs="?", metavar="MODEL",
                         help="the model, as `--model` (`stepahead serve MODEL`, as `vllm serve MODEL`)")
     cfg.add_arguments(parser, ServeConfig)
-    cfg.add_arguments(parser, SchedulerDaemonConfig, exclude=_SCHEDULER_EXCLUDE)
-    worker_exclude = tuple(f.name for f in dataclasses.fields(WorkerConfig) if f.name not in _WORKER_FIELDS)
-    cfg.add_arguments(parser, WorkerConfig, exclude=worker_exclude)
-    gateway_exclude = tuple(f.name for f in dataclasses.fields(GatewayConfig) if f.name not in _GATEWAY_FIELDS)
-    cfg.add_arguments(parser, GatewayConfig, exclude=gateway_exclude)
+    declared = set(fields_of(ServeConfig))
+    for groups in served_groups().values():
+        for group in groups:
+            cfg.add_arguments(parser, group, exclude=tuple(declared))
+            declared.update(fields_of(group))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -262,15 +262,15 @@ def run(args: argparse.Namespace) -> int:
     gateway_env = dict(token, **({"STEPAHEAD_API_KEY": config.api_key} if config.api_key else {}))
     children = [
         Child("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
-                            *cfg.to_flags(sched_cfg, _sched_fields())], control_cpus, token),
+                            *cfg.to_flags(sched_cfg, served_fields("scheduler"))], control_cpus, token),
         *(Child(f"worker{i}" if i else "worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
                                                    "--health-port", str(health_port),
-                                                   *cfg.to_flags(worker_cfg, _WORKER_FIELDS + _SHARED_FIELDS)],
+                                                   *cfg.to_flags(worker_cfg, served_fields("worker"))],
                 worker_cpus, token)
           for i, health_port in enumerate(health_ports)),
         Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                           "--http-port", str(config.http_port), "--model", model_dir,
-                          *cfg.to_flags(gateway_cfg, _GATEWAY_FIELDS), *log],
+                          *cfg.to_flags(gateway_cfg, served_fields("gateway")), *log],
               control_cpus, gateway_env),
     ]
     run_file = None
@@ -359,9 +359,3 @@ def _startup_failed(children: list[Child], address: str, timeout_s: float) -> in
     print(f"stepahead: {dead.name} exited during start-up (code {dead.proc.returncode}): "
           f"{dead.last_line or 'no output'}", file=sys.stderr, flush=True)
     return 2 if dead.proc.returncode == 2 else 1
-
-
-def _sched_fields() -> list[str]:
-    from scheduler_service.server import SchedulerDaemonConfig
-
-    return [f.name for f in dataclasses.fields(SchedulerDaemonConfig) if f.name not in _SCHEDULER_EXCLUDE]

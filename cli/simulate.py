@@ -31,7 +31,11 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from scheduler_service.core.config import SchedulingConfig
 from stepahead import config as cfg
+from stepahead.knobs import KVCacheConfig, SimDeviceConfig, SpeculativeFlag
+
+SIMULATED_GROUPS = (SchedulingConfig, SpeculativeFlag)
 
 
 class SimulationStalled(RuntimeError):
@@ -53,18 +57,14 @@ class SimRequestLog:
 
 
 @dataclass(frozen=True)
-class SimulateConfig:
+class SimulateConfig(SimDeviceConfig, KVCacheConfig):
+    """`stepahead simulate`'s own flags; the scheduling flags are the scheduler daemon's groups."""
+
     dataset_path: str = cfg.field("", "trace file: Azure CSV or JSONL (see stepahead bench --dataset-name trace)")
     num_prompts: int | None = cfg.field(None, "replay only the trace's first N requests")
     trace_speedup: float = cfg.field(1.0, "divide the trace's inter-arrival times")
     model: str = cfg.field("llama3-8b-sim", "model directory or built-in name (config.json is read)")
-    sim_profile: str = cfg.field("h100", "accelerator profile h100, h200, a100 or a JSON file")
-    sim_num_devices: int = cfg.field(1, "accelerators per replica (ideal tensor parallelism)")
     dtype: str | None = cfg.field(None, "weight dtype (default: the checkpoint's torch_dtype)")
-    block_size: int = cfg.field(16, "tokens per KV block")
-    num_gpu_blocks_override: int | None = cfg.field(None, "exact number of device KV blocks")
-    gpu_memory_utilization: float = cfg.field(0.9, "fraction of accelerator memory for weights + KV")
-    swap_space: float = cfg.field(1.0, "host memory for swapped-out KV blocks, GiB")
     seed: int = cfg.field(0, "seed of the prompts' token ids (the same as stepahead bench's --seed)")
     sim_ingress_latency_ms: float = cfg.field(0.0, "client send -> the scheduler plans with the request")
     sim_plan_latency_ms: float = cfg.field(0.0, "plan made -> the device can start it (send, wire, worker prep)")
@@ -252,11 +252,9 @@ def request_latencies(logs: list[SimRequestLog]) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from scheduler_service.server import SchedulerDaemonConfig
-
     cfg.add_arguments(parser, SimulateConfig)
-    cfg.add_arguments(parser, SchedulerDaemonConfig, exclude=("host", "port", "max_workers", "log_level",
-                                                              "metrics_port", "flight_recorder_steps"))
+    for group in SIMULATED_GROUPS:  # the core's knobs; the daemon's listening, routing and timeouts do not apply
+        cfg.add_arguments(parser, group)
 
 
 def run(args: argparse.Namespace) -> int:

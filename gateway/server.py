@@ -55,16 +55,10 @@ RETRY_HINT = (("retry-after", RETRY_AFTER_S), ("grpc-retry-pushback-ms", str(int
 
 
 @dataclass(frozen=True)
-class GatewayConfig(SchedulerClientConfig):
-    scheduler: tuple[str, ...] = cfg.field(
-        ("127.0.0.1:50051",), "scheduler address; repeat the flag or give a comma list for several")
-    failover_timeout: float = cfg.field(
-        60.0, "seconds a request whose scheduler died may take to find another one (then UNAVAILABLE)")
-    host: str = cfg.field("127.0.0.1", "address to listen on")
-    port: int = cfg.field(50050, "port to listen on")
-    http_port: int = cfg.field(8000, "OpenAI-compatible HTTP port (0 disables HTTP)")
-    model: str = cfg.field(DEFAULT_MODEL, MODEL_HELP + " (for the tokenizer; already converted)")
-    max_request_bytes: int = cfg.field(1 << 20, "largest accepted request message")
+class GatewayServingConfig:
+    """How the gateway serves its clients: limits, timeouts, streaming (what `stepahead serve`
+    hands the gateway it starts)."""
+
     max_concurrent_streams: int = cfg.field(
         1024, "open requests at most (gRPC and HTTP); more get RESOURCE_EXHAUSTED / 429 at once"
     )
@@ -81,6 +75,22 @@ class GatewayConfig(SchedulerClientConfig):
         300.0, "seconds a gRPC connection without open calls stays open (it also gets --http-request-timeout to "
                "finish its handshake)")
     drain_timeout: float = cfg.field(30.0, "on SIGTERM, seconds open requests get to finish before the exit")
+
+
+@dataclass(frozen=True)
+class GatewayConfig(GatewayServingConfig, SchedulerClientConfig):
+    """`stepahead gateway`'s flags: where it listens and dials, its model, security, and
+    `GatewayServingConfig`."""
+
+    scheduler: tuple[str, ...] = cfg.field(
+        ("127.0.0.1:50051",), "scheduler address; repeat the flag or give a comma list for several")
+    failover_timeout: float = cfg.field(
+        60.0, "seconds a request whose scheduler died may take to find another one (then UNAVAILABLE)")
+    host: str = cfg.field("127.0.0.1", "address to listen on")
+    port: int = cfg.field(50050, "port to listen on")
+    http_port: int = cfg.field(8000, "OpenAI-compatible HTTP port (0 disables HTTP)")
+    model: str = cfg.field(DEFAULT_MODEL, MODEL_HELP + " (for the tokenizer; already converted)")
+    max_request_bytes: int = cfg.field(1 << 20, "largest accepted request message")
     api_key: str | None = cfg.field(None, "API keys clients must send as 'authorization: Bearer KEY' (comma list)")
     ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the public API (gRPC and HTTP)")
     ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the public API")

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import grpc
 from prometheus_client import REGISTRY, start_http_server
 
-from scheduler_service.core.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
+from scheduler_service.core.config import SchedulerConfig, SchedulingConfig
 from scheduler_service.engine import Engine, EngineOptions
 from scheduler_service.event_batches import event_batches
 from scheduler_service.groups import Joiner
@@ -34,6 +34,7 @@ from scheduler_service.router import RouterConfig, RoutingPolicy
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import RequestRejected
+from stepahead.knobs import SpeculativeFlag, fields_of
 from stepahead.speculative import num_speculative_tokens
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead.undecodable import UndecodableGuard
@@ -46,33 +47,26 @@ SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
 
 
 @dataclass(frozen=True)
-class SchedulerDaemonConfig:
+class SchedulerListenConfig:
+    """How the scheduler process listens: its own, never handed on by `stepahead serve`."""
+
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50051, "port to listen on (0 picks a free one)")
-    max_num_seqs: int = cfg.field(256, "maximum requests per step")
-    max_num_batched_tokens: int = cfg.field(2048, "token budget per step")
-    enable_chunked_prefill: bool = cfg.field(True, "split long prompts across steps")
-    long_prefill_token_threshold: int = cfg.field(0, "cap per-request prefill tokens per step (0 = off)")
-    enable_prefix_caching: bool = cfg.field(True, "reuse KV blocks of identical prompt prefixes")
-    scheduling_policy: SchedulingPolicy = cfg.field(SchedulingPolicy.FCFS, "queue policy")
-    preemption_mode: PreemptionMode = cfg.field(PreemptionMode.RECOMPUTE, "what preemption does to KV")
-    async_scheduling: bool = cfg.field(True, "plan step t+1 while step t runs")
-    max_concurrent_batches: int = cfg.field(
-        3, "plans in flight at most in async mode (with --adaptive-concurrent-batches: while the device waits "
-           "for plans; else always)")
-    adaptive_concurrent_batches: bool = cfg.field(
-        True, "plan one step ahead, and further (up to --max-concurrent-batches) only while the device waits "
-              "for its plans: a deeper window costs new requests a step of TTFT (docs/architecture.md)")
-    speculative_config: str | None = cfg.field(
-        None, "n-gram speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", \"num_speculative_tokens\": K, "
-              "\"prompt_lookup_min\": a, \"prompt_lookup_max\": b}' (docs/speculative-decoding.md)")
-    max_queued_requests: int | None = cfg.field(
-        4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name)")
-    score_priority_weight: float = cfg.field(10.0, "score policy: weight of the priority value")
-    score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
-    score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
-    max_wait_time: float = cfg.field(30.0, "score policy: seconds after which a request is admitted first")
-    score_ttft_target: float = cfg.field(0.0, "score policy: TTFT target in s (0: off): requests nearing it go first")
+    max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
+    cluster_token: str | None = cfg.field(None, "shared secret every internal call must carry (required off "
+                                                "loopback unless --insecure)")
+    insecure: bool = cfg.field(False, "allow listening off loopback without a cluster token")
+    ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the internal plane")
+    ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the internal plane")
+    ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
+    enable_reflection: bool = cfg.field(False, "serve gRPC reflection of the internal services")
+    log_level: str = cfg.field("info", "log level")
+
+
+@dataclass(frozen=True)
+class SchedulerEngineConfig:
+    """The engine around the core: routing across replicas, timeouts, observability."""
+
     routing_policy: RoutingPolicy = cfg.field(RoutingPolicy.CACHE_AWARE, "which replica takes a new request")
     balance_abs_threshold: int = cfg.field(
         32, "cache_aware: route by load instead of prefix when max - min replica load exceeds this ...")
@@ -83,16 +77,13 @@ class SchedulerDaemonConfig:
         60.0, "seconds requests wait for a replica when none is attached, then end UNAVAILABLE")
     flight_recorder_steps: int = cfg.field(1000, "steps kept by the flight recorder, per replica")
     metrics_port: int | None = cfg.field(None, "serve Prometheus /metrics on this port (off when unset)")
-    max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
-    cluster_token: str | None = cfg.field(None, "shared secret every internal call must carry (required off "
-                                                "loopback unless --insecure)")
-    insecure: bool = cfg.field(False, "allow listening off loopback without a cluster token")
-    ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the internal plane")
-    ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the internal plane")
-    ssl_ca_certs: str | None = cfg.field(None, "CA bundle: require client certificates signed by it (mTLS)")
-    enable_reflection: bool = cfg.field(False, "serve gRPC reflection of the internal services")
-    log_level: str = cfg.field("info", "log level")
     gc_warning_threshold_secs: float = gc_warning_threshold_field()
+
+
+@dataclass(frozen=True)
+class SchedulerDaemonConfig(SchedulerEngineConfig, SpeculativeFlag, SchedulingConfig, SchedulerListenConfig):
+    """`stepahead scheduler`'s flags: how it listens, the scheduling knobs (the core's own
+    group), speculation and the engine."""
 
     def engine_options(self) -> EngineOptions:
         for name in ("worker_step_timeout", "worker_wait_timeout"):
@@ -109,31 +100,18 @@ class SchedulerDaemonConfig:
                                   "STEPAHEAD_CLUSTER_TOKEN); pass --insecure to allow it")
 
     def core_config(self, info: WorkerInfo) -> SchedulerConfig:
+        """The core's config: this daemon's scheduling knobs and the replica's geometry."""
+        knobs = {name: getattr(self, name) for name in fields_of(SchedulingConfig)}
         return SchedulerConfig(
+            **knobs,
             block_size=info.block_size,
             num_gpu_blocks=info.num_device_blocks,
             num_cpu_blocks=info.num_host_blocks,
             max_model_len=info.max_model_len,
-            max_num_seqs=self.max_num_seqs,
-            max_num_batched_tokens=self.max_num_batched_tokens,
-            enable_chunked_prefill=self.enable_chunked_prefill,
-            long_prefill_token_threshold=self.long_prefill_token_threshold,
-            enable_prefix_caching=self.enable_prefix_caching,
-            scheduling_policy=self.scheduling_policy,
-            preemption_mode=self.preemption_mode,
-            async_scheduling=self.async_scheduling,
-            max_concurrent_batches=self.max_concurrent_batches,
-            adaptive_concurrent_batches=self.adaptive_concurrent_batches,
             num_speculative_tokens=num_speculative_tokens(self.speculative_config),
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
             max_logprobs=info.max_logprobs,
-            max_queued_requests=self.max_queued_requests,
-            score_priority_weight=self.score_priority_weight,
-            score_wait_weight=self.score_wait_weight,
-            score_length_weight=self.score_length_weight,
-            max_wait_time=self.max_wait_time,
-            score_ttft_target=self.score_ttft_target,
         )
 
 

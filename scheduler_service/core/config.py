@@ -1,4 +1,4 @@
-"""Scheduler core configuration (pure Python)."""
+"""Scheduler core configuration (pure Python): the scheduling knobs and the pool's geometry."""
 
 from __future__ import annotations
 
@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass
 from enum import Enum
 
+from stepahead import config as cfg
+from stepahead.knobs import DEFAULT_BLOCK_SIZE, StepBudgetConfig
 from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.speculative import MAX_SPECULATIVE_TOKENS
 
@@ -26,41 +28,50 @@ class PreemptionMode(str, Enum):
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    """Everything the scheduler core needs; the geometry comes from the worker's hello."""
+class SchedulingConfig(StepBudgetConfig):
+    """The scheduling knobs, declared once: the scheduler daemon's flags (it composes this
+    group) and the core's settings (`SchedulerConfig` adds the geometry a worker announces)."""
+
+    enable_chunked_prefill: bool = cfg.field(True, "split long prompts across steps")
+    long_prefill_token_threshold: int = cfg.field(0, "cap per-request prefill tokens per step (0 = off)")
+    enable_prefix_caching: bool = cfg.field(True, "reuse KV blocks of identical prompt prefixes")
+    scheduling_policy: SchedulingPolicy = cfg.field(SchedulingPolicy.FCFS, "queue policy")
+    preemption_mode: PreemptionMode = cfg.field(PreemptionMode.RECOMPUTE, "what preemption does to KV")
+    async_scheduling: bool = cfg.field(True, "plan step t+1 while step t runs")
+    max_concurrent_batches: int = cfg.field(
+        3, "plans in flight at most in async mode (with --adaptive-concurrent-batches: while the device waits "
+           "for plans; else always)")
+    adaptive_concurrent_batches: bool = cfg.field(
+        True, "plan one step ahead, and further (up to --max-concurrent-batches) only while the device waits "
+              "for its plans: a deeper window costs new requests a step of TTFT (docs/architecture.md)")
+    max_queued_requests: int | None = cfg.field(
+        4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name; None: unbounded)")
+    # score policy: score = w_priority * priority + w_length * remaining tokens - w_wait * seconds waited;
+    # lowest score first
+    score_priority_weight: float = cfg.field(
+        10.0, "score policy: weight of the priority value (seconds of waiting one level is worth)")
+    score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
+    score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
+    max_wait_time: float = cfg.field(
+        30.0, "score policy: seconds after which a request is admitted first (it jumps ahead of every younger "
+              "request and may preempt running work that has not aged; inf: no aging)")
+    score_ttft_target: float = cfg.field(
+        0.0, "score policy: TTFT target in s (0: off): a request with no token yet past half of it goes first")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(SchedulingConfig):
+    """Everything the scheduler core needs: the scheduling knobs, and the geometry that comes
+    from the worker's hello."""
 
     num_gpu_blocks: int
     max_model_len: int
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     num_cpu_blocks: int = 0
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    enable_chunked_prefill: bool = True
-    long_prefill_token_threshold: int = 0  # 0 = off; otherwise max tokens per request per step
-    enable_prefix_caching: bool = True
-    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS
-    preemption_mode: PreemptionMode = PreemptionMode.RECOMPUTE
-    async_scheduling: bool = True
-    max_concurrent_batches: int = 2
-    # one step ahead, and up to max_concurrent_batches only while the device waits for plans
-    # (`window.AdaptiveWindow`; the engine's StepLoop and the offline simulator apply it)
-    adaptive_concurrent_batches: bool = False
     num_speculative_tokens: int = 0  # K of n-gram speculation (0: off): K+1 tokens budgeted per decode
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # token ids in submissions and results are checked against it
     max_logprobs: int = MAX_LOGPROBS  # the worker's --max-logprobs (from its hello)
-    max_queued_requests: int | None = None  # waiting requests at most; None = unbounded
-    # score policy: score = w_priority * priority + w_length * remaining tokens
-    #                       - w_wait * seconds waited; lowest score first.
-    score_priority_weight: float = 10.0  # seconds of waiting one priority level is worth (w_wait = 1)
-    score_wait_weight: float = 1.0
-    score_length_weight: float = 0.005
-    # score policy: a request waiting longer than this (clock units) jumps ahead of every
-    # younger request and may preempt running work that has not aged. inf disables aging.
-    max_wait_time: float = 30.0
-    # score policy: TTFT target (clock units; 0 = off). A request with no token yet that has
-    # waited past half of it, but not past it, is urgent: its length term no longer counts.
-    score_ttft_target: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
