@@ -1,4 +1,4 @@
-"""OpenAI-compatible request bodies and their mapping onto `RawGenerateRequest`.
+"""OpenAI-compatible request bodies and their mapping onto `RawGenerateRequest` (sampling: `_sampling`).
 
 Pure domain code (pydantic, no transport). Field names, defaults and vLLM's extra sampling
 fields follow the OpenAI completions / chat completions APIs. Unknown fields are ignored
@@ -19,7 +19,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.validation import RawGenerateRequest, ValidationError
-from stepahead.plan import StructuredKind, StructuredOutput
+from stepahead import limits
+from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # the OpenAI completions default
 
@@ -141,16 +142,17 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
-    """OpenAI sends token ids as JSON object keys (strings)."""
+def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI sends token ids as JSON object keys (strings); the domain's form is sorted pairs."""
     if not bias:
-        return None
+        return ()
+    limits.check_logit_bias_count(len(bias))  # before a huge map is converted and sorted
     out = {}
     for key, value in bias.items():
         if not key.isdigit():
             raise ValidationError("logit_bias", f"keys must be token ids, got {key!r}")
         out[int(key)] = value
-    return out
+    return tuple(sorted(out.items()))
 
 
 def _stop(stop: str | list[str] | None) -> list[str]:
@@ -187,28 +189,38 @@ def _structured(body: _SamplingFields) -> StructuredOutput | None:
     return StructuredOutput(StructuredKind(key), spec=value)
 
 
-def _common(body: _SamplingFields, max_tokens: int | None, size_bytes: int) -> dict[str, Any]:
-    return dict(
-        model=body.model or "",
-        n=body.n,
-        seed=body.seed,
-        stop=_stop(body.stop),
-        temperature=body.temperature,
-        top_p=body.top_p,
+def _sampling(body: _SamplingFields, *, logprobs: int | None = None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
+    """The body's sampling settings as the domain's (the one pydantic -> domain mapping; unset
+    fields take `SamplingParams`' defaults; max_tokens travels apart, see RawGenerateRequest)."""
+    given = dict(temperature=body.temperature, top_p=body.top_p, repetition_penalty=body.repetition_penalty)
+    return SamplingParams(
+        **{name: value for name, value in given.items() if value is not None},
         top_k=body.top_k,
         min_p=body.min_p,
-        max_tokens=max_tokens,
+        seed=body.seed,
         min_tokens=body.min_tokens,
+        stop_token_ids=tuple(body.stop_token_ids or ()),
         ignore_eos=body.ignore_eos,
-        priority=body.priority,
-        skip_special_tokens=body.skip_special_tokens,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        stop_token_ids=list(body.stop_token_ids or ()),
         logit_bias=_logit_bias(body.logit_bias),
-        repetition_penalty=body.repetition_penalty,
         presence_penalty=body.presence_penalty,
         frequency_penalty=body.frequency_penalty,
         structured=_structured(body),
+        logprobs=logprobs,
+        prompt_logprobs=prompt_logprobs,
+    )
+
+
+def _common(body: _SamplingFields, max_tokens: int | None, size_bytes: int) -> dict[str, Any]:
+    """The RawGenerateRequest fields both endpoints share, sampling aside."""
+    return dict(
+        model=body.model or "",
+        n=body.n,
+        stop=_stop(body.stop),
+        max_tokens=max_tokens,
+        priority=body.priority,
+        skip_special_tokens=body.skip_special_tokens,
+        include_stop_str_in_output=body.include_stop_str_in_output,
         size_bytes=size_bytes,
     )
 
@@ -234,8 +246,8 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRe
     ids = None if isinstance(prompt, str) else list(prompt)
     # echo with logprobs: the prompt's logprobs come first (OpenAI's format)
     prompt_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-    return RawGenerateRequest(prompt_text=text, prompt_token_ids=ids, logprobs=body.logprobs,
-                              prompt_logprobs=prompt_logprobs,
+    return RawGenerateRequest(prompt_text=text, prompt_token_ids=ids,
+                              sampling=_sampling(body, logprobs=body.logprobs, prompt_logprobs=prompt_logprobs),
                               **_common(body, 1 if echo_only(body) else body.max_tokens, size_bytes))
 
 
@@ -259,7 +271,8 @@ def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequ
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     return RawGenerateRequest(
         chat_messages=[message_dict(m) for m in body.messages], add_generation_prompt=body.add_generation_prompt,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,  # logprobs=true alone: the sampled token's
+        # logprobs=true alone: the sampled token's
+        sampling=_sampling(body, logprobs=(body.top_logprobs or 0) if body.logprobs else None),
         **_common(body, max_tokens, size_bytes),
     )
 

@@ -31,7 +31,8 @@ from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
-from stepahead import codec, daemon, logs, security
+from stepahead import codec, daemon, limits, logs, security
+from stepahead.plan import SamplingParams
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
@@ -101,7 +102,10 @@ class GatewayConfig(GatewayServingConfig, SchedulerClientConfig):
 
 
 def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
+    """The public request's fields; its sampling settings through the codec (the one
+    proto -> domain mapping). Raises ValidationError for a logit_bias map too large to sort."""
     s = msg.sampling
+    limits.check_logit_bias_count(len(s.logit_bias))
     which = msg.WhichOneof("prompt")
     return RawGenerateRequest(
         request_id=msg.request_id,
@@ -110,27 +114,13 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         prompt_token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
         chat_messages=[{"role": m.role, "content": m.content} for m in msg.chat.messages] if which == "chat" else None,
         add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
-        temperature=s.temperature if s.HasField("temperature") else None,
-        top_k=s.top_k,
-        top_p=s.top_p if s.HasField("top_p") else None,
-        min_p=s.min_p,
-        seed=s.seed if s.HasField("seed") else None,
+        sampling=codec.sampling_from_proto(s, default_max_tokens=SamplingParams.max_tokens),
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
-        min_tokens=s.min_tokens,
-        stop_token_ids=list(s.stop_token_ids),
-        ignore_eos=s.ignore_eos,
         stop=list(msg.stop),
         include_stop_str_in_output=msg.include_stop_str_in_output,
         skip_special_tokens=msg.skip_special_tokens if msg.HasField("skip_special_tokens") else None,
         priority=msg.priority,
         n=msg.n if msg.HasField("n") else 1,
-        logit_bias=dict(s.logit_bias),
-        repetition_penalty=s.repetition_penalty if s.HasField("repetition_penalty") else None,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        structured=codec.structured_from_proto(s),
-        logprobs=s.logprobs if s.HasField("logprobs") else None,
-        prompt_logprobs=s.prompt_logprobs if s.HasField("prompt_logprobs") else None,
         size_bytes=msg.ByteSize(),
     )
 
@@ -170,8 +160,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Generate(self, request, context):
         front = self.frontend
-        raw = raw_from_proto(request)
         try:  # a text or chat prompt is tokenized off the loop; token ids are cheap to check
+            raw = raw_from_proto(request)
             valid = front.validate(raw) if raw.prompt_token_ids is not None else \
                 await asyncio.to_thread(front.validate, raw)
         except ValidationError as exc:

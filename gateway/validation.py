@@ -12,20 +12,25 @@ prompts cannot grow the gateway by the tokenizer's working memory.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stepahead import limits
 from stepahead.limits import LimitError as ValidationError
 from stepahead.limits import ModelLimits
-from stepahead.plan import SamplingParams, StructuredOutput
+from stepahead.plan import SamplingParams
 
 __all__ = ["ModelLimits", "RawGenerateRequest", "ValidRequest", "ValidationError", "validate"]
 
 
 @dataclass(frozen=True)
 class RawGenerateRequest:
-    """A request as the client sent it; None means the field was not set."""
+    """A request as a transport decoded it. `sampling` is already the domain's
+    `SamplingParams` (each transport maps its fields once: the codec for gRPC,
+    `openai_protocol` for HTTP; unset fields take its defaults), not checked yet.
+    `max_tokens` stands apart: unset (None), it is the room the prompt leaves, known only
+    once the prompt is tokenized here."""
 
     request_id: str = ""
     model: str = ""
@@ -33,27 +38,13 @@ class RawGenerateRequest:
     prompt_token_ids: Sequence[int] | None = None
     chat_messages: Sequence[Mapping[str, str]] | None = None  # rendered with the chat template
     add_generation_prompt: bool = True
-    temperature: float | None = None
-    top_k: int = -1
-    top_p: float | None = None
-    min_p: float = 0.0
-    seed: int | None = None
+    sampling: SamplingParams = SamplingParams()  # its max_tokens is `max_tokens` below
     max_tokens: int | None = None
-    min_tokens: int = 0
-    stop_token_ids: Sequence[int] = ()
-    ignore_eos: bool = False
     stop: Sequence[str] = ()
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool | None = None
     priority: int = 0
     n: int = 1  # independent output sequences (choices) for the prompt
-    logit_bias: Mapping[int, float] | None = None
-    repetition_penalty: float | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    structured: StructuredOutput | None = None  # constrain the output to a grammar
-    logprobs: int | None = None  # raw logprobs of each output token (+ the top k); None = off
-    prompt_logprobs: int | None = None  # the same for each prompt token after the first
     size_bytes: int = 0  # serialized size of the whole request
 
 
@@ -78,24 +69,8 @@ def validate(
     stop = limits.check_stop_strings(raw.stop)
     prompt, field = _prompt_ids(raw, model, tokenize, render_chat)
     room = model.max_model_len - len(prompt)
-    sampling = SamplingParams(
-        temperature=1.0 if raw.temperature is None else raw.temperature,
-        top_k=raw.top_k,
-        top_p=1.0 if raw.top_p is None else raw.top_p,
-        min_p=raw.min_p,
-        seed=raw.seed,
-        max_tokens=max(room, 1) if raw.max_tokens is None else raw.max_tokens,
-        min_tokens=raw.min_tokens,
-        stop_token_ids=tuple(raw.stop_token_ids),
-        ignore_eos=raw.ignore_eos,
-        logit_bias=_logit_bias(raw.logit_bias),
-        repetition_penalty=1.0 if raw.repetition_penalty is None else raw.repetition_penalty,
-        presence_penalty=raw.presence_penalty,
-        frequency_penalty=raw.frequency_penalty,
-        structured=raw.structured,
-        logprobs=raw.logprobs,
-        prompt_logprobs=raw.prompt_logprobs,
-    )
+    max_tokens = max(room, 1) if raw.max_tokens is None else raw.max_tokens
+    sampling = dataclasses.replace(raw.sampling, max_tokens=max_tokens)
     sampling = limits.check_request(prompt, sampling, raw.priority, model, field)
     return ValidRequest(
         request_id=raw.request_id,
@@ -107,12 +82,6 @@ def validate(
         priority=raw.priority,
         n=limits.check_n(raw.n),
     )
-
-
-def _logit_bias(bias: Mapping[int, float] | None) -> tuple[tuple[int, float], ...]:
-    if bias is not None and len(bias) > limits.MAX_LOGIT_BIAS_IDS:  # before sorting a huge map
-        raise ValidationError("sampling.logit_bias", f"at most {limits.MAX_LOGIT_BIAS_IDS} token ids, got {len(bias)}")
-    return tuple(sorted((bias or {}).items()))
 
 
 def _check_envelope(raw: RawGenerateRequest, model: ModelLimits) -> None:

@@ -76,7 +76,7 @@ def _unscoped_ids(rids: list[str], scope_len: int) -> bytes:
 def add_event(batch: scheduler_pb2.EventBatch, event: RequestEvent, scope_len: int = 0) -> None:
     """Append `event` to `batch` as a full TokenEvent, setting only the fields that differ
     from their defaults."""
-    msg = batch.events.add()  # then fields one by one: ~2x faster than add(**fields) on upb
+    msg = batch.events.add()  # then fields one by one: faster than add(**fields) on upb
     msg.request_id = event.request_id[scope_len:]
     msg.token_ids.extend(event.new_token_ids)
     msg.num_prompt_tokens = event.num_prompt_tokens

@@ -3,17 +3,17 @@
 One step ahead (two plans in flight) hides the control plane behind the device as long as
 the chain from a step's end to the launch of the plan after next fits in one device step:
 the result leaves the worker, is committed, the next plan is made, sent, and launched
-(`benchmarks/critical_chain.py`). When the chain does not fit (a loaded host, short decode
+(`benchmarks/experiments/critical_chain.py`). When the chain does not fit (a loaded host, short decode
 steps), the device waits for its plan. The adaptive window then plans one step further
 ahead, up to `--max-concurrent-batches`, when a late step follows another within
 `burst_steps` steps, and goes back one step after `hold_steps` steps without a late plan: a
 deeper window costs a newly arrived request one more step before its first token
-(`benchmarks/window_latency.py`), so it is used only while it buys device time. Measured
-with a fixed window of two on the h200 sim (`docs/benchmarks.md`): at moderate load under 1%
-of steps are late and they come alone; at 256 streams 20–27% are, in bursts. A fixed window
+(`benchmarks/experiments/window_latency.py`), so it is used only while it buys device time:
+at moderate load late steps are rare and come alone, at high concurrency they come in bursts
+(`benchmarks/capacity.py` counts them, `stepahead:late_plans_total`). A fixed window
 (`--no-adaptive-concurrent-batches`) always plans up to the maximum.
 
-Pure: the engine's `StepLoop` and the offline simulator feed it one verdict per committed
+Pure: the engine's `StepLoop` (which the offline simulator drives too) feeds it one verdict per committed
 step (`is_late`).
 """
 

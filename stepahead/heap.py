@@ -21,8 +21,8 @@ def freeze_heap() -> None:
     """Collect, then take every object alive now out of the collector's full collections: call
     it once a daemon is ready (imports, the model, the tokenizer) and when it builds something
     as long-lived (the scheduler: a replica's KV block pool, an object per block). A full
-    collection walks every tracked object with the GIL held: ~50k after a daemon's imports
-    alone, and at 256 streams each one stalled its process 50-130 ms in the middle of a step.
+    collection walks every tracked object with the GIL held (tens of thousands after a daemon's
+    imports alone), and under load each one stalled its process in the middle of a step.
     Frozen objects are still freed by reference counting; the collection first means no
     garbage cycle of the moment is frozen for good."""
     gc.collect()

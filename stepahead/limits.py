@@ -233,10 +233,15 @@ def check_n(value: int) -> int:
     return value
 
 
+def check_logit_bias_count(count: int) -> None:
+    """Before a client's logit_bias map is sorted or copied: its size alone."""
+    if count > MAX_LOGIT_BIAS_IDS:
+        raise LimitError("sampling.logit_bias", f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {count}")
+
+
 def check_logit_bias(bias: Sequence[tuple[int, float]], vocab_size: int) -> tuple[tuple[int, float], ...]:
     field = "sampling.logit_bias"
-    if len(bias) > MAX_LOGIT_BIAS_IDS:
-        raise LimitError(field, f"at most {MAX_LOGIT_BIAS_IDS} token ids, got {len(bias)}")
+    check_logit_bias_count(len(bias))
     lo, hi = LOGIT_BIAS_RANGE
     ids = check_token_ids(field, [t for t, _ in bias], vocab_size)
     if len(set(ids)) != len(ids):

@@ -16,8 +16,8 @@ The draw is inverse-CDF sampling with ONE uniform number per row:
 its draw depends only on those two numbers and its own logits: never on batch
 composition, row order, preemption or timing (and it is the same u on CPU and CUDA).
 Unseeded rows take u from the sampler's device generator. The exponential race
-(`argmax(probs / q)`) would need one random number per vocabulary entry (at 256 x 32000
-on CPU, drawing them alone costs ~190 ms) and a per-row generator loop for seeded rows.
+(`argmax(probs / q)`) would need one random number per vocabulary entry (batch x vocab
+draws per step, costly on CPU) and a per-row generator loop for seeded rows.
 """
 
 from __future__ import annotations
@@ -278,7 +278,7 @@ def truncation_threshold(x: torch.Tensor, x_max: torch.Tensor, meta: SamplingMet
 def drop_below(x: torch.Tensor, threshold: torch.Tensor, x_max: torch.Tensor) -> torch.Tensor:
     """[n, vocab]: x shifted by a per-row constant, -inf where x < threshold.
 
-    softmax ignores a per-row shift, and `F.threshold` (one pass) is ~4x faster on CPU than
+    softmax ignores a per-row shift, and `F.threshold` (one pass) is faster on CPU than
     a masked fill. With cut = nextafter(floor, -inf), `x - cut > 0` holds exactly when
     `x >= floor` (a float difference is never rounded to zero or across it).
     """
@@ -318,7 +318,7 @@ def _threshold_from_candidates(
     """[n]: the cut-off from each row's top `CPU_TOP_P_CANDIDATES` logits (CPU only).
 
     A full sort dominates CPU sampling time; the cut-off usually lies among the first few
-    hundred tokens, and `topk` finds those ~15x faster. Rows where it does not (flat
+    hundred tokens, and `topk` finds those much faster. Rows where it does not (flat
     distributions, or C < top_k < vocab) are sorted in full. Which way a row goes depends
     only on that row, so seeded draws stay batch-invariant. Reading `covered` back costs
     nothing on CPU, where no device runs ahead of the host.

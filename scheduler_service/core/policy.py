@@ -79,10 +79,10 @@ class ScorePolicy(QueuePolicy):
 
     With the default weights one priority level is worth 10 s of waiting (w_p / w_w), so
     under overload a priority-0 request goes ahead of priority-2 work queued up to 20 s
-    before it (`benchmarks/policies.py` measured 1 s per level to lose that race); 1000
+    before it (a smaller weight loses that race under overload: `benchmarks/policies.py`); 1000
     remaining tokens are worth 5 s (w_l / w_w): short requests go first, but a long one is
-    passed over by same-priority arrivals of at most the next few seconds (at 10 s per 1000
-    tokens, long requests waited past the 2 s TTFT target at 1.0x load).
+    passed over by same-priority arrivals of at most the next few seconds (a larger length
+    weight made long requests miss the TTFT target at full load, `benchmarks/policies.py`).
 
     With a TTFT target (`score_ttft_target` > 0), a request that has no token yet and has
     waited (since arrival) past half the target but not past the target is urgent: its

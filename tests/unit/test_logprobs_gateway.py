@@ -81,12 +81,12 @@ def test_event_merging_keeps_logprobs_aligned_and_prompt_parts_apart():
 
 def test_openai_logprobs_parameters_map_to_sampling():
     raw = completion_to_raw(CompletionRequest(prompt="x", logprobs=0, echo=True), 10)
-    assert (raw.logprobs, raw.prompt_logprobs) == (0, 0)  # logprobs=0: the sampled token only (vLLM #3707)
-    assert completion_to_raw(CompletionRequest(prompt="x", logprobs=2), 10).prompt_logprobs is None
+    assert (raw.sampling.logprobs, raw.sampling.prompt_logprobs) == (0, 0)  # logprobs=0: the sampled token only (vLLM #3707)
+    assert completion_to_raw(CompletionRequest(prompt="x", logprobs=2), 10).sampling.prompt_logprobs is None
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "logprobs": True})
-    assert chat_to_raw(chat, 10).logprobs == 0  # logprobs without top_logprobs is legal (vLLM #4795)
+    assert chat_to_raw(chat, 10).sampling.logprobs == 0  # logprobs without top_logprobs is legal (vLLM #4795)
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}]})
-    assert chat_to_raw(chat, 10).logprobs is None
+    assert chat_to_raw(chat, 10).sampling.logprobs is None
     assert openai_param("sampling.logprobs", chat=True) == "top_logprobs"
     assert openai_param("sampling.prompt_logprobs", chat=False) == "logprobs"
     with pytest.raises(Exception) as info:

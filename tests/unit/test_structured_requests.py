@@ -17,7 +17,7 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
 
 
 def completion(**fields) -> StructuredOutput | None:
-    return completion_to_raw(CompletionRequest.model_validate({"prompt": "x", **fields}), 0).structured
+    return completion_to_raw(CompletionRequest.model_validate({"prompt": "x", **fields}), 0).sampling.structured
 
 
 @pytest.mark.parametrize("fields, want", [
@@ -37,7 +37,7 @@ def completion(**fields) -> StructuredOutput | None:
 def test_http_fields_map_to_one_constraint(fields, want):
     assert completion(**fields) == want
     chat = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], **fields})
-    assert chat_to_raw(chat, 0).structured == want
+    assert chat_to_raw(chat, 0).sampling.structured == want
 
 
 @pytest.mark.parametrize("fields, field", [

@@ -8,6 +8,7 @@ import pytest
 
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, validate
 from stepahead import limits
+from stepahead.plan import SamplingParams
 
 LIMITS = ModelLimits(name="tiny", max_model_len=64, vocab_size=100, max_request_bytes=1000)
 
@@ -17,6 +18,14 @@ def tokenize(text: str) -> list[int]:
 
 
 GOOD = RawGenerateRequest(prompt_text="hello", max_tokens=8)
+SAMPLING_FIELDS = {f.name for f in dataclasses.fields(SamplingParams)} - {"max_tokens"}
+
+
+def changed(**changes) -> RawGenerateRequest:
+    """GOOD with some fields changed, sampling ones in its `sampling` (as a transport maps them)."""
+    sampling = {k: tuple(v) if isinstance(v, list) else v for k, v in changes.items() if k in SAMPLING_FIELDS}
+    rest = {k: v for k, v in changes.items() if k not in SAMPLING_FIELDS}
+    return dataclasses.replace(GOOD, sampling=dataclasses.replace(GOOD.sampling, **sampling), **rest)
 
 BAD = {
     "empty text": (dict(prompt_text=""), "prompt.text"),
@@ -49,7 +58,7 @@ BAD = {
 def test_bad_field_is_named(case: str) -> None:
     changes, field = BAD[case]
     with pytest.raises(ValidationError) as info:
-        validate(dataclasses.replace(GOOD, **changes), LIMITS, tokenize)
+        validate(changed(**changes), LIMITS, tokenize)
     assert info.value.field == field
     assert str(info.value).startswith(field + ":")
 
@@ -63,20 +72,19 @@ def test_good_request_defaults() -> None:
 
 
 def test_unset_max_tokens_fills_the_model_length() -> None:
-    valid = validate(dataclasses.replace(GOOD, max_tokens=None), LIMITS, tokenize)
+    valid = validate(changed(max_tokens=None), LIMITS, tokenize)
     assert valid.sampling.max_tokens == LIMITS.max_model_len - len("hello")
 
 
 def test_edges_are_accepted() -> None:
-    edge = dataclasses.replace(
-        GOOD, temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, priority=1000, max_tokens=64 - 5, stop=["a"] * 16
+    edge = changed(temperature=0.0, top_p=1.0, top_k=-1, min_p=1.0, priority=1000, max_tokens=64 - 5, stop=["a"] * 16
     )
     valid = validate(edge, LIMITS, tokenize)
     assert valid.sampling.greedy and valid.priority == 1000
 
 
 def test_vanishing_temperature_is_greedy() -> None:
-    assert validate(dataclasses.replace(GOOD, temperature=1e-7), LIMITS, tokenize).sampling.greedy
+    assert validate(changed(temperature=1e-7), LIMITS, tokenize).sampling.greedy
 
 
 # The float32 class (issue: top_p = 1e-46 passed as a float64 but is 0 on the device and
@@ -112,7 +120,7 @@ FLOAT32_CASES = {
 @pytest.mark.parametrize("case", sorted(FLOAT32_CASES))
 def test_float32_class_is_rejected_or_normalised(case: str) -> None:
     changes, expect = FLOAT32_CASES[case]
-    raw = dataclasses.replace(GOOD, **changes)
+    raw = changed(**changes)
     if isinstance(expect, str):
         with pytest.raises(ValidationError) as info:
             validate(raw, LIMITS, tokenize)
@@ -130,5 +138,5 @@ def test_normalisation_is_idempotent() -> None:
     for changes, expect in FLOAT32_CASES.values():
         if isinstance(expect, str):
             continue
-        once = validate(dataclasses.replace(GOOD, **changes), LIMITS, tokenize).sampling
+        once = validate(changed(**changes), LIMITS, tokenize).sampling
         assert limits.check_sampling(once, LIMITS.vocab_size) == once
