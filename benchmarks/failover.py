@@ -15,12 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
 import statistics
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -28,22 +25,8 @@ from pathlib import Path
 import grpc
 
 from stepahead.ports import free_port
+from testing.processes import spawn, wait_serving
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], env=env)
-
-
-def wait_serving(address: str, timeout_s: float = 300.0) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as ch:
-        for update in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=timeout_s,
-                                                            wait_for_ready=True):
-            if update.status == health_pb2.HealthCheckResponse.SERVING:
-                return
 
 
 def run_round(stub, streams: int, max_tokens: int, kill) -> list[tuple[float, float]]:

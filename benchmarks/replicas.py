@@ -16,9 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -28,33 +25,10 @@ import grpc
 from benchmarks.machine import cpu_seconds
 from cli import bench as bench_mod
 from stepahead.ports import free_port
+from testing.processes import spawn, wait_replicas, wait_serving
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 MODEL = "llama3-8b-sim"
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], env=env)
-
-
-def wait_serving(address: str) -> None:
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    with grpc.insecure_channel(address) as ch:
-        for u in health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), timeout=300,
-                                                       wait_for_ready=True):
-            if u.status == health_pb2.HealthCheckResponse.SERVING:
-                return
-
-
-def wait_replicas(stub, n: int) -> None:
-    for _ in range(6000):
-        record = stub.GetFlightRecord(scheduler_pb2.GetFlightRecordRequest(), timeout=10)
-        if len([w for w in record.worker_id.split(",") if w]) == n:
-            return
-        time.sleep(0.05)
-    raise RuntimeError(f"{n} replicas never attached")
 
 
 def measure(n: int, args, model_dir: str) -> dict:

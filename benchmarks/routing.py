@@ -17,26 +17,20 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
-import subprocess
-import sys
 import threading
 from pathlib import Path
 
 import grpc
 
 from cli import bench as bench_mod
-from cli.serve import free_port, wait_healthy
+from cli.serve import wait_healthy
+from stepahead.ports import free_port
+from testing.processes import spawn, wait_replicas
 from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 
 MODEL = "llama3-8b-sim"
 POLICIES = ("cache_aware", "least_loaded", "round_robin")
-
-
-def spawn(*args: str) -> subprocess.Popen:
-    env = dict(os.environ, STEPAHEAD_LOG_LEVEL="warning")
-    return subprocess.Popen([sys.executable, "-m", "cli", *args], env=env)
 
 
 def make_workload(args, vocab: int) -> list[bench_mod.WorkItem]:
@@ -46,12 +40,6 @@ def make_workload(args, vocab: int) -> list[bench_mod.WorkItem]:
                for p in prefixes for _ in range(args.per_group)]
     rng.shuffle(prompts)
     return [bench_mod.WorkItem(prompt, args.output_len) for prompt in prompts]
-
-
-def wait_replicas(stub, n: int) -> None:
-    tick = threading.Event()
-    while len(stub.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10).replicas) < n:
-        tick.wait(0.05)  # poll interval while workers attach
 
 
 def measure(policy: str, args, model_dir: str) -> dict:

@@ -25,10 +25,9 @@ from stepahead.plan import StepResult
 
 class StepCommitter:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, finish: Callable[[Request, FinishReason], None],
-                 requests: Mapping[str, Request], bulk: bool) -> None:
-        """`finish`: the core's status transition; `requests`: its live requests by id; `bulk`:
-        decodes in bulk (else each by `_commit_entry`: the oracle)."""
-        self.config, self._kv, self._finish, self._requests, self._bulk = config, kv, finish, requests, bulk
+                 requests: Mapping[str, Request]) -> None:
+        """`finish`: the core's status transition; `requests`: its live requests by id."""
+        self.config, self._kv, self._finish, self._requests = config, kv, finish, requests
         self._eos = frozenset(config.eos_token_ids)
 
     def commit(self, record: InFlightPlan, result: StepResult, ordered: list[int] | None) -> StepEvents:
@@ -40,10 +39,8 @@ class StepCommitter:
             sampled, decoded = dict(zip(record.sampling[:head], ordered[:head])), ordered[head:]
         for entry in record.entries:
             self._commit_entry(entry, result, sampled, out)
-        if record.decodes is not None and self._bulk:
+        if record.decodes is not None:
             self._commit_decodes(record.decodes, result, decoded, out)
-        elif record.decodes is not None:
-            self._commit_decodes_alone(record.decodes, result, out)
         return out
 
     def _commit_entry(self, entry, result: StepResult, sampled: Mapping[str, int], out: StepEvents) -> None:
@@ -93,13 +90,6 @@ class StepCommitter:
             if reason is not None:
                 self._finish(req, reason)
             add_committed(out, req, (token,), reason, result, prompt_lp, 0)
-
-    def _commit_decodes_alone(self, run: DecodeRun, result: StepResult, out: StepEvents) -> None:
-        """The oracle of `_commit_decodes`: each fresh decode of the run by `_commit_entry`."""
-        fresh = run.fresh()
-        rows = run.rows if fresh is None else run.rows[fresh]
-        for req in run.columns.requests[rows].tolist():
-            self._commit_entry((req, req.epoch, 1, True, 0), result, result.sampled_token_ids, out)
 
     def _fail(self, req: Request, result: StepResult, out: StepEvents) -> None:
         rid = req.request_id

@@ -17,8 +17,8 @@ every step, and these functions do its share of the step for all of them at once
   filled (the prefix cache), an event that is not plain.
 
 Each is the bulk form of the per-request rules (`token_rules.num_new_tokens`,
-`token_rules.commit_one`, `logprob_events.is_plain_commit`); `Scheduler(bulk_decodes=False)`
-runs every decode through those instead, the oracle the tests compare against.
+`token_rules.commit_one`, `logprob_events.is_plain_commit`); the tests' lockstep oracle
+(tests/unit/per_request_scheduler.py) runs every decode through those instead.
 """
 
 from __future__ import annotations

@@ -62,9 +62,8 @@ class _Admission(Enum):
 class Scheduler:
     def __init__(
         self, config: SchedulerConfig, clock: Callable[[], float] = time.monotonic,
-        hash_fn: BlockHashFn = default_block_hash, *, counters: Counter | None = None, bulk_decodes: bool = True,
+        hash_fn: BlockHashFn = default_block_hash, *, counters: Counter | None = None,
     ) -> None:
-        """`bulk_decodes=False`: each decode decided and committed alone (the bulk path's oracle)."""
         self.config = config
         self._clock = clock
         self._policy = make_policy(config)
@@ -74,8 +73,10 @@ class Scheduler:
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._policy)
         self._running = RunningSet(config.max_num_seqs, config.block_size, config.max_model_len)
-        self._bulk = bulk_decodes and not config.num_speculative_tokens  # a speculating decode is decided alone
-        self._committer = StepCommitter(config, self._kv, self._finish, self._requests, self._bulk)
+        # plain decodes in bulk (`decodes.py`); a speculating decode is decided alone (the tests'
+        # lockstep oracle, tests/unit/per_request_scheduler.py, turns the bulk path off)
+        self._bulk = not config.num_speculative_tokens
+        self._committer = StepCommitter(config, self._kv, self._finish, self._requests)
         self._swapped: list[Request] = []
         self._in_flight: deque[InFlightPlan] = deque()
         self._next_step_id = 0

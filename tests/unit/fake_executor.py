@@ -217,8 +217,9 @@ class Driver:
         self.num_stale = 0  # sampled tokens the scheduler dropped as stale
 
     @classmethod
-    def create(cls, config: SchedulerConfig, token_fn: TokenFn, clock=None, **kwargs) -> Driver:
-        sched = Scheduler(config, clock, **kwargs) if clock else Scheduler(config, **kwargs)
+    def create(cls, config: SchedulerConfig, token_fn: TokenFn, clock=None, scheduler_class: type = Scheduler,
+               **kwargs) -> Driver:
+        sched = scheduler_class(config, clock, **kwargs) if clock else scheduler_class(config, **kwargs)
         fake = FakeExecutor(config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, token_fn)
         return cls(sched, fake)
 

@@ -1,5 +1,5 @@
 """The bulk decode path (`scheduler_service/core/decodes.py`) against its oracle, the per-request
-rules (`Scheduler(bulk_decodes=False)`: each decode decided by `token_rules.num_new_tokens`
+rules (`PerRequestScheduler`: each decode decided by `token_rules.num_new_tokens`
 and committed by `commit_one`, the prefix-cache check and `add_committed`, one by one): the
 same workload driven in lockstep through both cores gives the same plans (the same
 requests, tokens, blocks and orders to the worker; only the order of running deltas may
@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 from scheduler_service.core.events import PlainTokenEvent
 from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens
+from tests.unit.per_request_scheduler import PerRequestScheduler
 from tests.unit.test_sched_stateful import EOS, configs, request_params
 
 TOKENS = hashed_tokens(vocab_size=12)  # EOS (0) about once in 12 tokens
@@ -41,7 +42,7 @@ def lockstep(config, specs: list[tuple[int, RequestSpec]], aborts: dict[int, str
     """Drive a bulk core and a per-request core through the same workload; assert they agree
     after every step. Returns the bulk one."""
     bulk = Driver.create(config, TOKENS)
-    alone = Driver.create(config, TOKENS, bulk_decodes=False)
+    alone = Driver.create(config, TOKENS, scheduler_class=PerRequestScheduler)
     rng, tick, pending = random.Random(seed), 0, list(specs)
     while pending or bulk.scheduler.has_unfinished_requests() or bulk.results:
         assert tick < 2000, "not done"
