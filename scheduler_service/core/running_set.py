@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from scheduler_service.core.request import COLUMN_COUNTERS, Request
+from scheduler_service.core.token_rules import token_limit
 
 _run_key = attrgetter("run_key")  # the policy's order of running requests
 _row_of = attrgetter("_row")
@@ -72,7 +73,7 @@ class RunningColumns:
             getattr(self, name)[row] = getattr(req, name)
         sp = req.sampling
         self.block_end[row] = len(req.block_ids) * self.block_size
-        self.token_limit[row] = limit = min(req.num_prompt_tokens + sp.max_tokens, self.max_model_len)
+        self.token_limit[row] = limit = token_limit(req, self.max_model_len)
         self.stop_at[row] = 0 if sp.stop_token_ids else limit
         self.eos_stops[row] = not sp.ignore_eos
         plain = sp.logprobs is None and not req.num_draft_tokens

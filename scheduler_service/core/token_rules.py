@@ -8,6 +8,13 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.request import FinishReason, Request
 
 
+def token_limit(req: Request, max_model_len: int) -> int:
+    """The length rule, once: the known tokens a request may reach (its prompt plus
+    `max_tokens`, never past `max_model_len`). A committed token that reaches it ends the
+    request; the running set's columns hold it for the bulk decode path (`decodes.py`)."""
+    return min(req.num_prompt_tokens + req.sampling.max_tokens, max_model_len)
+
+
 def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_left: int,
                    prev_step_id: int | None = None) -> int:
     """Tokens to compute this step (0: none), honouring chunking and max_tokens.
@@ -29,11 +36,7 @@ def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_le
         if cfg.long_prefill_token_threshold:
             n = min(n, cfg.long_prefill_token_threshold)
     if n == remaining:  # the step samples: never past max_tokens / max_model_len
-        pending = req.num_output_placeholders
-        if (
-            len(req.output_token_ids) + pending >= req.sampling.max_tokens
-            or req.num_tokens + pending >= cfg.max_model_len
-        ):
+        if req.num_tokens + req.num_output_placeholders >= token_limit(req, cfg.max_model_len):
             return 0  # its pending placeholders may already complete it
     return n
 
@@ -44,7 +47,7 @@ def stop_reason(cfg: SchedulerConfig, eos: frozenset[int], req: Request, token: 
     if num_output >= sp.min_tokens:
         if (token in eos and not sp.ignore_eos) or token in sp.stop_token_ids:
             return FinishReason.STOP
-    if num_output >= sp.max_tokens or req.num_tokens >= cfg.max_model_len:
+    if req.num_tokens >= token_limit(req, cfg.max_model_len):
         return FinishReason.LENGTH
     return None
 
@@ -64,8 +67,6 @@ def commit_one(cfg: SchedulerConfig, eos: frozenset[int], req: Request, token: i
     """`commit_run` of one sampled token (a plain decode: the hot path, so `stop_reason` runs
     only when this token or a length limit could end the request)."""
     req.commit_token(token)
-    sp = req.sampling
-    if (token in eos or token in sp.stop_token_ids or len(req.output_token_ids) >= sp.max_tokens
-            or req.num_tokens >= cfg.max_model_len):
+    if token in eos or token in req.sampling.stop_token_ids or req.num_tokens >= token_limit(req, cfg.max_model_len):
         return stop_reason(cfg, eos, req, token)
     return None
