@@ -33,21 +33,7 @@ import statistics
 import time
 from pathlib import Path
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "n": {"type": "string", "pattern": "^[a-z]{1,5}$"},
-        "k": {"enum": ["cat", "dog", "bird"]},
-        "a": {"type": "integer", "minimum": 0, "maximum": 30},
-        "w": {"type": "number", "minimum": 0.5, "maximum": 9.5},
-        "o": {"type": "object", "properties": {"i": {"type": "integer", "minimum": 1, "maximum": 999},
-                                               "v": {"type": "boolean"}},
-              "required": ["i", "v"], "additionalProperties": False},
-        "t": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "minItems": 1, "maxItems": 3},
-    },
-    "required": ["n", "k", "a", "w", "o", "t"],
-    "additionalProperties": False,
-}
+from testing.structured import SCHEMA
 
 
 def run_once(runner, config, prompts, samplings) -> dict:
