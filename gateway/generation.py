@@ -28,9 +28,8 @@ from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec
 from stepahead.limits import MAX_ID_CHARS
-from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
-from stepahead.plan import FinishReason
-from stepahead.v1 import scheduler_pb2
+from stepahead.logprobs import Logprobs, PromptLogprobs
+from stepahead.plan import FinishReason, WorkerInfo
 
 SEED_MODULUS = 2**64
 SCOPE_CHARS = 16  # hex digits of a client's scope in its upstream ids
@@ -38,7 +37,7 @@ WAKE = object()  # put into a sink by `Generation.abort` so a waiting consumer s
 
 
 class Rejected(Exception):
-    """The scheduler refused the request; `code` is its `scheduler_pb2.RejectCode`."""
+    """The scheduler refused the request; `code` is its `RejectCode` (scheduler.proto)."""
 
     def __init__(self, message: str, code: int) -> None:
         super().__init__(message)
@@ -216,14 +215,14 @@ def _logprobs_of(event) -> tuple[tuple[Logprobs, ...], PromptLogprobs | None]:
 class Frontend:
     """What both transports share: limits, tokenizer, the scheduler link, metrics."""
 
-    def __init__(self, tokenizer, model: scheduler_pb2.WorkerHello, link: SchedulerLink,
+    def __init__(self, tokenizer, model: WorkerInfo, link: SchedulerLink,
                  max_request_bytes: int, metrics: GatewayMetrics, gate: StreamGate | None = None,
                  stream_interval: int = 1) -> None:
         self.tokenizer = tokenizer
         self.stream_interval = stream_interval  # tokens per streamed message at most (event_stream.py)
         self.model = model
         self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes,
-                                  model.max_logprobs or MAX_LOGPROBS)
+                                  model.max_logprobs)
         self.link = link
         self.metrics = metrics
         self.gate = gate or StreamGate(1 << 30)
@@ -255,9 +254,9 @@ class Frontend:
     def _check_capabilities(self, valid: ValidRequest) -> None:
         """What the attached workers announced they cannot do (the sim worker: no logits)."""
         s = valid.sampling
-        if self.model.no_logprobs and (s.logprobs is not None or s.prompt_logprobs is not None):
+        if not self.model.logprobs and (s.logprobs is not None or s.prompt_logprobs is not None):
             raise ValidationError("logprobs", f"this server's workers ({self.model.device}) compute no logprobs")
-        if self.model.no_structured_outputs and s.structured is not None:
+        if not self.model.structured_outputs and s.structured is not None:
             raise ValidationError("structured_outputs", f"this server's workers ({self.model.device}) do not "
                                   "support structured outputs")
 
@@ -277,15 +276,7 @@ class Frontend:
         try:
             for index, rid in enumerate(gen.upstream_ids):
                 sampling = dataclasses.replace(valid.sampling, seed=derived_seed(valid.sampling.seed, index))
-                self.link.submit(
-                    scheduler_pb2.SubmitRequest(
-                        request_id=rid,
-                        prompt_token_ids=valid.prompt_token_ids,
-                        sampling=codec.sampling_to_proto(sampling),
-                        priority=valid.priority,
-                    ),
-                    sink,
-                )
+                self.link.submit(codec.submit_to_proto(rid, valid.prompt_token_ids, sampling, valid.priority), sink)
                 submitted += 1
         except ValueError:
             gen.abort(gen.upstream_ids[:submitted])  # never another request's id

@@ -340,7 +340,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     gate = StreamGate(config.max_concurrent_streams)
     pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
-    frontend = Frontend(tokenizer, model, pool, config.max_request_bytes, metrics, gate, config.stream_interval)
+    frontend = Frontend(tokenizer, codec.worker_info_from_proto(model), pool, config.max_request_bytes, metrics, gate,
+                        config.stream_interval)
     grpc_server = build_server(config, frontend, log, max_connections)
     port = grpc_server.start()
     http = _start_http(frontend, channels, config, log, max_connections)

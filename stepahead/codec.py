@@ -126,6 +126,14 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
     )
 
 
+def submit_to_proto(request_id: str, prompt_token_ids, sampling: SamplingParams,
+                    priority: int) -> scheduler_pb2.SubmitRequest:
+    """A gateway's submission of one upstream sequence (the scheduler reads it back with
+    `sampling_from_proto`)."""
+    return scheduler_pb2.SubmitRequest(request_id=request_id, prompt_token_ids=prompt_token_ids,
+                                       sampling=sampling_to_proto(sampling), priority=priority)
+
+
 def logprobs_to_proto(lp: Logprobs) -> common_pb2.Logprobs:
     return common_pb2.Logprobs(token_id=lp.token_id, logprob=lp.logprob, top_token_ids=[t for t, _ in lp.top],
                                top_logprobs=[v for _, v in lp.top])

@@ -28,6 +28,7 @@ from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
 from tests.service.streams import greedy
 from tests.unit.test_gateway_frontend import CharTokenizer
+from stepahead import codec
 
 PHASES = 4
 PER_PHASE = 300  # of each kind
@@ -129,7 +130,7 @@ def test_cancelled_consumers_leave_no_route_no_slot_no_pending_event():
     pool = SchedulerPool([link], ["s"], log=None)
     gate = StreamGate(1 << 10)
     hello = scheduler_pb2.WorkerHello(model_name="m", max_model_len=64, vocab_size=100)
-    front = Frontend(CharTokenizer(), hello, pool, 1 << 20, GatewayMetrics(), gate)
+    front = Frontend(CharTokenizer(), codec.worker_info_from_proto(hello), pool, 1 << 20, GatewayMetrics(), gate)
 
     async def main():
         loop_events = LoopEvents(asyncio.get_running_loop())

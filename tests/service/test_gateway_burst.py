@@ -25,6 +25,7 @@ from gateway.generation import Frontend
 from gateway.metrics import GatewayMetrics
 from gateway.server import GatewayConfig, build_server
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2
+from stepahead import codec
 
 BURST = 1300  # past grpc core's soft backlog limit of 1,000 calls: before the fix ~all runs shed some
 
@@ -63,7 +64,7 @@ def test_a_burst_waiting_in_grpc_cores_backlog_is_answered_not_cancelled():
     gate = StreamGate(1)
     gate.enter()  # the gateway is at its stream limit: every new call is refused
     hello = scheduler_pb2.WorkerHello(model_name="m", max_model_len=64, vocab_size=100)
-    frontend = Frontend(None, hello, None, 1 << 20, GatewayMetrics(), gate)
+    frontend = Frontend(None, codec.worker_info_from_proto(hello), None, 1 << 20, GatewayMetrics(), gate)
     server = build_server(GatewayConfig(host="127.0.0.1", port=0), frontend, structlog.get_logger(), max_connections=64)
     port = server.start()
     release, held = threading.Event(), threading.Event()

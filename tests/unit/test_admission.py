@@ -8,6 +8,7 @@ import threading
 import pytest
 
 from gateway.admission import Draining, Overloaded, StreamGate
+from stepahead import codec
 
 
 def test_the_limit_refuses_at_once_and_a_left_slot_is_free_again():
@@ -62,7 +63,7 @@ def _frontend(gate: StreamGate):
     from tests.unit.test_gateway_frontend import CharTokenizer, FakeLink
 
     hello = scheduler_pb2.WorkerHello(model_name="m", max_model_len=64, vocab_size=100)
-    return Frontend(CharTokenizer(), hello, FakeLink(), 1 << 20, GatewayMetrics(), gate)
+    return Frontend(CharTokenizer(), codec.worker_info_from_proto(hello), FakeLink(), 1 << 20, GatewayMetrics(), gate)
 
 
 def _start(front, rid="r"):

@@ -10,6 +10,7 @@ from gateway.openai_format import ChatFormat, CompletionFormat
 from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_to_raw, completion_to_raw, openai_param
 from gateway.validation import ValidationError
 from stepahead.v1 import common_pb2, scheduler_pb2
+from stepahead import codec
 
 
 class FakeLink:
@@ -44,7 +45,7 @@ class CharTokenizer:
 
 def frontend(link) -> Frontend:
     hello = scheduler_pb2.WorkerHello(model_name="m", max_model_len=64, vocab_size=100)
-    return Frontend(CharTokenizer(), hello, link, 1 << 20, GatewayMetrics())
+    return Frontend(CharTokenizer(), codec.worker_info_from_proto(hello), link, 1 << 20, GatewayMetrics())
 
 
 def event(rid, ids, finish=common_pb2.FINISH_REASON_UNSPECIFIED, **kw):
