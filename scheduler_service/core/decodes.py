@@ -17,8 +17,10 @@ every step, and these functions do its share of the step for all of them at once
   filled (the prefix cache), an event that is not plain.
 
 Each is the bulk form of the per-request rules (`token_rules.num_new_tokens`,
-`token_rules.commit_one`, `logprob_events.is_plain_commit`); the tests' lockstep oracle
-(tests/unit/per_request_scheduler.py) runs every decode through those instead.
+`token_rules.commit_one`, `logprob_events.is_plain_commit`), and takes the rules both share
+from `token_rules` (the length rule `token_limit`, through the running set's columns;
+`placeholder_input`; `waits_for_older_plan`), applied to columns. The tests' lockstep
+oracle (tests/unit/per_request_scheduler.py) runs every decode through the per-request forms.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import numpy as np
 
 from scheduler_service.core.request import Request
 from scheduler_service.core.running_set import RunningColumns, RunningSet
+from scheduler_service.core.token_rules import placeholder_input, waits_for_older_plan
 from stepahead.plan import RunningDeltas, StepResult
 
 
@@ -43,8 +46,8 @@ def decode_masks(running: RunningSet, prev_step_id: int) -> tuple[np.ndarray, np
     v = c.view
     known = v.num_tokens + v.num_output_placeholders  # every row at once: cheaper than gathering
     sched = v.num_scheduled_tokens
-    decode = (known - sched == 1) & (known < c.token_limit)
-    decode &= (v.num_output_placeholders == 0) | (v.last_step_id == prev_step_id)
+    decode = (known - sched == 1) & (known < c.token_limit)  # one token left to compute, and it may sample
+    decode &= ~waits_for_older_plan(v.num_output_placeholders, v.last_step_id, prev_step_id)
     rows = running.rows()
     return decode[rows], (sched >= c.block_end)[rows]
 
@@ -113,7 +116,7 @@ class ScheduledDecodes:
         n = len(rows)
         v = columns.view
         start = v.num_scheduled_tokens[rows]
-        placeholder = (start >= v.num_tokens[rows]).tolist()  # its input is a token not committed yet
+        placeholder = placeholder_input(start, v.num_tokens[rows]).tolist()
         v.num_scheduled_tokens[rows] = start + 1
         v.num_output_placeholders[rows] += 1
         v.last_step_id[rows] = step_id

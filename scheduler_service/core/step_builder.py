@@ -11,6 +11,7 @@ import numpy as np
 from scheduler_service.core.decodes import DecodeRun, ScheduledDecodes
 from scheduler_service.core.request import Request
 from scheduler_service.core.running_set import RunningColumns
+from scheduler_service.core.token_rules import placeholder_input
 from stepahead.plan import NewRequest, RunningDeltas, StepPlan, running_request
 
 
@@ -126,7 +127,7 @@ class StepBuilder:
                 )
                 req.in_worker = True
             else:
-                placeholder = start >= req.num_tokens
+                placeholder = placeholder_input(start, req.num_tokens)
                 assert not placeholder or n - drafts == 1, "a placeholder input is always a single decode"
                 blocks = req.block_ids
                 running.append(running_request((req.request_id, tuple(blocks[first:]) if first < len(blocks) else (),

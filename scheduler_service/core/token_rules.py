@@ -15,17 +15,28 @@ def token_limit(req: Request, max_model_len: int) -> int:
     return min(req.num_prompt_tokens + req.sampling.max_tokens, max_model_len)
 
 
+def placeholder_input(start, num_tokens):
+    """Whether a decode's input, the token at position `start`, is a placeholder: sampled by
+    a plan still in flight, not committed yet. Scalars, or numpy columns (`decodes.py`)."""
+    return start >= num_tokens
+
+
+def waits_for_older_plan(num_output_placeholders, last_step_id, prev_step_id):
+    """Whether a running request's decode must wait: its pending token was sampled by a plan
+    older than the previous one, and the worker reads placeholders only from the previous
+    step's sampled ids (with 3+ plans in flight, a request left out of the previous plan;
+    never with two). Scalars, or numpy columns (`decodes.py`)."""
+    return (num_output_placeholders != 0) & (last_step_id != prev_step_id)
+
+
 def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_left: int,
                    prev_step_id: int | None = None) -> int:
     """Tokens to compute this step (0: none), honouring chunking and max_tokens.
     `remaining`: tokens not scheduled yet (placeholders included); `tokens_left`: the budget.
-    `prev_step_id` (a running request's: the plan before this one): a decode whose input would
-    be a placeholder sampled by an older plan still in flight waits for that result, since the
-    worker reads only the previous step's sampled tokens (with 3+ plans in flight, a request
-    left out of the previous plan; never with two)."""
+    `prev_step_id` (a running request's: the plan before this one): `waits_for_older_plan`."""
     if remaining <= 0 or tokens_left <= 0:
         return 0
-    if req.num_output_placeholders and prev_step_id is not None and req.last_step_id != prev_step_id:
+    if prev_step_id is not None and waits_for_older_plan(req.num_output_placeholders, req.last_step_id, prev_step_id):
         return 0
     if remaining == 1:  # a decode: the common case
         n = 1
