@@ -29,7 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from scheduler_service.core.request import COLUMN_COUNTERS, Request
-from scheduler_service.core.token_rules import token_limit
+from scheduler_service.core.token_rules import may_stop_at, token_limit
 
 _run_key = attrgetter("run_key")  # the policy's order of running requests
 _row_of = attrgetter("_row")
@@ -47,9 +47,9 @@ class RunningColumns:
             setattr(self, name, array("q", bytes(8 * capacity)))
         self.view = SimpleNamespace(**{n: np.frombuffer(getattr(self, n), dtype=np.int64) for n in COLUMN_COUNTERS})
         self.block_end = np.zeros(capacity, np.int64)  # len(block_ids) * block_size: the tokens its blocks hold
-        self.token_limit = np.zeros(capacity, np.int64)  # min(prompt + max_tokens, max_model_len): known tokens < it
-        # num_tokens at (or past) which a committed token may end it: token_limit, or 0 with stop
-        # ids (each of its tokens is checked); an EOS id is checked apart, where `eos_stops`
+        self.token_limit = np.zeros(capacity, np.int64)  # token_rules.token_limit: known tokens stay below it
+        # token_rules.may_stop_at: from there a committed token may end it; an EOS id is checked
+        # apart, where `eos_stops`
         self.stop_at = np.zeros(capacity, np.int64)
         self.eos_stops = np.zeros(capacity, bool)  # an EOS id ends it (not ignore_eos)
         # num_tokens from which its committed tokens are plain events: past its first output
@@ -73,8 +73,8 @@ class RunningColumns:
             getattr(self, name)[row] = getattr(req, name)
         sp = req.sampling
         self.block_end[row] = len(req.block_ids) * self.block_size
-        self.token_limit[row] = limit = token_limit(req, self.max_model_len)
-        self.stop_at[row] = 0 if sp.stop_token_ids else limit
+        self.token_limit[row] = token_limit(req, self.max_model_len)
+        self.stop_at[row] = may_stop_at(req, self.max_model_len)
         self.eos_stops[row] = not sp.ignore_eos
         plain = sp.logprobs is None and not req.num_draft_tokens
         self.plain_from[row] = req.num_prompt_tokens + 2 if plain else np.iinfo(np.int64).max

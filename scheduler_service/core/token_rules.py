@@ -15,6 +15,14 @@ def token_limit(req: Request, max_model_len: int) -> int:
     return min(req.num_prompt_tokens + req.sampling.max_tokens, max_model_len)
 
 
+def may_stop_at(req: Request, max_model_len: int) -> int:
+    """`num_tokens` from which a committed token may end the request, EOS aside: its length
+    limit, or 0 when it has stop ids (then each token is looked at). Below it, only an EOS
+    id can end it, so `stop_reason` need not run (the running set's `stop_at` column holds
+    it for the bulk path)."""
+    return 0 if req.sampling.stop_token_ids else token_limit(req, max_model_len)
+
+
 def placeholder_input(start, num_tokens):
     """Whether a decode's input, the token at position `start`, is a placeholder: sampled by
     a plan still in flight, not committed yet. Scalars, or numpy columns (`decodes.py`)."""
@@ -78,6 +86,6 @@ def commit_one(cfg: SchedulerConfig, eos: frozenset[int], req: Request, token: i
     """`commit_run` of one sampled token (a plain decode: the hot path, so `stop_reason` runs
     only when this token or a length limit could end the request)."""
     req.commit_token(token)
-    if token in eos or token in req.sampling.stop_token_ids or req.num_tokens >= token_limit(req, cfg.max_model_len):
+    if token in eos or req.num_tokens >= may_stop_at(req, cfg.max_model_len):
         return stop_reason(cfg, eos, req, token)
     return None
