@@ -42,13 +42,25 @@ def logprobs_of(result: StepResult, request_id: str) -> tuple[Logprobs, ...]:
     return (*outcome.accepted_logprobs, lp) if outcome is not None else (lp,)
 
 
+NEVER_PLAIN = 2**63 - 1  # `plain_from` of a request whose tokens are never plain
+
+
+def plain_from(req: Request) -> int:
+    """`num_tokens` from which a request's committed tokens may be plain events: past its
+    first output token, unless it asks for logprobs or has counted drafts (then never). The
+    running set's `plain_from` column holds it for the bulk path (`decodes.commit_decodes`)."""
+    if req.sampling.logprobs is None and not req.num_draft_tokens:
+        return req.num_prompt_tokens + 2
+    return NEVER_PLAIN
+
+
 def is_plain_commit(req: Request, reason: FinishReason | None, result: StepResult,
                     prompt_lp: PromptLogprobs | None, drafts: int) -> bool:
-    """The rule of a plain token: one committed token, neither the request's first nor its
-    last, no logprobs, prompt logprobs or drafts (`decodes.commit_decodes` applies the same
-    rule to a whole run of decodes at once)."""
-    return (reason is None and prompt_lp is None and not (drafts or req.num_draft_tokens)
-            and req.request_id not in result.logprobs and len(req.output_token_ids) > 1)
+    """The rule of a plain token: one committed token past `plain_from` that does not end
+    the request, with no logprobs, prompt logprobs or drafts in this step
+    (`decodes.commit_decodes` applies the same rule to a whole run of decodes at once)."""
+    return (reason is None and prompt_lp is None and not drafts and req.request_id not in result.logprobs
+            and req.num_tokens >= plain_from(req))
 
 
 def add_committed(out: StepEvents, req: Request, committed: tuple[int, ...], reason: FinishReason | None,

@@ -29,6 +29,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from scheduler_service.core.request import COLUMN_COUNTERS, Request
+from scheduler_service.core.logprob_events import plain_from
 from scheduler_service.core.token_rules import may_stop_at, token_limit
 
 _run_key = attrgetter("run_key")  # the policy's order of running requests
@@ -52,8 +53,7 @@ class RunningColumns:
         # apart, where `eos_stops`
         self.stop_at = np.zeros(capacity, np.int64)
         self.eos_stops = np.zeros(capacity, bool)  # an EOS id ends it (not ignore_eos)
-        # num_tokens from which its committed tokens are plain events: past its first output
-        # token, unless it asked for logprobs or counted drafts (never)
+        # logprob_events.plain_from: from there its committed tokens may be plain events
         self.plain_from = np.zeros(capacity, np.int64)
         # who holds the row (0: nobody): an in-flight row whose ticket changed since is stale
         self.ticket = np.zeros(capacity, np.int64)
@@ -76,8 +76,7 @@ class RunningColumns:
         self.token_limit[row] = token_limit(req, self.max_model_len)
         self.stop_at[row] = may_stop_at(req, self.max_model_len)
         self.eos_stops[row] = not sp.ignore_eos
-        plain = sp.logprobs is None and not req.num_draft_tokens
-        self.plain_from[row] = req.num_prompt_tokens + 2 if plain else np.iinfo(np.int64).max
+        self.plain_from[row] = plain_from(req)
         self.ticket[row] = next(self._tickets)
         self.requests[row], self.request_ids[row], self.outputs[row] = req, req.request_id, req.output_token_ids
         req._columns, req._row = self, row
