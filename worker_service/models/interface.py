@@ -22,6 +22,7 @@ ModelConfig` (the same fields, read from a checkpoint) is what families are give
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
 from collections.abc import Mapping
@@ -192,10 +193,13 @@ class ModelFamily:
         return name.endswith(IGNORED_SUFFIXES) or (self.tied(cfg) and name == f"{self.lm_head}.weight")
 
     def counts(self, cfg: BaseModelConfig) -> ModelCounts:
-        """The sim cost model's view, summed from `params(cfg)`."""
+        """The sim cost model's view, summed from the declared parameters: those of the model
+        without layers plus num_layers times one layer's (a config of 10^6 layers is counted,
+        and refused, without listing them). A family whose layers differ overrides this."""
         by_kind = dict.fromkeys(Kind, 0)
-        for p in self.params(cfg):
-            by_kind[p.kind] += p.numel
+        for layers, times in ((0, 1 - cfg.num_layers), (1, cfg.num_layers)):
+            for p in self.params(dataclasses.replace(cfg, num_layers=layers)):
+                by_kind[p.kind] += times * p.numel
         embedding = by_kind[Kind.EMBEDDING]
         tied = self.tied(cfg)
         return ModelCounts(
