@@ -149,7 +149,7 @@ class Param:
 
 def param(name: str, shape: tuple[int, ...], *, axis: str | None = None, dim: int = 0, unit: int = 1,
           tp: TP = TP.REPLICATED, kind: Kind = Kind.OTHER, source: str | None = None) -> Param:
-    """A parameter filled by one checkpoint tensor (named `source`, or like the parameter)."""
+    """A parameter filled whole by one checkpoint tensor (named `source`, or like the parameter)."""
     return Param(name, shape, (Source(source or name, shape[0], axis, dim, unit),), tp, kind)
 
 

@@ -1,15 +1,15 @@
 """The Llama family's declarations (Llama, Mistral, Qwen2, Qwen3): torch-free, read by the
 loader, tensor parallelism and the sim cost model. The modules are in `llama.py`.
 
-| parameter (ours)              | checkpoint tensors (HF)      | shape                | TP split                  |
-|-------------------------------|------------------------------|----------------------|---------------------------|
-| self_attn.qkv_proj weight/bias | q_proj, k_proj, v_proj      | [(H+2*KVH)*d, hidden] | column: H/k heads, KVH/k KV heads (one replicated head when k > KVH) |
-| self_attn.o_proj weight        | o_proj                       | [hidden, H*d]        | row (all-reduce after); its bias replicated |
-| self_attn.q_norm, k_norm       | q_norm, k_norm (Qwen3)       | [d]                  | replicated                |
-| mlp.gate_up_proj weight        | gate_proj, up_proj           | [2*I, hidden]        | column: I/k               |
-| mlp.down_proj weight           | down_proj                    | [hidden, I]          | row (all-reduce after)    |
-| embed_tokens, lm_head weight   | the same names               | [V, hidden]          | vocab: V/k rows           |
-| norms                          | the same names               | [hidden]             | replicated                |
+| parameter (ours)               | checkpoint tensors (HF)  | shape                  | TP split                                  |
+|--------------------------------|--------------------------|------------------------|-------------------------------------------|
+| self_attn.qkv_proj weight/bias | q_proj, k_proj, v_proj   | [(H + 2*KVH)*d, hidden] | column: H/k heads, KVH/k KV heads (one replicated head when k > KVH) |
+| self_attn.o_proj weight        | o_proj                   | [hidden, H*d]          | row (all-reduce after); its bias replicated |
+| self_attn.q_norm, k_norm       | q_norm, k_norm (Qwen3)   | [d]                    | replicated                                |
+| mlp.gate_up_proj weight        | gate_proj, up_proj       | [2*I, hidden]          | column: I/k                               |
+| mlp.down_proj weight           | down_proj                | [hidden, I]            | row (all-reduce after)                    |
+| embed_tokens, lm_head weight   | the same names           | [V, hidden]            | vocab: V/k rows                           |
+| norms                          | the same names           | [hidden]               | replicated                                |
 """
 
 from __future__ import annotations
