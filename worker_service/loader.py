@@ -8,14 +8,13 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+from torch import nn
 
 from worker_service.model_config import ModelConfig
-from worker_service.models import model_class
-from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models import family
+from worker_service.models.interface import ModelFamily, Param, Source
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# Tensors some checkpoints carry that the model recomputes.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def parse_dtype(dtype: str) -> torch.dtype:
@@ -51,59 +50,71 @@ def iter_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
             raise ValueError(f"weight file {path} is truncated or corrupt: {e}") from e
 
 
-def load_model(model_dir: str | Path, dtype: torch.dtype,
-               device: torch.device) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) -> tuple[nn.Module, ModelConfig]:
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    cls = model_class(cfg.model_type)
+    fam = family(cfg.model_type)
     files = weight_files(model_dir)
     with torch.device("meta"):
-        model = cls(cfg)
+        model = fam.model_class()(cfg)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    tie_weights(model, fam)
     load_weights(model, iter_tensors(files))
     return model.eval(), cfg
 
 
-def load_weights(model: LlamaForCausalLM, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy HF-named tensors into the model; every parameter must be filled exactly once."""
+def tie_weights(model: nn.Module, fam: ModelFamily) -> None:
+    """The head shares the embedding's weight (again: `to_empty` gave each its own storage)."""
+    if fam.tied(model.config):
+        model.get_submodule(fam.lm_head).weight = model.get_submodule(fam.embedding).weight
+
+
+def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model as its family declares (`ModelFamily.params`);
+    every parameter must be filled exactly once, each of its sources at least once."""
+    cfg = model.config
+    fam = family(cfg.model_type)
     params = dict(model.named_parameters())  # tied lm_head is deduplicated away here
-    pending: dict[str, set[int]] = {name: set(range(_num_shards(model, name))) for name in params}
-    tied = model.config.tie_word_embeddings
+    declared = check_declaration(fam, model)
+    targets: dict[str, tuple[Param, int, Source]] = {}  # checkpoint name -> (param, offset along pack_dim, source)
+    for p in declared:
+        offset = 0
+        for source in p.sources:
+            targets[source.name] = (p, offset, source)
+            offset += source.size
+    pending = {p.name: {s.name for s in p.sources} for p in declared}
     for name, tensor in tensors:
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if fam.ignores(name, cfg):
             continue
-        target, shard = _target(model, name)
-        if target not in params:
+        if name not in targets:
             raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
-        _copy(model, params[target], target, shard, name, tensor)
-        pending[target].discard(shard if shard is not None else 0)
-    missing = sorted(name for name, shards in pending.items() if shards)
+        p, offset, source = targets[name]
+        copy_into(params[p.name], p.pack_dim, offset, source, name, tensor)
+        pending[p.name].discard(name)
+    missing = sorted(name for name, sources in pending.items() if sources)
     if missing:
         raise ValueError(f"checkpoint lacks weights for: {missing}")
 
 
-def _num_shards(model: LlamaForCausalLM, param_name: str) -> int:
-    for fused, _ in model.packed_modules.values():
-        if f".{fused}." in param_name:
-            return len(model.shard_sizes(fused))
-    return 1
+def check_declaration(fam: ModelFamily, model: nn.Module) -> list[Param]:
+    """The family's declared parameters, checked against the built model's (names and shapes):
+    a family that forgot a parameter fails here, before any weight is read."""
+    declared = fam.params(model.config)
+    built = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    listed = {p.name: p.shape for p in declared}
+    if len(listed) != len(declared) or listed != built:
+        wrong = sorted(n for n in built.keys() | listed.keys() if built.get(n) != listed.get(n))
+        raise RuntimeError(f"model family {fam.model_type!r} declares parameters that differ from its modules': "
+                           f"{[(n, listed.get(n), built.get(n)) for n in wrong[:5]]}")
+    return declared
 
 
-def _target(model: LlamaForCausalLM, name: str) -> tuple[str, int | None]:
-    for part, (fused, shard) in model.packed_modules.items():
-        if f".{part}." in name:
-            return name.replace(f".{part}.", f".{fused}."), shard
-    return name, None
-
-
-def _copy(model, param: torch.Tensor, target: str, shard: int | None, name: str, tensor: torch.Tensor) -> None:
-    if shard is None:
-        dst = param.data
-    else:
-        sizes = model.shard_sizes(target.split(".")[-2])
-        dst = param.data.narrow(0, sum(sizes[:shard]), sizes[shard])
-    if tuple(dst.shape) != tuple(tensor.shape):
-        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(dst.shape)}")
-    dst.copy_(tensor)
+def copy_into(dst: torch.Tensor, pack_dim: int, offset: int, source: Source, name: str, tensor: torch.Tensor) -> None:
+    """Copy checkpoint tensor `name` into `dst[..., offset : offset + size, ...]` along `pack_dim`
+    (or into index `offset` of it, `source.stack`)."""
+    part = dst.data.narrow(pack_dim, offset, source.size)  # the source's slot: [..., size, ...]
+    if source.stack:
+        part = part.select(pack_dim, 0)  # one slice of a stacked parameter, e.g. expert `offset`: [...]
+    if tuple(part.shape) != tuple(tensor.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(part.shape)}")
+    part.copy_(tensor)

@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stepahead.config import ConfigError
+from worker_service.models import FAMILIES
+from worker_service.models.interface import BaseModelConfig, RopeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
-# The architectures the worker builds (worker_service.models registers one class for each),
-# named here so that a checkpoint is refused before torch is imported.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# The architectures the worker builds: the registry's (torch-free), so that a checkpoint is
+# refused before torch is imported.
+SUPPORTED_MODEL_TYPES = tuple(FAMILIES)
+__all__ = ["SUPPORTED_MODEL_TYPES", "CheckpointError", "ModelConfig", "RopeConfig"]
 
 
 class CheckpointError(ConfigError):
@@ -27,33 +29,8 @@ class CheckpointError(ConfigError):
     (and the field) so that the operator knows what to fix."""
 
 
-@dataclass(frozen=True)
-class RopeConfig:
-    theta: float
-    rope_type: str = "default"  # "default" or "llama3"
-    factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
-    original_max_position_embeddings: int = 8192
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    model_type: str
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float
-    rope: RopeConfig
-    tie_word_embeddings: bool
-    attention_bias: bool
-    max_position_embeddings: int
-    sliding_window: int | None
-    eos_token_ids: tuple[int, ...]
+class ModelConfig(BaseModelConfig):
+    """`BaseModelConfig` (the fields, `models/interface.py`) read from a checkpoint directory."""
 
     @classmethod
     def from_dir(cls, model_dir: str | Path) -> ModelConfig:
@@ -71,27 +48,10 @@ class ModelConfig:
         except (ValueError, TypeError) as exc:  # json.JSONDecodeError is a ValueError
             raise CheckpointError(f"{config_path}: {exc}") from None
 
-    def check(self) -> None:
-        """Dimensions a model can be built with: a zero or negative one fails deep in torch,
-        or (hidden_size 0) only after every layer has been built."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "max_position_embeddings"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{_HF_NAMES.get(name, name)} must be >= 1, got {getattr(self, name)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads "
-                             f"({self.num_heads})")
-        if not self.rms_norm_eps > 0:
-            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-
     def num_parameters(self) -> int:
-        """Parameters the model will have, from its dimensions alone (embeddings, attention,
-        MLP, norms): what loading it will allocate, known before it is allocated."""
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = self.hidden_size * (2 * q + 2 * kv) + (q + 2 * kv if self.attention_bias else 0)
-        layer = attention + 3 * self.hidden_size * self.intermediate_size + 2 * self.hidden_size
-        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * layer + embeddings + self.hidden_size
+        """Parameters the model will have, from its dimensions alone (its family's declaration):
+        what loading it will allocate, known before it is allocated."""
+        return FAMILIES[self.model_type].counts(self).num_parameters
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], generation_eos: tuple[int, ...] | None = None) -> ModelConfig:
@@ -107,9 +67,7 @@ class ModelConfig:
         if not raw.get("head_dim") and hidden % heads:
             raise ValueError(f"num_attention_heads ({heads}) must divide hidden_size ({hidden}) without head_dim")
         head_dim = raw.get("head_dim") or hidden // heads
-        act = raw.get("hidden_act", "silu")
-        if act != "silu":
-            raise ValueError(f"unsupported hidden_act {act!r} (only 'silu')")
+        FAMILIES[raw["model_type"]].check_config(raw)
         config = cls(
             model_type=str(raw["model_type"]),
             vocab_size=int(raw["vocab_size"]),
@@ -129,10 +87,6 @@ class ModelConfig:
         )
         config.check()
         return config
-
-
-_HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
-             "num_kv_heads": "num_key_value_heads"}
 
 
 def host_memory_bytes() -> int:

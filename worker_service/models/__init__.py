@@ -1,30 +1,26 @@
-"""Model registry: `model_type` from config.json -> model class."""
+"""Model registry: `model_type` from config.json -> its family's declarations (torch-free).
+
+Adding an architecture: a family file (a `ModelFamily`, see `interface.py`), the torch
+modules it names, and one line here.
+"""
 
 from __future__ import annotations
 
-from worker_service.model_config import SUPPORTED_MODEL_TYPES
-from worker_service.models.llama import (
-    LlamaForCausalLM,
-    MistralForCausalLM,
-    Qwen2ForCausalLM,
-    Qwen3ForCausalLM,
-)
+from worker_service.models.interface import ModelFamily
+from worker_service.models.llama_spec import LLAMA, MISTRAL, QWEN2, QWEN3
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": MistralForCausalLM,
-    "qwen2": Qwen2ForCausalLM,
-    "qwen3": Qwen3ForCausalLM,
-}
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3)}
 
 
-assert tuple(MODEL_REGISTRY) == SUPPORTED_MODEL_TYPES, "worker_service.model_config names the same types"
-
-
-def model_class(model_type: str) -> type[LlamaForCausalLM]:
+def family(model_type: str) -> ModelFamily:
     try:
-        return MODEL_REGISTRY[model_type]
+        return FAMILIES[model_type]
     except KeyError:
         raise ValueError(
-            f"unknown model_type {model_type!r}; supported: {sorted(MODEL_REGISTRY)}"
+            f"unknown model_type {model_type!r}; supported: {sorted(FAMILIES)}"
         ) from None
+
+
+def model_class(model_type: str) -> type:
+    """The torch model class of `model_type` (imports torch)."""
+    return family(model_type).model_class()

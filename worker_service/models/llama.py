@@ -1,8 +1,9 @@
 """Llama-family decoder (Llama, Mistral, Qwen2 with qkv bias, Qwen3 with q/k RMSNorm).
 
 Module names mirror Hugging Face's `LlamaForCausalLM`, except that q/k/v are fused into
-`qkv_proj` and gate/up into `gate_up_proj`; `packed_modules` tells the loader how HF's
-separate tensors map onto them.
+`qkv_proj` and gate/up into `gate_up_proj`; the family's declarations (`llama_spec.py`:
+which checkpoint tensors fill which parameter, the TP splits, the counts) say how HF's
+separate tensors map onto them. Each class's `family` holds the flags its members differ by.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from torch import nn
 
 from worker_service.attention import AttentionBackend, AttentionMetadata
 from worker_service.model_config import ModelConfig
+from worker_service.models.llama_spec import LLAMA, MISTRAL, QWEN2, QWEN3, LlamaFamily
 from worker_service.rope import apply_rotary
 
 
@@ -27,14 +29,6 @@ class ForwardContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, block_size, kvh, d]
     cos: torch.Tensor  # [num_tokens, 1, head_dim]
     sin: torch.Tensor  # [num_tokens, 1, head_dim], first half negated (RotaryTable.lookup)
-
-
-@dataclass(frozen=True)
-class Arch:
-    """What distinguishes the family members (beyond config.json)."""
-
-    qkv_bias: bool = False  # Qwen2: q/k/v always have a bias, o_proj never
-    qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
 
 
 class RMSNorm(nn.Module):
@@ -52,18 +46,18 @@ class RMSNorm(nn.Module):
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, arch: Arch):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, family: LlamaFamily):
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
-        qkv_bias = cfg.attention_bias or arch.qkv_bias
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias and not arch.qkv_bias)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if arch.qk_norm else None
+        # qkv_proj.weight: [q_size + 2 * kv_size, hidden]; o_proj.weight: [hidden, q_size]
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=family.has_qkv_bias(cfg))
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=family.has_o_bias(cfg))
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if family.qk_norm else None  # weight: [d]
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if family.qk_norm else None
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # x: [num_tokens, hidden]
@@ -85,8 +79,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)  # [2 * inter, hidden]
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)  # [hidden, inter]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)  # [n, inter] each
@@ -94,9 +88,9 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, arch: Arch):
+    def __init__(self, cfg: ModelConfig, layer_idx: int, family: LlamaFamily):
         super().__init__()
-        self.self_attn = LlamaAttention(cfg, layer_idx, arch)
+        self.self_attn = LlamaAttention(cfg, layer_idx, family)
         self.mlp = LlamaMLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -107,10 +101,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, arch: Arch):
+    def __init__(self, cfg: ModelConfig, family: LlamaFamily):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, arch) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, family) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -121,30 +115,15 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    arch = Arch()
-    # HF tensor name fragment -> (our fused module fragment, shard index)
-    packed_modules = {
-        "q_proj": ("qkv_proj", 0),
-        "k_proj": ("qkv_proj", 1),
-        "v_proj": ("qkv_proj", 2),
-        "gate_proj": ("gate_up_proj", 0),
-        "up_proj": ("gate_up_proj", 1),
-    }
+    family: LlamaFamily = LLAMA
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.arch)
+        self.model = LlamaModel(cfg, self.family)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def shard_sizes(self, fused: str) -> tuple[int, ...]:
-        cfg = self.config
-        if fused == "qkv_proj":
-            kv = cfg.num_kv_heads * cfg.head_dim
-            return (cfg.num_heads * cfg.head_dim, kv, kv)
-        return (cfg.intermediate_size, cfg.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """Final hidden states `[num_tokens, hidden]`."""
@@ -156,12 +135,12 @@ class LlamaForCausalLM(nn.Module):
 
 
 class MistralForCausalLM(LlamaForCausalLM):
-    pass
+    family = MISTRAL
 
 
 class Qwen2ForCausalLM(LlamaForCausalLM):
-    arch = Arch(qkv_bias=True)
+    family = QWEN2
 
 
 class Qwen3ForCausalLM(LlamaForCausalLM):
-    arch = Arch(qk_norm=True)
+    family = QWEN3

@@ -1,22 +1,20 @@
 """How a model's tensors split over k tensor-parallel ranks (Megatron-style, as vLLM does).
 
-| tensor (HF name)                 | shape              | split            |
-|----------------------------------|--------------------|------------------|
-| q_proj weight / bias             | [H*d, hidden] / [H*d] | dim 0, H/k heads  |
-| k_proj, v_proj weight / bias     | [KVH*d, hidden]    | dim 0, KVH/k heads, or one replicated head when k > KVH |
-| o_proj weight                    | [hidden, H*d]      | dim 1 (row-parallel: all-reduce after) |
-| gate_proj, up_proj weight        | [I, hidden]        | dim 0, I/k        |
-| down_proj weight                 | [hidden, I]        | dim 1 (row-parallel: all-reduce after) |
-| embed_tokens, lm_head weight     | [V, hidden]        | dim 0, V/k rows   |
-| norms, o_proj bias               | any                | replicated       |
+The model's family declares what divides (`ModelFamily.axes`: for the Llama family query
+heads, KV heads, the MLP's intermediate columns and the vocabulary) and, for every checkpoint
+tensor, the axis and dim it splits along (`Source.axis`, `Source.dim`); see the table in
+`worker_service/models/llama_spec.py`. A rank holds the contiguous `size/k` units of each
+axis at `rank * size/k`; an axis that may replicate (KV heads) gives each rank one unit when
+k exceeds its size, shared by k/size neighbouring ranks. A tensor without an axis is read whole.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from worker_service.model_config import ModelConfig
+from worker_service.models import family
 
 
 class GeometryError(ValueError):
@@ -27,56 +25,66 @@ class GeometryError(ValueError):
 class ShardGeometry:
     rank: int
     size: int  # k, the tensor-parallel world size
-    head_dim: int
-    num_heads: int  # query heads on this rank
-    num_kv_heads: int  # KV heads on this rank (1 when replicated)
-    kv_head_start: int  # first KV head (global index) this rank holds
-    intermediate: int  # MLP intermediate columns on this rank
-    vocab: int  # vocabulary rows on this rank
+    parts: dict[str, tuple[int, int]]  # axis -> (first unit, number of units) held by this rank
+    # checkpoint tensor -> (axis, dim, elements per unit) of its split; absent: read whole
+    splits: dict[str, tuple[str, int, int]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int) -> ShardGeometry:
         if size < 1 or not 0 <= rank < size:
             raise GeometryError(f"tensor-parallel rank {rank} outside [0, {size})")
-        _divides("num_attention_heads", cfg.num_heads, size)
-        _divides("intermediate_size", cfg.intermediate_size, size)
-        _divides("vocab_size", cfg.vocab_size, size)
-        if cfg.num_kv_heads >= size:
-            _divides("num_key_value_heads", cfg.num_kv_heads, size)
-            kv_heads, kv_start = cfg.num_kv_heads // size, rank * (cfg.num_kv_heads // size)
-        else:  # more ranks than KV heads: each rank holds one head, replicated size/KVH times
-            if size % cfg.num_kv_heads:
-                raise GeometryError(f"tensor-parallel size {size} is larger than num_key_value_heads "
-                                    f"{cfg.num_kv_heads} and not a multiple of it")
-            kv_heads, kv_start = 1, rank // (size // cfg.num_kv_heads)
-        return cls(rank, size, cfg.head_dim, cfg.num_heads // size, kv_heads, kv_start,
-                   cfg.intermediate_size // size, cfg.vocab_size // size)
+        fam = family(cfg.model_type)
+        parts = {}
+        for axis in fam.axes:
+            total = getattr(cfg, axis.config_field)
+            if axis.replicate and total < size:  # more ranks than units: each holds one, replicated size/total times
+                if size % total:
+                    raise GeometryError(f"tensor-parallel size {size} is larger than {axis.hf_name} "
+                                        f"{total} and not a multiple of it")
+                parts[axis.name] = (rank // (size // total), 1)
+            else:
+                _divides(axis.hf_name, total, size)
+                parts[axis.name] = (rank * (total // size), total // size)
+        splits = {s.name: (s.axis, s.dim, s.unit) for p in fam.params(cfg) for s in p.sources if s.axis is not None}
+        return cls(rank, size, parts, splits)
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config of this rank's shard: the model classes build it unchanged."""
-        return dataclasses.replace(cfg, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                                   intermediate_size=self.intermediate, vocab_size=self.vocab)
+        fam = family(cfg.model_type)
+        return dataclasses.replace(cfg, **{a.config_field: self.parts[a.name][1] for a in fam.axes})
+
+    def count(self, axis: str) -> int:
+        """Units of `axis` on this rank."""
+        return self.parts[axis][1]
+
+    # The axes every decoder has, by name (the Llama family's).
+    @property
+    def num_heads(self) -> int:
+        return self.count("heads")
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.count("kv_heads")
+
+    @property
+    def kv_head_start(self) -> int:
+        return self.parts["kv_heads"][0]
+
+    @property
+    def vocab(self) -> int:
+        return self.count("vocab")
 
     @property
     def vocab_start(self) -> int:
-        return self.rank * self.vocab
+        return self.parts["vocab"][0]
 
     def slice_of(self, name: str) -> tuple[int, int, int] | None:
         """(dim, start, length) of checkpoint tensor `name` held here; None: the whole tensor."""
-        d = self.head_dim
-        if ".q_proj." in name:
-            return 0, self.rank * self.num_heads * d, self.num_heads * d
-        if ".k_proj." in name or ".v_proj." in name:
-            return 0, self.kv_head_start * d, self.num_kv_heads * d
-        if name.endswith(".o_proj.weight"):
-            return 1, self.rank * self.num_heads * d, self.num_heads * d
-        if ".gate_proj." in name or ".up_proj." in name:
-            return 0, self.rank * self.intermediate, self.intermediate
-        if name.endswith(".down_proj.weight"):
-            return 1, self.rank * self.intermediate, self.intermediate
-        if name.endswith(("embed_tokens.weight", "lm_head.weight")):
-            return 0, self.vocab_start, self.vocab
-        return None
+        if name not in self.splits:
+            return None
+        axis, dim, unit = self.splits[name]
+        start, count = self.parts[axis]
+        return dim, start * unit, count * unit
 
 
 def _divides(what: str, value: int, size: int) -> None:

@@ -13,6 +13,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from worker_service.models import family
+from worker_service.models.interface import TP
 from worker_service.parallel.geometry import ShardGeometry
 
 
@@ -65,11 +67,18 @@ class GatheredLMHead(nn.Linear):
 
 
 def shard_modules(model: nn.Module, geom: ShardGeometry) -> None:
-    """Swap the layers that communicate into `model` (built from `geom.local_config`, on meta)."""
-    cfg = model.config
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.o_proj = RowParallelLinear(attn.q_size, cfg.hidden_size, bias=attn.o_proj.bias is not None)
-        mlp.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-    model.model.embed_tokens = VocabParallelEmbedding(geom.vocab, cfg.hidden_size, geom.vocab_start)
-    model.lm_head = GatheredLMHead(cfg.hidden_size, geom.vocab, geom.rank, geom.size)
+    """Swap the layers that communicate into `model` (built from `geom.local_config`, on meta), as
+    its family declares: each `TP.ROW` weight's module, the embedding and the head."""
+    fam = family(model.config.model_type)
+    for name in dict.fromkeys(p.module for p in fam.params(model.config) if p.tp is TP.ROW):
+        old = model.get_submodule(name)  # weight: [out, in / k] of this rank's shard
+        _replace(model, name, RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None))
+    emb = model.get_submodule(fam.embedding)  # weight: [vocab / k, hidden]
+    _replace(model, fam.embedding, VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, geom.vocab_start))
+    head = model.get_submodule(fam.lm_head)  # weight: [vocab / k, hidden]
+    _replace(model, fam.lm_head, GatheredLMHead(head.in_features, head.out_features, geom.rank, geom.size))
+
+
+def _replace(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, attr, module)

@@ -8,16 +8,17 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from worker_service.loader import load_weights, weight_files
+from torch import nn
+
+from worker_service.loader import load_weights, tie_weights, weight_files
 from worker_service.model_config import ModelConfig
-from worker_service.models import model_class
-from worker_service.models.llama import LlamaForCausalLM
+from worker_service.models import family
 from worker_service.parallel.geometry import ShardGeometry
 from worker_service.parallel.layers import shard_modules
 
 
 def load_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int,
-               size: int) -> tuple[LlamaForCausalLM, ModelConfig]:
+               size: int) -> tuple[nn.Module, ModelConfig]:
     """(the rank's model, the *global* config); `model.config` is the shard's config.
 
     Raises GeometryError (naming the dimension) when the model does not split k ways.
@@ -26,12 +27,12 @@ def load_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     cfg = ModelConfig.from_dir(model_dir)
     geom = ShardGeometry.of(cfg, rank, size)
     files = weight_files(model_dir)
+    fam = family(cfg.model_type)
     with torch.device("meta"):
-        model = model_class(cfg.model_type)(geom.local_config(cfg))
+        model = fam.model_class()(geom.local_config(cfg))
         shard_modules(model, geom)
     model = model.to_empty(device=device).to(dtype)
-    if cfg.tie_word_embeddings:
-        model.lm_head.weight = model.model.embed_tokens.weight
+    tie_weights(model, fam)
     load_weights(model, iter_slices(files, geom))
     return model.eval(), cfg
 
@@ -46,7 +47,7 @@ def iter_slices(files: list[Path], geom: ShardGeometry) -> Iterator[tuple[str, t
                     if cut is None:
                         yield name, f.get_tensor(name)
                         continue
-                    dim, start, length = cut
+                    dim, start, length = cut  # [..., start : start + length, ...] along dim
                     index = (slice(None),) * dim + (slice(start, start + length),)
                     yield name, f.get_slice(name)[index]
         except SafetensorError as e:

@@ -12,9 +12,11 @@ the all-reduce is not modelled). See docs/sim.md.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from worker_service.model_config import ModelConfig
+from worker_service.models import family
 from worker_service.sim.profiles import AcceleratorProfile
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1}
@@ -29,38 +31,23 @@ def dtype_bytes(dtype: str) -> int:
 
 @dataclass(frozen=True)
 class ModelGeometry:
-    """The sizes the cost model needs, from a checkpoint's config.json."""
+    """The sizes the cost model needs: the model family's counts (`ModelFamily.counts`, summed
+    from its declared parameters) and the dtype's bytes."""
 
     num_layers: int
-    hidden_size: int
-    num_heads: int
+    num_heads: int  # query heads (attention FLOPs)
     num_kv_heads: int
     head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
+    linear_params: int  # matmul weights applied to every token, all layers
+    lm_head_params: int  # applied to the sampled rows
+    lookup_params: int  # an untied input embedding: only a few rows read per step
+    num_parameters: int
     dtype_bytes: int
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: str) -> ModelGeometry:
-        return cls(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                   cfg.intermediate_size, cfg.vocab_size, cfg.tie_word_embeddings, dtype_bytes(dtype))
-
-    @property
-    def layer_linear_params(self) -> int:
-        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        attention = self.hidden_size * q + 2 * self.hidden_size * kv + q * self.hidden_size
-        return attention + 3 * self.hidden_size * self.intermediate_size
-
-    @property
-    def lm_head_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def num_parameters(self) -> int:
-        norms = (2 * self.num_layers + 1) * self.hidden_size
-        embeddings = self.lm_head_params * (1 if self.tie_word_embeddings else 2)
-        return self.num_layers * self.layer_linear_params + embeddings + norms
+        counts = family(cfg.model_type).counts(cfg)
+        return cls(**dataclasses.asdict(counts), dtype_bytes=dtype_bytes(dtype))
 
     @property
     def weight_bytes(self) -> int:
@@ -70,8 +57,7 @@ class ModelGeometry:
     @property
     def weight_bytes_read_per_step(self) -> int:
         """Every matrix is read once per step; of the input embedding only a few rows."""
-        untied_embedding = 0 if self.tie_word_embeddings else self.lm_head_params
-        return (self.num_parameters - untied_embedding) * self.dtype_bytes
+        return (self.num_parameters - self.lookup_params) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -113,7 +99,7 @@ class CostModel:
         causal attention pairs (Σ scheduled·computed + scheduled·(scheduled+1)/2)."""
         g = self.geometry
         nbytes = g.weight_bytes_read_per_step + (context + tokens) * g.kv_bytes_per_token
-        flops = (2 * g.num_layers * g.layer_linear_params * tokens + 2 * g.lm_head_params * num_sampled
+        flops = (2 * g.linear_params * tokens + 2 * g.lm_head_params * num_sampled
                  + self._attn_flops_per_pair * pairs)
         memory_s, compute_s = nbytes / self._bandwidth, flops / self._flops
         swap_s = swapped_blocks * block_size * g.kv_bytes_per_token / self._host_link

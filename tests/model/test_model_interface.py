@@ -1,0 +1,169 @@
+"""Every registered model family's declarations (`worker_service/models/interface.py`) are
+complete and agree with its modules and with Hugging Face: each parameter of the built model
+is declared with its shape, each HF tensor fills exactly one declared slot (or is ignored),
+every tensor-parallel split reassembles the full tensor and matches the sharded modules, and
+the sim cost model's counts equal the built model's. A new family that forgets a piece fails
+here. Models are built on the meta device: no weights, no checkpoint files but config.json."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from testing.checkpoints import VARIANTS, hf_config
+from worker_service.loader import check_declaration, copy_into, tie_weights
+from worker_service.model_config import ModelConfig
+from worker_service.models import FAMILIES
+from worker_service.models.interface import TP, Kind, Source
+from worker_service.models.llama_spec import QWEN3, LlamaFamily
+from worker_service.parallel.geometry import GeometryError, ShardGeometry
+from worker_service.parallel.layers import GatheredLMHead, RowParallelLinear, VocabParallelEmbedding, shard_modules
+from worker_service.sim.cost import ModelGeometry
+
+# The test checkpoints, plus the ones that exercise a family's optional parameters.
+CASES = {**VARIANTS,
+         "llama_attention_bias": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True)),
+         "qwen2_tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))}
+
+
+def test_every_registered_family_has_a_test_case():
+    assert {model_type for model_type, _ in CASES.values()} == set(FAMILIES)
+
+
+def _case(name, tmp_path):
+    model_type, overrides = CASES[name]
+    hf_cfg = hf_config(model_type, **overrides)
+    hf_cfg.save_pretrained(tmp_path)
+    cfg = ModelConfig.from_dir(tmp_path)
+    return hf_cfg, cfg, FAMILIES[cfg.model_type]
+
+
+def _meta(cls, cfg) -> nn.Module:
+    with torch.device("meta"):
+        return cls(cfg)
+
+
+def _hf_tensors(hf_cfg) -> tuple[dict[str, tuple[int, ...]], int]:
+    """The HF model's tensor names and shapes (what `save_pretrained` writes, bar a tied head)
+    and its parameter count."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_cfg)
+    return {n: tuple(p.shape) for n, p in model.named_parameters()}, model.num_parameters()
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_declaration_matches_the_modules_and_the_checkpoint(name, tmp_path):
+    hf_cfg, cfg, fam = _case(name, tmp_path)
+    model = _meta(fam.model_class(), cfg)
+    declared = check_declaration(fam, model)  # names and shapes equal the built model's
+    assert len({p.name for p in declared}) == len(declared)
+
+    hf, hf_num_params = _hf_tensors(hf_cfg)
+    sources = [s for p in declared for s in p.sources]
+    assert len({s.name for s in sources}) == len(sources), "a checkpoint tensor fills two slots"
+    assert {s.name for s in sources} == {n for n in hf if not fam.ignores(n, cfg)}
+    for p in declared:
+        assert sum(s.size for s in p.sources) == p.shape[p.pack_dim], p.name
+        for s in p.sources:  # each source's slot has the HF tensor's shape
+            slot = list(p.shape)
+            slot[p.pack_dim] = s.size
+            assert tuple(slot) == hf[s.name], s.name
+
+    counts = fam.counts(cfg)
+    built = {id(p): p.numel() for p in model.parameters()}  # a tied weight once
+    assert counts.num_parameters == sum(built.values()) == hf_num_params == cfg.num_parameters()
+    head = model.get_submodule(fam.lm_head)
+    linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
+    assert counts.linear_params == linear
+    assert counts.lm_head_params == head.weight.numel()
+    assert counts.lookup_params == (0 if fam.tied(cfg) else model.get_submodule(fam.embedding).weight.numel())
+    geometry = ModelGeometry.from_config(cfg, "bfloat16")
+    assert geometry.num_parameters == counts.num_parameters
+    assert geometry.kv_bytes_per_token == 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("k", [2, 4])
+def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name, k, tmp_path):
+    hf_cfg, cfg, fam = _case(name, tmp_path)
+    hf, _ = _hf_tensors(hf_cfg)
+    try:
+        geoms = [ShardGeometry.of(cfg, r, k) for r in range(k)]
+    except GeometryError:
+        pytest.skip(f"{name} does not split {k} ways")
+    declared = fam.params(cfg)
+    axes = {a.name for a in fam.axes}
+    for p in declared:
+        split = {s.axis for s in p.sources}
+        assert (p.tp is TP.REPLICATED) == (split == {None}), p.name
+        assert split <= axes | {None}, p.name
+        if p.tp is TP.ROW:
+            assert all(s.dim == 1 for s in p.sources), p.name
+        if p.tp in (TP.COLUMN, TP.VOCAB):
+            assert all(s.dim == p.pack_dim for s in p.sources), p.name
+    for s in (s for p in declared for s in p.sources):
+        covered: set[int] = set()
+        lengths = set()
+        for g in geoms:
+            cut = g.slice_of(s.name)
+            if cut is None:
+                assert s.axis is None
+                continue
+            dim, start, length = cut
+            covered.update(range(start, start + length))
+            lengths.add(length)
+        if s.axis is not None:
+            assert covered == set(range(hf[s.name][s.dim])), f"{s.name}: the ranks' slices miss part of it"
+            assert len(lengths) == 1
+
+    for g in geoms:  # the shard's modules are what its declaration says, slice by slice
+        local = g.local_config(cfg)
+        with torch.device("meta"):
+            model = fam.model_class()(local)
+            shard_modules(model, g)
+        tie_weights(model, fam)  # as load_shard does
+        local_declared = check_declaration(fam, model)
+        row_modules = {p.module for p in local_declared if p.tp is TP.ROW}  # their biases are replicated
+        for p in local_declared:
+            for s in p.sources:  # the slice read from the checkpoint fits the shard's slot
+                cut = g.slice_of(s.name)
+                if cut is not None:
+                    dim, _, length = cut
+                    assert length == (s.size if dim == p.pack_dim else p.shape[dim]), s.name
+            module = model.get_submodule(p.module)
+            if p.tp is TP.ROW:
+                assert isinstance(module, RowParallelLinear), p.module
+            elif p.tp is TP.VOCAB:
+                assert isinstance(module, VocabParallelEmbedding if p.kind is Kind.EMBEDDING else GatheredLMHead)
+            else:
+                assert isinstance(module, RowParallelLinear) == (p.module in row_modules), p.module
+                assert not isinstance(module, (VocabParallelEmbedding, GatheredLMHead)), p.module
+        assert isinstance(model.get_submodule(fam.lm_head), GatheredLMHead)
+
+
+def test_a_family_that_forgets_a_parameter_is_refused(tmp_path):
+    _, cfg, fam = _case("qwen3_tied_gqa1", tmp_path)
+
+    @dataclasses.dataclass(frozen=True)
+    class Forgetful(LlamaFamily):
+        def params(self, cfg):
+            return [p for p in super().params(cfg) if not p.name.endswith("k_norm.weight")]
+
+    model = _meta(fam.model_class(), cfg)
+    with pytest.raises(RuntimeError, match="k_norm"):
+        check_declaration(Forgetful(QWEN3.model_type, QWEN3.module, qk_norm=True), model)
+
+
+def test_a_source_is_copied_along_any_dim_or_as_one_stacked_slice():
+    dst = torch.zeros(2, 3, 4)  # [experts, out, in]
+    copy_into(dst, 2, 1, Source("w", 2), "w", torch.ones(2, 3, 2))  # columns 1..2 of every expert
+    assert dst[:, :, 1:3].eq(1).all() and dst[:, :, [0, 3]].eq(0).all()
+    copy_into(dst, 0, 1, Source("e1", 1, stack=True), "e1", torch.full((3, 4), 7.0))  # expert 1: [out, in]
+    assert dst[1].eq(7).all() and dst[0, :, 1:3].eq(1).all()
+    with pytest.raises(ValueError, match="'e0' has shape \\(4, 3\\), expected \\(3, 4\\)"):
+        copy_into(dst, 0, 0, Source("e0", 1, stack=True), "e0", torch.zeros(4, 3))

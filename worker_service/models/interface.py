@@ -1,0 +1,215 @@
+"""The model interface: what an architecture family declares for the rest of the worker.
+
+Torch-free (the sim worker reads it). A family is a `ModelFamily` object, registered by
+`model_type` in `worker_service.models`; its torch modules live in their own module, named
+by `ModelFamily.module` and imported only when a model is built. From one declaration,
+`params(cfg)` (every parameter of the built model, with the checkpoint tensors that fill it
+and its tensor-parallel split), the rest follows:
+
+- the loader (`worker_service/loader.py`) maps each checkpoint tensor onto its parameter
+  (`Param.sources`, packed along `Param.pack_dim`), refuses an unknown, missing or misshapen
+  tensor, and ties the head to the embedding (`ModelFamily.embedding` / `lm_head`);
+- tensor parallelism (`worker_service/parallel/`) divides the family's `axes` over the ranks
+  (`ShardAxis`), reads each rank's slice of a checkpoint tensor (`Source.axis/dim/unit`), and
+  swaps in the modules that communicate (`TP.ROW` weights: an all-reduce after; the
+  vocab-parallel embedding and the head gathered on rank 0);
+- the sim cost model (`worker_service/sim/cost.py`) reads `counts(cfg)`: parameter counts by
+  role and the attention / KV geometry.
+
+`BaseModelConfig` holds the config.json fields a family reads; `worker_service.model_config.
+ModelConfig` (the same fields, read from a checkpoint) is what families are given.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+# Checkpoint tensors some checkpoints carry that the model recomputes.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float
+    rope_type: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+
+@dataclass(frozen=True)
+class BaseModelConfig:
+    """The settings of a model, as config.json gives them (see `ModelConfig.from_dict`)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeConfig
+    tie_word_embeddings: bool
+    attention_bias: bool
+    max_position_embeddings: int
+    sliding_window: int | None
+    eos_token_ids: tuple[int, ...]
+
+    def check(self) -> None:
+        """Dimensions a model can be built with: a zero or negative one fails deep in torch,
+        or (hidden_size 0) only after every layer has been built."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{HF_NAMES.get(name, name)} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads "
+                             f"({self.num_heads})")
+        if not self.rms_norm_eps > 0:
+            raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+
+
+HF_NAMES = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+            "num_kv_heads": "num_key_value_heads"}
+
+
+class TP(Enum):
+    """How a parameter is split over k tensor-parallel ranks, and what its module does."""
+
+    REPLICATED = "replicated"  # every rank holds all of it (norms, a row-parallel linear's bias)
+    COLUMN = "column"  # output features split (dim 0): the module is unchanged, no communication
+    ROW = "row"  # input features split (dim 1): the module all-reduces its output (RowParallelLinear)
+    VOCAB = "vocab"  # vocabulary rows split: the embedding (masked lookup, all-reduce) or the head (gathered)
+
+
+class Kind(Enum):
+    """What a parameter costs per step (sim cost model)."""
+
+    LINEAR = "linear"  # a matmul weight applied to every token: 2 FLOPs per element per token
+    EMBEDDING = "embedding"  # the input embedding: a row lookup (also the head when tied)
+    LM_HEAD = "lm_head"  # the output projection, applied to the sampled rows only
+    OTHER = "other"  # norms, biases: read every step, FLOPs negligible
+
+
+@dataclass(frozen=True)
+class ShardAxis:
+    """A dimension of the model that tensor parallelism divides over the ranks.
+
+    `size(cfg)` is `cfg.<config_field>`; a rank's shard is built from the config with that field
+    divided by k. The axis named "vocab" is the one the embedding and the head split along.
+    """
+
+    name: str  # how `Source.axis` refers to it, e.g. "heads"
+    config_field: str  # the ModelConfig field holding its size, e.g. "num_heads"
+    hf_name: str  # its name in config.json, for errors, e.g. "num_attention_heads"
+    replicate: bool = False  # k > size: each rank holds one unit, shared by k/size ranks (KV heads)
+
+
+@dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor that fills a parameter, or a part of it along `Param.pack_dim`."""
+
+    name: str  # its name in the checkpoint, e.g. "model.layers.0.self_attn.k_proj.weight"
+    size: int  # its extent along the parameter's pack_dim in this model (the rank's share under TP)
+    axis: str | None = None  # the ShardAxis it splits along under TP; None: every rank reads all of it
+    dim: int = 0  # the tensor dim the axis runs along
+    unit: int = 1  # elements along `dim` per axis unit (head_dim for a heads axis)
+    stack: bool = False  # it is one index (size 1) of pack_dim, without that dim (stacked experts)
+
+
+@dataclass(frozen=True)
+class Param:
+    """One parameter of the built model (`model.named_parameters()`; a tied head appears once)."""
+
+    name: str  # e.g. "model.layers.0.self_attn.qkv_proj.weight"
+    shape: tuple[int, ...]  # in this model (the rank's shard under TP)
+    sources: tuple[Source, ...]  # the checkpoint tensors filling it, in order along pack_dim
+    tp: TP = TP.REPLICATED
+    kind: Kind = Kind.OTHER
+    pack_dim: int = 0  # the dim its sources are concatenated along
+
+    @property
+    def module(self) -> str:
+        """The name of the module holding it, e.g. "model.layers.0.self_attn.qkv_proj"."""
+        return self.name.rpartition(".")[0]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def param(name: str, shape: tuple[int, ...], *, axis: str | None = None, dim: int = 0, unit: int = 1,
+          tp: TP = TP.REPLICATED, kind: Kind = Kind.OTHER, source: str | None = None) -> Param:
+    """A parameter filled whole by one checkpoint tensor (named `source`, or like the parameter)."""
+    return Param(name, shape, (Source(source or name, shape[0], axis, dim, unit),), tp, kind)
+
+
+@dataclass(frozen=True)
+class ModelCounts:
+    """What the sim cost model needs of a model: parameter counts by role, attention and KV."""
+
+    num_layers: int
+    num_heads: int  # query heads: attention costs 4 * layers * heads * head_dim FLOPs per query-key pair
+    num_kv_heads: int  # the KV cache holds 2 * layers * kv_heads * head_dim values per token
+    head_dim: int
+    linear_params: int  # matmul weights applied to every token, all layers together
+    lm_head_params: int  # the head's weight (applied to sampled rows; the embedding's when tied)
+    lookup_params: int  # read by row lookup only: an untied input embedding (not read whole per step)
+    num_parameters: int  # every parameter, a tied one once
+
+
+class ModelFamily:
+    """The declarations of one architecture family. A family file subclasses this (usually a
+    frozen dataclass holding the flags its members differ by) and fills the members below."""
+
+    model_type: str  # config.json's model_type
+    module: str  # "package.module:Class": the torch model, built as `Class(cfg)`
+    embedding: str = "model.embed_tokens"  # module path of the input embedding
+    lm_head: str = "lm_head"  # module path of the output projection
+    axes: tuple[ShardAxis, ...] = ()  # what TP divides, in the order divisibility is checked
+
+    def check_config(self, raw: Mapping[str, Any]) -> None:
+        """Refuse config.json values this family cannot build (ValueError naming the field)."""
+
+    def params(self, cfg: BaseModelConfig) -> list[Param]:
+        """Every parameter of the model built from `cfg`, with its sources and TP split."""
+        raise NotImplementedError
+
+    def tied(self, cfg: BaseModelConfig) -> bool:
+        """Whether the head shares the embedding's weight (then no head parameter is declared)."""
+        return cfg.tie_word_embeddings
+
+    def ignores(self, name: str, cfg: BaseModelConfig) -> bool:
+        """A checkpoint tensor the model does not load (recomputed, or a tied head's copy)."""
+        return name.endswith(IGNORED_SUFFIXES) or (self.tied(cfg) and name == f"{self.lm_head}.weight")
+
+    def counts(self, cfg: BaseModelConfig) -> ModelCounts:
+        """The sim cost model's view, summed from the declared parameters: those of the model
+        without layers plus num_layers times one layer's (a config of 10^6 layers is counted,
+        and refused, without listing them). A family whose layers differ overrides this."""
+        by_kind = dict.fromkeys(Kind, 0)
+        for layers, times in ((0, 1 - cfg.num_layers), (1, cfg.num_layers)):
+            for p in self.params(dataclasses.replace(cfg, num_layers=layers)):
+                by_kind[p.kind] += times * p.numel
+        embedding = by_kind[Kind.EMBEDDING]
+        tied = self.tied(cfg)
+        return ModelCounts(
+            num_layers=cfg.num_layers, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            linear_params=by_kind[Kind.LINEAR],
+            lm_head_params=embedding if tied else by_kind[Kind.LM_HEAD],
+            lookup_params=0 if tied else embedding,
+            num_parameters=sum(by_kind.values()))
+
+    def model_class(self) -> type:
+        """The torch model class (imports torch)."""
+        module, _, name = self.module.partition(":")
+        return getattr(importlib.import_module(module), name)
