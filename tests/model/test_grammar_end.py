@@ -34,16 +34,8 @@ class RecordingEngine(LaunchAheadEngine):
         super().__init__(runner, config)
         self.failed: dict[str, str] = {}
 
-    def commit_oldest(self):
-        result = self.launched.popleft().wait()
+    def check_failures(self, result) -> None:
         self.failed.update(result.failed)
-        _, events = self.loop.commit(result)
-        self.scheduler.check_integrity()
-        for e in events:
-            self.outputs[e.request_id] += e.new_token_ids
-            if e.finish_reason is not None:
-                self.finish[e.request_id] = e.finish_reason
-        return events
 
 
 def pipelined_engine(model_dir, spec: SpeculativeConfig | None) -> RecordingEngine:

@@ -57,11 +57,14 @@ class LaunchAheadEngine(LocalEngine):
         for plan in self.plans[before:]:
             self.launched.append(self.runner.launch(plan))
 
-    def commit_oldest(self):
-        result = self.launched.popleft().wait()
+    def check_failures(self, result) -> None:
         # a row whose grammar ended (EOS sampled, the next step already planned) is masked to
         # EOS, not failed: a failure would push the whole step onto the row-by-row path
         assert not set(result.failed) - set(result.invalid_ids), result.failed
+
+    def commit_oldest(self):
+        result = self.launched.popleft().wait()
+        self.check_failures(result)
         _, events = self.loop.commit(result)
         self.scheduler.check_integrity()
         for e in events:
