@@ -20,6 +20,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                         rope_theta=1_000_000.0)),
     "qwen3_tied_gqa1": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=24,
                                       tie_word_embeddings=True)),
+    # fused qkv_proj / gate_up_proj in the checkpoint, split per part under TP
+    "phi3_untied_gqa4": ("phi3", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),
 }
 
 

@@ -78,10 +78,8 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
     declared = check_declaration(fam, model)
     targets: dict[str, tuple[Param, int, Source]] = {}  # checkpoint name -> (param, offset along pack_dim, source)
     for p in declared:
-        offset = 0
-        for source in p.sources:
+        for offset, source in p.tensors():  # a fused tensor's parts: one slot of their total size
             targets[source.name] = (p, offset, source)
-            offset += source.size
     pending = {p.name: {s.name for s in p.sources} for p in declared}
     for name, tensor in tensors:
         if fam.ignores(name, cfg):

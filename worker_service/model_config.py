@@ -141,8 +141,13 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     params = {**scaling, **params}
     theta = float(params.get("rope_theta", raw.get("rope_theta", 10000.0)))
     rope_type = params.get("rope_type", params.get("type", "default"))
-    if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {SUPPORTED_ROPE_TYPES}")
+    given = raw.get("rope_parameters") or {}
+    field = "rope_parameters" if "rope_type" in given or "type" in given else "rope_scaling"
+    if rope_type not in SUPPORTED_ROPE_TYPES:  # e.g. Phi-3-128k's longrope ("su" before transformers 4.40)
+        raise ValueError(f"unsupported rope type {rope_type!r} in {field}; supported: {SUPPORTED_ROPE_TYPES}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if float(partial) != 1.0:  # Phi-4-mini: rope on the first 3/4 of each head only
+        raise ValueError(f"unsupported partial_rotary_factor {partial} (rope over part of each head); only 1.0")
     if rope_type == "default":
         return RopeConfig(theta=theta)
     return RopeConfig(

@@ -8,6 +8,7 @@ here. Models are built on the meta device: no weights, no checkpoint files but c
 from __future__ import annotations
 
 import dataclasses
+import types
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ from torch import nn
 
 from testing.checkpoints import VARIANTS, hf_config
 from worker_service.loader import check_declaration, copy_into, tie_weights
-from worker_service.model_config import ModelConfig
+from worker_service.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from worker_service.models import FAMILIES
 from worker_service.models.interface import TP, Kind, Source
 from worker_service.models.llama_spec import QWEN3, LlamaFamily
@@ -64,12 +65,12 @@ def test_declaration_matches_the_modules_and_the_checkpoint(name, tmp_path):
     assert len({p.name for p in declared}) == len(declared)
 
     hf, hf_num_params = _hf_tensors(hf_cfg)
-    sources = [s for p in declared for s in p.sources]
-    assert len({s.name for s in sources}) == len(sources), "a checkpoint tensor fills two slots"
-    assert {s.name for s in sources} == {n for n in hf if not fam.ignores(n, cfg)}
+    tensors = [s for p in declared for _, s in p.tensors()]  # a fused tensor's parts merged
+    assert len({s.name for s in tensors}) == len(tensors), "a checkpoint tensor fills two slots"
+    assert {s.name for s in tensors} == {n for n in hf if not fam.ignores(n, cfg)}
     for p in declared:
         assert sum(s.size for s in p.sources) == p.shape[p.pack_dim], p.name
-        for s in p.sources:  # each source's slot has the HF tensor's shape
+        for _, s in p.tensors():  # each checkpoint tensor's slot has the HF tensor's shape
             slot = list(p.shape)
             slot[p.pack_dim] = s.size
             assert tuple(slot) == hf[s.name], s.name
@@ -106,20 +107,24 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
             assert all(s.dim == 1 for s in p.sources), p.name
         if p.tp in (TP.COLUMN, TP.VOCAB):
             assert all(s.dim == p.pack_dim for s in p.sources), p.name
-    for s in (s for p in declared for s in p.sources):
-        covered: set[int] = set()
-        lengths = set()
-        for g in geoms:
-            cut = g.slice_of(s.name)
-            if cut is None:
-                assert s.axis is None
-                continue
-            dim, start, length = cut
-            covered.update(range(start, start + length))
-            lengths.add(length)
-        if s.axis is not None:
-            assert covered == set(range(hf[s.name][s.dim])), f"{s.name}: the ranks' slices miss part of it"
-            assert len(lengths) == 1
+    for p in declared:
+        for _, s in p.tensors():
+            parts = [part for part in p.sources if part.name == s.name]  # several: a fused tensor
+            split = any(part.axis is not None for part in parts)
+            covered: set[int] = set()
+            lengths = set()
+            for g in geoms:
+                cuts = g.slice_of(s.name)
+                if cuts is None:
+                    assert not split
+                    continue
+                assert len(cuts) == len(parts) and {dim for dim, _, _ in cuts} == {s.dim}
+                for dim, start, length in cuts:
+                    covered.update(range(start, start + length))
+                lengths.add(sum(length for _, _, length in cuts))
+            if split:
+                assert covered == set(range(hf[s.name][s.dim])), f"{s.name}: the ranks' slices miss part of it"
+                assert len(lengths) == 1
 
     for g in geoms:  # the shard's modules are what its declaration says, slice by slice
         local = g.local_config(cfg)
@@ -130,10 +135,11 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
         local_declared = check_declaration(fam, model)
         row_modules = {p.module for p in local_declared if p.tp is TP.ROW}  # their biases are replicated
         for p in local_declared:
-            for s in p.sources:  # the slice read from the checkpoint fits the shard's slot
-                cut = g.slice_of(s.name)
-                if cut is not None:
-                    dim, _, length = cut
+            for _, s in p.tensors():  # the slice read from the checkpoint fits the shard's slot
+                cuts = g.slice_of(s.name)
+                if cuts is not None:
+                    dim = cuts[0][0]
+                    length = sum(length for _, _, length in cuts)
                     assert length == (s.size if dim == p.pack_dim else p.shape[dim]), s.name
             module = model.get_submodule(p.module)
             if p.tp is TP.ROW:
@@ -167,3 +173,38 @@ def test_a_source_is_copied_along_any_dim_or_as_one_stacked_slice():
     assert dst[1].eq(7).all() and dst[0, :, 1:3].eq(1).all()
     with pytest.raises(ValueError, match="'e0' has shape \\(4, 3\\), expected \\(3, 4\\)"):
         copy_into(dst, 0, 0, Source("e0", 1, stack=True), "e0", torch.zeros(4, 3))
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+def test_serve_accepts_every_registered_family_up_front(model_type, tmp_path):
+    """`stepahead serve`'s check before any daemon starts (`cli/serve.check_checkpoint`) takes a
+    checkpoint of each family as transformers saves its config."""
+    from cli.serve import check_checkpoint
+
+    name = next(n for n, (t, _) in sorted(CASES.items()) if t == model_type)
+    _case(name, tmp_path)  # config.json
+    (tmp_path / "tokenizer.json").write_text("{}")
+    cfg = check_checkpoint(str(tmp_path), types.SimpleNamespace(device="cpu", dtype=None))
+    assert cfg.model_type == model_type and model_type in SUPPORTED_MODEL_TYPES
+
+
+@pytest.mark.parametrize("edit, named", [
+    (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
+     "unsupported rope type 'longrope' in rope_scaling"),  # Phi-3-128k's config.json
+    (dict(rope_scaling={"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
+     "unsupported rope type 'su' in rope_scaling"),
+    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 1.0}),
+     "unsupported rope type 'longrope' in rope_parameters"),  # as transformers 5 saves it
+    (dict(partial_rotary_factor=0.75), "unsupported partial_rotary_factor 0.75"),  # Phi-4-mini
+])
+def test_phi3_rope_it_does_not_implement_is_refused_naming_the_field(edit, named, tmp_path):
+    import json
+
+    from worker_service.model_config import CheckpointError
+
+    hf_config("phi3").save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.pop("rope_parameters", None)
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **edit}))
+    with pytest.raises(CheckpointError, match=named):
+        ModelConfig.from_dir(tmp_path)

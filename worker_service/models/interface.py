@@ -116,7 +116,12 @@ class ShardAxis:
 
 @dataclass(frozen=True)
 class Source:
-    """One checkpoint tensor that fills a parameter, or a part of it along `Param.pack_dim`."""
+    """One checkpoint tensor that fills a parameter, or a part of it along `Param.pack_dim`.
+
+    Consecutive sources of one parameter with the same name are the parts of one fused
+    checkpoint tensor, in order along its `dim` (= `Param.pack_dim`): Phi-3's `qkv_proj` is
+    q | k | v, each part split along its own axis under TP (`Param.tensors` merges them).
+    """
 
     name: str  # its name in the checkpoint, e.g. "model.layers.0.self_attn.k_proj.weight"
     size: int  # its extent along the parameter's pack_dim in this model (the rank's share under TP)
@@ -145,6 +150,20 @@ class Param:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def tensors(self) -> list[tuple[int, Source]]:
+        """(offset along pack_dim, source) per checkpoint tensor: the parts of a fused tensor
+        (consecutive sources of one name) merged into one source of their total size."""
+        out: list[tuple[int, Source]] = []
+        offset = 0
+        for s in self.sources:
+            if out and out[-1][1].name == s.name:
+                start, first = out[-1]
+                out[-1] = (start, dataclasses.replace(first, size=first.size + s.size))
+            else:
+                out.append((offset, s))
+            offset += s.size
+        return out
 
 
 def param(name: str, shape: tuple[int, ...], *, axis: str | None = None, dim: int = 0, unit: int = 1,

@@ -5,7 +5,9 @@ heads, KV heads, the MLP's intermediate columns and the vocabulary) and, for eve
 tensor, the axis and dim it splits along (`Source.axis`, `Source.dim`); see the table in
 `worker_service/models/llama_spec.py`. A rank holds the contiguous `size/k` units of each
 axis at `rank * size/k`; an axis that may replicate (KV heads) gives each rank one unit when
-k exceeds its size, shared by k/size neighbouring ranks. A tensor without an axis is read whole.
+k exceeds its size, shared by k/size neighbouring ranks. A tensor without an axis is read whole;
+a fused one (several sources of one name, Phi-3's qkv_proj) as the concatenation of the rank's
+slice of each of its parts.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 
 from worker_service.model_config import ModelConfig
 from worker_service.models import family
+from worker_service.models.interface import Param
 
 
 class GeometryError(ValueError):
@@ -26,8 +29,10 @@ class ShardGeometry:
     rank: int
     size: int  # k, the tensor-parallel world size
     parts: dict[str, tuple[int, int]]  # axis -> (first unit, number of units) held by this rank
-    # checkpoint tensor -> (axis, dim, elements per unit) of its split; absent: read whole
-    splits: dict[str, tuple[str, int, int]] = field(default_factory=dict, repr=False, compare=False)
+    # checkpoint tensor -> its parts (one unless fused), each (axis or None, dim, elements per unit,
+    # start along dim in the whole tensor, length there); absent: read whole
+    splits: dict[str, tuple[tuple[str | None, int, int, int, int], ...]] = field(
+        default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def of(cls, cfg: ModelConfig, rank: int, size: int) -> ShardGeometry:
@@ -45,8 +50,7 @@ class ShardGeometry:
             else:
                 _divides(axis.hf_name, total, size)
                 parts[axis.name] = (rank * (total // size), total // size)
-        splits = {s.name: (s.axis, s.dim, s.unit) for p in fam.params(cfg) for s in p.sources if s.axis is not None}
-        return cls(rank, size, parts, splits)
+        return cls(rank, size, parts, _splits(fam.params(cfg)))
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config of this rank's shard: the model classes build it unchanged."""
@@ -78,13 +82,32 @@ class ShardGeometry:
     def vocab_start(self) -> int:
         return self.parts["vocab"][0]
 
-    def slice_of(self, name: str) -> tuple[int, int, int] | None:
-        """(dim, start, length) of checkpoint tensor `name` held here; None: the whole tensor."""
+    def slice_of(self, name: str) -> list[tuple[int, int, int]] | None:
+        """The (dim, start, length) cuts of checkpoint tensor `name` held here, concatenated along
+        dim (one cut unless the tensor is fused); None: the whole tensor."""
         if name not in self.splits:
             return None
-        axis, dim, unit = self.splits[name]
-        start, count = self.parts[axis]
-        return dim, start * unit, count * unit
+        cuts = []
+        for axis, dim, unit, part_start, part_len in self.splits[name]:
+            if axis is None:  # a part every rank reads whole
+                cuts.append((dim, part_start, part_len))
+            else:
+                start, count = self.parts[axis]
+                cuts.append((dim, part_start + start * unit, count * unit))
+        return cuts
+
+
+def _splits(params: list[Param]) -> dict[str, tuple[tuple[str | None, int, int, int, int], ...]]:
+    """The split of each checkpoint tensor that has an axis, from the whole model's declaration."""
+    splits: dict[str, list[tuple[str | None, int, int, int, int]]] = {}
+    for p in params:
+        start, prev = 0, None
+        for s in p.sources:
+            if s.name != prev:  # a new tensor (else the next part of a fused one)
+                start, prev = 0, s.name
+            splits.setdefault(s.name, []).append((s.axis, s.dim, s.unit, start, s.size))
+            start += s.size
+    return {name: tuple(parts) for name, parts in splits.items() if any(axis for axis, *_ in parts)}
 
 
 def _divides(what: str, value: int, size: int) -> None:

@@ -43,12 +43,13 @@ def iter_slices(files: list[Path], geom: ShardGeometry) -> Iterator[tuple[str, t
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
-                    cut = geom.slice_of(name)
-                    if cut is None:
+                    cuts = geom.slice_of(name)
+                    if cuts is None:
                         yield name, f.get_tensor(name)
                         continue
-                    dim, start, length = cut  # [..., start : start + length, ...] along dim
-                    index = (slice(None),) * dim + (slice(start, start + length),)
-                    yield name, f.get_slice(name)[index]
+                    whole = f.get_slice(name)
+                    # [..., start : start + length, ...] along dim, per part of a fused tensor
+                    parts = [whole[(slice(None),) * dim + (slice(start, start + length),)] for dim, start, length in cuts]
+                    yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=cuts[0][0])
         except SafetensorError as e:
             raise ValueError(f"weight file {path} is truncated or corrupt: {e}") from e
