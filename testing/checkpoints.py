@@ -22,6 +22,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                       tie_word_embeddings=True)),
     # fused qkv_proj / gate_up_proj in the checkpoint, split per part under TP
     "phi3_untied_gqa4": ("phi3", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False)),
+    # post-norms, q/k norms over the whole width (all-reduced under TP)
+    "olmo2_untied_gqa4": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
+                                        rope_theta=500_000.0)),
 }
 
 

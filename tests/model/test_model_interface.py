@@ -21,13 +21,16 @@ from worker_service.models import FAMILIES
 from worker_service.models.interface import TP, Kind, Source
 from worker_service.models.llama_spec import QWEN3, LlamaFamily
 from worker_service.parallel.geometry import GeometryError, ShardGeometry
-from worker_service.parallel.layers import GatheredLMHead, RowParallelLinear, VocabParallelEmbedding, shard_modules
+from worker_service.parallel.layers import (GatheredLMHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding,
+                                            shard_modules)
 from worker_service.sim.cost import ModelGeometry
 
 # The test checkpoints, plus the ones that exercise a family's optional parameters.
 CASES = {**VARIANTS,
          "llama_attention_bias": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True)),
-         "qwen2_tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True))}
+         "qwen2_tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
+         "olmo2_attention_bias_tied": ("olmo2", dict(num_attention_heads=4, num_key_value_heads=4,
+                                                     attention_bias=True, tie_word_embeddings=True))}
 
 
 def test_every_registered_family_has_a_test_case():
@@ -105,7 +108,7 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
         assert split <= axes | {None}, p.name
         if p.tp is TP.ROW:
             assert all(s.dim == 1 for s in p.sources), p.name
-        if p.tp in (TP.COLUMN, TP.VOCAB):
+        if p.tp in (TP.COLUMN, TP.COLUMN_NORM, TP.VOCAB):
             assert all(s.dim == p.pack_dim for s in p.sources), p.name
     for p in declared:
         for _, s in p.tensors():
@@ -146,9 +149,11 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
                 assert isinstance(module, RowParallelLinear), p.module
             elif p.tp is TP.VOCAB:
                 assert isinstance(module, VocabParallelEmbedding if p.kind is Kind.EMBEDDING else GatheredLMHead)
+            elif p.tp is TP.COLUMN_NORM:
+                assert isinstance(module, ShardedRMSNorm), p.module
             else:
                 assert isinstance(module, RowParallelLinear) == (p.module in row_modules), p.module
-                assert not isinstance(module, (VocabParallelEmbedding, GatheredLMHead)), p.module
+                assert not isinstance(module, (VocabParallelEmbedding, GatheredLMHead, ShardedRMSNorm)), p.module
         assert isinstance(model.get_submodule(fam.lm_head), GatheredLMHead)
 
 

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 from worker_service.models.interface import ModelFamily
 from worker_service.models.llama_spec import LLAMA, MISTRAL, QWEN2, QWEN3
+from worker_service.models.olmo2_spec import OLMO2
 from worker_service.models.phi3_spec import PHI3
 
-FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3)}
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, OLMO2)}
 
 
 def family(model_type: str) -> ModelFamily:

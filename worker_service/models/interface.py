@@ -11,8 +11,9 @@ and its tensor-parallel split), the rest follows:
   tensor, and ties the head to the embedding (`ModelFamily.embedding` / `lm_head`);
 - tensor parallelism (`worker_service/parallel/`) divides the family's `axes` over the ranks
   (`ShardAxis`), reads each rank's slice of a checkpoint tensor (`Source.axis/dim/unit`), and
-  swaps in the modules that communicate (`TP.ROW` weights: an all-reduce after; the
-  vocab-parallel embedding and the head gathered on rank 0);
+  swaps in the modules that communicate (`TP.ROW` weights: an all-reduce after; `TP.COLUMN_NORM`
+  norms: an all-reduce of the sum of squares; the vocab-parallel embedding and the head
+  gathered on rank 0);
 - the sim cost model (`worker_service/sim/cost.py`) reads `counts(cfg)`: parameter counts by
   role and the attention / KV geometry.
 
@@ -89,6 +90,9 @@ class TP(Enum):
     COLUMN = "column"  # output features split (dim 0): the module is unchanged, no communication
     ROW = "row"  # input features split (dim 1): the module all-reduces its output (RowParallelLinear)
     VOCAB = "vocab"  # vocabulary rows split: the embedding (masked lookup, all-reduce) or the head (gathered)
+    # an RMSNorm over a column-split width (OLMo 2's q/k norm over all heads): its weight split like
+    # those columns, the module all-reduces the sum of squares (ShardedRMSNorm)
+    COLUMN_NORM = "column_norm"
 
 
 class Kind(Enum):

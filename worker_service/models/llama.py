@@ -32,16 +32,21 @@ class ForwardContext:
 
 
 class RMSNorm(nn.Module):
+    # HF Llama: normalise in float32, cast back, then scale by the weight; OLMo 2 (True): scale
+    # the float32 values, then cast
+    scale_in_float32 = False
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF semantics: normalise in float32, cast back, then scale by the weight
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)  # same math, fewer ops
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)
+        if self.scale_in_float32:
+            return (self.weight * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
 
 
@@ -62,17 +67,23 @@ class LlamaAttention(nn.Module):
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # x: [num_tokens, hidden]
         n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
-        qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, self.head_dim)  # [n, H+KVH, d]
-        v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, self.head_dim)  # [n, kvh, d]
-        if self.q_norm is not None:
-            q, k = qk.split((heads, kv_heads), dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        qk, v = self.project(x)
         q, k = apply_rotary(qk, ctx.cos, ctx.sin).split((heads, kv_heads), dim=1)  # one rotation for q and k
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
         out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)  # [n, heads, d]
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k `[n, H + KVH, d]` (q/k-normed, before rope) and v `[n, KVH, d]`."""
+        n, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x)  # [n, q_size + 2 * kv_size]
+        qk = qkv[:, : self.q_size + self.kv_size].view(n, heads + kv_heads, self.head_dim)  # [n, H+KVH, d]
+        v = qkv[:, self.q_size + self.kv_size :].view(n, kv_heads, self.head_dim)  # [n, kvh, d]
+        if self.q_norm is not None:  # Qwen3: per head
+            q, k = qk.split((heads, kv_heads), dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        return qk, v
 
 
 class LlamaMLP(nn.Module):
@@ -101,11 +112,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, family: LlamaFamily):
+    def __init__(self, cfg: ModelConfig, family: LlamaFamily, decoder_layer: type[nn.Module] = LlamaDecoderLayer,
+                 norm: type[RMSNorm] = RMSNorm):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(cfg, i, family) for i in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(decoder_layer(cfg, i, family) for i in range(cfg.num_layers))
+        self.norm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # [n, hidden]
@@ -116,11 +128,13 @@ class LlamaModel(nn.Module):
 
 class LlamaForCausalLM(nn.Module):
     family: LlamaFamily = LLAMA
+    decoder_layer: type[nn.Module] = LlamaDecoderLayer  # built as decoder_layer(cfg, layer_idx, family)
+    norm: type[RMSNorm] = RMSNorm  # the final norm's class
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.family)
+        self.model = LlamaModel(cfg, self.family, self.decoder_layer, self.norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

@@ -47,40 +47,55 @@ class LlamaFamily(ModelFamily):
     def has_o_bias(self, cfg: BaseModelConfig) -> bool:
         return cfg.attention_bias and not self.qkv_bias
 
+    # the layer's RMSNorms over hidden, besides the model's final `model.norm`
+    layer_norms = ("input_layernorm", "post_attention_layernorm")
+
     def params(self, cfg: BaseModelConfig) -> list[Param]:
-        hidden, d, inter, vocab = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size, cfg.vocab_size
-        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        hidden, vocab = cfg.hidden_size, cfg.vocab_size
         out = [param("model.embed_tokens.weight", (vocab, hidden), axis="vocab", tp=TP.VOCAB, kind=Kind.EMBEDDING)]
         for i in range(cfg.num_layers):
-            attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
-            for suffix, tail in [("weight", (hidden,))] + ([("bias", ())] if self.has_qkv_bias(cfg) else []):
-                # qkv_proj: [q + 2 * kv, hidden] (weight) / [q + 2 * kv] (bias), q | k | v along dim 0
-                out.append(Param(f"{attn}.qkv_proj.{suffix}", (q + 2 * kv, *tail), (
-                    Source(f"{attn}.q_proj.{suffix}", q, "heads", 0, d),
-                    Source(f"{attn}.k_proj.{suffix}", kv, "kv_heads", 0, d),
-                    Source(f"{attn}.v_proj.{suffix}", kv, "kv_heads", 0, d),
-                ), TP.COLUMN, Kind.LINEAR if suffix == "weight" else Kind.OTHER))
-            # o_proj: [hidden, q], its input (heads) split over ranks
-            out.append(param(f"{attn}.o_proj.weight", (hidden, q), axis="heads", dim=1, unit=d, tp=TP.ROW,
-                             kind=Kind.LINEAR))
-            if self.has_o_bias(cfg):
-                out.append(param(f"{attn}.o_proj.bias", (hidden,)))
-            if self.qk_norm:
-                out += [param(f"{attn}.q_norm.weight", (d,)), param(f"{attn}.k_norm.weight", (d,))]
-            # gate_up_proj: [2 * inter, hidden], gate | up along dim 0
-            out.append(Param(f"{mlp}.gate_up_proj.weight", (2 * inter, hidden), (
-                Source(f"{mlp}.gate_proj.weight", inter, "intermediate"),
-                Source(f"{mlp}.up_proj.weight", inter, "intermediate"),
-            ), TP.COLUMN, Kind.LINEAR))
-            # down_proj: [hidden, inter], its input split over ranks
-            out.append(param(f"{mlp}.down_proj.weight", (hidden, inter), axis="intermediate", dim=1, tp=TP.ROW,
-                             kind=Kind.LINEAR))
-            out += [param(f"model.layers.{i}.input_layernorm.weight", (hidden,)),
-                    param(f"model.layers.{i}.post_attention_layernorm.weight", (hidden,))]
+            out += self.attention_params(cfg, f"model.layers.{i}.self_attn")
+            out += self.mlp_params(cfg, f"model.layers.{i}.mlp")
+            out += [param(f"model.layers.{i}.{norm}.weight", (hidden,)) for norm in self.layer_norms]
         out.append(param("model.norm.weight", (hidden,)))
         if not self.tied(cfg):
             out.append(param("lm_head.weight", (vocab, hidden), axis="vocab", tp=TP.VOCAB, kind=Kind.LM_HEAD))
         return out
+
+    def attention_params(self, cfg: BaseModelConfig, attn: str) -> list[Param]:
+        hidden, d = cfg.hidden_size, cfg.head_dim
+        q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+        out = []
+        for suffix, tail in [("weight", (hidden,))] + ([("bias", ())] if self.has_qkv_bias(cfg) else []):
+            # qkv_proj: [q + 2 * kv, hidden] (weight) / [q + 2 * kv] (bias), q | k | v along dim 0
+            out.append(Param(f"{attn}.qkv_proj.{suffix}", (q + 2 * kv, *tail), (
+                Source(f"{attn}.q_proj.{suffix}", q, "heads", 0, d),
+                Source(f"{attn}.k_proj.{suffix}", kv, "kv_heads", 0, d),
+                Source(f"{attn}.v_proj.{suffix}", kv, "kv_heads", 0, d),
+            ), TP.COLUMN, Kind.LINEAR if suffix == "weight" else Kind.OTHER))
+        # o_proj: [hidden, q], its input (heads) split over ranks
+        out.append(param(f"{attn}.o_proj.weight", (hidden, q), axis="heads", dim=1, unit=d, tp=TP.ROW,
+                         kind=Kind.LINEAR))
+        if self.has_o_bias(cfg):
+            out.append(param(f"{attn}.o_proj.bias", (hidden,)))
+        return out + self.qk_norm_params(cfg, attn)
+
+    def qk_norm_params(self, cfg: BaseModelConfig, attn: str) -> list[Param]:
+        if not self.qk_norm:
+            return []
+        d = cfg.head_dim  # Qwen3: one [d] weight shared by every head
+        return [param(f"{attn}.q_norm.weight", (d,)), param(f"{attn}.k_norm.weight", (d,))]
+
+    def mlp_params(self, cfg: BaseModelConfig, mlp: str) -> list[Param]:
+        hidden, inter = cfg.hidden_size, cfg.intermediate_size
+        # gate_up_proj: [2 * inter, hidden], gate | up along dim 0
+        return [Param(f"{mlp}.gate_up_proj.weight", (2 * inter, hidden), (
+                    Source(f"{mlp}.gate_proj.weight", inter, "intermediate"),
+                    Source(f"{mlp}.up_proj.weight", inter, "intermediate"),
+                ), TP.COLUMN, Kind.LINEAR),
+                # down_proj: [hidden, inter], its input split over ranks
+                param(f"{mlp}.down_proj.weight", (hidden, inter), axis="intermediate", dim=1, tp=TP.ROW,
+                      kind=Kind.LINEAR)]
 
 
 _MODULE = "worker_service.models.llama"

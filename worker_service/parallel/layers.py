@@ -2,8 +2,9 @@
 the loader fills them like the single-device modules they replace.
 
 Every rank runs the same ops on the same token batch; the collectives below are the only
-communication of a forward: one all-reduce per row-parallel linear (2 per layer), one
-all-reduce for the embedding and one gather of the logits onto rank 0.
+communication of a forward: one all-reduce per row-parallel linear (2 per layer), one per
+sharded norm (OLMo 2: 2 more per layer), one all-reduce for the embedding and one gather of
+the logits onto rank 0.
 """
 
 from __future__ import annotations
@@ -66,13 +67,42 @@ class GatheredLMHead(nn.Linear):
         return local[:, :0]
 
 
+class ShardedRMSNorm(nn.Module):
+    """RMSNorm over a width split over the ranks (OLMo 2's q/k norm over all heads): each rank
+    holds its columns and their slice of the weight; the sum of squares is all-reduced.
+
+    Dividing the reduced sum by k * the local width is the mean over the whole width, also when
+    KV heads are replicated (k > KV heads: each head is counted k / KV heads times). The
+    rounding follows the module it replaces (`scale_in_float32`, see models/llama.py RMSNorm).
+    """
+
+    def __init__(self, dim: int, eps: float, scale_in_float32: bool, size: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))  # [dim / k] of the whole width
+        self.eps, self.scale_in_float32, self.size = eps, scale_in_float32, size
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()  # [n, dim / k]
+        squares = xf.square().sum(-1, keepdim=True)  # [n, 1] this rank's share
+        dist.all_reduce(squares)
+        normed = xf * torch.rsqrt(squares / (self.size * x.shape[-1]) + self.eps)
+        if self.scale_in_float32:
+            return (self.weight * normed).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
 def shard_modules(model: nn.Module, geom: ShardGeometry) -> None:
     """Swap the layers that communicate into `model` (built from `geom.local_config`, on meta), as
-    its family declares: each `TP.ROW` weight's module, the embedding and the head."""
+    its family declares: each `TP.ROW` weight's module, each `TP.COLUMN_NORM` norm, the embedding
+    and the head."""
     fam = family(model.config.model_type)
-    for name in dict.fromkeys(p.module for p in fam.params(model.config) if p.tp is TP.ROW):
+    params = fam.params(model.config)
+    for name in dict.fromkeys(p.module for p in params if p.tp is TP.ROW):
         old = model.get_submodule(name)  # weight: [out, in / k] of this rank's shard
         _replace(model, name, RowParallelLinear(old.in_features, old.out_features, bias=old.bias is not None))
+    for name in dict.fromkeys(p.module for p in params if p.tp is TP.COLUMN_NORM):
+        old = model.get_submodule(name)  # weight: [dim / k]
+        _replace(model, name, ShardedRMSNorm(old.weight.shape[0], old.eps, old.scale_in_float32, geom.size))
     emb = model.get_submodule(fam.embedding)  # weight: [vocab / k, hidden]
     _replace(model, fam.embedding, VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, geom.vocab_start))
     head = model.get_submodule(fam.lm_head)  # weight: [vocab / k, hidden]
