@@ -4,6 +4,8 @@ Module names mirror Hugging Face's `LlamaForCausalLM`, except that q/k/v are fus
 `qkv_proj` and gate/up into `gate_up_proj`; the family's declarations (`llama_spec.py`:
 which checkpoint tensors fill which parameter, the TP splits, the counts) say how HF's
 separate tensors map onto them. Each class's `family` holds the flags its members differ by.
+Phi-3 (`phi3.py`) uses these modules unchanged; OLMo 2 (`olmo2.py`) brings its own decoder
+layer (`decoder_layer`), final norm (`norm`) and q/k projection (`LlamaAttention.project`).
 """
 
 from __future__ import annotations
