@@ -25,6 +25,14 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # post-norms, q/k norms over the whole width (all-reduced under TP)
     "olmo2_untied_gqa4": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
                                         rope_theta=500_000.0)),
+    # Mixture of experts: 4 experts, top-2, per-expert checkpoint tensors stacked per layer;
+    # Qwen3-MoE's layer 1 a dense MLP (mlp_only_layers)
+    "qwen3_moe_untied_gqa2": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=2,
+                                                tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                                                moe_intermediate_size=32, norm_topk_prob=True,
+                                                num_hidden_layers=3, mlp_only_layers=[1])),
+    "mixtral_tied_gqa2": ("mixtral", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                                          num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
 }
 
 

@@ -84,6 +84,7 @@ class ModelConfig(BaseModelConfig):
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             sliding_window=_sliding_window(raw),
             eos_token_ids=generation_eos if generation_eos is not None else _as_ids(raw.get("eos_token_id")),
+            **FAMILIES[raw["model_type"]].config_fields(raw),
         )
         config.check()
         return config

@@ -21,8 +21,9 @@ from worker_service.models import FAMILIES
 from worker_service.models.interface import TP, Kind, Source
 from worker_service.models.llama_spec import QWEN3, LlamaFamily
 from worker_service.parallel.geometry import GeometryError, ShardGeometry
-from worker_service.parallel.layers import (GatheredLMHead, RowParallelLinear, ShardedRMSNorm, VocabParallelEmbedding,
-                                            shard_modules)
+from worker_service.models.moe import MoEExperts
+from worker_service.parallel.layers import (GatheredLMHead, RowParallelExperts, RowParallelLinear, ShardedRMSNorm,
+                                            VocabParallelEmbedding, shard_modules)
 from worker_service.sim.cost import ModelGeometry
 
 # The test checkpoints, plus the ones that exercise a family's optional parameters.
@@ -30,7 +31,12 @@ CASES = {**VARIANTS,
          "llama_attention_bias": ("llama", dict(num_attention_heads=8, num_key_value_heads=2, attention_bias=True)),
          "qwen2_tied": ("qwen2", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)),
          "olmo2_attention_bias_tied": ("olmo2", dict(num_attention_heads=4, num_key_value_heads=4,
-                                                     attention_bias=True, tie_word_embeddings=True))}
+                                                     attention_bias=True, tie_word_embeddings=True)),
+         # every other layer sparse, one of those dense again; top-1 of 3 experts, tied
+         "qwen3_moe_sparse_step": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=4,
+                                                     tie_word_embeddings=True, num_experts=3, num_experts_per_tok=1,
+                                                     moe_intermediate_size=16, num_hidden_layers=5,
+                                                     decoder_sparse_step=2, mlp_only_layers=[3]))}
 
 
 def test_every_registered_family_has_a_test_case():
@@ -51,13 +57,34 @@ def _meta(cls, cfg) -> nn.Module:
 
 
 def _hf_tensors(hf_cfg) -> tuple[dict[str, tuple[int, ...]], int]:
-    """The HF model's tensor names and shapes (what `save_pretrained` writes, bar a tied head)
-    and its parameter count."""
+    """The tensor names and shapes `save_pretrained` writes (bar a tied head) and the HF model's
+    parameter count. A model whose checkpoint names differ from its parameters' (transformers 5
+    stacks MoE experts in memory, saves one tensor per expert) is saved to find them."""
+    import tempfile
+
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_cfg)
-    return {n: tuple(p.shape) for n, p in model.named_parameters()}, model.num_parameters()
+    names = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    if not any("experts" in n for n in names):
+        return names, model.num_parameters()
+    model = AutoModelForCausalLM.from_config(hf_cfg)
+    with tempfile.TemporaryDirectory() as out:
+        model.save_pretrained(out)
+        with safe_open(f"{out}/model.safetensors", framework="pt") as f:
+            return {n: tuple(f.get_slice(n).get_shape()) for n in f.keys()}, model.num_parameters()
+
+
+def _slot(p, s) -> tuple[int, ...]:
+    """The shape of source `s`'s slot in parameter `p` (one index of a stacked one: without pack_dim)."""
+    slot = list(p.shape)
+    if s.stack:
+        del slot[p.pack_dim]
+    else:
+        slot[p.pack_dim] = s.size
+    return tuple(slot)
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
@@ -74,9 +101,7 @@ def test_declaration_matches_the_modules_and_the_checkpoint(name, tmp_path):
     for p in declared:
         assert sum(s.size for s in p.sources) == p.shape[p.pack_dim], p.name
         for _, s in p.tensors():  # each checkpoint tensor's slot has the HF tensor's shape
-            slot = list(p.shape)
-            slot[p.pack_dim] = s.size
-            assert tuple(slot) == hf[s.name], s.name
+            assert _slot(p, s) == hf[s.name], s.name
 
     counts = fam.counts(cfg)
     built = {id(p): p.numel() for p in model.parameters()}  # a tied weight once
@@ -84,6 +109,11 @@ def test_declaration_matches_the_modules_and_the_checkpoint(name, tmp_path):
     head = model.get_submodule(fam.lm_head)
     linear = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear) and m is not head)
     assert counts.linear_params == linear
+    experts = [m for m in model.modules() if isinstance(m, MoEExperts)]
+    assert counts.expert_params == sum(p.numel() for m in experts for p in m.parameters())
+    assert (counts.num_experts, counts.experts_per_token) == (cfg.num_experts, cfg.num_experts_per_tok)
+    assert counts.num_parameters == counts.linear_params + counts.expert_params + sum(
+        p.numel for p in declared if p.kind in (Kind.OTHER, Kind.LM_HEAD, Kind.EMBEDDING))
     assert counts.lm_head_params == head.weight.numel()
     assert counts.lookup_params == (0 if fam.tied(cfg) else model.get_submodule(fam.embedding).weight.numel())
     geometry = ModelGeometry.from_config(cfg, "bfloat16")
@@ -110,6 +140,8 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
             assert all(s.dim == 1 for s in p.sources), p.name
         if p.tp in (TP.COLUMN, TP.COLUMN_NORM, TP.VOCAB):
             assert all(s.dim == p.pack_dim for s in p.sources), p.name
+        if p.tp is TP.EXPERT:  # one expert's tensor per source, split along its intermediate dim
+            assert all(s.stack and s.axis for s in p.sources), p.name
     for p in declared:
         for _, s in p.tensors():
             parts = [part for part in p.sources if part.name == s.name]  # several: a fused tensor
@@ -143,7 +175,7 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
                 if cuts is not None:
                     dim = cuts[0][0]
                     length = sum(length for _, _, length in cuts)
-                    assert length == (s.size if dim == p.pack_dim else p.shape[dim]), s.name
+                    assert length == (s.size if dim == p.pack_dim and not s.stack else _slot(p, s)[dim]), s.name
             module = model.get_submodule(p.module)
             if p.tp is TP.ROW:
                 assert isinstance(module, RowParallelLinear), p.module
@@ -151,6 +183,8 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
                 assert isinstance(module, VocabParallelEmbedding if p.kind is Kind.EMBEDDING else GatheredLMHead)
             elif p.tp is TP.COLUMN_NORM:
                 assert isinstance(module, ShardedRMSNorm), p.module
+            elif p.tp is TP.EXPERT:
+                assert isinstance(module, RowParallelExperts), p.module
             else:
                 assert isinstance(module, RowParallelLinear) == (p.module in row_modules), p.module
                 assert not isinstance(module, (VocabParallelEmbedding, GatheredLMHead, ShardedRMSNorm)), p.module

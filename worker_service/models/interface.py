@@ -64,6 +64,13 @@ class BaseModelConfig:
     max_position_embeddings: int
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    # Mixture of experts (`ModelFamily.config_fields`; 0 experts: a dense model)
+    num_experts: int = 0  # routed experts per MoE layer
+    num_experts_per_tok: int = 0  # top-k: the experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's intermediate width
+    norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to one
+    decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 ...
+    mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (Qwen3-MoE): else a dense MLP
 
     def check(self) -> None:
         """Dimensions a model can be built with: a zero or negative one fails deep in torch,
@@ -93,6 +100,10 @@ class TP(Enum):
     # an RMSNorm over a column-split width (OLMo 2's q/k norm over all heads): its weight split like
     # those columns, the module all-reduces the sum of squares (ShardedRMSNorm)
     COLUMN_NORM = "column_norm"
+    # a stacked expert weight ([experts, ...]), every expert's intermediate width split (each rank
+    # holds 1/k of every expert, as vLLM's fused-MoE TP does): the experts module all-reduces the
+    # weighted sum of its down projections once (RowParallelExperts)
+    EXPERT = "expert"
 
 
 class Kind(Enum):
@@ -102,6 +113,9 @@ class Kind(Enum):
     EMBEDDING = "embedding"  # the input embedding: a row lookup (also the head when tied)
     LM_HEAD = "lm_head"  # the output projection, applied to the sampled rows only
     OTHER = "other"  # norms, biases: read every step, FLOPs negligible
+    # a routed expert's weight: applied to the tokens routed to it (top-k of num_experts), read
+    # only when a token of the step is routed to it
+    EXPERT = "expert"
 
 
 @dataclass(frozen=True)
@@ -188,6 +202,9 @@ class ModelCounts:
     lm_head_params: int  # the head's weight (applied to sampled rows; the embedding's when tied)
     lookup_params: int  # read by row lookup only: an untied input embedding (not read whole per step)
     num_parameters: int  # every parameter, a tied one once
+    expert_params: int = 0  # routed experts' weights, all layers (Kind.EXPERT; not in linear_params)
+    num_experts: int = 0  # routed experts per MoE layer
+    experts_per_token: int = 0  # top-k: each token runs expert_params * experts_per_token / num_experts
 
 
 class ModelFamily:
@@ -202,6 +219,10 @@ class ModelFamily:
 
     def check_config(self, raw: Mapping[str, Any]) -> None:
         """Refuse config.json values this family cannot build (ValueError naming the field)."""
+
+    def config_fields(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """The `BaseModelConfig` fields with defaults this family reads from config.json (MoE)."""
+        return {}
 
     def params(self, cfg: BaseModelConfig) -> list[Param]:
         """Every parameter of the model built from `cfg`, with its sources and TP split."""
@@ -219,10 +240,7 @@ class ModelFamily:
         """The sim cost model's view, summed from the declared parameters: those of the model
         without layers plus num_layers times one layer's (a config of 10^6 layers is counted,
         and refused, without listing them). A family whose layers differ overrides this."""
-        by_kind = dict.fromkeys(Kind, 0)
-        for layers, times in ((0, 1 - cfg.num_layers), (1, cfg.num_layers)):
-            for p in self.params(dataclasses.replace(cfg, num_layers=layers)):
-                by_kind[p.kind] += times * p.numel
+        by_kind = self.numel_by_kind(cfg)
         embedding = by_kind[Kind.EMBEDDING]
         tied = self.tied(cfg)
         return ModelCounts(
@@ -230,7 +248,17 @@ class ModelFamily:
             linear_params=by_kind[Kind.LINEAR],
             lm_head_params=embedding if tied else by_kind[Kind.LM_HEAD],
             lookup_params=0 if tied else embedding,
-            num_parameters=sum(by_kind.values()))
+            num_parameters=sum(by_kind.values()),
+            expert_params=by_kind[Kind.EXPERT], num_experts=cfg.num_experts,
+            experts_per_token=cfg.num_experts_per_tok)
+
+    def numel_by_kind(self, cfg: BaseModelConfig) -> dict[Kind, int]:
+        """Parameter elements by kind: the model without layers + num_layers times one layer's."""
+        by_kind = dict.fromkeys(Kind, 0)
+        for layers, times in ((0, 1 - cfg.num_layers), (1, cfg.num_layers)):
+            for p in self.params(dataclasses.replace(cfg, num_layers=layers)):
+                by_kind[p.kind] += times * p.numel
+        return by_kind
 
     def model_class(self) -> type:
         """The torch model class (imports torch)."""

@@ -3,8 +3,9 @@ the loader fills them like the single-device modules they replace.
 
 Every rank runs the same ops on the same token batch; the collectives below are the only
 communication of a forward: one all-reduce per row-parallel linear (2 per layer), one per
-sharded norm (OLMo 2: 2 more per layer), one all-reduce for the embedding and one gather of
-the logits onto rank 0.
+sharded norm (OLMo 2: 2 more per layer), one per MoE block (the experts' weighted sum, in place
+of the MLP's down projection), one all-reduce for the embedding and one gather of the logits
+onto rank 0.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from torch import nn
 
 from worker_service.models import family
 from worker_service.models.interface import TP
+from worker_service.models.moe import MoEExperts
 from worker_service.parallel.geometry import ShardGeometry
 
 
@@ -91,6 +93,16 @@ class ShardedRMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
+class RowParallelExperts(MoEExperts):
+    """Stacked experts holding 1/k of every expert's intermediate width (gate_up rows, down
+    columns): each rank's weighted sum of its partial down projections, all-reduced once."""
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x, weights, experts)  # [n, hidden] partial sum of this rank's slices
+        dist.all_reduce(y)
+        return y
+
+
 def shard_modules(model: nn.Module, geom: ShardGeometry) -> None:
     """Swap the layers that communicate into `model` (built from `geom.local_config`, on meta), as
     its family declares: each `TP.ROW` weight's module, each `TP.COLUMN_NORM` norm, the embedding
@@ -103,6 +115,9 @@ def shard_modules(model: nn.Module, geom: ShardGeometry) -> None:
     for name in dict.fromkeys(p.module for p in params if p.tp is TP.COLUMN_NORM):
         old = model.get_submodule(name)  # weight: [dim / k]
         _replace(model, name, ShardedRMSNorm(old.weight.shape[0], old.eps, old.scale_in_float32, geom.size))
+    for name in dict.fromkeys(p.module for p in params if p.tp is TP.EXPERT):
+        old = model.get_submodule(name)  # gate_up_proj: [2E, I / k, hidden], down_proj: [E, hidden, I / k]
+        _replace(model, name, RowParallelExperts(old.num_experts, old.hidden, old.intermediate))
     emb = model.get_submodule(fam.embedding)  # weight: [vocab / k, hidden]
     _replace(model, fam.embedding, VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, geom.vocab_start))
     head = model.get_submodule(fam.lm_head)  # weight: [vocab / k, hidden]

@@ -6,6 +6,12 @@
 bytes = weights read once per step + every scheduled request's KV context read + new KV written;
 flops = 2 * linear params * tokens + 2 * lm_head params * sampled rows + attention
         (4 * layers * heads * head_dim per query-key pair, causal within a chunk).
+
+A Mixture-of-Experts model (`expert_params` > 0): each token runs top_k of E experts per
+layer, so the experts add 2 * expert params * top_k / E FLOPs per token (the active
+parameters); a step reads the dense weights plus the experts its tokens are routed to, which
+under uniform routing is the expected fraction 1 - (1 - top_k / E)^tokens of the experts
+(one decode token reads top_k / E of them, a long prefill all of them).
 `num_devices` > 1 models ideal tensor parallelism (bandwidth, compute and memory add up;
 the all-reduce is not modelled). See docs/sim.md.
 """
@@ -43,6 +49,16 @@ class ModelGeometry:
     lookup_params: int  # an untied input embedding: only a few rows read per step
     num_parameters: int
     dtype_bytes: int
+    expert_params: int = 0  # routed experts' weights, all layers (included in num_parameters)
+    num_experts: int = 0
+    experts_per_token: int = 0  # top-k
+
+    @property
+    def active_params_per_token(self) -> int:
+        """Matmul weights one token runs: the dense ones and top_k of E experts per layer."""
+        if not self.expert_params:
+            return self.linear_params
+        return self.linear_params + self.expert_params * self.experts_per_token // self.num_experts
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, dtype: str) -> ModelGeometry:
@@ -56,8 +72,18 @@ class ModelGeometry:
 
     @property
     def weight_bytes_read_per_step(self) -> int:
-        """Every matrix is read once per step; of the input embedding only a few rows."""
+        """Every matrix is read once per step; of the input embedding only a few rows (an MoE
+        model: at most; `weight_bytes_read` counts the experts a step routes to)."""
         return (self.num_parameters - self.lookup_params) * self.dtype_bytes
+
+    def weight_bytes_read(self, tokens: int) -> float:
+        """Weights a step of `tokens` tokens reads: all but the experts no token is routed to
+        (expected, uniform routing: each expert of a layer is missed by all tokens with
+        probability (1 - top_k / E)^tokens)."""
+        if not self.expert_params:
+            return self.weight_bytes_read_per_step
+        touched = 1.0 - (1.0 - self.experts_per_token / self.num_experts) ** tokens
+        return self.weight_bytes_read_per_step - self.expert_params * (1.0 - touched) * self.dtype_bytes
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -98,8 +124,8 @@ class CostModel:
         """`step` from the batch's sums: tokens computed, context (Σ computed + scheduled) and
         causal attention pairs (Σ scheduled·computed + scheduled·(scheduled+1)/2)."""
         g = self.geometry
-        nbytes = g.weight_bytes_read_per_step + (context + tokens) * g.kv_bytes_per_token
-        flops = (2 * g.linear_params * tokens + 2 * g.lm_head_params * num_sampled
+        nbytes = g.weight_bytes_read(tokens) + (context + tokens) * g.kv_bytes_per_token
+        flops = (2 * g.active_params_per_token * tokens + 2 * g.lm_head_params * num_sampled
                  + self._attn_flops_per_pair * pairs)
         memory_s, compute_s = nbytes / self._bandwidth, flops / self._flops
         swap_s = swapped_blocks * block_size * g.kv_bytes_per_token / self._host_link
