@@ -256,7 +256,8 @@ def _groups(rows):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--setups", nargs="+", default=["h200:llama3-8b-sim"],
-                        help="PROFILE[xDEVICES]:MODEL, e.g. h200:llama3-8b-sim h100x4:llama3-70b-sim")
+                        help="PROFILE[xDEVICES]:MODEL, e.g. h200:llama3-8b-sim h100x4:llama3-70b-sim "
+                             "h200:qwen3-30b-a3b-sim h200x2:mixtral-8x7b-sim (MoE)")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[32, 64, 128, 256])
     parser.add_argument("--input-len", type=int, default=512)
     parser.add_argument("--output-len", type=int, default=256)

@@ -6,25 +6,67 @@ import json
 
 import pytest
 
-from model_zoo.sim_models import SIM_MODELS
+from model_zoo.sim_models import SIM_MODELS, sim_config
 from worker_service.model_config import ModelConfig
 from worker_service.sim.cost import CostModel, ModelGeometry
 from worker_service.sim.profiles import BUILTIN_PROFILES, AcceleratorProfile, load_profile
 
 
 def geometry(name: str, dtype: str = "bfloat16") -> ModelGeometry:
-    s = SIM_MODELS[name]
-    cfg = ModelConfig.from_dict({
-        "model_type": "llama", "hidden_size": s.hidden_size, "intermediate_size": s.intermediate_size,
-        "num_hidden_layers": s.num_hidden_layers, "num_attention_heads": s.num_attention_heads,
-        "num_key_value_heads": s.num_key_value_heads, "vocab_size": s.vocab_size,
-    })
+    cfg = ModelConfig.from_dict(sim_config(SIM_MODELS[name]))  # the built-in's config.json, bar token ids
     return ModelGeometry.from_config(cfg, dtype)
 
 
-@pytest.mark.parametrize("name,published", [("llama3-8b-sim", 8.03e9), ("llama3-70b-sim", 70.55e9)])
+@pytest.mark.parametrize("name,published", [("llama3-8b-sim", 8.03e9), ("llama3-70b-sim", 70.55e9),
+                                            ("qwen3-30b-a3b-sim", 30.5e9), ("mixtral-8x7b-sim", 46.7e9)])
 def test_parameter_count_matches_the_published_size(name, published):
     assert geometry(name).num_parameters == pytest.approx(published, rel=0.005)
+
+
+@pytest.mark.parametrize("name,active", [("qwen3-30b-a3b-sim", 3.3e9), ("mixtral-8x7b-sim", 12.9e9),
+                                         ("llama3-8b-sim", 8.03e9)])
+def test_moe_active_parameters_are_the_published_ones(name, active):
+    """Active per token: the dense weights (attention, routers, embedding and head, norms) and
+    top_k of E experts per layer; a dense model's are all of them."""
+    g = geometry(name)
+    dense = g.num_parameters - g.expert_params
+    ours = dense + g.expert_params * g.experts_per_token / max(g.num_experts, 1)
+    assert ours == pytest.approx(active, rel=0.02)
+    assert g.active_params_per_token == g.linear_params + (g.expert_params * g.experts_per_token
+                                                           // max(g.num_experts, 1))
+    if g.expert_params:
+        assert g.expert_params > 0.9 * g.num_parameters  # the experts are most of an MoE model
+
+
+def test_moe_step_reads_the_experts_its_tokens_are_routed_to():
+    """Qwen3-30B-A3B (128 experts, top-8): one decode token reads the dense part and 8/128 of the
+    experts; 64 tokens read 1 - (120/128)^64 of them (98.4%), a long prefill all; the FLOPs are
+    the active parameters'."""
+    g = geometry("qwen3-30b-a3b-sim")
+    model = CostModel(g, BUILTIN_PROFILES["h200"])
+    dense_bytes = (g.num_parameters - g.lookup_params - g.expert_params) * g.dtype_bytes
+    expert_bytes = g.expert_params * g.dtype_bytes
+    kv = g.kv_bytes_per_token
+    one = model.step([(100, 1)], num_sampled=1)
+    assert one.bytes == pytest.approx(dense_bytes + expert_bytes * 8 / 128 + 102 * kv)
+    batch = model.step([(100, 1)] * 64, num_sampled=64)
+    assert batch.bytes == pytest.approx(dense_bytes + expert_bytes * (1 - (120 / 128) ** 64) + 64 * 102 * kv)
+    prefill = model.step([(0, 4096)], num_sampled=1)
+    assert prefill.bytes == pytest.approx(g.weight_bytes_read_per_step + 2 * 4096 * kv)
+    attention = 4 * g.num_layers * g.num_heads * g.head_dim * (4096 * 4097 // 2)
+    assert prefill.flops == 2 * g.active_params_per_token * 4096 + 2 * g.lm_head_params + attention
+    assert g.active_params_per_token < g.linear_params + g.expert_params / 10
+    # a decode of the MoE model reads far less than its weights
+    assert one.bytes < 0.2 * g.weight_bytes and one.memory_bound
+
+
+def test_mixtral_decode_is_cheaper_than_a_dense_model_of_its_size_but_not_than_its_active_size():
+    h200 = BUILTIN_PROFILES["h200"]
+    mixtral = CostModel(geometry("mixtral-8x7b-sim"), h200, num_devices=2)
+    llama70 = CostModel(geometry("llama3-70b-sim"), h200, num_devices=2)
+    llama8 = CostModel(geometry("llama3-8b-sim"), h200, num_devices=2)
+    decode = [(500, 1)]
+    assert llama8.step(decode, 1).seconds < mixtral.step(decode, 1).seconds < llama70.step(decode, 1).seconds
 
 
 def test_kv_bytes_per_token_of_llama3_8b():

@@ -172,3 +172,25 @@ def test_structured_outputs_are_refused_alone(sim_model_dir, fast_profile):
                                       NewRequest("free", (1, 2, 3), SamplingParams(max_tokens=4), (1,), 0, 3)))
     result = sim.execute(plan)
     assert result.failed == {"g": STRUCTURED_UNSUPPORTED} and set(result.sampled_token_ids) == {"free"}
+
+
+@pytest.mark.parametrize("name", ["qwen3-30b-a3b-sim", "mixtral-8x7b-sim"])
+def test_the_moe_sim_models_serve_the_reference_tokens(name, sim_model_dir, fast_profile, tmp_path):
+    """The built-in MoE geometries (config.json as `build_sim_model` writes it; the tokenizer is
+    the one every sim model shares) load in the sim runner, size a KV pool on an H200 and run
+    the workload to the reference tokens."""
+    import json
+    import shutil
+
+    from model_zoo.sim_models import SIM_MODELS, sim_config
+
+    model_dir = tmp_path / name
+    shutil.copytree(sim_model_dir, model_dir)
+    raw = json.loads((model_dir / "config.json").read_text())
+    raw = {k: v for k, v in raw.items() if k.endswith("token_id") or k == "stepahead_sim_only"}
+    (model_dir / "config.json").write_text(json.dumps({**raw, **sim_config(SIM_MODELS[name])}))
+    h200 = SimRunner(model_dir, load_profile("h200"), block_size=BLOCK)
+    assert h200.geometry.expert_params > 0.9 * h200.geometry.num_parameters and h200.num_blocks > 1000
+    sim, e, work = run(model_dir, fast_profile, True, num_blocks=1024)
+    for i, (prompt, sampling) in enumerate(work):
+        assert e.outputs[f"r{i}"] == reference_output(sim.rule, prompt, sampling, sim.max_model_len), f"r{i}"
