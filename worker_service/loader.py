@@ -91,7 +91,9 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         pending[p.name].discard(name)
     missing = sorted(name for name, sources in pending.items() if sources)
     if missing:
-        raise ValueError(f"checkpoint lacks weights for: {missing}")
+        tensors = sorted(t for name in missing for t in pending[name])  # e.g. one expert's of a stacked weight
+        shown = ", ".join(tensors[:8]) + (f", ... ({len(tensors)} in all)" if len(tensors) > 8 else "")
+        raise ValueError(f"checkpoint lacks weights for: {missing} (tensors {shown})")
 
 
 def check_declaration(fam: ModelFamily, model: nn.Module) -> list[Param]:

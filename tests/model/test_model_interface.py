@@ -247,3 +247,46 @@ def test_phi3_rope_it_does_not_implement_is_refused_naming_the_field(edit, named
     (tmp_path / "config.json").write_text(json.dumps({**raw, **edit}))
     with pytest.raises(CheckpointError, match=named):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("model_type, edit, named", [
+    ("qwen3_moe", dict(num_local_experts=0), "num_experts must be >= 1, got 0"),
+    ("qwen3_moe", dict(num_experts_per_tok=5), "num_experts_per_tok \\(5\\) must be in \\[1, num_experts \\(4\\)\\]"),
+    ("qwen3_moe", dict(decoder_sparse_step=0), "decoder_sparse_step must be >= 1, got 0"),
+    ("qwen3_moe", dict(moe_intermediate_size=None), "field moe_intermediate_size is missing"),
+    ("qwen3_moe", dict(shared_expert_intermediate_size=64), "unsupported shared_expert_intermediate_size 64"),
+    ("mixtral", dict(num_local_experts=None), "field num_local_experts is missing"),
+    ("mixtral", dict(num_experts_per_tok=0), "num_experts_per_tok \\(0\\) must be in \\[1, num_local_experts"),
+])
+def test_moe_config_it_cannot_build_is_refused_naming_the_field(model_type, edit, named, tmp_path):
+    import json
+
+    from worker_service.model_config import CheckpointError
+
+    hf_config(model_type, num_local_experts=4, num_experts_per_tok=2).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(edit)
+    (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in raw.items() if v is not None}))
+    with pytest.raises(CheckpointError, match=named):
+        ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe_untied_gqa2", "mixtral_tied_gqa2"])
+def test_the_loader_refuses_a_missing_or_misshapen_expert_tensor_naming_it(name, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from testing.checkpoints import build_checkpoint
+    from worker_service.loader import load_model
+
+    model_type, overrides = VARIANTS[name]
+    build_checkpoint(tmp_path, model_type, **overrides)
+    weights = load_file(tmp_path / "model.safetensors")
+    expert = next(n for n in sorted(weights) if ".experts.3." in n)
+    tensor = weights.pop(expert)
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"checkpoint lacks weights for: .*experts.*\\(tensors {expert}\\)"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))
+    weights[expert] = tensor[:, :-1].contiguous()
+    save_file(weights, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=f"checkpoint tensor '{expert}' has shape"):
+        load_model(tmp_path, torch.float32, torch.device("cpu"))

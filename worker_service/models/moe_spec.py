@@ -67,7 +67,8 @@ class MoeFamily(LlamaFamily):
         if fields["moe_intermediate_size"] < 1:
             raise ValueError(f"{self.moe_width_field} must be >= 1, got {fields['moe_intermediate_size']}")
         if self.dense_layers:
-            step = int(raw.get("decoder_sparse_step") or 1)
+            step = raw.get("decoder_sparse_step")
+            step = 1 if step is None else int(step)
             if step < 1:
                 raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
             only = tuple(sorted({int(i) for i in raw.get("mlp_only_layers") or ()}))
