@@ -3,8 +3,9 @@ MoE block (router + stacked experts); declarations and the checkpoint mapping in
 
 The experts run batched per expert: the (token, expert) pairs are sorted by expert, and each
 expert that has tokens runs one gate_up matmul and one down matmul over its rows; the rows'
-weighted outputs are summed back per token with one `index_add_`. The loop is over experts
-(E iterations at most), never over tokens.
+weighted outputs go back to (token, slot) order and each token's k rows are summed. The loop
+is over experts (E iterations at most), never over tokens. The rows per expert are read to
+the host once per layer (a synchronisation; a fused grouped-GEMM kernel would avoid it on a GPU).
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class MoEExperts(nn.Module):
                 self.intermediate, dim=-1)  # [count, I] each
             out[start:start + count] = F.linear(F.silu(gate) * up, self.down_proj[e])  # [count, hidden]
             start += count
-        weighted = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)  # [n * k, hidden]
-        return torch.zeros_like(x).index_add_(0, tokens, weighted)  # [n, hidden]
+        weighted = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)  # [n * k, hidden], sorted
+        # back in (token, slot) order, each token's k rows summed (cheaper than index_add_ on CPU)
+        return torch.empty_like(weighted).index_copy_(0, order, weighted).view(n, k, -1).sum(dim=1)  # [n, hidden]
 
 
 class SparseMoeBlock(nn.Module):
