@@ -25,6 +25,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     # post-norms, q/k norms over the whole width (all-reduced under TP)
     "olmo2_untied_gqa4": ("olmo2", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
                                         rope_theta=500_000.0)),
+    # not Llama-shaped: LayerNorm, learned positions, gelu_new, Conv1D [in, out] weights, tied head
+    "gpt2_tied": ("gpt2", dict(num_attention_heads=4, n_inner=128)),
 }
 
 
@@ -48,7 +50,7 @@ def build_checkpoint(path: Path, model_type: str, *, seed: int = 0, dtype=torch.
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
-            elif "norm" in name:
+            elif "norm" in name or ".ln_" in name:  # GPT-2's LayerNorms: ln_1, ln_2, ln_f
                 p.normal_(1.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return model
