@@ -33,6 +33,8 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                                 num_hidden_layers=3, mlp_only_layers=[1])),
     "mixtral_tied_gqa2": ("mixtral", dict(num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                                           num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
+    # not Llama-shaped: LayerNorm, learned positions, gelu_new, Conv1D [in, out] weights, tied head
+    "gpt2_tied": ("gpt2", dict(num_attention_heads=4, n_inner=128)),
 }
 
 
@@ -56,7 +58,7 @@ def build_checkpoint(path: Path, model_type: str, *, seed: int = 0, dtype=torch.
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
-            elif "norm" in name:
+            elif "norm" in name or ".ln_" in name:  # GPT-2's LayerNorms: ln_1, ln_2, ln_f
                 p.normal_(1.0, 0.1)
     model.save_pretrained(path, safe_serialization=True)
     return model

@@ -111,10 +111,12 @@ def check_declaration(fam: ModelFamily, model: nn.Module) -> list[Param]:
 
 def copy_into(dst: torch.Tensor, pack_dim: int, offset: int, source: Source, name: str, tensor: torch.Tensor) -> None:
     """Copy checkpoint tensor `name` into `dst[..., offset : offset + size, ...]` along `pack_dim`
-    (or into index `offset` of it, `source.stack`)."""
+    (or into index `offset` of it, `source.stack`; transposed first, `source.transpose`)."""
     part = dst.data.narrow(pack_dim, offset, source.size)  # the source's slot: [..., size, ...]
     if source.stack:
         part = part.select(pack_dim, 0)  # one slice of a stacked parameter, e.g. expert `offset`: [...]
+    if source.transpose:
+        tensor = tensor.t()  # a Conv1D weight [in, out] -> [out, in]
     if tuple(part.shape) != tuple(tensor.shape):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, expected {tuple(part.shape)}")
     part.copy_(tensor)

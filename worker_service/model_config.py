@@ -60,6 +60,7 @@ class ModelConfig(BaseModelConfig):
         if raw["model_type"] not in SUPPORTED_MODEL_TYPES:
             raise ValueError(f"model_type {raw['model_type']!r} is not supported "
                              f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raw = FAMILIES[raw["model_type"]].common_config(raw)  # e.g. GPT-2's n_embd -> hidden_size
         hidden = int(raw["hidden_size"])
         heads = int(raw["num_attention_heads"])
         if heads < 1:
@@ -84,6 +85,7 @@ class ModelConfig(BaseModelConfig):
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             sliding_window=_sliding_window(raw),
             eos_token_ids=generation_eos if generation_eos is not None else _as_ids(raw.get("eos_token_id")),
+            hidden_act=str(raw.get("hidden_act", "silu")),
             **FAMILIES[raw["model_type"]].config_fields(raw),
         )
         config.check()

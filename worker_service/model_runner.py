@@ -36,6 +36,7 @@ from worker_service.logits_processing import LogitsProcessing, mask_stops_before
 from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.model_config import resolve_max_model_len
+from worker_service.models import family
 from worker_service.models.llama import ForwardContext
 from worker_service.pending_step import PendingStep, copy_to_host
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
@@ -105,7 +106,9 @@ class ModelRunner:
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_blocks_per_req = -(-self.max_model_len // block_size)
-        self.rotary = RotaryTable(cfg.rope, cfg.head_dim, self.max_model_len, self.dtype, self.device)
+        # positions by rope (cos/sin gathered per step), or embedded by the model itself (GPT-2)
+        self.rotary = (RotaryTable(cfg.rope, cfg.head_dim, self.max_model_len, self.dtype, self.device)
+                       if family(cfg.model_type).rope else None)
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
@@ -355,7 +358,7 @@ class ModelRunner:
             inputs.input_ids.index_copy_(0, inputs.placeholder_dst, tokens)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        cos, sin = self.rotary.lookup(inputs.meta.positions)
+        cos, sin = self.rotary.lookup(inputs.meta.positions) if self.rotary is not None else (None, None)
         ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin)
         hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
         if self._step_lp is not None:

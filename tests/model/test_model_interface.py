@@ -36,7 +36,10 @@ CASES = {**VARIANTS,
          "qwen3_moe_sparse_step": ("qwen3_moe", dict(num_attention_heads=4, num_key_value_heads=4,
                                                      tie_word_embeddings=True, num_experts=3, num_experts_per_tok=1,
                                                      moe_intermediate_size=16, num_hidden_layers=5,
-                                                     decoder_sparse_step=2, mlp_only_layers=[3]))}
+                                                     decoder_sparse_step=2, mlp_only_layers=[3])),
+         # n_inner unset (4 * n_embd), untied head, another GELU
+         "gpt2_untied_gelu_tanh": ("gpt2", dict(num_attention_heads=8, tie_word_embeddings=False,
+                                                activation_function="gelu_pytorch_tanh"))}
 
 
 def test_every_registered_family_has_a_test_case():
@@ -101,7 +104,7 @@ def test_declaration_matches_the_modules_and_the_checkpoint(name, tmp_path):
     for p in declared:
         assert sum(s.size for s in p.sources) == p.shape[p.pack_dim], p.name
         for _, s in p.tensors():  # each checkpoint tensor's slot has the HF tensor's shape
-            assert _slot(p, s) == hf[s.name], s.name
+            assert _slot(p, s) == (hf[s.name][::-1] if s.transpose else hf[s.name]), s.name  # Conv1D: [in, out]
 
     counts = fam.counts(cfg)
     built = {id(p): p.numel() for p in model.parameters()}  # a tied weight once
@@ -137,11 +140,12 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
         assert (p.tp is TP.REPLICATED) == (split == {None}), p.name
         assert split <= axes | {None}, p.name
         if p.tp is TP.ROW:
-            assert all(s.dim == 1 for s in p.sources), p.name
+            assert all(s.param_dim() == 1 for s in p.sources), p.name
         if p.tp in (TP.COLUMN, TP.COLUMN_NORM, TP.VOCAB):
-            assert all(s.dim == p.pack_dim for s in p.sources), p.name
+            assert all(s.param_dim() == p.pack_dim for s in p.sources), p.name
         if p.tp is TP.EXPERT:  # one expert's tensor per source, split along its intermediate dim
             assert all(s.stack and s.axis for s in p.sources), p.name
+        assert all(len(p.shape) == 2 for s in p.sources if s.transpose), p.name
     for p in declared:
         for _, s in p.tensors():
             parts = [part for part in p.sources if part.name == s.name]  # several: a fused tensor
@@ -173,7 +177,7 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
             for _, s in p.tensors():  # the slice read from the checkpoint fits the shard's slot
                 cuts = g.slice_of(s.name)
                 if cuts is not None:
-                    dim = cuts[0][0]
+                    dim = 1 - cuts[0][0] if s.transpose else cuts[0][0]  # the parameter's dim
                     length = sum(length for _, _, length in cuts)
                     assert length == (s.size if dim == p.pack_dim and not s.stack else _slot(p, s)[dim]), s.name
             module = model.get_submodule(p.module)
@@ -212,6 +216,10 @@ def test_a_source_is_copied_along_any_dim_or_as_one_stacked_slice():
     assert dst[1].eq(7).all() and dst[0, :, 1:3].eq(1).all()
     with pytest.raises(ValueError, match="'e0' has shape \\(4, 3\\), expected \\(3, 4\\)"):
         copy_into(dst, 0, 0, Source("e0", 1, stack=True), "e0", torch.zeros(4, 3))
+    w = torch.zeros(6, 2)  # [out, in]: rows 2..5 from a Conv1D part [in, out] = [2, 4]
+    conv = torch.arange(8.0).view(2, 4)
+    copy_into(w, 0, 2, Source("c", 4, transpose=True), "c", conv)
+    assert w[2:].equal(conv.t()) and w[:2].eq(0).all()
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -247,6 +255,50 @@ def test_phi3_rope_it_does_not_implement_is_refused_naming_the_field(edit, named
     (tmp_path / "config.json").write_text(json.dumps({**raw, **edit}))
     with pytest.raises(CheckpointError, match=named):
         ModelConfig.from_dir(tmp_path)
+
+
+@pytest.mark.parametrize("edit, named", [
+    (dict(scale_attn_weights=False), "unsupported scale_attn_weights False"),
+    (dict(scale_attn_by_inverse_layer_idx=True), "unsupported scale_attn_by_inverse_layer_idx True"),
+    (dict(reorder_and_upcast_attn=True), "unsupported reorder_and_upcast_attn True"),
+    (dict(add_cross_attention=True), "unsupported add_cross_attention True"),
+    (dict(activation_function="quick_gelu"), "unsupported activation_function 'quick_gelu'"),
+    (dict(n_head=5), "n_head \\(5\\) must be >= 1 and divide n_embd \\(64\\)"),
+    (dict(layer_norm_epsilon=0.0), "layer_norm_epsilon must be > 0"),
+])
+def test_gpt2_settings_it_does_not_implement_are_refused_naming_the_field(edit, named, tmp_path):
+    import json
+
+    from worker_service.model_config import CheckpointError
+
+    hf_config("gpt2", num_attention_heads=4).save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**raw, **edit}))
+    with pytest.raises(CheckpointError, match=named):
+        ModelConfig.from_dir(tmp_path)
+
+
+def test_gpt2_reads_its_own_config_names(tmp_path):
+    """n_embd / n_head / n_layer / n_positions / n_inner / layer_norm_epsilon into the common
+    config; the Llama names transformers leaves in config.json (intermediate_size) are not read."""
+    import json
+
+    # (hf_config passes the common names; GPT2Config saves them as n_embd, n_head, n_layer, n_positions)
+    hf_config("gpt2", hidden_size=48, num_attention_heads=6, num_hidden_layers=3, max_position_embeddings=256,
+              n_inner=None, layer_norm_epsilon=1e-3,
+              activation_function="gelu").save_pretrained(tmp_path)
+    assert "n_embd" in json.loads((tmp_path / "config.json").read_text())
+    cfg = ModelConfig.from_dir(tmp_path)
+    assert (cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.num_layers) == (48, 6, 6, 8, 3)
+    assert (cfg.max_position_embeddings, cfg.intermediate_size, cfg.rms_norm_eps) == (256, 192, 1e-3)
+    assert cfg.hidden_act == "gelu" and cfg.tie_word_embeddings and cfg.sliding_window is None
+    assert not FAMILIES["gpt2"].rope
+
+
+def test_gpt2_modules_implement_every_activation_the_family_accepts():
+    from worker_service.models import gpt2, gpt2_spec
+
+    assert set(gpt2.ACTIVATIONS) == set(gpt2_spec.ACTIVATIONS)
 
 
 @pytest.mark.parametrize("model_type, edit, named", [

@@ -23,7 +23,7 @@ from worker_service.model_runner import ModelRunner
 from worker_service.parallel.geometry import GeometryError, ShardGeometry
 
 CHECKPOINTS = ("llama_tied_gqa4", "qwen2_untied_gqa4", "qwen3_tied_gqa1", "phi3_untied_gqa4", "olmo2_untied_gqa4",
-               "qwen3_moe_untied_gqa2", "mixtral_tied_gqa2")
+               "gpt2_tied", "qwen3_moe_untied_gqa2", "mixtral_tied_gqa2")
 PROMPT_LENS = [3, 40, 21, 9]
 MAX_NEW = 12
 RTOL = 1e-4
@@ -112,16 +112,18 @@ def assert_same_as_unsharded(paths: list[str], per_rank: list) -> None:
 def test_two_ranks_match_the_unsharded_model_qwen2_gqa(tmp_path_factory, tmp_path):
     """The default-suite cases: qwen2 (q/k/v biases, 8 heads over 2 KV heads), untied; phi3
     (the checkpoint's fused qkv_proj / gate_up_proj, each part sliced per rank); olmo2 (q/k
-    norms over the whole width: the sum of squares all-reduced); qwen3_moe (each rank 1/k of
-    every expert's intermediate width, the experts' weighted sum all-reduced; a dense layer)."""
-    names = ("qwen2_untied_gqa4", "phi3_untied_gqa4", "olmo2_untied_gqa4", "qwen3_moe_untied_gqa2")
+    norms over the whole width: the sum of squares all-reduced); gpt2 (Conv1D weights cut from
+    the checkpoint's [in, out], every bias, learned positions replicated, tied vocab-parallel head);
+    qwen3_moe (each rank 1/k of every expert's intermediate width, the experts' weighted sum
+    all-reduced; a dense layer)."""
+    names = ("qwen2_untied_gqa4", "phi3_untied_gqa4", "olmo2_untied_gqa4", "gpt2_tied", "qwen3_moe_untied_gqa2")
     paths = [checkpoint(name, tmp_path_factory) for name in names]
     assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))
 
 
 @pytest.mark.slow
 def test_two_ranks_match_the_unsharded_model_all_families(tmp_path_factory, tmp_path):
-    """llama (tied, llama3 RoPE), qwen2, qwen3 (q/k norms, head_dim 24), phi3 (fused tensors), olmo2,
+    """llama (tied, llama3 RoPE), qwen2, qwen3 (q/k norms, head_dim 24), phi3 (fused tensors), olmo2, gpt2,
     qwen3_moe and mixtral (experts split along their intermediate width)."""
     paths = [checkpoint(name, tmp_path_factory) for name in CHECKPOINTS]
     assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))

@@ -60,11 +60,17 @@ BAD_CHECKPOINTS = {
     "bad_json": (lambda d: (d / "config.json").write_text('{"model_type": "llama",'), ["config.json"],
                  ("serve", "worker")),
     "no_tokenizer": (lambda d: (d / "tokenizer.json").unlink(), ["tokenizer.json"], ("serve",)),
-    # architectures the worker does not build, as transformers saves them (gpt2 has no hidden_size)
-    "gemma2": (_edit("model_type", "gemma2"), ["config.json", "model_type 'gemma2' is not supported"],
-               ("serve", "worker")),
-    "gpt2": (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64})),
-             ["config.json", "model_type 'gpt2' is not supported", "llama, mistral, qwen2, qwen3"], ("serve", "worker")),
+    # an architecture the worker does not build, as transformers saves it
+    "gemma2": (_edit("model_type", "gemma2"), ["config.json", "model_type 'gemma2' is not supported",
+                                              "llama, mistral, qwen2, qwen3"], ("serve", "worker")),
+    # a family with its own config.json names (GPT-2's n_embd, n_head, ...): the missing one named
+    "gpt2_no_n_head": (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64})),
+                       ["config.json", "field n_head is missing"], ("serve", "worker")),
+    "gpt2_layer_idx_scaling": (
+        lambda d: (d / "config.json").write_text(json.dumps(
+            {"model_type": "gpt2", "vocab_size": 512, "n_embd": 64, "n_head": 4, "n_layer": 2,
+             "scale_attn_by_inverse_layer_idx": True})),
+        ["config.json", "unsupported scale_attn_by_inverse_layer_idx True"], ("serve",)),
 }
 
 

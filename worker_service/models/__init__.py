@@ -6,13 +6,15 @@ modules it names, and one line here.
 
 from __future__ import annotations
 
+from worker_service.models.gpt2_spec import GPT2
 from worker_service.models.interface import ModelFamily
 from worker_service.models.llama_spec import LLAMA, MISTRAL, QWEN2, QWEN3
 from worker_service.models.moe_spec import MIXTRAL, QWEN3_MOE
 from worker_service.models.olmo2_spec import OLMO2
 from worker_service.models.phi3_spec import PHI3
 
-FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, OLMO2)}
+FAMILIES: dict[str, ModelFamily] = {f.model_type: f for f in (LLAMA, MISTRAL, QWEN2, QWEN3, PHI3, OLMO2,
+                                                                     GPT2)}
 FAMILIES.update({f.model_type: f for f in (QWEN3_MOE, MIXTRAL)})  # Mixture of Experts (moe_spec.py)
 
 

@@ -7,8 +7,9 @@ by `ModelFamily.module` and imported only when a model is built. From one declar
 and its tensor-parallel split), the rest follows:
 
 - the loader (`worker_service/loader.py`) maps each checkpoint tensor onto its parameter
-  (`Param.sources`, packed along `Param.pack_dim`), refuses an unknown, missing or misshapen
-  tensor, and ties the head to the embedding (`ModelFamily.embedding` / `lm_head`);
+  (`Param.sources`, packed along `Param.pack_dim`, transposed where `Source.transpose`), refuses
+  an unknown, missing or misshapen tensor, and ties the head to the embedding
+  (`ModelFamily.embedding` / `lm_head`);
 - tensor parallelism (`worker_service/parallel/`) divides the family's `axes` over the ranks
   (`ShardAxis`), reads each rank's slice of a checkpoint tensor (`Source.axis/dim/unit`), and
   swaps in the modules that communicate (`TP.ROW` weights: an all-reduce after; `TP.COLUMN_NORM`
@@ -18,7 +19,9 @@ and its tensor-parallel split), the rest follows:
   role and the attention / KV geometry.
 
 `BaseModelConfig` holds the config.json fields a family reads; `worker_service.model_config.
-ModelConfig` (the same fields, read from a checkpoint) is what families are given.
+ModelConfig` (the same fields, read from a checkpoint) is what families are given. A family
+whose config.json names them otherwise maps its names (`ModelFamily.common_config`); one
+without rotary positions says so (`ModelFamily.rope`), and the runner gives it no cos/sin.
 """
 
 from __future__ import annotations
@@ -64,6 +67,7 @@ class BaseModelConfig:
     max_position_embeddings: int
     sliding_window: int | None
     eos_token_ids: tuple[int, ...]
+    hidden_act: str = "silu"  # the MLP's activation (config.json's hidden_act, GPT-2's activation_function)
     # Mixture of experts (`ModelFamily.config_fields`; 0 experts: a dense model)
     num_experts: int = 0  # routed experts per MoE layer
     num_experts_per_tok: int = 0  # top-k: the experts each token is routed to
@@ -147,6 +151,13 @@ class Source:
     dim: int = 0  # the tensor dim the axis runs along
     unit: int = 1  # elements along `dim` per axis unit (head_dim for a heads axis)
     stack: bool = False  # it is one index (size 1) of pack_dim, without that dim (stacked experts)
+    # the checkpoint holds the 2-D parameter transposed, [in, out] (GPT-2's Conv1D): the loader
+    # copies its transpose; `dim` counts in the checkpoint tensor, as the TP slicing reads it
+    transpose: bool = False
+
+    def param_dim(self) -> int:
+        """The parameter's dim that `dim` of the checkpoint tensor becomes."""
+        return 1 - self.dim if self.transpose else self.dim
 
 
 @dataclass(frozen=True)
@@ -216,6 +227,14 @@ class ModelFamily:
     embedding: str = "model.embed_tokens"  # module path of the input embedding
     lm_head: str = "lm_head"  # module path of the output projection
     axes: tuple[ShardAxis, ...] = ()  # what TP divides, in the order divisibility is checked
+    # positions by rotary embedding: the runner gathers cos/sin per token (`ForwardContext.cos/sin`);
+    # False: the model embeds positions itself from `ctx.meta.positions` (GPT-2's learned wpe)
+    rope: bool = True
+
+    def common_config(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        """config.json under the field names `ModelConfig.from_dict` reads (Llama's: hidden_size,
+        num_attention_heads, ...); a family whose config.json names them otherwise maps them here."""
+        return dict(raw)
 
     def check_config(self, raw: Mapping[str, Any]) -> None:
         """Refuse config.json values this family cannot build (ValueError naming the field)."""

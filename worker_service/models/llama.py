@@ -29,8 +29,9 @@ class ForwardContext:
     meta: AttentionMetadata
     backend: AttentionBackend
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (K, V) [blocks, block_size, kvh, d]
-    cos: torch.Tensor  # [num_tokens, 1, head_dim]
-    sin: torch.Tensor  # [num_tokens, 1, head_dim], first half negated (RotaryTable.lookup)
+    # None for a family without rope (`ModelFamily.rope`: GPT-2 embeds meta.positions itself)
+    cos: torch.Tensor | None  # [num_tokens, 1, head_dim]
+    sin: torch.Tensor | None  # [num_tokens, 1, head_dim], first half negated (RotaryTable.lookup)
 
 
 class RMSNorm(nn.Module):
