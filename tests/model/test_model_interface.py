@@ -20,7 +20,7 @@ from worker_service.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from worker_service.models import FAMILIES
 from worker_service.models.interface import TP, Kind, Source
 from worker_service.models.llama_spec import QWEN3, LlamaFamily
-from worker_service.parallel.geometry import GeometryError, ShardGeometry
+from worker_service.parallel.geometry import ShardGeometry
 from worker_service.models.moe import MoEExperts
 from worker_service.parallel.layers import (GatheredLMHead, RowParallelExperts, RowParallelLinear, ShardedRMSNorm,
                                             VocabParallelEmbedding, shard_modules)
@@ -129,10 +129,7 @@ def test_declaration_matches_the_modules_and_the_checkpoint(name, tmp_path):
 def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name, k, tmp_path):
     hf_cfg, cfg, fam = _case(name, tmp_path)
     hf, _ = _hf_tensors(hf_cfg)
-    try:
-        geoms = [ShardGeometry.of(cfg, r, k) for r in range(k)]
-    except GeometryError:
-        pytest.skip(f"{name} does not split {k} ways")
+    geoms = [ShardGeometry.of(cfg, r, k) for r in range(k)]  # every case is built to split 2 and 4 ways
     declared = fam.params(cfg)
     axes = {a.name for a in fam.axes}
     for p in declared:
