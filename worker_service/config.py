@@ -66,6 +66,9 @@ class WorkerEngineConfig:
     tensor_parallel_size: int = cfg.field(
         1, "ranks of this worker's tensor-parallel group: the scheduler groups workers of the same size in "
         "attach order, each loads 1/k of the weights (torch.distributed)")
+    enable_expert_parallel: bool = cfg.field(
+        False, "Mixture-of-Experts models: place whole experts on the tensor-parallel ranks (1/k of the experts "
+        "each) instead of 1/k of every expert's width; attention stays tensor-parallel")
     distributed_backend: str | None = cfg.field(None, "torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
     distributed_timeout: float = cfg.field(
         60.0, "seconds a tensor-parallel rendezvous or collective may take before the group is torn down")

@@ -61,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
     log = logs.configure("worker", config.log_level)
     try:
         parse_speculative_config(config.speculative_config)
+        if config.enable_expert_parallel and config.tensor_parallel_size < 2:
+            raise cfg.ConfigError("--enable-expert-parallel divides the experts over the tensor-parallel ranks: "
+                                  "it needs --tensor-parallel-size >= 2")
         GcPauses(REGISTRY, "stepahead:worker_gc_pause_seconds", log, config.gc_warning_threshold_secs)
     except (cfg.ConfigError, ValueError) as exc:
         log.error("bad_configuration", error=str(exc))

@@ -82,7 +82,8 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
 
         from worker_service.parallel.runner import TPModelRunner
 
-        runner_class = partial(TPModelRunner, rank=group.rank, size=group.size)
+        runner_class = partial(TPModelRunner, rank=group.rank, size=group.size,
+                               expert_parallel=config.enable_expert_parallel)
     runner = runner_class(
         model_dir,
         dtype=dtype,

@@ -20,7 +20,7 @@ from worker_service.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from worker_service.models import FAMILIES
 from worker_service.models.interface import TP, Kind, Source
 from worker_service.models.llama_spec import QWEN3, LlamaFamily
-from worker_service.parallel.geometry import ShardGeometry
+from worker_service.parallel.geometry import GeometryError, ShardGeometry
 from worker_service.models.moe import MoEExperts
 from worker_service.parallel.layers import (GatheredLMHead, RowParallelExperts, RowParallelLinear, ShardedRMSNorm,
                                             VocabParallelEmbedding, shard_modules)
@@ -190,6 +190,41 @@ def test_every_split_reassembles_the_tensor_and_matches_the_sharded_modules(name
                 assert isinstance(module, RowParallelLinear) == (p.module in row_modules), p.module
                 assert not isinstance(module, (VocabParallelEmbedding, GatheredLMHead, ShardedRMSNorm)), p.module
         assert isinstance(model.get_submodule(fam.lm_head), GatheredLMHead)
+
+
+@pytest.mark.parametrize("name", sorted(n for n in CASES if CASES[n][0] in ("qwen3_moe", "mixtral")))
+@pytest.mark.parametrize("k", [2, 4])
+def test_expert_parallel_places_every_expert_whole_on_exactly_one_rank(name, k, tmp_path):
+    hf_cfg, cfg, fam = _case(name, tmp_path)
+    hf, _ = _hf_tensors(hf_cfg)
+    if cfg.num_experts % k:  # e.g. 3 experts: refused, naming config.json's field
+        with pytest.raises(GeometryError, match=f"num_(local_)?experts \\({cfg.num_experts}\\)"):
+            ShardGeometry.of(cfg, 0, k, expert_parallel=True)
+        return
+    geoms = [ShardGeometry.of(cfg, r, k, expert_parallel=True) for r in range(k)]
+    expert_tensors = {s.name for p in fam.params(cfg) if p.tp is TP.EXPERT for s in p.sources}
+    assert expert_tensors and all(g.elsewhere <= expert_tensors for g in geoms)
+    for tensor in expert_tensors:
+        holders = [g for g in geoms if tensor not in g.elsewhere]
+        assert len(holders) == 1, f"{tensor}: held by ranks {[g.rank for g in holders]}"
+        cuts = holders[0].slice_of(tensor)
+        assert cuts is None or all(length == hf[tensor][dim] for dim, _, length in cuts), tensor  # whole
+    shares = [(g.local_config(cfg).first_local_expert, g.local_config(cfg).num_local_experts) for g in geoms]
+    assert shares == [(r * cfg.num_experts // k, cfg.num_experts // k) for r in range(k)]
+    for g in geoms:  # the shard's modules are what its declaration says
+        local = g.local_config(cfg)
+        with torch.device("meta"):
+            model = fam.model_class()(local)
+            shard_modules(model, g)
+        tie_weights(model, fam)  # as load_shard does
+        for p in check_declaration(fam, model):
+            if p.tp is TP.EXPERT:
+                module = model.get_submodule(p.module)
+                assert isinstance(module, RowParallelExperts), p.module
+                assert (module.first, module.num_experts, module.total) == (
+                    local.first_local_expert, local.num_local_experts, cfg.num_experts)
+            if p.name.endswith("mlp.gate.weight"):
+                assert p.shape[0] == cfg.num_experts  # the router scores all experts on every rank
 
 
 def test_a_family_that_forgets_a_parameter_is_refused(tmp_path):

@@ -55,7 +55,8 @@ def runner_kwargs() -> dict:
     return dict(num_blocks=64, num_host_blocks=32, block_size=4)
 
 
-def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, backend: str) -> None:
+def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, backend: str,
+               expert_parallel: bool) -> None:
     from worker_service.parallel.group import GroupSpec, destroy_group, init_group
     from worker_service.parallel.runner import TPModelRunner
 
@@ -66,7 +67,8 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, back
         torch.cuda.set_device(device)
     init_group(GroupSpec("test", rank, size, "127.0.0.1", port, backend, timeout_s=60))
     try:
-        results = [drive(TPModelRunner(p, rank=rank, size=size, device=device, **runner_kwargs())) for p in paths]
+        results = [drive(TPModelRunner(p, rank=rank, size=size, device=device, expert_parallel=expert_parallel,
+                                       **runner_kwargs())) for p in paths]
         torch.save(results, f"{out}.{rank}")
         # Leave together: a rank whose peer exits while it is still in a collective or in its
         # teardown can die in gloo (an intermittent SIGABRT seen once in CI, not reproduced).
@@ -75,8 +77,8 @@ def _rank_main(rank: int, size: int, port: int, paths: list[str], out: str, back
         destroy_group()
 
 
-def run_ranks(size: int, paths: list[str], out: str, backend: str = "gloo") -> list:
-    mp.spawn(_rank_main, args=(size, free_port(), paths, out, backend), nprocs=size, join=True)
+def run_ranks(size: int, paths: list[str], out: str, backend: str = "gloo", expert_parallel: bool = False) -> list:
+    mp.spawn(_rank_main, args=(size, free_port(), paths, out, backend, expert_parallel), nprocs=size, join=True)
     return [torch.load(f"{out}.{r}", weights_only=False) for r in range(size)]
 
 
@@ -136,6 +138,35 @@ def test_four_ranks_replicate_kv_heads(tmp_path_factory, tmp_path):
     paths = [checkpoint(name, tmp_path_factory) for name in ("llama_tied_gqa4", "qwen2_untied_gqa4",
                                                              "olmo2_untied_gqa4")]
     assert_same_as_unsharded(paths, run_ranks(4, paths, str(tmp_path / "out")))
+
+
+MOE_CHECKPOINTS = ("qwen3_moe_untied_gqa2", "mixtral_tied_gqa2")  # 4 experts each, top-2
+
+
+def test_expert_parallel_two_ranks_match_the_unsharded_model(tmp_path_factory, tmp_path):
+    """--enable-expert-parallel: each rank holds 2 of the 4 experts whole (and the router over
+    all 4); a token whose top-2 experts sit on one rank gets a zero share from the other."""
+    paths = [checkpoint(name, tmp_path_factory) for name in MOE_CHECKPOINTS]
+    assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out"), expert_parallel=True))
+
+
+@pytest.mark.slow
+def test_expert_parallel_four_ranks_one_expert_each(tmp_path_factory, tmp_path):
+    paths = [checkpoint(name, tmp_path_factory) for name in MOE_CHECKPOINTS]
+    assert_same_as_unsharded(paths, run_ranks(4, paths, str(tmp_path / "out"), expert_parallel=True))
+
+
+def test_expert_parallel_geometry_refusals_name_the_dimension(tmp_path_factory):
+    cfg = ModelConfig.from_dir(checkpoint("mixtral_tied_gqa2", tmp_path_factory))  # 4 experts
+    with pytest.raises(GeometryError, match="num_local_experts"):
+        ShardGeometry.of(dataclasses.replace(cfg, num_experts=6, num_local_experts=6), 0, 4, expert_parallel=True)
+    dense = ModelConfig.from_dir(checkpoint("qwen2_untied_gqa4", tmp_path_factory))
+    with pytest.raises(GeometryError, match="has no experts"):
+        ShardGeometry.of(dense, 0, 2, expert_parallel=True)
+    geom = ShardGeometry.of(cfg, 1, 2, expert_parallel=True)
+    local = geom.local_config(cfg)
+    assert (local.num_experts, local.num_local_experts, local.first_local_expert) == (4, 2, 2)
+    assert local.moe_intermediate_size == cfg.moe_intermediate_size  # whole experts: the width is not cut
 
 
 def test_geometry_that_does_not_divide_is_refused_naming_the_dimension(tmp_path_factory):

@@ -27,6 +27,7 @@ BAD_FLAGS = [
     ("serve", ["--port", "70000"], "--port"),
     ("scheduler", ["--port", "-1"], "--port"),
     ("worker", ["--num-threads", "0"], "--num-threads"),
+    ("worker", ["--enable-expert-parallel"], "--enable-expert-parallel"),  # needs --tensor-parallel-size >= 2
     ("serve", ["--startup-timeout-s", "0"], "--startup-timeout-s"),
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout"),
 ]

@@ -73,8 +73,15 @@ def join_requests_are_checked(s: Serve) -> None:
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in err.value.details()
 
 
+def test_tp2_expert_parallel_mixtral_matches_hf(tiny_model_dir, tiny_tokenizer, tmp_path):  # noqa: F811
+    """`--enable-expert-parallel`: each rank holds two of Mixtral's four experts whole."""
+    model_dir = family_checkpoint("mixtral_tied_gqa2", tiny_model_dir, tmp_path / "mixtral")
+    run_and_check(model_dir, len(tiny_tokenizer), "--enable-expert-parallel", "--preemption-mode", "recompute")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,mode", [("qwen2_untied_gqa4", "recompute"), ("qwen3_tied_gqa1", "swap")])
+@pytest.mark.parametrize("name,mode", [("qwen2_untied_gqa4", "recompute"), ("qwen3_tied_gqa1", "swap"),
+                                       ("qwen3_moe_untied_gqa2", "swap")])
 def test_tp2_qwen_families_match_hf(tiny_model_dir, tiny_tokenizer, tmp_path, name, mode):  # noqa: F811
     model_dir = family_checkpoint(name, tiny_model_dir, tmp_path / name)
     run_and_check(model_dir, len(tiny_tokenizer), "--preemption-mode", mode)

@@ -75,6 +75,10 @@ class BaseModelConfig:
     norm_topk_prob: bool = False  # the top-k routing weights renormalised to sum to one
     decoder_sparse_step: int = 1  # layer i has experts when (i + 1) % step == 0 ...
     mlp_only_layers: tuple[int, ...] = ()  # ... and i is not listed here (Qwen3-MoE): else a dense MLP
+    # the experts this model's MoE layers hold: all of them, or under expert parallelism this rank's
+    # contiguous share [first_local_expert, first_local_expert + num_local_experts) (`ShardAxis.offset_field`)
+    num_local_experts: int = 0
+    first_local_expert: int = 0
 
     def check(self) -> None:
         """Dimensions a model can be built with: a zero or negative one fails deep in torch,
@@ -104,9 +108,10 @@ class TP(Enum):
     # an RMSNorm over a column-split width (OLMo 2's q/k norm over all heads): its weight split like
     # those columns, the module all-reduces the sum of squares (ShardedRMSNorm)
     COLUMN_NORM = "column_norm"
-    # a stacked expert weight ([experts, ...]), every expert's intermediate width split (each rank
-    # holds 1/k of every expert, as vLLM's fused-MoE TP does): the experts module all-reduces the
-    # weighted sum of its down projections once (RowParallelExperts)
+    # a stacked expert weight ([experts, ...]): every expert's intermediate width split (each rank
+    # holds 1/k of every expert, as vLLM's fused-MoE TP does) or, with expert parallelism, whole
+    # experts split over the ranks; either way the experts module all-reduces the weighted sum of
+    # its down projections once (RowParallelExperts)
     EXPERT = "expert"
 
 
@@ -134,6 +139,10 @@ class ShardAxis:
     config_field: str  # the ModelConfig field holding its size, e.g. "num_heads"
     hf_name: str  # its name in config.json, for errors, e.g. "num_attention_heads"
     replicate: bool = False  # k > size: each rank holds one unit, shared by k/size ranks (KV heads)
+    # divided only with expert parallelism (True: whole experts over the ranks) or only without it
+    # (False: every expert's intermediate width); None: divided either way
+    expert_parallel: bool | None = None
+    offset_field: str | None = None  # a ModelConfig field a shard's config sets to its first unit
 
 
 @dataclass(frozen=True)

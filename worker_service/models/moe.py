@@ -20,26 +20,34 @@ from worker_service.models.moe_spec import MIXTRAL, QWEN3_MOE, MoeFamily, is_spa
 
 
 class MoEExperts(nn.Module):
-    """E SwiGLU experts stacked: gate_up_proj [2E, I, hidden] (expert e's gate rows at 2e, up at
-    2e + 1), down_proj [E, hidden, I]. Under TP, I is this rank's share (RowParallelExperts)."""
+    """Experts [first, first + num_experts) of the layer's, SwiGLU, stacked: gate_up_proj
+    [2E, I, hidden] (local expert j's gate rows at 2j, up at 2j + 1), down_proj [E, hidden, I].
+    All of the layer's experts (first 0) unless expert parallelism gave this rank a share; under
+    TP without it, I is this rank's share of every expert's width (RowParallelExperts)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int):
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, first: int = 0, total: int | None = None):
         super().__init__()
-        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.num_experts, self.hidden, self.intermediate, self.first = num_experts, hidden, intermediate, first
+        self.total = num_experts if total is None else total  # the layer's experts (the router's E)
         self.gate_up_proj = nn.Parameter(torch.empty(2 * num_experts, intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
-        """x [n, hidden]; weights, experts [n, k] (each token's top-k): Σ_j weights[:, j] * expert_j(x)."""
+        """x [n, hidden]; weights, experts [n, k] (each token's top-k, the layer's expert ids):
+        Σ_j weights[:, j] * expert_j(x) over the slots whose expert is held here (zero for the others)."""
         n, k = experts.shape
-        flat = experts.reshape(-1)  # [n * k] (token, slot) pairs, token-major
-        order = flat.argsort(stable=True)  # the pairs grouped by expert
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # rows per expert (one host sync)
-        tokens = order // k  # [n * k] the token of each sorted pair
-        rows = x[tokens]  # [n * k, hidden]
+        held = self.num_experts
+        flat = experts.reshape(-1) - self.first  # [n * k] (token, slot) pairs, token-major; local ids
+        if held < self.total:  # a share of the experts (EP): the other experts' pairs go last
+            flat = torch.where((flat >= 0) & (flat < held), flat, held)
+        order = flat.argsort(stable=True)  # the pairs grouped by expert, pairs of experts not held last
+        counts = torch.bincount(flat, minlength=held + 1).tolist()  # rows per expert (one host sync)
+        mine = n * k - counts[held]  # pairs computed here
+        order_mine = order[:mine]
+        rows = x[order_mine // k]  # [mine, hidden] each sorted pair's token
         out = torch.empty_like(rows)
         start = 0
-        for e, count in enumerate(counts):
+        for e, count in enumerate(counts[:held]):
             if not count:
                 continue
             seg = rows[start:start + count]  # [count, hidden]
@@ -47,9 +55,11 @@ class MoEExperts(nn.Module):
                 self.intermediate, dim=-1)  # [count, I] each
             out[start:start + count] = F.linear(F.silu(gate) * up, self.down_proj[e])  # [count, hidden]
             start += count
-        weighted = (out * weights.reshape(-1)[order].unsqueeze(-1)).to(x.dtype)  # [n * k, hidden], sorted
-        # back in (token, slot) order, each token's k rows summed (cheaper than index_add_ on CPU)
-        return torch.empty_like(weighted).index_copy_(0, order, weighted).view(n, k, -1).sum(dim=1)  # [n, hidden]
+        weighted = (out * weights.reshape(-1)[order_mine].unsqueeze(-1)).to(x.dtype)  # [mine, hidden], sorted
+        # back in (token, slot) order (zero rows for pairs not held), each token's k rows summed
+        # (cheaper than index_add_ on CPU)
+        back = torch.empty_like(weighted) if mine == n * k else weighted.new_zeros(n * k, weighted.shape[-1])
+        return back.index_copy_(0, order_mine, weighted).view(n, k, -1).sum(dim=1)  # [n, hidden]
 
 
 class SparseMoeBlock(nn.Module):
@@ -60,7 +70,8 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.renormalize, self.cast_weights = cfg.num_experts_per_tok, cfg.norm_topk_prob, \
             family.cast_weights
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)  # router weight: [E, hidden]
-        self.experts = MoEExperts(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.experts = MoEExperts(cfg.num_local_experts, cfg.hidden_size, cfg.moe_intermediate_size,
+                                  cfg.first_local_expert, cfg.num_experts)  # all E, unless EP shares them out
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         probs = F.softmax(self.gate(x), dim=-1, dtype=torch.float32)  # [n, E]

@@ -13,12 +13,15 @@ per layer, each checkpoint tensor one index of the stack (`Source.stack`):
 | parameter (ours)              | checkpoint tensors (Qwen3-MoE / Mixtral)                    | shape          | TP split |
 |-------------------------------|-------------------------------------------------------------|----------------|----------|
 | mlp.gate weight (router)      | mlp.gate / block_sparse_moe.gate                            | [E, hidden]    | replicated |
-| mlp.experts.gate_up_proj      | experts.{e}.gate_proj, up_proj / experts.{e}.w1, w3 at 2e, 2e+1 | [2E, I, hidden] | expert: I/k rows of each |
-| mlp.experts.down_proj         | experts.{e}.down_proj / experts.{e}.w2 at e                 | [E, hidden, I] | expert: I/k columns of each, the block's output all-reduced |
+| mlp.experts.gate_up_proj      | experts.{e}.gate_proj, up_proj / experts.{e}.w1, w3 at 2e, 2e+1 | [2E, I, hidden] | expert: I/k rows of each (EP: E/k whole experts) |
+| mlp.experts.down_proj         | experts.{e}.down_proj / experts.{e}.w2 at e                 | [E, hidden, I] | expert: I/k columns of each (EP: E/k whole experts), the block's output all-reduced |
 
 Qwen3-MoE's layer i has experts when `(i + 1) % decoder_sparse_step == 0` and i is not in
 `mlp_only_layers`; the others have the Llama MLP (`intermediate_size`, column/row split).
-Shared experts (Qwen2-MoE) and expert parallelism are not implemented.
+With expert parallelism (`--enable-expert-parallel`) rank r holds experts [r E/k, (r + 1) E/k)
+whole (`num_local_experts`, `first_local_expert`) and the router over all E; each rank computes
+its experts' share of every token, and the same one all-reduce per MoE block sums the shares.
+Shared experts (Qwen2-MoE) are not implemented.
 """
 
 from __future__ import annotations
@@ -31,7 +34,15 @@ from typing import Any
 from worker_service.models.interface import TP, BaseModelConfig, Kind, Param, ShardAxis, Source, param
 from worker_service.models.llama_spec import AXES, LlamaFamily
 
-MOE_AXES = (*AXES, ShardAxis("moe_intermediate", "moe_intermediate_size", "moe_intermediate_size"))
+
+
+def moe_axes(experts_field: str) -> tuple[ShardAxis, ...]:
+    """Llama's axes and the experts': without expert parallelism every expert's intermediate width
+    divides; with it, the experts themselves (`experts_field`: config.json's name for their count)."""
+    return (*AXES, ShardAxis("moe_intermediate", "moe_intermediate_size", "moe_intermediate_size",
+                             expert_parallel=False),
+            ShardAxis("experts", "num_local_experts", experts_field, expert_parallel=True,
+                      offset_field="first_local_expert"))
 
 
 def is_sparse(cfg: BaseModelConfig, layer: int) -> bool:
@@ -49,13 +60,14 @@ class MoeFamily(LlamaFamily):
     renormalize: bool | None = None  # the top-k weights renormalised; None: config.json's norm_topk_prob
     dense_layers: bool = False  # config.json may give dense layers (Qwen3-MoE)
     cast_weights: bool = True  # routing weights cast to the model dtype before weighting (Qwen3-MoE)
-    axes: tuple[ShardAxis, ...] = MOE_AXES
+    axes: tuple[ShardAxis, ...] = moe_axes("num_experts")
 
     def config_fields(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         experts = raw.get(self.experts_field, raw.get("num_local_experts", raw.get("num_experts")))
         if experts is None:
             raise KeyError(self.experts_field)
-        fields = dict(num_experts=int(experts), num_experts_per_tok=int(raw["num_experts_per_tok"]),
+        fields = dict(num_experts=int(experts), num_local_experts=int(experts),
+                      num_experts_per_tok=int(raw["num_experts_per_tok"]),
                       moe_intermediate_size=int(raw[self.moe_width_field]),
                       norm_topk_prob=bool(raw.get("norm_topk_prob", False)) if self.renormalize is None
                       else self.renormalize)
@@ -85,20 +97,21 @@ class MoeFamily(LlamaFamily):
         layer = int(mlp.split(".")[2])  # "model.layers.{i}.mlp"
         if not is_sparse(cfg, layer):
             return super().mlp_params(cfg, mlp)
-        hidden, inter, experts = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+        hidden, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        local = range(cfg.first_local_expert, cfg.first_local_expert + cfg.num_local_experts)  # all, unless EP
         src = f"{mlp.rpartition('.')[0]}.{self.block}"
         gate, up, down = self.expert_names
         one = [f"{src}.experts.{{}}.{n}.weight" for n in (gate, up, down)]
         return [
-            # the router: [E, hidden], applied to every token, replicated
-            param(f"{mlp}.gate.weight", (experts, hidden), kind=Kind.LINEAR, source=f"{src}.gate.weight"),
-            # gate_up_proj: [2E, I, hidden], expert e's gate [I, hidden] at 2e, its up at 2e + 1
-            Param(f"{mlp}.experts.gate_up_proj", (2 * experts, inter, hidden), tuple(
+            # the router: [E, hidden], applied to every token, replicated (all E experts, also under EP)
+            param(f"{mlp}.gate.weight", (cfg.num_experts, hidden), kind=Kind.LINEAR, source=f"{src}.gate.weight"),
+            # gate_up_proj: [2E_local, I, hidden], local expert j's gate [I, hidden] at 2j, its up at 2j + 1
+            Param(f"{mlp}.experts.gate_up_proj", (2 * len(local), inter, hidden), tuple(
                 Source(name.format(e), 1, "moe_intermediate", 0, stack=True)
-                for e in range(experts) for name in one[:2]), TP.EXPERT, Kind.EXPERT),
-            # down_proj: [E, hidden, I], expert e's [hidden, I] at e, its input (I) split over ranks
-            Param(f"{mlp}.experts.down_proj", (experts, hidden, inter), tuple(
-                Source(one[2].format(e), 1, "moe_intermediate", 1, stack=True) for e in range(experts)),
+                for e in local for name in one[:2]), TP.EXPERT, Kind.EXPERT),
+            # down_proj: [E_local, hidden, I], local expert j's [hidden, I] at j (without EP, I split over ranks)
+            Param(f"{mlp}.experts.down_proj", (len(local), hidden, inter), tuple(
+                Source(one[2].format(e), 1, "moe_intermediate", 1, stack=True) for e in local),
                 TP.EXPERT, Kind.EXPERT),
         ]
 
@@ -120,4 +133,5 @@ _MODULE = "worker_service.models.moe"
 QWEN3_MOE = MoeFamily("qwen3_moe", f"{_MODULE}:Qwen3MoeForCausalLM", qk_norm=True, dense_layers=True)
 MIXTRAL = MoeFamily("mixtral", f"{_MODULE}:MixtralForCausalLM", block="block_sparse_moe",
                     expert_names=("w1", "w3", "w2"), experts_field="num_local_experts",
-                    moe_width_field="intermediate_size", renormalize=True, cast_weights=False)
+                    moe_width_field="intermediate_size", renormalize=True, cast_weights=False,
+                    axes=moe_axes("num_local_experts"))

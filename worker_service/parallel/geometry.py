@@ -7,7 +7,9 @@ tensor, the axis and dim it splits along (`Source.axis`, `Source.dim`); see the 
 axis at `rank * size/k`; an axis that may replicate (KV heads) gives each rank one unit when
 k exceeds its size, shared by k/size neighbouring ranks. A tensor without an axis is read whole;
 a fused one (several sources of one name, Phi-3's qkv_proj) as the concatenation of the rank's
-slice of each of its parts.
+slice of each of its parts. With expert parallelism the MoE families divide their experts
+instead of the experts' width: a rank reads its experts' tensors whole and skips the others'
+(`elsewhere`).
 """
 
 from __future__ import annotations
@@ -33,16 +35,24 @@ class ShardGeometry:
     # start along dim in the whole tensor, length there); absent: read whole
     splits: dict[str, tuple[tuple[str | None, int, int, int, int], ...]] = field(
         default_factory=dict, repr=False, compare=False)
+    # checkpoint tensors other ranks hold whole and this one does not read (other ranks' experts)
+    elsewhere: frozenset[str] = field(default=frozenset(), repr=False, compare=False)
 
     @classmethod
-    def of(cls, cfg: ModelConfig, rank: int, size: int) -> ShardGeometry:
+    def of(cls, cfg: ModelConfig, rank: int, size: int, expert_parallel: bool = False) -> ShardGeometry:
+        """`expert_parallel`: the experts themselves are divided over the ranks (whole), instead of
+        every expert's intermediate width (`ShardAxis.expert_parallel`)."""
         if size < 1 or not 0 <= rank < size:
             raise GeometryError(f"tensor-parallel rank {rank} outside [0, {size})")
         fam = family(cfg.model_type)
+        if expert_parallel and not any(axis.expert_parallel for axis in fam.axes):
+            raise GeometryError(f"--enable-expert-parallel: model_type {cfg.model_type!r} has no experts")
         parts = {}
         for axis in fam.axes:
             total = getattr(cfg, axis.config_field)
-            if axis.replicate and total < size:  # more ranks than units: each holds one, replicated size/total times
+            if axis.expert_parallel not in (None, expert_parallel):  # not divided in this mode
+                parts[axis.name] = (0, total)
+            elif axis.replicate and total < size:  # more ranks than units: each holds one, replicated size/total times
                 if size % total:
                     raise GeometryError(f"tensor-parallel size {size} is larger than {axis.hf_name} "
                                         f"{total} and not a multiple of it")
@@ -50,12 +60,17 @@ class ShardGeometry:
             else:
                 _divides(axis.hf_name, total, size)
                 parts[axis.name] = (rank * (total // size), total // size)
-        return cls(rank, size, parts, _splits(fam.params(cfg)))
+        geom = cls(rank, size, parts, _splits(fam.params(cfg)))
+        whole = {s.name for p in fam.params(cfg) for s in p.sources}
+        held = {s.name for p in fam.params(geom.local_config(cfg)) for s in p.sources}
+        return dataclasses.replace(geom, elsewhere=frozenset(whole - held))
 
     def local_config(self, cfg: ModelConfig) -> ModelConfig:
         """The config of this rank's shard: the model classes build it unchanged."""
         fam = family(cfg.model_type)
-        return dataclasses.replace(cfg, **{a.config_field: self.parts[a.name][1] for a in fam.axes})
+        sizes = {a.config_field: self.parts[a.name][1] for a in fam.axes}
+        offsets = {a.offset_field: self.parts[a.name][0] for a in fam.axes if a.offset_field}
+        return dataclasses.replace(cfg, **sizes, **offsets)
 
     def count(self, axis: str) -> int:
         """Units of `axis` on this rank."""

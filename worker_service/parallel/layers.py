@@ -95,7 +95,8 @@ class ShardedRMSNorm(nn.Module):
 
 class RowParallelExperts(MoEExperts):
     """Stacked experts holding 1/k of every expert's intermediate width (gate_up rows, down
-    columns): each rank's weighted sum of its partial down projections, all-reduced once."""
+    columns) or, with expert parallelism, 1/k of the experts whole: each rank's weighted sum of
+    its share (partial down projections, or its experts' outputs), all-reduced once."""
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         y = super().forward(x, weights, experts)  # [n, hidden] partial sum of this rank's slices
@@ -116,8 +117,8 @@ def shard_modules(model: nn.Module, geom: ShardGeometry) -> None:
         old = model.get_submodule(name)  # weight: [dim / k]
         _replace(model, name, ShardedRMSNorm(old.weight.shape[0], old.eps, old.scale_in_float32, geom.size))
     for name in dict.fromkeys(p.module for p in params if p.tp is TP.EXPERT):
-        old = model.get_submodule(name)  # gate_up_proj: [2E, I / k, hidden], down_proj: [E, hidden, I / k]
-        _replace(model, name, RowParallelExperts(old.num_experts, old.hidden, old.intermediate))
+        old = model.get_submodule(name)  # gate_up_proj: [2E, I/k, hidden], down_proj: [E, hidden, I/k] (EP: E/k, I)
+        _replace(model, name, RowParallelExperts(old.num_experts, old.hidden, old.intermediate, old.first, old.total))
     emb = model.get_submodule(fam.embedding)  # weight: [vocab / k, hidden]
     _replace(model, fam.embedding, VocabParallelEmbedding(emb.num_embeddings, emb.embedding_dim, geom.vocab_start))
     head = model.get_submodule(fam.lm_head)  # weight: [vocab / k, hidden]

@@ -18,14 +18,14 @@ from worker_service.parallel.layers import shard_modules
 
 
 def load_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device, rank: int,
-               size: int) -> tuple[nn.Module, ModelConfig]:
+               size: int, expert_parallel: bool = False) -> tuple[nn.Module, ModelConfig]:
     """(the rank's model, the *global* config); `model.config` is the shard's config.
 
     Raises GeometryError (naming the dimension) when the model does not split k ways.
     """
     model_dir = Path(model_dir)
     cfg = ModelConfig.from_dir(model_dir)
-    geom = ShardGeometry.of(cfg, rank, size)
+    geom = ShardGeometry.of(cfg, rank, size, expert_parallel)
     files = weight_files(model_dir)
     fam = family(cfg.model_type)
     with torch.device("meta"):
@@ -43,6 +43,8 @@ def iter_slices(files: list[Path], geom: ShardGeometry) -> Iterator[tuple[str, t
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in f.keys():
+                    if name in geom.elsewhere:  # another rank's expert: never read here
+                        continue
                     cuts = geom.slice_of(name)
                     if cuts is None:
                         yield name, f.get_tensor(name)

@@ -23,13 +23,13 @@ from worker_service.parallel.loader import load_shard
 
 
 class TPModelRunner(ModelRunner):
-    def __init__(self, model_dir, *, rank: int, size: int, **kwargs):
-        self.rank, self.tp_size = rank, size
+    def __init__(self, model_dir, *, rank: int, size: int, expert_parallel: bool = False, **kwargs):
+        self.rank, self.tp_size, self.expert_parallel = rank, size, expert_parallel
         super().__init__(model_dir, **kwargs)
         self._agree_on_pool()
 
     def _load_model(self, model_dir):
-        return load_shard(model_dir, self.dtype, self.device, self.rank, self.tp_size)
+        return load_shard(model_dir, self.dtype, self.device, self.rank, self.tp_size, self.expert_parallel)
 
     def _agree_on_pool(self) -> None:
         """Device and host block counts := their minimum over the ranks."""

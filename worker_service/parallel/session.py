@@ -40,7 +40,8 @@ def check_geometry(config: WorkerConfig) -> None:
     if config.device == "sim":
         raise SystemExit("stepahead worker: --device sim models tensor parallelism with --sim-num-devices; "
                          "--tensor-parallel-size must be 1")
-    ShardGeometry.of(ModelConfig.from_dir(resolve_model(config.model)), 0, config.tensor_parallel_size)
+    ShardGeometry.of(ModelConfig.from_dir(resolve_model(config.model)), 0, config.tensor_parallel_size,
+                     config.enable_expert_parallel)
 
 
 def serve_group(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth | NoHealth = NoHealth()) -> None:
