@@ -48,11 +48,13 @@ from gateway.openai_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    chat_parsing,
     chat_to_raw,
     completion_to_raw,
     echo_only,
     message_dict,
     openai_param,
+    tool_dicts,
 )
 from gateway.scheduler_link import LinkBroken
 from gateway.tokenizer import HEAP_TRIM
@@ -166,11 +168,12 @@ class OpenAIServer:
         body, size = await self._parse(request, ChatCompletionRequest)
 
         def prepare():
-            return self.frontend.validate(chat_to_raw(body, size))
+            parsing = chat_parsing(body, self.frontend.tool_call_parser, self.frontend.reasoning_parser)
+            return self.frontend.validate(chat_to_raw(body, size)), parsing
 
-        valid = await self._validate(prepare, chat=True)
+        valid, parsing = await self._validate(prepare, chat=True)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n,
-                         logprobs=valid.sampling.logprobs is not None)
+                         logprobs=valid.sampling.logprobs is not None, parsing=parsing)
         return await self._respond(request, valid, fmt, body)
 
     async def models(self):
@@ -196,7 +199,8 @@ class OpenAIServer:
         def ids() -> list[int]:
             if not chat:
                 return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            rendered = self.frontend.render_chat([message_dict(m) for m in body.messages], body.add_generation_prompt)
+            rendered = self.frontend.render_chat([message_dict(m, i) for i, m in enumerate(body.messages)],
+                                                 body.add_generation_prompt, tool_dicts(body.tools))
             if not body.add_special_tokens:
                 return rendered
             return tokenizer.encode(tokenizer.decode(rendered), add_special_tokens=True)

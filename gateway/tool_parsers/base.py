@@ -117,3 +117,31 @@ def _complete_call(text: str, obj: dict, end: int) -> ParsedCall | None:
         _, args_end = _DECODER.raw_decode(text, head.end())
         return ParsedCall(name, text[head.end():args_end])
     return ParsedCall(name, json.dumps(args, ensure_ascii=False))
+
+
+def json_call_array(text: str, final: bool) -> tuple[ParsedCall, ...] | None:
+    """A JSON array of calls (`json_call` objects) making up all of `text`: the calls (mid-stream
+    those so far, the last maybe partial); final, None when `text` is not such an array."""
+    body = text.lstrip()
+    if not body:
+        return None if final else ()
+    if not body.startswith("["):
+        return None if final else ()
+    calls: list[ParsedCall] = []
+    rest = body[1:].lstrip()
+    while True:
+        if rest.startswith("]") and (calls or not final):
+            return tuple(calls) if not rest[1:].strip() else (None if final else tuple(calls))
+        call, used = json_call(rest, final)
+        if call is None:
+            return None if final else tuple(calls)
+        calls.append(call)
+        after = rest[used:].lstrip()
+        if not after:
+            return None if final else tuple(calls)
+        if after.startswith(","):
+            rest = after[1:].lstrip()
+            continue
+        if not after.startswith("]"):
+            return None if final else tuple(calls)
+        rest = after

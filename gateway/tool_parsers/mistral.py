@@ -4,7 +4,7 @@ objects. Output without the token, or whose array is malformed, is content."""
 
 from __future__ import annotations
 
-from gateway.tool_parsers.base import Parsed, ParsedCall, json_call, partial_tag
+from gateway.tool_parsers.base import Parsed, json_call_array, partial_tag
 
 TOOL_CALLS = "[TOOL_CALLS]"
 
@@ -14,27 +14,7 @@ def parse(text: str, final: bool) -> Parsed:
     if start < 0:
         return Parsed(text if final else text[:len(text) - partial_tag(text, TOOL_CALLS)].rstrip())
     content = text[:start].rstrip()
-    body = text[start + len(TOOL_CALLS):].lstrip()
-    calls: list[ParsedCall] = []
-    if not body:
-        return Parsed(content) if not final else Parsed(text)
-    if not body.startswith("["):
-        return Parsed(text) if final else Parsed(content)
-    pos = 1
-    while True:
-        rest = body[pos:].lstrip()
-        if final and rest.startswith("]") and calls and not rest[1:].strip():
-            return Parsed(content, tuple(calls))
-        call, used = json_call(rest, final)
-        if call is None:
-            return Parsed(text) if final else Parsed(content, tuple(calls))
-        calls.append(call)
-        after = rest[used:].lstrip()
-        if not final and not after:
-            return Parsed(content, tuple(calls))
-        if after.startswith(","):
-            pos = len(body) - len(after) + 1
-            continue
-        if after.startswith("]") and not after[1:].strip():
-            return Parsed(content, tuple(calls))
-        return Parsed(text) if final else Parsed(content, tuple(calls))
+    calls = json_call_array(text[start + len(TOOL_CALLS):], final)
+    if calls is None:
+        return Parsed(text)
+    return Parsed(content, calls)
