@@ -24,7 +24,9 @@ from jinja2 import TemplateError
 from gateway.admission import StreamGate
 from gateway.metrics import GatewayMetrics
 from gateway.output import Output, OutputProcessor
+from gateway.reasoning_parsers import ReasoningParser
 from gateway.scheduler_link import LinkBroken, SchedulerLink
+from gateway.tool_parsers import ToolCallParser
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec
 from stepahead.limits import MAX_ID_CHARS
@@ -217,8 +219,11 @@ class Frontend:
 
     def __init__(self, tokenizer, model: WorkerInfo, link: SchedulerLink,
                  max_request_bytes: int, metrics: GatewayMetrics, gate: StreamGate | None = None,
-                 stream_interval: int = 1) -> None:
+                 stream_interval: int = 1, tool_call_parser: ToolCallParser | None = None,
+                 reasoning_parser: ReasoningParser | None = None) -> None:
         self.tokenizer = tokenizer
+        self.tool_call_parser = tool_call_parser  # how `tool_choice: auto` output is read (None: refused)
+        self.reasoning_parser = reasoning_parser
         self.stream_interval = stream_interval  # tokens per streamed message at most (event_stream.py)
         self.model = model
         self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes,
@@ -230,17 +235,18 @@ class Frontend:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool) -> list[int]:
-        """The prompt ids of a conversation, rendered with the model's chat template.
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
+                    tools: list[dict] | None = None) -> list[int]:
+        """The prompt ids of a conversation (and its tools), rendered with the model's chat template.
 
-        Same ids as the tokenizer's `apply_chat_template(..., tokenize=True)`: the rendered
-        text already holds the template's special tokens, so none are added.
+        Same ids as the tokenizer's `apply_chat_template(..., tools=tools, tokenize=True)`: the
+        rendered text already holds the template's special tokens, so none are added.
         """
         if not getattr(self.tokenizer, "chat_template", None):
             raise ValidationError("messages", "this model has no chat template")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
             )
         except TemplateError as exc:
             raise ValidationError("messages", f"the chat template rejected the conversation: {exc}") from None

@@ -48,12 +48,15 @@ from gateway.openai_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
+    chat_parsing,
     chat_to_raw,
     completion_to_raw,
     echo_only,
     message_dict,
     openai_param,
+    tool_dicts,
 )
+from gateway.openai_responses import ResponsesFormat, ResponsesRequest, chat_request
 from gateway.scheduler_link import LinkBroken
 from gateway.tokenizer import HEAP_TRIM
 from gateway.validation import ValidationError
@@ -143,6 +146,7 @@ class OpenAIServer:
         app.add_exception_handler(StarletteHTTPException, _http_exception)
         app.post("/v1/completions")(self.completions)
         app.post("/v1/chat/completions")(self.chat_completions)
+        app.post("/v1/responses")(self.responses)
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.get("/v1/models")(self.models)
@@ -166,11 +170,26 @@ class OpenAIServer:
         body, size = await self._parse(request, ChatCompletionRequest)
 
         def prepare():
-            return self.frontend.validate(chat_to_raw(body, size))
+            parsing = chat_parsing(body, self.frontend.tool_call_parser, self.frontend.reasoning_parser)
+            return self.frontend.validate(chat_to_raw(body, size)), parsing
 
-        valid = await self._validate(prepare, chat=True)
+        valid, parsing = await self._validate(prepare, chat=True)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n,
-                         logprobs=valid.sampling.logprobs is not None)
+                         logprobs=valid.sampling.logprobs is not None, parsing=parsing)
+        return await self._respond(request, valid, fmt, body)
+
+    async def responses(self, request: Request):
+        """OpenAI's Responses API, on the chat path (`openai_responses`)."""
+        body, size = await self._parse(request, ResponsesRequest)
+
+        def prepare():
+            chat = chat_request(body)
+            parsing = chat_parsing(chat, self.frontend.tool_call_parser, self.frontend.reasoning_parser)
+            return self.frontend.validate(chat_to_raw(chat, size)), parsing
+
+        valid, parsing = await self._validate(prepare, chat=True)
+        fmt = ResponsesFormat(f"resp_{uuid.uuid4().hex}", self.frontend.model.model_name, parsing,
+                              body.max_output_tokens)
         return await self._respond(request, valid, fmt, body)
 
     async def models(self):
@@ -196,7 +215,8 @@ class OpenAIServer:
         def ids() -> list[int]:
             if not chat:
                 return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
-            rendered = self.frontend.render_chat([message_dict(m) for m in body.messages], body.add_generation_prompt)
+            rendered = self.frontend.render_chat([message_dict(m, i) for i, m in enumerate(body.messages)],
+                                                 body.add_generation_prompt, tool_dicts(body.tools))
             if not body.add_special_tokens:
                 return rendered
             return tokenizer.encode(tokenizer.decode(rendered), add_special_tokens=True)
@@ -230,6 +250,7 @@ class OpenAIServer:
                              description="OpenAI-compatible API (see docs/http-api.md)")
         components = schema.setdefault("components", {}).setdefault("schemas", {})
         bodies = {"/v1/completions": [CompletionRequest], "/v1/chat/completions": [ChatCompletionRequest],
+                  "/v1/responses": [ResponsesRequest],
                   "/tokenize": [TokenizeCompletionRequest, TokenizeChatRequest], "/detokenize": [DetokenizeRequest]}
         for path, models in bodies.items():
             refs = []
@@ -299,7 +320,7 @@ class OpenAIServer:
         except (Overloaded, Draining) as exc:
             raise _upstream_api_error(exc) from None
         if body.stream:
-            usage = body.stream_options is not None and body.stream_options.include_usage
+            usage = getattr(body, "stream_options", None) is not None and body.stream_options.include_usage
             return EventSourceResponse(self._stream(gen, events, fmt, usage), ping=15)
         return await self._collect(request, gen, events, fmt)
 

@@ -10,7 +10,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from gateway.chat_output import ChatOutputParser, ChatParsing
 from gateway.generation import ChoiceOutput, SpecUsage
+from gateway.tool_parsers import ToolCallDelta
 from gateway.openai_logprobs import align_to_text, chat_logprobs, completion_logprobs, merge_completion_logprobs
 
 
@@ -145,12 +147,20 @@ class CompletionFormat(_Format):
 
 
 class ChatFormat(_Format):
+    """With a `ChatParsing` that is not plain, each choice's text goes through a
+    `ChatOutputParser`: `reasoning_content`, `content` and `tool_calls` (OpenAI's deltas when
+    streaming: a call's id, type and name first, then its arguments in pieces)."""
+
     object_full = "chat.completion"
     object_chunk = "chat.completion.chunk"
 
-    def __init__(self, response_id: str, model: str, n: int, logprobs: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, n: int, logprobs: bool = False,
+                 parsing: ChatParsing = ChatParsing()) -> None:
         super().__init__(response_id, model, n, logprobs)
         self._role_sent = [False] * n
+        self.parsing = parsing
+        self._parsers = [ChatOutputParser(parsing) for _ in range(n)]
+        self._made_calls = [False] * n
 
     def accumulate(self, choice: ChoiceOutput) -> None:
         state = self._record(choice)
@@ -166,11 +176,27 @@ class ChatFormat(_Format):
             self._role_sent[choice.index] = True
             chunks.append(self._delta(choice.index, {"role": "assistant", "content": ""}, None))
         logprobs = {"content": chat_logprobs(out.logprobs)} if self.logprobs else None
-        if out.text or (logprobs and logprobs["content"]):
-            chunks.append(self._delta(choice.index, {"content": out.text}, None, logprobs=logprobs))
+        delta = self._delta_fields(choice.index, out.text, out.finished)
+        if delta or (logprobs and logprobs["content"]):
+            chunks.append(self._delta(choice.index, delta or {"content": ""}, None, logprobs=logprobs))
         if out.finished:
-            chunks.append(self._delta(choice.index, {}, state.finish_reason, state.stop_reason))
+            reason = _finish_reason(state.finish_reason, self._made_calls[choice.index])
+            chunks.append(self._delta(choice.index, {}, reason, state.stop_reason))
         return chunks
+
+    def _delta_fields(self, index: int, text: str, final: bool) -> dict:
+        if self.parsing.plain:
+            return {"content": text} if text else {}
+        parsed = self._parsers[index].feed(text, final)
+        delta: dict = {}
+        if parsed.reasoning:
+            delta["reasoning_content"] = parsed.reasoning
+        if parsed.content:
+            delta["content"] = parsed.content
+        if parsed.tool_calls:
+            self._made_calls[index] = True
+            delta["tool_calls"] = [_call_delta(d) for d in parsed.tool_calls]
+        return delta
 
     def _delta(self, index: int, delta: dict, finish_reason: str | None, stop_reason=None, logprobs=None) -> dict:
         entry = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -178,13 +204,41 @@ class ChatFormat(_Format):
             entry["stop_reason"] = stop_reason
         return self._envelope(self.object_chunk, [entry])
 
+    def message(self, text: str) -> tuple[dict, bool]:
+        """One choice's whole text as an assistant message (and whether it holds calls)."""
+        if self.parsing.plain:
+            return {"role": "assistant", "content": text}, False
+        parser = ChatOutputParser(self.parsing)
+        parsed = parser.feed(text, True)
+        message: dict = {"role": "assistant", "content": parsed.content or (None if parsed.tool_calls else "")}
+        if self.parsing.reasoning is not None:
+            message["reasoning_content"] = parsed.reasoning or None
+        calls = [{"id": parser.calls.ids[i], "type": "function",
+                  "function": {"name": call.name, "arguments": call.arguments}}
+                 for i, call in enumerate(parser.calls.calls)]
+        if calls:
+            message["tool_calls"] = calls
+        return message, bool(calls)
+
     def full(self) -> dict:
-        choices = [
-            {"index": i, "message": {"role": "assistant", "content": "".join(c.text)},
-             "logprobs": {"content": c.logprobs} if self.logprobs else None,
-             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason}
-            for i, c in enumerate(self.choices)
-        ]
+        choices = []
+        for i, c in enumerate(self.choices):
+            message, made_calls = self.message("".join(c.text))
+            choices.append({"index": i, "message": message,
+                            "logprobs": {"content": c.logprobs} if self.logprobs else None,
+                            "finish_reason": _finish_reason(c.finish_reason, made_calls),
+                            "stop_reason": c.stop_reason})
         body = self._envelope(self.object_full, choices)
         body["usage"] = self.usage()
         return body
+
+
+def _finish_reason(reason: str | None, made_calls: bool) -> str | None:
+    """OpenAI's `tool_calls` for a choice that ended on its own after making calls."""
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def _call_delta(d: ToolCallDelta) -> dict:
+    if d.id is None:
+        return {"index": d.index, "function": {"arguments": d.arguments}}
+    return {"index": d.index, "id": d.id, "type": "function", "function": {"name": d.name, "arguments": d.arguments}}

@@ -5,19 +5,26 @@ fields follow the OpenAI completions / chat completions APIs. Unknown fields are
 (as vLLM does); known fields are type-checked strictly, so `"max_tokens": "5"` is an error
 naming the field rather than a silent conversion.
 
-Parameters this server cannot honour (`suffix`, `tools`, `best_of` != n) are refused with a
-400 that names them, never silently ignored. Logprobs: completions `logprobs=k` (0: the
-sampled token only; with `echo`, the prompt's too); chat `logprobs: true` with an optional
+Parameters this server cannot honour (`suffix`, `best_of` != n) are refused with a
+400 that names them, never silently ignored. Tools (`tools`, `tool_choice`,
+`parallel_tool_calls`): `chat_parsing` says how the output is read back, `chat_to_raw`
+renders the tools and enforces `required` / a named function as a JSON schema.
+Logprobs: completions `logprobs=k` (0: the sampled token only; with `echo`, the prompt's too); chat `logprobs: true` with an optional
 `top_logprobs` (absent means 0).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.chat_output import ChatParsing
+from gateway.reasoning_parsers import ReasoningParser
+from gateway.tool_choice import ForcedTools, ToolSpec, forced
+from gateway.tool_parsers import ToolCallParser
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead import limits
 from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
@@ -101,10 +108,46 @@ class TextPart(_Strict):
     text: str
 
 
+class ToolCallFunction(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Strict):
+    """A call the assistant made earlier in the conversation."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+
+
 class ChatMessage(_Strict):
     role: str = Field(min_length=1, max_length=64)
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")  # OpenAI's rule
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -114,7 +157,9 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[Any] | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
 
 class TokenizeCompletionRequest(_Strict):
@@ -133,6 +178,7 @@ class TokenizeChatRequest(_Strict):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     add_special_tokens: bool = False
+    tools: list[ChatTool] | None = None
 
 
 class DetokenizeRequest(_Strict):
@@ -251,29 +297,97 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRe
                               **_common(body, 1 if echo_only(body) else body.max_tokens, size_bytes))
 
 
-def message_dict(message: ChatMessage) -> dict[str, str]:
+def message_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
+    """A message as chat templates take it (transformers' convention: a call's `arguments`
+    an object, not JSON text)."""
     content = message.content
     if isinstance(content, list):
         content = "".join(part.text for part in content)
-    out = {"role": message.role, "content": content or ""}
+    out: dict[str, Any] = {"role": message.role, "content": content or ""}
     if message.name is not None:
         out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": "function",
+                              "function": {"name": call.function.name,
+                                           "arguments": _arguments(call.function.arguments, index, j)}}
+                             for j, call in enumerate(message.tool_calls)]
     return out
 
 
+def _arguments(text: str, index: int, j: int) -> dict[str, Any]:
+    field = f"messages[{index}].tool_calls[{j}].function.arguments"
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise ValidationError(field, f"is not JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValidationError(field, "must be a JSON object")
+    return value
+
+
+def tool_dicts(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
+    """The tools as chat templates take them (OpenAI's `{"type": "function", "function": ...}`)."""
+    if not tools:
+        return None
+    return [tool.model_dump(exclude_none=True) for tool in tools]
+
+
+def _forced(body: ChatCompletionRequest) -> ForcedTools | None:
+    """`required` or a named function: the tools whose schema the output must follow."""
+    choice = body.tool_choice
+    if choice is None or choice in ("none", "auto"):
+        return None
+    if not body.tools:
+        raise ValidationError("tool_choice", f"{_shown(choice)} needs tools")
+    names = [t.function.name for t in body.tools]
+    if len(set(names)) != len(names):
+        raise ValidationError("tools", "function names must be unique")
+    specs = [ToolSpec(t.function.name, t.function.parameters) for t in body.tools]
+    if isinstance(choice, NamedToolChoice):
+        if choice.function.name not in names:
+            raise ValidationError("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
+        return forced(specs, choice.function.name, body.parallel_tool_calls)
+    return forced(specs, None, body.parallel_tool_calls)
+
+
+def _shown(choice) -> str:
+    return f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
+
+
+def chat_parsing(body: ChatCompletionRequest, tool_parser: ToolCallParser | None,
+                 reasoning: ReasoningParser | None) -> ChatParsing:
+    """How this request's output is read: the server's parsers (`--tool-call-parser`,
+    `--reasoning-parser`) and the request's `tool_choice` (default: `auto` with tools, as OpenAI)."""
+    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
+    if choice == "auto" and body.tools:
+        if tool_parser is None:
+            raise ValidationError("tool_choice", '"auto" needs the server started with --tool-call-parser; '
+                                                 'use "required", a named function or "none"')
+        return ChatParsing(reasoning, tool_parser, None)
+    return ChatParsing(reasoning, None, _forced(body))
+
+
 def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequest:
-    if body.tools:
-        raise ValidationError("tools", "tool calling is not supported")
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationError("top_logprobs", "requires logprobs to be true")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
         raise ValidationError("max_completion_tokens", "set max_completion_tokens or max_tokens, not both")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    # logprobs=true alone: the sampled token's
+    sampling = _sampling(body, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
+    tools = _forced(body)
+    if tools is not None:
+        if sampling.structured is not None:
+            raise ValidationError("tool_choice", f"{_shown(body.tool_choice)} sets the output's schema: "
+                                  "leave out response_format / structured_outputs")
+        sampling = dataclasses.replace(
+            sampling, structured=StructuredOutput(StructuredKind.JSON_SCHEMA, spec=tools.schema_json()))
     return RawGenerateRequest(
-        chat_messages=[message_dict(m) for m in body.messages], add_generation_prompt=body.add_generation_prompt,
-        # logprobs=true alone: the sampled token's
-        sampling=_sampling(body, logprobs=(body.top_logprobs or 0) if body.logprobs else None),
-        **_common(body, max_tokens, size_bytes),
+        chat_messages=[message_dict(m, i) for i, m in enumerate(body.messages)],
+        chat_tools=tool_dicts(body.tools), add_generation_prompt=body.add_generation_prompt,
+        sampling=sampling, **_common(body, max_tokens, size_bytes),
     )
 
 

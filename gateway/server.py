@@ -27,7 +27,9 @@ from gateway.event_stream import LoopEvents, Mailbox, choices
 from gateway.generation import ChoiceOutput, Frontend, Rejected
 from gateway.grpc_thread import NO_BACKLOG_SHEDDING, AioHealth, GrpcThread, connection_options
 from gateway.metrics import GatewayMetrics
+from gateway.reasoning_parsers import ReasoningParser
 from gateway.scheduler_link import LinkBroken, SchedulerLink
+from gateway.tool_parsers import ToolCallParser
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
@@ -76,6 +78,11 @@ class GatewayServingConfig:
         300.0, "seconds a gRPC connection without open calls stays open (it also gets --http-request-timeout to "
                "finish its handshake)")
     drain_timeout: float = cfg.field(30.0, "on SIGTERM, seconds open requests get to finish before the exit")
+    tool_call_parser: ToolCallParser | None = cfg.field(
+        None, "how the model writes tool calls, for tool_choice auto (vLLM's flag; unset: auto is refused, "
+              "required and named functions are enforced by a JSON schema whatever the model)")
+    reasoning_parser: ReasoningParser | None = cfg.field(
+        None, "split the model's <think> block into reasoning_content (vLLM's flag)")
 
 
 @dataclass(frozen=True)
@@ -341,7 +348,7 @@ def run(args: argparse.Namespace) -> int:
     gate = StreamGate(config.max_concurrent_streams)
     pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
     frontend = Frontend(tokenizer, codec.worker_info_from_proto(model), pool, config.max_request_bytes, metrics, gate,
-                        config.stream_interval)
+                        config.stream_interval, config.tool_call_parser, config.reasoning_parser)
     grpc_server = build_server(config, frontend, log, max_connections)
     port = grpc_server.start()
     http = _start_http(frontend, channels, config, log, max_connections)

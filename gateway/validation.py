@@ -36,7 +36,8 @@ class RawGenerateRequest:
     model: str = ""
     prompt_text: str | None = None
     prompt_token_ids: Sequence[int] | None = None
-    chat_messages: Sequence[Mapping[str, str]] | None = None  # rendered with the chat template
+    chat_messages: Sequence[Mapping[str, object]] | None = None  # rendered with the chat template
+    chat_tools: Sequence[Mapping[str, object]] | None = None  # the tools the template is given (OpenAI's form)
     add_generation_prompt: bool = True
     sampling: SamplingParams = SamplingParams()  # its max_tokens is `max_tokens` below
     max_tokens: int | None = None
@@ -62,9 +63,9 @@ class ValidRequest:
 
 def validate(
     raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]],
-    render_chat: Callable[[list[dict[str, str]], bool], list[int]] | None = None,
+    render_chat: Callable[..., list[int]] | None = None,
 ) -> ValidRequest:
-    """`render_chat(messages, add_generation_prompt)` turns `chat_messages` into prompt ids."""
+    """`render_chat(messages, add_generation_prompt, tools)` turns `chat_messages` into prompt ids."""
     _check_envelope(raw, model)
     stop = limits.check_stop_strings(raw.stop)
     prompt, field = _prompt_ids(raw, model, tokenize, render_chat)
@@ -103,7 +104,8 @@ def _prompt_ids(
         if render_chat is None:
             raise ValidationError("messages", "chat prompts are not supported here")
         limits.check_messages(raw.chat_messages, model.max_model_len)
-        return render_chat([dict(m) for m in raw.chat_messages], raw.add_generation_prompt), "messages"
+        tools = [dict(t) for t in raw.chat_tools] if raw.chat_tools else None
+        return render_chat([dict(m) for m in raw.chat_messages], raw.add_generation_prompt, tools), "messages"
     if raw.prompt_token_ids is not None:
         return list(raw.prompt_token_ids), "prompt.token_ids"
     if raw.prompt_text is not None:

@@ -381,6 +381,8 @@ def check_messages(messages: Sequence[dict], max_model_len: int, field: str = "m
     limit, total = max_text_chars(max_model_len), 0
     for i, message in enumerate(messages):
         for key, value in message.items():
+            if key == "tool_calls" and isinstance(value, list):  # an assistant's calls, sized as JSON
+                value = json.dumps(value, ensure_ascii=False)
             if not isinstance(value, str):
                 raise LimitError(f"{field}[{i}].{key}", "must be a string")
             total += len(value)

@@ -107,8 +107,9 @@ def test_unsupported_or_bad_completion_fields_are_named(body, param):
 def test_chat_maps_max_completion_tokens_and_renders_text_parts():
     seen = []
 
-    def render(messages, add_generation_prompt):
+    def render(messages, add_generation_prompt, tools):
         seen.append((messages, add_generation_prompt))
+        assert tools is None
         return [1, 2, 3]
 
     body = ChatCompletionRequest.model_validate({
