@@ -57,19 +57,6 @@ class ModelSpec:
     initializer_range: float = 0.1  # large enough that greedy outputs are not degenerate
     seed: int = 0
 
-    @property
-    def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
-
-    def num_parameters(self) -> int:
-        """Closed-form parameter count of the Llama this spec describes."""
-        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        attention = 2 * h * h + 2 * h * kv  # q_proj, o_proj, k_proj, v_proj (no biases)
-        mlp = 3 * h * self.intermediate_size  # gate_proj, up_proj, down_proj
-        layer = attention + mlp + 2 * h  # + input / post-attention RMSNorm
-        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embeddings + h  # + final norm
-
 
 BUILTIN_MODELS: dict[str, ModelSpec] = {
     "tiny": ModelSpec(
@@ -297,12 +284,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, required=True, help="output directory (created; must be empty)")
 
 
+def _stored_parameters(model_dir: Path) -> int:
+    """Elements of every tensor the checkpoint stores (a tied head is stored once)."""
+    import math
+
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="numpy") as f:
+            total += sum(math.prod(f.get_slice(name).get_shape()) for name in f.keys())
+    return total
+
+
 def run(args: argparse.Namespace) -> int:
     out = build_model(args.size, args.out)
     if args.size in PACKAGED_MODELS:
         print(f"converted {args.size} ({PACKAGED_MODELS[args.size].origin}) into {out}")
     elif args.size in BUILTIN_MODELS:
-        print(f"built {args.size} model ({get_spec(args.size).num_parameters():,} parameters) in {out}")
+        print(f"built {args.size} model ({_stored_parameters(out):,} parameters) in {out}")
     else:
         print(f"built {args.size} (geometry and tokenizer only, for --device sim) in {out}")
     return 0
