@@ -185,3 +185,17 @@ def test_longrope_attention_factor_follows_the_lengths():
     ours, _ = configs("phi3_longrope")
     assert ours.rope.factor == 8.0
     assert attention_scaling(ours.rope) == pytest.approx(math.sqrt(1 + math.log(8.0) / math.log(32)))
+
+
+def test_phi3_without_a_top_level_trained_length_takes_phi3configs_default():
+    """Phi3Config's original_max_position_embeddings defaults to 4096 and wins over rope_scaling's."""
+    from transformers import Phi3Config
+
+    short, long = [1.0] * 8, [2.0] * 8
+    raw = _raw("phi3", max_position_embeddings=16384, rope_scaling={
+        "type": "longrope", "short_factor": short, "long_factor": long, "original_max_position_embeddings": 64})
+    raw.pop("original_max_position_embeddings")
+    ours = ModelConfig.from_dict(raw)
+    hf = Phi3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert ours.rope.original_max_position_embeddings == hf.rope_parameters["original_max_position_embeddings"] == 4096
+    assert attention_scaling(ours.rope) == pytest.approx(hf_rope(hf)[1])

@@ -34,6 +34,10 @@ FUSED = ("self_attn.qkv_proj.weight", "mlp.gate_up_proj.weight")  # one checkpoi
 class Phi3Family(LlamaFamily):
     partial_rotary = True  # Phi3's apply_rotary_pos_emb rotates the first rotary_dim dims (Phi-4-mini)
 
+    def common_config(self, raw: Mapping[str, Any]) -> dict[str, Any]:
+        # Phi3Config's default trained length (longrope reads it from the top level, not rope_scaling)
+        return {"original_max_position_embeddings": 4096, **raw}
+
     def check_config(self, raw: Mapping[str, Any]) -> None:
         super().check_config(raw)
         params = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
