@@ -37,6 +37,34 @@ VARIANTS: dict[str, tuple[str, dict]] = {
     "gpt2_tied": ("gpt2", dict(num_attention_heads=4, n_inner=128)),
 }
 
+# Rope types past default / llama3 and partial rotary (tests/model/test_rope_variants.py): the
+# trained length 32, so prompts and generations cross it; 4 heads of 16 (8 frequencies).
+_LONG = [1.0 + 0.5 * i for i in range(8)]  # longrope's divisors at and past the trained length
+_SHORT = [1.0 + 0.05 * i for i in range(8)]
+ROPE_VARIANTS: dict[str, tuple[str, dict]] = {
+    "llama_linear": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   rope_scaling={"rope_type": "linear", "factor": 4.0})),
+    # HF grows the base past max_position_embeddings (32); served to factor times it
+    "llama_dynamic": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                    rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
+    "llama_yarn": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                 rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                                               "original_max_position_embeddings": 32})),
+    "llama_longrope": ("llama", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                     rope_scaling={"rope_type": "longrope", "short_factor": _SHORT,
+                                                   "long_factor": _LONG, "original_max_position_embeddings": 32})),
+    # Phi-3-128k's layout: the trained length at the top level, factor from the two lengths
+    "phi3_longrope": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                   original_max_position_embeddings=32,
+                                   rope_scaling={"type": "longrope", "short_factor": _SHORT, "long_factor": _LONG})),
+    "phi3_partial": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5)),
+    # Phi-4-mini's: longrope over the first 3/4 of each head (12 of 16 dims, 6 frequencies)
+    "phi3_partial_longrope": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                           original_max_position_embeddings=32, partial_rotary_factor=0.75,
+                                           rope_scaling={"type": "longrope", "short_factor": _SHORT[:6],
+                                                         "long_factor": _LONG[:6]})),
+}
+
 
 def hf_config(model_type: str, **overrides):
     from transformers import AutoConfig

@@ -6,6 +6,7 @@ transformers 4.x layout (`rope_theta`, `rope_scaling`) and the 5.x one (`rope_pa
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -15,7 +16,8 @@ from stepahead.config import ConfigError
 from worker_service.models import FAMILIES
 from worker_service.models.interface import BaseModelConfig, RopeConfig
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
+ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3-128k's name before transformers 4.40
 
 
 # The architectures the worker builds: the registry's (torch-free), so that a checkpoint is
@@ -79,7 +81,7 @@ class ModelConfig(BaseModelConfig):
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope=_parse_rope(raw),
+            rope=_parse_rope(raw, int(head_dim), FAMILIES[raw["model_type"]].partial_rotary),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
@@ -138,7 +140,9 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
     return int(window) if window else None
 
 
-def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
+def _parse_rope(raw: dict[str, Any], head_dim: int, partial_ok: bool = False) -> RopeConfig:
+    """config.json's rope settings; `partial_ok`: the family's HF modeling rotates part of each
+    head when partial_rotary_factor < 1 (else it is refused: HF ignores it or fails on it)."""
     params = dict(raw.get("rope_parameters") or {})
     scaling = raw.get("rope_scaling") or {}
     params = {**scaling, **params}
@@ -146,28 +150,85 @@ def _parse_rope(raw: dict[str, Any]) -> RopeConfig:
     rope_type = params.get("rope_type", params.get("type", "default"))
     given = raw.get("rope_parameters") or {}
     field = "rope_parameters" if "rope_type" in given or "type" in given else "rope_scaling"
-    if rope_type not in SUPPORTED_ROPE_TYPES:  # e.g. Phi-3-128k's longrope ("su" before transformers 4.40)
+    rope_type = ROPE_TYPE_ALIASES.get(rope_type, rope_type)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"unsupported rope type {rope_type!r} in {field}; supported: {SUPPORTED_ROPE_TYPES}")
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if float(partial) != 1.0:  # Phi-4-mini: rope on the first 3/4 of each head only
-        raise ValueError(f"unsupported partial_rotary_factor {partial} (rope over part of each head); only 1.0")
+    if not _is_number(partial) or not 0 < partial <= 1:
+        raise ValueError(f"partial_rotary_factor must be a number in (0, 1], got {partial!r}")
+    if partial != 1.0 and not partial_ok:  # HF Llama & co. ignore it (default rope) or fail on it
+        raise ValueError(f"unsupported partial_rotary_factor {partial} (rope over part of each head) for "
+                         f"model_type {raw.get('model_type')!r}; only 1.0")
+    rotary_dim = int(head_dim * partial)
+    if rotary_dim < 2 or rotary_dim % 2:
+        raise ValueError(f"partial_rotary_factor {partial} rotates {rotary_dim} of head_dim {head_dim}: "
+                         f"must be an even number >= 2")
+    max_pos = int(raw.get("max_position_embeddings", 2048))
+    rope = RopeConfig(theta=theta, rope_type=rope_type, partial_rotary_factor=float(partial))
     if rope_type == "default":
-        return RopeConfig(theta=theta)
-    return RopeConfig(
-        theta=theta,
-        rope_type=rope_type,
-        factor=float(params["factor"]),
-        low_freq_factor=float(params["low_freq_factor"]),
-        high_freq_factor=float(params["high_freq_factor"]),
-        original_max_position_embeddings=int(
-            params.get("original_max_position_embeddings", raw.get("max_position_embeddings", 8192))
-        ),
-    )
+        return rope
+    if rope_type in ("linear", "dynamic"):
+        factor = _rope_number(params, "factor", field)
+        if rope_type == "dynamic" and factor < 1:
+            raise ValueError(f"{field}.factor must be >= 1 for dynamic rope, got {factor}")
+        # HF's dynamic NTK grows the base past config.json's max_position_embeddings
+        return dataclasses.replace(rope, factor=factor, original_max_position_embeddings=max_pos)
+    # llama3, yarn, longrope: the trained length; HF prefers a top-level one (Phi-3 saves it there)
+    trained = raw.get("original_max_position_embeddings", params.get("original_max_position_embeddings", max_pos))
+    if isinstance(trained, bool) or not isinstance(trained, int) or trained < 1:
+        raise ValueError(f"original_max_position_embeddings must be an integer >= 1, got {trained!r}")
+    rope = dataclasses.replace(rope, original_max_position_embeddings=trained)
+    if rope_type == "llama3":
+        return dataclasses.replace(
+            rope, factor=_rope_number(params, "factor", field),
+            low_freq_factor=_rope_number(params, "low_freq_factor", field, positive=False),
+            high_freq_factor=_rope_number(params, "high_freq_factor", field, positive=False))
+    # yarn, longrope: a factor left out (null) is max_position_embeddings / the trained length
+    factor = params.get("factor")
+    factor = max_pos / trained if factor is None else _rope_number(params, "factor", field)
+    attention = params.get("attention_factor")
+    attention = None if attention is None else _rope_number(params, "attention_factor", field)
+    rope = dataclasses.replace(rope, factor=factor, attention_factor=attention)
+    if rope_type == "yarn":
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise ValueError(f"{field}.truncate must be true or false, got {truncate!r}")
+        optional = {name: None if params.get(name) is None else _rope_number(params, name, field)
+                    for name in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow")}
+        return dataclasses.replace(
+            rope, beta_fast=optional["beta_fast"] or 32.0, beta_slow=optional["beta_slow"] or 1.0,
+            mscale=optional["mscale"], mscale_all_dim=optional["mscale_all_dim"], truncate=truncate)
+    factors = {}
+    for name in ("short_factor", "long_factor"):  # longrope
+        value = params.get(name)
+        if value is None:
+            raise ValueError(f"{field}.{name} is missing (longrope needs short_factor and long_factor)")
+        if not isinstance(value, list) or not all(_is_number(v) and v > 0 for v in value):
+            raise ValueError(f"{field}.{name} must be a list of positive numbers, got {value!r}")
+        if len(value) != rotary_dim // 2:
+            raise ValueError(f"{field}.{name} has {len(value)} entries; the rotated {rotary_dim} dims of each "
+                             f"head need {rotary_dim // 2}")
+        factors[name] = tuple(float(v) for v in value)
+    return dataclasses.replace(rope, **factors)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _rope_number(params: dict[str, Any], name: str, field: str, positive: bool = True) -> float:
+    """`params[name]` as a float; missing, not a number, or (`positive`) not > 0: an error naming it."""
+    if name not in params or params[name] is None:
+        raise ValueError(f"{field}.{name} is missing (rope type {params.get('rope_type', params.get('type'))!r})")
+    value = params[name]
+    if not _is_number(value) or (positive and not value > 0):
+        raise ValueError(f"{field}.{name} must be a {'positive ' if positive else ''}number, got {value!r}")
+    return float(value)
 
 
 def resolve_max_model_len(cfg, requested: int | None) -> int:
     """--max-model-len checked against the model's positions (and sliding window); default: all of them."""
-    limit = cfg.max_position_embeddings
+    limit = cfg.rope.max_positions(cfg.max_position_embeddings)
     if cfg.sliding_window is not None:
         limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay within it
     if requested is None:

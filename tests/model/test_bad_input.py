@@ -47,8 +47,8 @@ def test_unknown_model_type(copy):
 
 
 def test_unsupported_rope_type(copy):
-    edit_config(copy, rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0})
-    with pytest.raises(ValueError, match="unsupported rope type 'yarn'"):
+    edit_config(copy, rope_parameters={"rope_type": "proportional", "rope_theta": 1e4, "factor": 2.0})
+    with pytest.raises(ValueError, match="unsupported rope type 'proportional'"):
         ModelRunner(copy, num_blocks=4)
 
 

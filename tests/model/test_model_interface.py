@@ -268,13 +268,13 @@ def test_serve_accepts_every_registered_family_up_front(model_type, tmp_path):
 
 
 @pytest.mark.parametrize("edit, named", [
+    (dict(rope_scaling={"type": "yarn", "factor": 2.0}),
+     "unsupported rope type 'yarn' for model_type 'phi3'"),  # Phi3Config takes only default and longrope
+    (dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}),
+     "unsupported rope type 'dynamic' for model_type 'phi3'"),
     (dict(rope_scaling={"type": "longrope", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
-     "unsupported rope type 'longrope' in rope_scaling"),  # Phi-3-128k's config.json
-    (dict(rope_scaling={"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4}),
-     "unsupported rope type 'su' in rope_scaling"),
-    (dict(rope_parameters={"rope_type": "longrope", "rope_theta": 1e4, "partial_rotary_factor": 1.0}),
-     "unsupported rope type 'longrope' in rope_parameters"),  # as transformers 5 saves it
-    (dict(partial_rotary_factor=0.75), "unsupported partial_rotary_factor 0.75"),  # Phi-4-mini
+     "rope_scaling.short_factor has 4 entries"),  # Phi-3-128k's config.json, with too few factors
+    (dict(partial_rotary_factor=0.0), "partial_rotary_factor must be a number in"),
 ])
 def test_phi3_rope_it_does_not_implement_is_refused_naming_the_field(edit, named, tmp_path):
     import json

@@ -15,7 +15,7 @@ import torch.multiprocessing as mp
 
 from stepahead.plan import SamplingParams
 from stepahead.ports import free_port
-from testing.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import ROPE_VARIANTS, VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
 from tests.model.oracle import random_prompts
 from worker_service.model_config import ModelConfig
@@ -87,7 +87,7 @@ _built: dict[str, str] = {}
 
 def checkpoint(name: str, tmp_path_factory) -> str:
     if name not in _built:
-        model_type, overrides = VARIANTS[name]
+        model_type, overrides = {**VARIANTS, **ROPE_VARIANTS}[name]
         path = tmp_path_factory.mktemp(name)
         build_checkpoint(path, model_type, seed=4, **overrides)
         _built[name] = str(path)
@@ -120,6 +120,13 @@ def test_two_ranks_match_the_unsharded_model_qwen2_gqa(tmp_path_factory, tmp_pat
     all-reduced; a dense layer)."""
     names = ("qwen2_untied_gqa4", "phi3_untied_gqa4", "olmo2_untied_gqa4", "gpt2_tied", "qwen3_moe_untied_gqa2")
     paths = [checkpoint(name, tmp_path_factory) for name in names]
+    assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))
+
+
+def test_two_ranks_match_the_unsharded_model_rope_variants(tmp_path_factory, tmp_path):
+    """The rope table is per head: yarn (its attention factor on cos/sin) and Phi-4-mini's
+    longrope over 3/4 of each head, prompts (40) past the trained length (32), split 2 ways."""
+    paths = [checkpoint(name, tmp_path_factory) for name in ("llama_yarn", "phi3_partial_longrope")]
     assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))
 
 

@@ -40,12 +40,37 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 @dataclass(frozen=True)
 class RopeConfig:
+    """Rotary embedding settings as config.json's rope_scaling / rope_parameters give them;
+    `worker_service/rope.py` computes the frequencies (`model_config.SUPPORTED_ROPE_TYPES`)."""
+
     theta: float
-    rope_type: str = "default"  # "default" or "llama3"
+    rope_type: str = "default"  # a key of rope.INV_FREQ: default, linear, dynamic, yarn, longrope, llama3
     factor: float = 1.0
-    low_freq_factor: float = 1.0
-    high_freq_factor: float = 4.0
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    # the length trained at (llama3, yarn, longrope); dynamic: config.json's max_position_embeddings,
+    # the length past which HF's dynamic NTK grows the base
     original_max_position_embeddings: int = 8192
+    partial_rotary_factor: float = 1.0  # the fraction of each head rotated (Phi-4-mini 0.75); the rest passes
+    attention_factor: float | None = None  # yarn, longrope: cos/sin scale; None: derived from factor as HF does
+    beta_fast: float = 32.0  # yarn
+    beta_slow: float = 1.0  # yarn
+    mscale: float | None = None  # yarn (DeepSeek): with mscale_all_dim, derives attention_factor
+    mscale_all_dim: float | None = None  # yarn
+    truncate: bool = True  # yarn: floor/ceil the correction range
+    short_factor: tuple[float, ...] = ()  # longrope: per-frequency divisors below original_max_position_embeddings
+    long_factor: tuple[float, ...] = ()  # longrope: at and past it
+
+    def rotary_dim(self, head_dim: int) -> int:
+        """The leading dims of each head that are rotated (HF: int(head_dim * partial_rotary_factor))."""
+        return int(head_dim * self.partial_rotary_factor)
+
+    def max_positions(self, max_position_embeddings: int) -> int:
+        """The positions a model can be served at: dynamic NTK scales its base to reach factor times
+        the trained length (as vLLM serves it); every other type: max_position_embeddings."""
+        if self.rope_type == "dynamic":
+            return int(max_position_embeddings * self.factor)
+        return max_position_embeddings
 
 
 @dataclass(frozen=True)
@@ -239,6 +264,9 @@ class ModelFamily:
     # positions by rotary embedding: the runner gathers cos/sin per token (`ForwardContext.cos/sin`);
     # False: the model embeds positions itself from `ctx.meta.positions` (GPT-2's learned wpe)
     rope: bool = True
+    # HF's modeling rotates only the first int(head_dim * partial_rotary_factor) dims of each head
+    # (Phi-3); False: a partial_rotary_factor < 1 is refused (HF ignores it or fails on it)
+    partial_rotary: bool = False
 
     def common_config(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """config.json under the field names `ModelConfig.from_dict` reads (Llama's: hidden_size,

@@ -91,7 +91,7 @@ class SimRunner:
         self.block_size = block_size
         self.num_blocks = num_blocks or self.cost.num_kv_blocks(block_size, memory_utilization)
         self.num_host_blocks = int(swap_space_bytes // (block_size * self.geometry.kv_bytes_per_token))
-        limit = cfg.max_position_embeddings
+        limit = cfg.rope.max_positions(cfg.max_position_embeddings)
         if max_model_len is not None and not 0 < max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} outside (0, {limit}] for this model")
         self.max_model_len = max_model_len or limit
