@@ -14,8 +14,9 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                                       rope_theta=5000.0)),
+    # every layer windowed: prompts and generations run past the window
     "mistral_untied_gqa1": ("mistral", dict(num_attention_heads=4, num_key_value_heads=4,
-                                            tie_word_embeddings=False, sliding_window=4096)),
+                                            tie_word_embeddings=False, sliding_window=16)),
     "qwen2_untied_gqa4": ("qwen2", dict(num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=False,
                                         rope_theta=1_000_000.0)),
     "qwen3_tied_gqa1": ("qwen3", dict(num_attention_heads=4, num_key_value_heads=4, head_dim=24,
@@ -35,6 +36,22 @@ VARIANTS: dict[str, tuple[str, dict]] = {
                                           num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)),
     # not Llama-shaped: LayerNorm, learned positions, gelu_new, Conv1D [in, out] weights, tied head
     "gpt2_tied": ("gpt2", dict(num_attention_heads=4, n_inner=128)),
+    # (1 + w) norms before and after each sublayer, GeGLU, scaled embedding, query_pre_attn_scalar,
+    # sliding (window 16) and global layers alternating; Gemma 2 soft-caps scores and logits
+    "gemma2_tied_gqa2": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        num_hidden_layers=4, sliding_window=16, query_pre_attn_scalar=24,
+                                        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # Gemma 3: q/k norms, per-layer-type rope bases, every 2nd layer global here
+    "gemma3_text_untied_gqa2": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                    num_hidden_layers=4, sliding_window=12,
+                                                    tie_word_embeddings=False, query_pre_attn_scalar=16,
+                                                    layer_types=["sliding_attention", "full_attention"] * 2,
+                                                    rope_parameters={
+                                                        "sliding_attention": {"rope_type": "default",
+                                                                              "rope_theta": 10_000.0},
+                                                        "full_attention": {"rope_type": "default",
+                                                                           "rope_theta": 1_000_000.0}},
+                                                    final_logit_softcapping=4.0)),
 }
 
 # Rope types past default / llama3 and partial rotary (tests/model/test_rope_variants.py): the
@@ -58,6 +75,15 @@ ROPE_VARIANTS: dict[str, tuple[str, dict]] = {
                                    original_max_position_embeddings=32,
                                    rope_scaling={"type": "longrope", "short_factor": _SHORT, "long_factor": _LONG})),
     "phi3_partial": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, partial_rotary_factor=0.5)),
+    # Gemma 3 4B+'s layout: the global layers' rope scaled linearly, the sliding ones' plain (window 12)
+    "gemma3_linear": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                          num_hidden_layers=4, sliding_window=12, query_pre_attn_scalar=16,
+                                          max_position_embeddings=128,
+                                          layer_types=["sliding_attention", "full_attention"] * 2,
+                                          rope_parameters={
+                                              "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                                              "full_attention": {"rope_type": "linear", "factor": 8.0,
+                                                                 "rope_theta": 1_000_000.0}})),
     # Phi-4-mini's: longrope over the first 3/4 of each head (12 of 16 dims, 6 frequencies)
     "phi3_partial_longrope": ("phi3", dict(num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                                            original_max_position_embeddings=32, partial_rotary_factor=0.75,

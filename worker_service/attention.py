@@ -3,11 +3,19 @@
 The runner orders each step's requests decodes first (one query token each), then prompt
 chunks. `AttentionMetadata` describes that flattened batch; a backend writes the step's K/V
 into the paged cache at `slot_mapping` and attends each query over its request's blocks.
+
+Per layer, `attend` takes a sliding window and a logit soft-cap:
+- `window` (None: every earlier key): a query at position p sees the keys at positions
+  p - window < k <= p, Hugging Face's convention (`masking_utils.sliding_window_overlay`:
+  `kv_idx > q_idx - sliding_window`), the query itself and the window - 1 keys before it;
+- `softcap` (None: none; Gemma 2's `attn_logit_softcapping`): scores become
+  `softcap * tanh(scores / softcap)` before the mask and the softmax (float32), as HF's eager
+  attention does. SDPA has no soft-cap, so those layers attend by explicit matmuls.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -37,7 +45,30 @@ class AttentionBackend(Protocol):
                  meta: AttentionMetadata) -> None: ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float) -> torch.Tensor: ...
+               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor: ...
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
+              softcap: float | None) -> torch.Tensor:
+    """SDPA over `[b, kvh, L, d]` queries and `[b, kvh, S, d]` keys/values, `mask` `[b, 1, L, S]` bool
+    (True: attend; None: all); with `softcap`, HF's eager soft-capped attention instead."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, kvh, L, S]
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [b, kvh, L, S]
+    return torch.matmul(probs, v)  # [b, kvh, L, d]
+
+
+def decode_mask(seq_lens: torch.Tensor, s_len: int, window: int | None) -> torch.Tensor:
+    """`[n, 1, 1, S]` bool: the keys each decode (query position seq_len - 1) attends to."""
+    key_idx = torch.arange(s_len, device=seq_lens.device)  # [S]
+    mask = key_idx[None, :] < seq_lens[:, None]  # [n, S]
+    if window is not None:
+        mask &= key_idx[None, :] >= seq_lens[:, None] - window  # key > (seq_len - 1) - window
+    return mask[:, None, None, :]
 
 
 # CPU decode attends in chunks of requests whose gathered K+V take about this many bytes, so
@@ -54,6 +85,8 @@ class _DecodeChunk:
     end: int
     blocks: torch.Tensor  # [(end - start) * num_blocks] int64: the requests' block ids, row-major
     mask: torch.Tensor | None  # [end - start, 1, 1, S] bool (key < seq_len); None when lengths are uniform
+    # per sliding window: [end - start, 1, 1, S] bool (seq_len - window <= key < seq_len), built on first use
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 class TorchAttentionBackend:
@@ -79,24 +112,25 @@ class TorchAttentionBackend:
         k_cache.view(-1, k_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, k.reshape(n, -1))
         v_cache.view(-1, v_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, v.reshape(n, -1))
 
-    def attend(self, q, k_cache, v_cache, meta, scale):
+    def attend(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None):
         # q: [num_tokens, heads, head_dim] -> out [num_tokens, heads, head_dim]
         nd = meta.num_decodes
         if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta, scale)
-        prefill = self._prefill(q, k_cache, v_cache, meta, scale)  # [num_tokens - nd, heads, d]
+            return self._decode(q, k_cache, v_cache, meta, scale, window, softcap)
+        prefill = self._prefill(q, k_cache, v_cache, meta, scale, window, softcap)  # [num_tokens - nd, heads, d]
         if nd == 0:
             return prefill
-        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale), prefill))
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap), prefill))
 
-    def _decode(self, q, k_cache, v_cache, meta, scale):
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap):
         """Outputs `[num_decodes, heads, head_dim]`; on CPU in cache-sized chunks of requests."""
         chunks = self._decode_chunks(meta, k_cache, q.device)
         if len(chunks) == 1:
-            return self._decode_part(q, k_cache, v_cache, meta, scale, chunks[0])
+            return self._decode_part(q, k_cache, v_cache, meta, scale, chunks[0], window, softcap)
         out = torch.empty_like(q)  # [nd, heads, d]
         for c in chunks:
-            out[c.start : c.end] = self._decode_part(q[c.start : c.end], k_cache, v_cache, meta, scale, c)
+            out[c.start : c.end] = self._decode_part(q[c.start : c.end], k_cache, v_cache, meta, scale, c, window,
+                                                     softcap)
         return out
 
     def _decode_chunks(self, meta: AttentionMetadata, k_cache: torch.Tensor, device: torch.device):
@@ -118,8 +152,7 @@ class TorchAttentionBackend:
             size = max(1, self.cpu_decode_chunk_bytes // req_bytes)
         mask = None
         if not meta.decode_uniform:
-            key_idx = torch.arange(max_kv, device=device)  # [S]
-            mask = (key_idx[None, :] < meta.seq_lens[:nd, None])[:, None, None, :]  # [nd, 1, 1, S]
+            mask = decode_mask(meta.seq_lens[:nd], max_kv, None)  # [nd, 1, 1, S]
         chunks = []
         for start in range(0, nd, size):
             end = min(start + size, nd)
@@ -127,15 +160,20 @@ class TorchAttentionBackend:
             chunks.append(_DecodeChunk(start, end, blocks, None if mask is None else mask[start:end]))
         return chunks
 
-    def _decode_part(self, q, k_cache, v_cache, meta, scale, chunk: _DecodeChunk):
+    def _decode_part(self, q, k_cache, v_cache, meta, scale, chunk: _DecodeChunk, window, softcap):
         """Decodes one chunk; q `[n, heads, d]` -> out of the same shape."""
         n = chunk.end - chunk.start
         k, v = self._buffer.gather_blocks(k_cache, v_cache, chunk.blocks, n, meta.max_decode_kv)  # [n, kvh, S, d]
         qg = q.view(n, k.shape[1], -1, q.shape[-1])  # [n, kvh, group, d]: a decode's group is its query axis
-        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=chunk.mask, scale=scale)
-        return out.reshape(q.shape)
+        mask = chunk.mask
+        if window is not None and window < meta.max_decode_kv:  # else no key falls outside the window
+            mask = chunk.window_masks.get(window)
+            if mask is None:
+                mask = chunk.window_masks[window] = decode_mask(meta.seq_lens[chunk.start : chunk.end],
+                                                                meta.max_decode_kv, window)
+        return attention(qg, k, v, mask, scale, softcap).reshape(q.shape)
 
-    def _prefill(self, q, k_cache, v_cache, meta, scale):
+    def _prefill(self, q, k_cache, v_cache, meta, scale, window, softcap):
         """Outputs `[num_tokens - num_decodes, heads, head_dim]` of the prefill tokens, in order."""
         nd = meta.num_decodes
         index = meta.prefill_token_index  # [np, max_q]
@@ -150,8 +188,10 @@ class TorchAttentionBackend:
         q_pos = meta.positions[index]  # [np, max_q]; padded rows repeat a real token
         key_idx = torch.arange(k.shape[2], device=q.device)
         mask = key_idx[None, None, :] <= q_pos[:, :, None]  # [np, max_q, S]
+        if window is not None:
+            mask &= key_idx[None, None, :] > q_pos[:, :, None] - window
         mask = mask.repeat_interleave(group, dim=1)[:, None]  # [np, 1, max_q*group, S]
-        o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scale)
+        o = attention(qp, k, v, mask, scale, softcap)
         o = o.view(num_p, kvh, max_q, group, head_dim).permute(0, 2, 1, 3, 4)  # [np, max_q, kvh, group, d]
         # padded rows dropped; requests' tokens are contiguous, so this is the flat token order
         return o.reshape(num_p * max_q, -1, head_dim).index_select(0, meta.prefill_rows)

@@ -14,7 +14,7 @@ from typing import Any
 
 from stepahead.config import ConfigError
 from worker_service.models import FAMILIES
-from worker_service.models.interface import BaseModelConfig, RopeConfig
+from worker_service.models.interface import BaseModelConfig, LayerType, RopeConfig
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "longrope", "llama3")
 ROPE_TYPE_ALIASES = {"su": "longrope"}  # Phi-3-128k's name before transformers 4.40
@@ -71,12 +71,13 @@ class ModelConfig(BaseModelConfig):
             raise ValueError(f"num_attention_heads ({heads}) must divide hidden_size ({hidden}) without head_dim")
         head_dim = raw.get("head_dim") or hidden // heads
         FAMILIES[raw["model_type"]].check_config(raw)
+        num_layers = int(raw["num_hidden_layers"])
         config = cls(
             model_type=str(raw["model_type"]),
             vocab_size=int(raw["vocab_size"]),
             hidden_size=hidden,
             intermediate_size=int(raw["intermediate_size"]),
-            num_layers=int(raw["num_hidden_layers"]),
+            num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(raw.get("num_key_value_heads") or heads),
             head_dim=int(head_dim),
@@ -85,7 +86,8 @@ class ModelConfig(BaseModelConfig):
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
-            sliding_window=_sliding_window(raw),
+            sliding_window=_sliding_window(raw) if FAMILIES[raw["model_type"]].windowed else None,
+            layer_types=_layer_types(raw, num_layers),
             eos_token_ids=generation_eos if generation_eos is not None else _as_ids(raw.get("eos_token_id")),
             hidden_act=str(raw.get("hidden_act", "silu")),
             **FAMILIES[raw["model_type"]].config_fields(raw),
@@ -138,6 +140,19 @@ def _sliding_window(raw: dict[str, Any]) -> int | None:
         return None
     window = raw.get("sliding_window")
     return int(window) if window else None
+
+
+def _layer_types(raw: dict[str, Any], num_layers: int) -> tuple[LayerType, ...]:
+    given = raw.get("layer_types")
+    if given is None:
+        return ()
+    if not isinstance(given, list) or len(given) != num_layers:
+        raise ValueError(f"layer_types must list one type per layer (num_hidden_layers {num_layers}), got {given!r}")
+    supported = [t.value for t in LayerType]
+    for i, t in enumerate(given):
+        if t not in supported:
+            raise ValueError(f"unsupported layer_types[{i}] {t!r}; supported: {supported}")
+    return tuple(LayerType(t) for t in given)
 
 
 def _parse_rope(raw: dict[str, Any], head_dim: int, partial_ok: bool = False) -> RopeConfig:
@@ -227,10 +242,9 @@ def _rope_number(params: dict[str, Any], name: str, field: str, positive: bool =
 
 
 def resolve_max_model_len(cfg, requested: int | None) -> int:
-    """--max-model-len checked against the model's positions (and sliding window); default: all of them."""
+    """--max-model-len checked against the model's positions; default: all of them (a sliding
+    window limits what a layer attends to, not the context)."""
     limit = cfg.rope.max_positions(cfg.max_position_embeddings)
-    if cfg.sliding_window is not None:
-        limit = min(limit, cfg.sliding_window)  # no sliding-window attention: stay within it
     if requested is None:
         return limit
     if not 0 < requested <= limit:

@@ -35,7 +35,7 @@ from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing, mask_stops_before_min_tokens
 from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
-from worker_service.model_config import resolve_max_model_len
+from worker_service.model_config import RopeConfig, resolve_max_model_len
 from worker_service.models import family
 from worker_service.models.llama import ForwardContext
 from worker_service.pending_step import PendingStep, copy_to_host
@@ -109,6 +109,10 @@ class ModelRunner:
         # positions by rope (cos/sin gathered per step), or embedded by the model itself (GPT-2)
         self.rotary = (RotaryTable(cfg.rope, cfg.head_dim, self.max_model_len, self.dtype, self.device)
                        if family(cfg.model_type).rope else None)
+        # the sliding layers' own rope base (Gemma 3's rope_local_base_freq), plain rope
+        self.local_rotary = (RotaryTable(RopeConfig(theta=cfg.rope_local_theta), cfg.head_dim, self.max_model_len,
+                                         self.dtype, self.device)
+                             if self.rotary is not None and cfg.rope_local_theta is not None else None)
         self.backend = attention_backend or TorchAttentionBackend()
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
@@ -358,8 +362,10 @@ class ModelRunner:
             inputs.input_ids.index_copy_(0, inputs.placeholder_dst, tokens)
 
     def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        cos, sin = self.rotary.lookup(inputs.meta.positions) if self.rotary is not None else (None, None)
-        ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin)
+        positions = inputs.meta.positions
+        cos, sin = self.rotary.lookup(positions) if self.rotary is not None else (None, None)
+        local_cos, local_sin = self.local_rotary.lookup(positions) if self.local_rotary is not None else (None, None)
+        ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin, local_cos, local_sin)
         hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
         if self._step_lp is not None:
             self._step_lp.prompt(hidden, self.model.compute_logits)

@@ -10,7 +10,9 @@ tables and lengths. Prompt chunks use the torch reference path.
 Kernel: flash-attn's paged KV path (`flash_attn_with_kvcache` with `block_table`) when the
 package is installed, the device is CUDA, the dtype half precision and the block size a
 multiple of 256 (flash-attn 2's page-size rule); the torch path (gather the table's
-blocks, mask keys at or beyond `seq_len`, SDPA) otherwise. The cache layout
+blocks, mask keys at or beyond `seq_len` and, in a sliding-window layer, those at or before
+`seq_len - 1 - window`, SDPA or soft-capped attention) otherwise. flash-attn takes the window as
+`window_size=(window - 1, 0)` and the soft-cap as `softcap` (0: none). The cache layout
 `[blocks, block_size, kv_heads, head_dim]` is the one flash-attn expects.
 """
 
@@ -20,9 +22,7 @@ import importlib.util
 import logging
 
 import torch
-import torch.nn.functional as F
-
-from worker_service.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend
+from worker_service.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, attention, decode_mask
 from worker_service.attention_names import AttentionBackendName
 
 log = logging.getLogger(__name__)
@@ -45,21 +45,22 @@ class PagedDecodeBackend(TorchAttentionBackend):
     def kernel(self) -> str:
         return "flash-attn" if self._flash is not None else "torch"
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap):
         # q: [nd, heads, d]; tables [nd, W] and seq_lens [nd] are device tensors
         nd = q.shape[0]
         tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
-        if self._flash is not None:
+        if self._flash is not None:  # not run by the CPU tests
             out = self._flash(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens.to(torch.int32),
-                              block_table=tables.to(torch.int32), softmax_scale=scale, causal=True)
+                              block_table=tables.to(torch.int32), softmax_scale=scale, causal=True,
+                              window_size=(-1, -1) if window is None else (window - 1, 0),
+                              softcap=0.0 if softcap is None else softcap)
             return out.squeeze(1)  # [nd, heads, d]
         width = tables.shape[1]
         s_len = width * k_cache.shape[1]
         k, v = self._buffer.gather_blocks(k_cache, v_cache, tables.reshape(-1), nd, s_len)  # [nd, kvh, S, d]
-        key_idx = torch.arange(s_len, device=q.device)  # [S]
-        mask = (key_idx[None, :] < seq_lens[:, None])[:, None, None, :]  # [nd, 1, 1, S]
+        mask = decode_mask(seq_lens, s_len, window)  # [nd, 1, 1, S]
         qg = q.view(nd, k.shape[1], -1, q.shape[-1])  # [nd, kvh, group, d]
-        return F.scaled_dot_product_attention(qg, k, v, attn_mask=mask, scale=scale).reshape(q.shape)
+        return attention(qg, k, v, mask, scale, softcap).reshape(q.shape)
 
 
 def flash_attn_usable(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:

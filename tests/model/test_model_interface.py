@@ -39,7 +39,12 @@ CASES = {**VARIANTS,
                                                      decoder_sparse_step=2, mlp_only_layers=[3])),
          # n_inner unset (4 * n_embd), untied head, another GELU
          "gpt2_untied_gelu_tanh": ("gpt2", dict(num_attention_heads=8, tie_word_embeddings=False,
-                                                activation_function="gelu_pytorch_tanh"))}
+                                                activation_function="gelu_pytorch_tanh")),
+         # q/k/v/o biases, untied head; Gemma 3 tied, its default sliding_window_pattern (6)
+         "gemma2_attention_bias_untied": ("gemma2", dict(num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                                         attention_bias=True, tie_word_embeddings=False)),
+         "gemma3_text_tied_pattern6": ("gemma3_text", dict(num_attention_heads=4, num_key_value_heads=1,
+                                                           head_dim=16, num_hidden_layers=7))}
 
 
 def test_every_registered_family_has_a_test_case():

@@ -59,8 +59,9 @@ def test_config_parsing_both_rope_layouts_and_eos():
     assert ModelConfig.from_dict(base, generation_eos=(7,)).eos_token_ids == (7,)
 
 
-def test_sliding_window_caps_max_model_len(checkpoint, tmp_path):
+def test_max_model_len_is_every_position_whatever_the_window(checkpoint, tmp_path):
     path, _ = checkpoint
     runner = ModelRunner(path, num_blocks=4)
-    assert runner.max_model_len == 1024  # window 4096 > max_position_embeddings
+    assert runner.config.sliding_window == 16
+    assert runner.max_model_len == 1024  # max_position_embeddings: windowed attention, not a clamp
     assert runner.eos_token_ids == ()

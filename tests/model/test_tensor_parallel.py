@@ -23,7 +23,7 @@ from worker_service.model_runner import ModelRunner
 from worker_service.parallel.geometry import GeometryError, ShardGeometry
 
 CHECKPOINTS = ("llama_tied_gqa4", "qwen2_untied_gqa4", "qwen3_tied_gqa1", "phi3_untied_gqa4", "olmo2_untied_gqa4",
-               "gpt2_tied", "qwen3_moe_untied_gqa2", "mixtral_tied_gqa2")
+               "gpt2_tied", "qwen3_moe_untied_gqa2", "mixtral_tied_gqa2", "gemma2_tied_gqa2", "gemma3_text_untied_gqa2")
 PROMPT_LENS = [3, 40, 21, 9]
 MAX_NEW = 12
 RTOL = 1e-4
@@ -117,8 +117,10 @@ def test_two_ranks_match_the_unsharded_model_qwen2_gqa(tmp_path_factory, tmp_pat
     norms over the whole width: the sum of squares all-reduced); gpt2 (Conv1D weights cut from
     the checkpoint's [in, out], every bias, learned positions replicated, tied vocab-parallel head);
     qwen3_moe (each rank 1/k of every expert's intermediate width, the experts' weighted sum
-    all-reduced; a dense layer)."""
-    names = ("qwen2_untied_gqa4", "phi3_untied_gqa4", "olmo2_untied_gqa4", "gpt2_tied", "qwen3_moe_untied_gqa2")
+    all-reduced; a dense layer); gemma2 / gemma3_text (the scaled vocab-parallel embedding,
+    sliding and global layers, soft-capped logits gathered)."""
+    names = ("qwen2_untied_gqa4", "phi3_untied_gqa4", "olmo2_untied_gqa4", "gpt2_tied", "qwen3_moe_untied_gqa2",
+             "gemma2_tied_gqa2", "gemma3_text_untied_gqa2")
     paths = [checkpoint(name, tmp_path_factory) for name in names]
     assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))
 
@@ -140,10 +142,11 @@ def test_two_ranks_match_the_unsharded_model_all_families(tmp_path_factory, tmp_
 
 @pytest.mark.slow
 def test_four_ranks_replicate_kv_heads(tmp_path_factory, tmp_path):
-    """k = 4 > 2 KV heads (llama, qwen2, olmo2's k_norm over replicated heads): each KV head
-    lives on two ranks, as in vLLM."""
+    """k = 4 > 2 KV heads (llama, qwen2, olmo2's k_norm over replicated heads, gemma2, gemma3_text):
+    each KV head lives on two ranks, as in vLLM."""
     paths = [checkpoint(name, tmp_path_factory) for name in ("llama_tied_gqa4", "qwen2_untied_gqa4",
-                                                             "olmo2_untied_gqa4")]
+                                                             "olmo2_untied_gqa4", "gemma2_tied_gqa2",
+                                                             "gemma3_text_untied_gqa2")]
     assert_same_as_unsharded(paths, run_ranks(4, paths, str(tmp_path / "out")))
 
 

@@ -62,8 +62,11 @@ BAD_CHECKPOINTS = {
                  ("serve", "worker")),
     "no_tokenizer": (lambda d: (d / "tokenizer.json").unlink(), ["tokenizer.json"], ("serve",)),
     # an architecture the worker does not build, as transformers saves it
-    "gemma2": (_edit("model_type", "gemma2"), ["config.json", "model_type 'gemma2' is not supported",
+    "falcon": (_edit("model_type", "falcon"), ["config.json", "model_type 'falcon' is not supported",
                                               "llama, mistral, qwen2, qwen3"], ("serve", "worker")),
+    # a served family's value it does not implement, named
+    "gemma2_gelu": (lambda d: (_edit("model_type", "gemma2")(d), _edit("hidden_activation", "gelu")(d)),
+                    ["config.json", "unsupported hidden_activation 'gelu'"], ("serve",)),
     # a family with its own config.json names (GPT-2's n_embd, n_head, ...): the missing one named
     "gpt2_no_n_head": (lambda d: (d / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64})),
                        ["config.json", "field n_head is missing"], ("serve", "worker")),

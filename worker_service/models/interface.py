@@ -73,6 +73,13 @@ class RopeConfig:
         return max_position_embeddings
 
 
+class LayerType(Enum):
+    """A layer's attention (config.json's `layer_types`, HF's names)."""
+
+    FULL = "full_attention"  # every earlier key
+    SLIDING = "sliding_attention"  # the last `sliding_window` keys (the query's own included)
+
+
 @dataclass(frozen=True)
 class BaseModelConfig:
     """The settings of a model, as config.json gives them (see `ModelConfig.from_dict`)."""
@@ -104,6 +111,19 @@ class BaseModelConfig:
     # contiguous share [first_local_expert, first_local_expert + num_local_experts) (`ShardAxis.offset_field`)
     num_local_experts: int = 0
     first_local_expert: int = 0
+    # Attention per layer: config.json's layer_types; (): every layer SLIDING when sliding_window, else FULL
+    layer_types: tuple[LayerType, ...] = ()
+    # Gemma (`ModelFamily.config_fields`)
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power; None: head_dim's
+    attn_logit_softcapping: float | None = None  # scores -> cap * tanh(scores / cap) (Gemma 2)
+    final_logit_softcapping: float | None = None  # logits -> cap * tanh(logits / cap)
+    rope_local_theta: float | None = None  # the sliding layers' rope base (Gemma 3); None: `rope`'s
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of layer `layer` (None: it attends to every earlier key)."""
+        if self.sliding_window is None or (self.layer_types and self.layer_types[layer] is LayerType.FULL):
+            return None
+        return self.sliding_window
 
     def check(self) -> None:
         """Dimensions a model can be built with: a zero or negative one fails deep in torch,
@@ -115,6 +135,8 @@ class BaseModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_key_value_heads ({self.num_kv_heads}) must divide num_attention_heads "
                              f"({self.num_heads})")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {self.sliding_window}")
         if not self.rms_norm_eps > 0:
             raise ValueError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps}")
 
@@ -267,6 +289,9 @@ class ModelFamily:
     # HF's modeling rotates only the first int(head_dim * partial_rotary_factor) dims of each head
     # (Phi-3); False: a partial_rotary_factor < 1 is refused (HF ignores it or fails on it)
     partial_rotary: bool = False
+    # config.json's sliding_window windows attention (`BaseModelConfig.layer_window`) as HF's
+    # modeling does; False: HF ignores it (Llama, OLMo 2), so does this family
+    windowed: bool = True
 
     def common_config(self, raw: Mapping[str, Any]) -> dict[str, Any]:
         """config.json under the field names `ModelConfig.from_dict` reads (Llama's: hidden_size,

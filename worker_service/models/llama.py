@@ -32,6 +32,9 @@ class ForwardContext:
     # None for a family without rope (`ModelFamily.rope`: GPT-2 embeds meta.positions itself)
     cos: torch.Tensor | None  # [num_tokens, 1, head_dim]
     sin: torch.Tensor | None  # [num_tokens, 1, head_dim], first half negated (RotaryTable.lookup)
+    # the sliding layers' cos/sin where their rope differs (Gemma 3's rope_local_base_freq); else None
+    local_cos: torch.Tensor | None = None  # [num_tokens, 1, head_dim]
+    local_sin: torch.Tensor | None = None  # [num_tokens, 1, head_dim]
 
 
 class RMSNorm(nn.Module):
@@ -61,6 +64,7 @@ class LlamaAttention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
+        self.window = cfg.layer_window(layer_idx)  # None: every earlier key
         # qkv_proj.weight: [q_size + 2 * kv_size, hidden]; o_proj.weight: [hidden, q_size]
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=family.has_qkv_bias(cfg))
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=family.has_o_bias(cfg))
@@ -74,7 +78,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(qk, ctx.cos, ctx.sin).split((heads, kv_heads), dim=1)  # one rotation for q and k
         k_cache, v_cache = ctx.kv_caches[self.layer_idx]
         ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
-        out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale)  # [n, heads, d]
+        out = ctx.backend.attend(q, k_cache, v_cache, ctx.meta, self.scale, self.window)  # [n, heads, d]
         return self.o_proj(out.reshape(n, self.q_size))
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,11 +137,12 @@ class LlamaForCausalLM(nn.Module):
     family: LlamaFamily = LLAMA
     decoder_layer: type[nn.Module] = LlamaDecoderLayer  # built as decoder_layer(cfg, layer_idx, family)
     norm: type[RMSNorm] = RMSNorm  # the final norm's class
+    base_model: type[LlamaModel] = LlamaModel  # built as base_model(cfg, family, decoder_layer, norm)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
-        self.model = LlamaModel(cfg, self.family, self.decoder_layer, self.norm)
+        self.model = self.base_model(cfg, self.family, self.decoder_layer, self.norm)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight

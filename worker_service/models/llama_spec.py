@@ -35,6 +35,7 @@ class LlamaFamily(ModelFamily):
     qkv_bias: bool = False  # Qwen2: q/k/v always have a bias, o_proj never
     qk_norm: bool = False  # Qwen3: RMSNorm over head_dim on q and k before RoPE
     axes: tuple[ShardAxis, ...] = AXES
+    windowed: bool = True  # HF Llama ignores config.json's sliding_window; Mistral, Qwen2, Qwen3 apply it
 
     def check_config(self, raw: Mapping[str, Any]) -> None:
         act = raw.get("hidden_act", "silu")
@@ -99,7 +100,7 @@ class LlamaFamily(ModelFamily):
 
 
 _MODULE = "worker_service.models.llama"
-LLAMA = LlamaFamily("llama", f"{_MODULE}:LlamaForCausalLM")
+LLAMA = LlamaFamily("llama", f"{_MODULE}:LlamaForCausalLM", windowed=False)
 MISTRAL = LlamaFamily("mistral", f"{_MODULE}:MistralForCausalLM")
 QWEN2 = LlamaFamily("qwen2", f"{_MODULE}:Qwen2ForCausalLM", qkv_bias=True)
 QWEN3 = LlamaFamily("qwen3", f"{_MODULE}:Qwen3ForCausalLM", qk_norm=True)

@@ -31,4 +31,4 @@ class Olmo2Family(LlamaFamily):
                 param(f"{attn}.k_norm.weight", (cfg.num_kv_heads * d,), axis="kv_heads", unit=d, tp=TP.COLUMN_NORM)]
 
 
-OLMO2 = Olmo2Family("olmo2", "worker_service.models.olmo2:Olmo2ForCausalLM")
+OLMO2 = Olmo2Family("olmo2", "worker_service.models.olmo2:Olmo2ForCausalLM", windowed=False)  # as HF Olmo2
