@@ -81,11 +81,12 @@ def load_weights(model: nn.Module, tensors: Iterator[tuple[str, torch.Tensor]]) 
         for offset, source in p.tensors():  # a fused tensor's parts: one slot of their total size
             targets[source.name] = (p, offset, source)
     pending = {p.name: {s.name for s in p.sources} for p in declared}
-    for name, tensor in tensors:
+    for stored, tensor in tensors:
+        name = fam.checkpoint_name(stored)  # a bare decoder's checkpoint: its names under the prefix
         if fam.ignores(name, cfg):
             continue
         if name not in targets:
-            raise ValueError(f"checkpoint tensor {name!r} has no matching model parameter")
+            raise ValueError(f"checkpoint tensor {stored!r} has no matching model parameter")
         p, offset, source = targets[name]
         copy_into(params[p.name], p.pack_dim, offset, source, name, tensor)
         pending[p.name].discard(name)

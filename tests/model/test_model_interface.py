@@ -379,3 +379,26 @@ def test_the_loader_refuses_a_missing_or_misshapen_expert_tensor_naming_it(name,
     save_file(weights, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=f"checkpoint tensor '{expert}' has shape"):
         load_model(tmp_path, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("name", ["gpt2_tied", "llama_tied_gqa4"])
+def test_a_checkpoint_of_the_bare_decoder_loads_like_the_full_one(name, tmp_path):
+    """The hub's GPT-2 stores `h.0.attn...` (GPT2Model's names, no `transformer.`); HF's loading
+    adds the prefix (base_model_prefix), so does ours, on one device and on a TP rank."""
+    from testing.checkpoints import build_checkpoint
+    from worker_service.loader import load_model
+    from worker_service.parallel.loader import load_shard
+
+    model_type, overrides = VARIANTS[name]
+    hf = build_checkpoint(tmp_path / "full", model_type, **overrides)
+    getattr(hf, hf.base_model_prefix).save_pretrained(tmp_path / "bare")  # the decoder alone (tied head)
+    from safetensors import safe_open
+
+    with safe_open(str(tmp_path / "bare" / "model.safetensors"), framework="pt") as f:
+        assert not any(k.startswith(hf.base_model_prefix + ".") for k in f.keys())  # really bare
+    for load in (lambda d: load_model(d, torch.float32, torch.device("cpu"))[0],
+                 lambda d: load_shard(d, torch.float32, torch.device("cpu"), 1, 2)[0]):
+        full, bare = dict(load(tmp_path / "full").state_dict()), dict(load(tmp_path / "bare").state_dict())
+        assert full.keys() == bare.keys()
+        for key, tensor in full.items():
+            assert torch.equal(tensor, bare[key]), key

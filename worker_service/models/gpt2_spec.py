@@ -47,6 +47,7 @@ class GPT2Family(ModelFamily):
     model_type: str = "gpt2"
     module: str = "worker_service.models.gpt2:GPT2LMHeadModel"
     embedding: str = "transformer.wte"
+    base_model_prefix: str = "transformer"
     lm_head: str = "lm_head"
     axes: tuple[ShardAxis, ...] = AXES  # kv_heads = heads: GPT-2 has no GQA
     rope: bool = False  # transformer.wpe, looked up by position in the model

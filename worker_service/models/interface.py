@@ -281,6 +281,10 @@ class ModelFamily:
     model_type: str  # config.json's model_type
     module: str  # "package.module:Class": the torch model, built as `Class(cfg)`
     embedding: str = "model.embed_tokens"  # module path of the input embedding
+    # the decoder's module under the head (HF's base_model_prefix): a checkpoint saved from the
+    # bare decoder (GPT-2 on the hub: "h.0.attn...", not "transformer.h.0.attn...") names its
+    # tensors without it, and the loader adds it (`checkpoint_name`)
+    base_model_prefix: str = "model"
     lm_head: str = "lm_head"  # module path of the output projection
     axes: tuple[ShardAxis, ...] = ()  # what TP divides, in the order divisibility is checked
     # positions by rotary embedding: the runner gathers cos/sin per token (`ForwardContext.cos/sin`);
@@ -312,6 +316,13 @@ class ModelFamily:
     def tied(self, cfg: BaseModelConfig) -> bool:
         """Whether the head shares the embedding's weight (then no head parameter is declared)."""
         return cfg.tie_word_embeddings
+
+    def checkpoint_name(self, name: str) -> str:
+        """A checkpoint tensor's name as the declarations spell it: a bare decoder's tensor
+        (neither under `base_model_prefix` nor the head's) gets the prefix, as HF's loading does."""
+        if name.startswith((f"{self.base_model_prefix}.", f"{self.lm_head}.")):
+            return name
+        return f"{self.base_model_prefix}.{name}"
 
     def ignores(self, name: str, cfg: BaseModelConfig) -> bool:
         """A checkpoint tensor the model does not load (recomputed, or a tied head's copy)."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
@@ -33,23 +33,26 @@ def load_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
         shard_modules(model, geom)
     model = model.to_empty(device=device).to(dtype)
     tie_weights(model, fam)
-    load_weights(model, iter_slices(files, geom))
+    load_weights(model, iter_slices(files, geom, fam.checkpoint_name))
     return model.eval(), cfg
 
 
-def iter_slices(files: list[Path], geom: ShardGeometry) -> Iterator[tuple[str, torch.Tensor]]:
-    """(name, this rank's slice of the tensor), each read alone from the file."""
+def iter_slices(files: list[Path], geom: ShardGeometry,
+                canonical: Callable[[str], str] = lambda name: name) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name as the declarations spell it (`canonical`), this rank's slice of the tensor), each
+    read alone from the file."""
     for path in files:
         try:
             with safe_open(str(path), framework="pt") as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = canonical(stored)
                     if name in geom.elsewhere:  # another rank's expert: never read here
                         continue
                     cuts = geom.slice_of(name)
                     if cuts is None:
-                        yield name, f.get_tensor(name)
+                        yield name, f.get_tensor(stored)
                         continue
-                    whole = f.get_slice(name)
+                    whole = f.get_slice(stored)
                     # [..., start : start + length, ...] along dim, per part of a fused tensor
                     parts = [whole[(slice(None),) * dim + (slice(start, start + length),)] for dim, start, length in cuts]
                     yield name, parts[0] if len(parts) == 1 else torch.cat(parts, dim=cuts[0][0])
