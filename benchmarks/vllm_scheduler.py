@@ -13,7 +13,8 @@ request that completes its prompt or decodes.
 
 Each side runs in its own subprocess with its own interpreter: stepahead's core with this
 one, vLLM's `AsyncScheduler` with `--vllm-python` (a separate venv where vLLM is installed
-with `--no-deps` beside the CPU torch; `VLLM_TARGET_DEVICE=cpu`). vLLM's config is built for
+with `--no-deps` beside the CPU torch, its import-time dependencies pinned in
+`benchmarks/vllm_scheduler_requirements.txt`; `VLLM_TARGET_DEVICE=cpu`). vLLM's config is built for
 a small local Llama config.json (no weights, no tokenizer) and async scheduling is switched
 back on after the config is built (vLLM turns it off for executors that do not support it).
 The sides alternate, N by N, `--repeats` times, the order flipped every repeat; the result
@@ -90,6 +91,10 @@ def vllm_scheduler(num_running: int, model_dir: str):
     scheduler = AsyncScheduler(vllm_config=config, kv_cache_config=kv,
                                structured_output_manager=StructuredOutputManager(config),
                                block_size=BLOCK_SIZE, log_stats=False)
+    if not (scheduler.kv_cache_manager.enable_caching and scheduler.scheduler_config.async_scheduling):
+        raise RuntimeError("vLLM's scheduler came up without prefix caching or async scheduling: "
+                           f"caching={scheduler.kv_cache_manager.enable_caching}, "
+                           f"async_scheduling={scheduler.scheduler_config.async_scheduling}")
     return scheduler, hash_fn
 
 
@@ -172,7 +177,7 @@ def check_vllm(vllm_python: str | None) -> str:
     """The vLLM interpreter's vLLM version, or exit saying why there is none."""
     if not vllm_python:
         raise SystemExit("--vllm-python is required: the interpreter of a venv with vLLM installed "
-                         "(pip install --no-deps vllm beside the CPU torch; see docs/benchmarks.md)")
+                         "(the CPU torch, then pip install --no-deps -r benchmarks/vllm_scheduler_requirements.txt)")
     env = dict({k: v for k, v in os.environ.items() if k != "PYTHONPATH"}, VLLM_TARGET_DEVICE="cpu")
     try:
         done = subprocess.run([vllm_python, "-c", "import vllm.v1.core.sched.async_scheduler, vllm; "
