@@ -15,7 +15,10 @@ are running: the steps planned with N running, first to last, CPU sampled every 
 gateway CPU per streamed token, the load
 average and the machine's speed at the time (`python_speed_ms`: CPU ms of a fixed
 pure-Python workload, measured before each run; on a shared VM it varies from minute to
-minute). With
+minute). `--gateways N` starts N-1 gateways beside serve's on the same scheduler and the
+bench alternates its streams between them; every process's CPU is also given in cores (CPU
+seconds over the run's wall time), and the scheduler's CPU per step at full batch as a
+fraction of the device's mean step then. With
 `--profile-cpu`, py-spy samples the scheduler's and the gateway's GIL holders (the gateway's
 largest leaf frames, in µs per streamed token), and splits the scheduler's CPU per step
 into schedule, update, plan encode, result decode, event fan-out, stats/metrics and the
@@ -34,7 +37,9 @@ from pathlib import Path
 
 from benchmarks.machine import CpuSampler, cpu_seconds, python_speed_ms, python_thread_names, thread_cpu_seconds
 from cli import bench
+from model_zoo.builtin_models import resolve_model
 from testing.launcher import ServeProcess
+from testing.processes import spawn_gateway
 from cli.trace import fetch_records
 from stepahead.flight_recorder import StepRecord
 
@@ -59,11 +64,13 @@ def daemon_pids(serve: ServeProcess) -> dict[str, int]:
     return out
 
 
-def bench_args(serve: ServeProcess, streams: int, args, label: str) -> argparse.Namespace:
+def bench_args(serve: ServeProcess, streams: int, args, label: str, targets: list[str] | None = None
+               ) -> argparse.Namespace:
+    """`stepahead bench` flags: every stream at once, to serve's gateway or to `targets`."""
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     return parser.parse_args([
-        "--target", serve.gateway_addr, "--scheduler", serve.scheduler_addr, f"--cluster-token={serve.cluster_token}", "--num-prompts", str(streams),
+        "--target", ",".join(targets or [serve.gateway_addr]), "--scheduler", serve.scheduler_addr, f"--cluster-token={serve.cluster_token}", "--num-prompts", str(streams),
         "--max-concurrency", str(streams), "--random-input-len", str(args.input_len),
         "--random-output-len", str(args.output_len), "--ignore-eos", "--disable-tqdm", "--label", label,
     ])
@@ -75,11 +82,17 @@ def all_running_cpu(records: list[StepRecord], streams: int, sampler: CpuSampler
     batch, without the ramp of admissions before it or the drain after)."""
     full = sorted(r.schedule_start for r in records if r.num_running == streams)
     if len(full) < 2:
-        return {"all_running_steps": 0, "scheduler_cpu_per_step_ms_all_running": None}
-    steps = sum(full[0] <= r.schedule_start < full[-1] for r in records)
+        return {"all_running_steps": 0, "scheduler_cpu_per_step_ms_all_running": None,
+                "device_step_ms_all_running": None, "scheduler_cpu_over_device_step": None}
+    inside = [r for r in records if full[0] <= r.schedule_start < full[-1]]
     cpu = sampler.cpu_between(full[0], full[-1])
-    return {"all_running_steps": steps,
-            "scheduler_cpu_per_step_ms_all_running": None if cpu is None else cpu / steps * 1e3}
+    per_step = None if cpu is None else cpu / len(inside)
+    device_step = sum(r.worker.device_busy_s for r in inside) / len(inside)  # the device's mean step
+    return {"all_running_steps": len(inside),
+            "scheduler_cpu_per_step_ms_all_running": None if per_step is None else per_step * 1e3,
+            "device_step_ms_all_running": device_step * 1e3,
+            # < 1: one scheduler core plans faster than the device steps (the budget: 0.4)
+            "scheduler_cpu_over_device_step": None if per_step is None or not device_step else per_step / device_step}
 
 
 def phase_totals(records: list[StepRecord], streams: int, since: float = 0.0) -> dict[str, list]:
@@ -128,8 +141,15 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
              "--max-num-seqs", str(max(streams, 1)), *loop, "--stream-interval", str(args.stream_interval)]
     speed = python_speed_ms()
+    extra: list = []  # the gateways past serve's own (--gateways)
     with ServeProcess(model, *flags) as serve:
         pids = daemon_pids(serve)
+        targets = [serve.gateway_addr]
+        for i in range(1, args.gateways):
+            proc, address = spawn_gateway(serve.scheduler_addr, str(resolve_model(model)), serve.cluster_token,
+                                          "--stream-interval", str(args.stream_interval))
+            extra.append(proc)
+            pids[f"gateway{i}"], targets = proc.pid, [*targets, address]
         steps0 = serve.stats().num_steps
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
         threads0 = thread_cpu_seconds(pids["scheduler"])
@@ -141,7 +161,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                                                 "raw", "--gil", "--nonblocking", "-r", "250"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         sampler = CpuSampler(pids["scheduler"])
-        summary = bench.bench(bench_args(serve, streams, args, label))
+        summary = bench.bench(bench_args(serve, streams, args, label, targets))
         cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
         sampler.stop()
         steps = serve.stats().num_steps - steps0
@@ -150,17 +170,22 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
         for spy in spies.values():
             spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
             spy.wait(60)
+        for proc in extra:
+            proc.terminate()
+            proc.wait(30)
     row = {k: summary.get(k) for k in (
         "label", "completed", "failed", "duration", "total_output_tokens", "output_throughput",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
         "device_utilization", "device_busy_s", "device_ideal_output_throughput", "client_cpu_s", "errors")}
     ideal = row["device_ideal_output_throughput"] or float("nan")
+    gateway_cpu = sum(v for k, v in cpu.items() if k.startswith("gateway"))
     row.update(setup=setup, model=model, streams=streams, mode="async" if async_on else "sync", steps=steps,
-               stream_interval=args.stream_interval, max_concurrent_batches=window,
+               stream_interval=args.stream_interval, gateways=args.gateways, max_concurrent_batches=window,
                adaptive_concurrent_batches=adaptive,
                client_vs_ideal=row["output_throughput"] / ideal,
-               cpu_s=cpu, scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
-               gateway_cpu_per_token_us=cpu["gateway"] / max(row["total_output_tokens"], 1) * 1e6,
+               cpu_s=cpu, cpu_cores={k: v / row["duration"] for k, v in {**cpu, "client": row["client_cpu_s"]}.items()},
+               scheduler_cpu_per_step_ms=cpu["scheduler"] / max(steps, 1) * 1e3,
+               gateway_cpu_per_token_us=gateway_cpu / max(row["total_output_tokens"], 1) * 1e6,
                load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads, python_speed_ms=speed,
                device_utilization_by_phase=phase_utilization(records, streams, (summary.get("device_window") or [0])[0]),
                **all_running_cpu(records, streams, sampler))
@@ -210,6 +235,15 @@ def table(rows: list[dict]) -> str:
             f"{r['gateway_cpu_per_token_us']:.0f} | {r['client_cpu_s']:.1f} | {r['load_average']:.1f} | "
             f"{r.get('python_speed_ms', float('nan')):.0f} |")
     return "\n".join(lines)
+
+
+def cpu_line(r: dict) -> str:
+    """Every process's CPU over the run in cores (1.0: one core busy), and the scheduler's CPU
+    per step at full batch beside the device's step."""
+    cores = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items())
+    return (f"CPU cores: {cores}; scheduler CPU per step at full batch {_ms(r['scheduler_cpu_per_step_ms_all_running'])}"
+            f" ms = {_pct(r['scheduler_cpu_over_device_step'])} of the {_ms(r['device_step_ms_all_running'])} ms "
+            f"device step")
 
 
 def _pct(value: float | None) -> str:
@@ -263,6 +297,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=256)
     parser.add_argument("--modes", nargs="+", default=["async", "sync"], choices=["async", "sync"])
     parser.add_argument("--stream-interval", type=int, default=1, help="the gateway's --stream-interval")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="gateways (serve's and N-1 more on the same scheduler); the bench's streams "
+                             "alternate between them")
     parser.add_argument("--max-concurrent-batches", type=int, default=3,
                         help="the scheduler's most plans in flight in async mode (its default: 3)")
     parser.add_argument("--adaptive-concurrent-batches", action=argparse.BooleanOptionalAction, default=True,
@@ -271,6 +308,8 @@ def main() -> None:
     parser.add_argument("--profile-cpu", action="store_true", help="py-spy the scheduler (needs py-spy on PATH)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/capacity.json"))
     args = parser.parse_args()
+    if args.gateways < 1:
+        parser.error(f"--gateways must be >= 1, got {args.gateways}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for setup_model in args.setups:
@@ -279,9 +318,12 @@ def main() -> None:
             for mode in args.modes:
                 rows.append(run_one(args, setup, model, streams, mode == "async"))
                 print(table(rows[-1:]).splitlines()[-1], flush=True)
+                print("  " + cpu_line(rows[-1]), flush=True)
                 args.out.write_text(json.dumps({"rows": rows, "input_len": args.input_len,
                                                 "output_len": args.output_len, "cpus": os.cpu_count()}, indent=2))
     print(table(rows))
+    for r in rows:
+        print(f"{r['label']}: {cpu_line(r)}")
     for (setup, model, _), group in _groups(rows).items():
         sync = {r["streams"]: r for r in rows if (r["setup"], r["model"], r["mode"]) == (setup, model, "sync")}
         for r in group:

@@ -165,11 +165,14 @@ async def _one_request_async(stub, item: WorkItem, ignore_eos: bool, metadata) -
 
 async def run_workload_async(target: str, api_key: str | None, workload: list[WorkItem], args: argparse.Namespace,
                              snapshot: Callable[[], object] = lambda: None) -> tuple[list[RequestMetrics], float, tuple]:
-    """The workload on one grpc.aio channel and one event loop: no thread per stream, so the
-    client's own CPU per token stays small next to what it measures. The channel is connected
-    before the clock starts (a client's connection setup is not the server's time); `snapshot`
-    is called just before the first request and just after the last answer, and both results
-    are returned with the run's (results, seconds)."""
+    """The workload on one grpc.aio channel per gateway and one event loop: no thread per
+    stream, so the client's own CPU per token stays small next to what it measures. `target`
+    is one gateway address or a comma list of them (`targets`): request i goes to gateway
+    i mod N. The channels are connected before the clock starts (a client's connection setup
+    is not the server's time); `snapshot` is called just before the first request and just
+    after the last answer, and both results are returned with the run's (results, seconds)."""
+    import contextlib
+
     import grpc
     from tqdm import tqdm
 
@@ -179,24 +182,34 @@ async def run_workload_async(target: str, api_key: str | None, workload: list[Wo
     limit = asyncio.Semaphore(args.max_concurrency or len(workload))
     bar = tqdm(total=len(workload), desc="requests", unit="req", disable=args.disable_tqdm)
     ignore_eos = args.ignore_eos or args.dataset_name == "trace"
-    async with grpc.aio.insecure_channel(target) as channel:
-        await channel.channel_ready()
-        stub = generation_pb2_grpc.GenerationStub(channel)
+    async with contextlib.AsyncExitStack() as stack:
+        channels = [await stack.enter_async_context(grpc.aio.insecure_channel(t)) for t in targets(target)]
+        for channel in channels:
+            await channel.channel_ready()
+        stubs = [generation_pb2_grpc.GenerationStub(channel) for channel in channels]
 
-        async def task(item: WorkItem, start_at: float) -> RequestMetrics:
+        async def task(i: int, item: WorkItem, start_at: float) -> RequestMetrics:
             await asyncio.sleep(max(0.0, start_at - time.perf_counter()))  # the workload's arrival schedule
             async with limit:
-                m = await _one_request_async(stub, item, ignore_eos, metadata)
+                m = await _one_request_async(stubs[i % len(stubs)], item, ignore_eos, metadata)
             bar.update(1)
             return m
 
         before = snapshot()
         t0 = time.perf_counter()
-        results = await asyncio.gather(*(task(item, t0 + item.arrival_s) for item in workload))
+        results = await asyncio.gather(*(task(i, item, t0 + item.arrival_s) for i, item in enumerate(workload)))
         elapsed = time.perf_counter() - t0
         after = snapshot()
     bar.close()
     return list(results), elapsed, (before, after)
+
+
+def targets(target: str) -> list[str]:
+    """The gateway addresses of `--target` (one, or a comma list)."""
+    addresses = [t.strip() for t in target.split(",")]
+    if not all(addresses):
+        raise SystemExit(f"--target {target!r}: an empty address in the comma list")
+    return addresses
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -301,7 +314,8 @@ def plot(results: list[RequestMetrics], path: Path, title: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.ArgumentDefaultsHelpFormatter  # every flag's help ends "(default: …)"
-    parser.add_argument("--target", default="127.0.0.1:50050", help="gateway address")
+    parser.add_argument("--target", default="127.0.0.1:50050",
+                        help="gateway address, or a comma list of them (requests spread round-robin)")
     parser.add_argument("--scheduler", default="", help="scheduler address, for device utilization")
     parser.add_argument("--cluster-token", default=os.environ.get("STEPAHEAD_CLUSTER_TOKEN"),
                         help="the scheduler's cluster token [env STEPAHEAD_CLUSTER_TOKEN]")
@@ -330,11 +344,15 @@ def bench(args: argparse.Namespace) -> dict:
 
     if args.dataset_name == "trace" and args.dataset_path is None:
         raise SystemExit("--dataset-name trace needs --dataset-path")
-    with security.channel(args.target, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
+    first, *others = targets(args.target)
+    with security.channel(first, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
         workload = make_workload(args, info.vocab_size)
         one_request(stub, WorkItem(workload[0].prompt[:8], 2), True)  # warm-up, not measured
+        for other in others:
+            with security.channel(other, api_key=os.environ.get("STEPAHEAD_API_KEY")) as warm:
+                one_request(generation_pb2_grpc.GenerationStub(warm), WorkItem(workload[0].prompt[:8], 2), True)
         counters = DeviceCounters(args.scheduler, args.cluster_token) if args.scheduler else None
         cpu_start = _cpu_seconds()
         try:

@@ -2,7 +2,8 @@
 
 `llama3-8b-sim` and `llama3-70b-sim` are directories with the `config.json` of Meta's
 Llama-3-8B / Llama-3-70B (layers, widths, heads, 128,256-entry vocabulary, 8,192
-positions, bf16) and the built-in byte-level BPE tokenizer (4,096 ids, the same as
+positions, bf16); `llama3.2-1b-sim` that of Llama-3.2-1B (16 layers, tied embeddings,
+131,072 positions with llama3 rope scaling), a small model whose decode steps are short and the built-in byte-level BPE tokenizer (4,096 ids, the same as
 `tiny`'s), so the gateway can tokenize and the sim worker samples ids below 4,096.
 The Mixture-of-Experts ones: `qwen3-30b-a3b-sim` (Qwen/Qwen3-30B-A3B: 48 layers, 128
 experts of width 768, top-8, 30.5B parameters, 3.3B active) and `mixtral-8x7b-sim`
@@ -38,6 +39,7 @@ class SimModelSpec:
     model_type: str = "llama"
     architecture: str = "LlamaForCausalLM"
     rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
     extra: tuple[tuple[str, Any], ...] = ()  # further config.json fields (head_dim, the experts')
 
 
@@ -45,6 +47,12 @@ SIM_MODELS: dict[str, SimModelSpec] = {
     # Meta Llama 3 model card / config.json of meta-llama/Meta-Llama-3-8B and -70B.
     "llama3-8b-sim": SimModelSpec("llama3-8b-sim", 4096, 14336, 32, 32, 8),
     "llama3-70b-sim": SimModelSpec("llama3-70b-sim", 8192, 28672, 80, 64, 8),
+    # config.json of meta-llama/Llama-3.2-1B: tied embeddings, head_dim 64, llama3 rope scaling
+    "llama3.2-1b-sim": SimModelSpec(
+        "llama3.2-1b-sim", 2048, 8192, 16, 32, 8, max_position_embeddings=131072, tie_word_embeddings=True,
+        extra=(("head_dim", 64), ("rope_scaling", {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                                   "high_freq_factor": 4.0,
+                                                   "original_max_position_embeddings": 8192}))),
     # config.json of Qwen/Qwen3-30B-A3B: every layer sparse (intermediate_size is unused)
     "qwen3-30b-a3b-sim": SimModelSpec(
         "qwen3-30b-a3b-sim", 2048, 6144, 48, 32, 4, vocab_size=151936, max_position_embeddings=40960,
@@ -67,7 +75,7 @@ def sim_config(spec: SimModelSpec) -> dict[str, Any]:
         "num_hidden_layers": spec.num_hidden_layers, "num_attention_heads": spec.num_attention_heads,
         "num_key_value_heads": spec.num_key_value_heads, "vocab_size": spec.vocab_size,
         "max_position_embeddings": spec.max_position_embeddings, "rope_theta": spec.rope_theta,
-        "rms_norm_eps": spec.rms_norm_eps, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "rms_norm_eps": spec.rms_norm_eps, "tie_word_embeddings": spec.tie_word_embeddings, "torch_dtype": "bfloat16",
         **dict(spec.extra),
     }
 

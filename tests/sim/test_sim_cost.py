@@ -69,6 +69,33 @@ def test_mixtral_decode_is_cheaper_than_a_dense_model_of_its_size_but_not_than_i
     assert llama8.step(decode, 1).seconds < mixtral.step(decode, 1).seconds < llama70.step(decode, 1).seconds
 
 
+def test_llama32_1b_geometry_and_decode_step_from_its_published_shape():
+    """Llama-3.2-1B (hidden 2048, MLP 8192, 16 layers, 32 heads of 64, 8 KV heads, 128,256
+    vocab, tied embeddings): the parameters counted from that shape by hand, and a decode
+    step at 256 / 512 streams of mean context 640 (512-token prompts, halfway through 256
+    outputs) is the weights plus the KV context read at the H200's effective bandwidth."""
+    hidden, mlp, layers, heads, kv_heads, head_dim, vocab = 2048, 8192, 16, 32, 8, 64, 128256
+    attention = hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+    per_layer = attention + 3 * hidden * mlp + 2 * hidden  # gate, up, down; two norms
+    params = vocab * hidden + layers * per_layer + hidden  # one embedding (tied), final norm
+    g = geometry("llama3.2-1b-sim")
+    assert g.num_parameters == params
+    assert g.num_parameters == pytest.approx(1.24e9, rel=0.005)  # the model card's size
+    assert g.lookup_params == 0 and g.lm_head_params == vocab * hidden  # the tied matrix is read as the head
+    kv_per_token = 2 * layers * kv_heads * head_dim * 2
+    assert g.kv_bytes_per_token == kv_per_token
+    h200 = BUILTIN_PROFILES["h200"]
+    model = CostModel(g, h200)
+    bandwidth = h200.memory_bandwidth * h200.bandwidth_efficiency
+    for streams in (256, 512):
+        step = model.step([(640, 1)] * streams, num_sampled=streams)
+        expect = h200.step_overhead_s + (params * 2 + streams * (641 + 1) * kv_per_token) / bandwidth
+        assert step.memory_bound and step.seconds == pytest.approx(expect)
+    # the decode steps are short: well under the 8B model's at the same batch
+    big = CostModel(geometry("llama3-8b-sim"), h200).step([(640, 1)] * 256, num_sampled=256)
+    assert model.step([(640, 1)] * 256, num_sampled=256).seconds < big.seconds / 2
+
+
 def test_kv_bytes_per_token_of_llama3_8b():
     # 2 (K and V) * 32 layers * 8 kv heads * 128 dims * 2 bytes
     assert geometry("llama3-8b-sim").kv_bytes_per_token == 2 * 32 * 8 * 128 * 2
