@@ -37,7 +37,8 @@ class OpenRequest:
 
 
 class PlainToken:
-    """One committed token of a request and nothing else, read like a `TokenEvent`."""
+    """A request's committed tokens of one or more plain steps (one token each) and nothing
+    else, read like a `TokenEvent`."""
 
     __slots__ = ("request_id", "token_ids", "num_prompt_tokens", "num_cached_tokens")
     finish_reason = common_pb2.FINISH_REASON_UNSPECIFIED
@@ -90,7 +91,25 @@ def deliver(batch: scheduler_pb2.EventBatch, routes: Mapping[str, OpenRequest]) 
             if event.token_ids:
                 route.num_prompt_tokens, route.num_cached_tokens = event.num_prompt_tokens, event.num_cached_tokens
             route.sink(event)
+    if len(set(rids)) < len(rids):  # several steps' tokens (held by the scheduler, or merged behind)
+        for rid, run in _runs(rids, tokens).items():
+            route = get(rid)
+            if route is not None:  # one event per request and batch, its tokens in order
+                route.sink(PlainToken(rid, tuple(run), route.num_prompt_tokens, route.num_cached_tokens))
+        return
     for rid, token in zip(rids, tokens):
         route = get(rid)
         if route is not None:
             route.sink(PlainToken(rid, (token,), route.num_prompt_tokens, route.num_cached_tokens))
+
+
+def _runs(rids: list[str], tokens: list[int]) -> dict[str, list[int]]:
+    """Each request's tokens of the columns, in order (requests in order of first appearance)."""
+    runs: dict[str, list[int]] = {}
+    for rid, token in zip(rids, tokens):
+        run = runs.get(rid)
+        if run is None:
+            runs[rid] = [token]
+        else:
+            run.append(token)
+    return runs

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from gateway.plain_tokens import MalformedBatch, OpenRequest, deliver
+from stepahead import limits
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 
@@ -27,9 +28,12 @@ class LinkBroken(RuntimeError):
 
 
 class SchedulerLink:
-    def __init__(self, channel: grpc.Channel, log) -> None:
+    def __init__(self, channel: grpc.Channel, log, plain_token_steps: int = 1) -> None:
+        """`plain_token_steps` > 1 (the gateway's --stream-interval): the scheduler may hold this
+        link's plain tokens that many steps and send them in one batch (SessionOptions)."""
         self._stub = scheduler_pb2_grpc.SchedulerStub(channel)
         self._log = log
+        self._plain_token_steps = min(plain_token_steps, limits.MAX_PLAIN_TOKEN_STEPS)
         self._lock = threading.Lock()
         self._routes: dict[str, OpenRequest] = {}  # request id -> its event sink and counts
         self._outbox: queue.SimpleQueue | None = None  # messages for the current stream
@@ -66,6 +70,9 @@ class SchedulerLink:
         """The current stream's outbox, opening a stream if there is none (lock held)."""
         if self._outbox is None:
             outbox: queue.SimpleQueue = queue.SimpleQueue()
+            if self._plain_token_steps > 1:  # the stream's first message
+                options = scheduler_pb2.SessionOptions(plain_token_steps=self._plain_token_steps)
+                outbox.put(scheduler_pb2.GatewayMessage(options=options))
             responses = self._stub.Connect(iter(outbox.get, None))
             threading.Thread(target=self._read, args=(responses, outbox), name="scheduler-link", daemon=True).start()
             self._outbox = outbox

@@ -346,7 +346,7 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         return 0
     gate = StreamGate(config.max_concurrent_streams)
-    pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], config.scheduler, log, config.failover_timeout)
+    pool = SchedulerPool([SchedulerLink(ch, log, config.stream_interval) for ch in channels], config.scheduler, log, config.failover_timeout)
     frontend = Frontend(tokenizer, codec.worker_info_from_proto(model), pool, config.max_request_bytes, metrics, gate,
                         config.stream_interval, config.tool_call_parser, config.reasoning_parser)
     grpc_server = build_server(config, frontend, log, max_connections)

@@ -82,6 +82,7 @@ class Engine:
         self._owner: dict[str, Replica] = {}  # request id -> the replica holding it
         self._parked: dict[str, tuple[Request, float]] = {}  # no replica: request, monotonic deadline
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
+        self._holding: set[GatewaySession] = set()  # sessions holding plain tokens (SessionOptions)
         self._carried_counts: collections.Counter = collections.Counter()  # monotonic counters of lost replicas
         self._earlier_counts: dict[str, collections.Counter] = {}  # ... by replica name (for /metrics)
         self.groups = GroupFormer()  # JoinGroup callers (servicer threads) -> tensor-parallel groups
@@ -181,6 +182,8 @@ class Engine:
             jitter.maybe_jitter()  # test-only delay (STEPAHEAD_TEST_JITTER_MS); a no-op when unset
             for replica in list(self._replicas.values()):
                 replica.pump()
+            if self._holding and not any(r.loop.num_in_flight for r in self._replicas.values()):
+                self._flush_held()  # no step in flight: no later step would send them
 
     def _handle(self, item) -> None:
         match item:
@@ -206,6 +209,8 @@ class Engine:
             case CloseSession(session):
                 for request_id in [rid for rid, sink in self._streams.items() if sink is session]:
                     self._abort(request_id)
+                session.flush()
+                self._holding.discard(session)
                 session.close()
             case Call(fn, reply):
                 try:
@@ -315,10 +320,25 @@ class Engine:
             if isinstance(event, Rejected) or event.finish_reason is not None:
                 del streams[event.request_id]
                 self._owner.pop(event.request_id, None)
+        held = {}  # sink -> this step's plain parts, for a session that may hold them
         for sink, part in split_plain(plain, streams.get) if plain else ():
-            batches.setdefault(sink, []).append(part)
+            if sink.plain_token_steps > 1 and sink not in batches:
+                held.setdefault(sink, []).append(part)
+            else:
+                batches.setdefault(sink, []).append(part)
         for sink, batch in batches.items():
-            sink.put_many(batch)
+            sink.put_many(batch)  # any plain tokens it held go first
+            self._holding.discard(sink)
+        for sink, parts in held.items():
+            if sink.hold_plain(parts):
+                self._holding.add(sink)
+            else:
+                self._holding.discard(sink)
+
+    def _flush_held(self) -> None:
+        for session in self._holding:
+            session.flush()
+        self._holding.clear()
 
     # ---- replicas ------------------------------------------------------------------
     def _attach(self, handle: WorkerHandle) -> None:

@@ -166,6 +166,11 @@ class GatewaySession:
     def __init__(self, max_unhandled: int = MAX_UNHANDLED) -> None:
         self._batches: queue.SimpleQueue[list | None] = queue.SimpleQueue()
         self._room = threading.Semaphore(max_unhandled)
+        # The gateway's SessionOptions.plain_token_steps: set by the stream's reader before its
+        # first submission (so before the engine sees the session), read by the engine thread.
+        self.plain_token_steps = 1
+        self._held: list = []  # plain tokens of up to plain_token_steps steps (engine thread)
+        self._held_steps = 0
 
     def reserve(self) -> None:
         """A submission is on its way to the engine: blocks while `max_unhandled` are (so
@@ -177,9 +182,28 @@ class GatewaySession:
         self._room.release()
 
     def put_many(self, events: list) -> None:
+        """Send `events` now, after any plain tokens held (engine thread)."""
+        if self._held:
+            events, self._held, self._held_steps = self._held + list(events), [], 0
         self._batches.put(list(events))
 
+    def hold_plain(self, parts: list) -> bool:
+        """One step's plain tokens for this session (`events.PlainTokens` parts): held until
+        `plain_token_steps` steps are, then sent together. True while some are held (engine
+        thread; the engine sends them, `flush`, once it has no step in flight)."""
+        self._held += parts
+        self._held_steps += 1
+        if self._held_steps >= self.plain_token_steps:
+            self.flush()
+        return bool(self._held)
+
+    def flush(self) -> None:
+        """Send the plain tokens held, if any (engine thread)."""
+        if self._held:
+            self.put_many([])
+
     def close(self) -> None:
+        """End the writer (any thread: the call's end closes it too; the engine flushes first)."""
         self._batches.put(None)
 
     def __iter__(self):

@@ -159,17 +159,32 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         session = GatewaySession()
         scope = f"{next(self._sessions):x}/"  # this stream's request-id namespace
         context.add_callback(session.close)  # call over (client gone, server stopping): end the writer
-        threading.Thread(target=self._read_gateway, args=(request_iterator, session, scope), daemon=True).start()
+        try:
+            first = next(request_iterator, None)  # SessionOptions, if any, come first
+        except grpc.RpcError as exc:  # the gateway went away before its first message
+            self.log.info("gateway_disconnected", error=repr(exc)[:200])
+            return
+        if first is not None and first.HasField("options"):
+            try:
+                session.plain_token_steps = limits.check_plain_token_steps(first.options.plain_token_steps)
+            except limits.LimitError as exc:
+                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            first = None
+        threading.Thread(target=self._read_gateway, args=(request_iterator, session, scope, first),
+                         daemon=True).start()
         for events in session:
             yield from event_batches(events, len(scope))
 
-    def _read_gateway(self, request_iterator, session: GatewaySession, scope: str) -> None:
+    def _read_gateway(self, request_iterator, session: GatewaySession, scope: str, first=None) -> None:
         try:
-            for msg in request_iterator:
+            for msg in itertools.chain((first,) if first is not None else (), request_iterator):
                 if msg.HasField("submit"):
                     self._submit_on(session, msg.submit, scope)
                 elif msg.HasField("abort"):
                     self.engine.abort(scope + msg.abort.request_id)  # only this stream's requests
+                elif msg.HasField("options"):  # only as the first message: the stream ends
+                    self.log.warning("gateway_protocol_error", error="options after the stream's first message")
+                    break
         except grpc.RpcError as exc:  # the gateway went away: its requests are aborted below
             self.log.info("gateway_disconnected", error=repr(exc)[:200])
         finally:

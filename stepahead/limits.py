@@ -74,6 +74,7 @@ MAX_STRUCTURED_SPEC_BYTES = 64 * 1024
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 MAX_SCHEMA_DEPTH = 64
+MAX_PLAIN_TOKEN_STEPS = 1024  # steps a Connect stream's plain tokens may be held (SessionOptions)
 
 
 class LimitError(ValueError):
@@ -433,3 +434,10 @@ def check_group_place(size: int, rank: int) -> None:
         raise LimitError("tensor_parallel_size", f"must be in [1, {MAX_TENSOR_PARALLEL_SIZE}], got {size}")
     if not 0 <= rank < size:
         raise LimitError("tensor_parallel_rank", f"must be in [0, {size}), got {rank}")
+
+
+def check_plain_token_steps(value: int) -> int:
+    """A gateway's `SessionOptions.plain_token_steps`: 0 and 1 both mean every step at once."""
+    if not 0 <= value <= MAX_PLAIN_TOKEN_STEPS:
+        raise LimitError("options.plain_token_steps", f"must be in [0, {MAX_PLAIN_TOKEN_STEPS}], got {value}")
+    return max(value, 1)

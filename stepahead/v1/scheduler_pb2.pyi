@@ -58,12 +58,20 @@ class SubmitRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GatewayMessage(_message.Message):
-    __slots__ = ("submit", "abort")
+    __slots__ = ("submit", "abort", "options")
     SUBMIT_FIELD_NUMBER: _ClassVar[int]
     ABORT_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
     submit: SubmitRequest
     abort: AbortRequest
-    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ...) -> None: ...
+    options: SessionOptions
+    def __init__(self, submit: _Optional[_Union[SubmitRequest, _Mapping]] = ..., abort: _Optional[_Union[AbortRequest, _Mapping]] = ..., options: _Optional[_Union[SessionOptions, _Mapping]] = ...) -> None: ...
+
+class SessionOptions(_message.Message):
+    __slots__ = ("plain_token_steps",)
+    PLAIN_TOKEN_STEPS_FIELD_NUMBER: _ClassVar[int]
+    plain_token_steps: int
+    def __init__(self, plain_token_steps: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
