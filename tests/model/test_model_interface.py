@@ -15,13 +15,13 @@ import torch
 from torch import nn
 
 from testing.checkpoints import VARIANTS, hf_config
+from worker_service.layers.moe import MoEExperts
 from worker_service.loader import check_declaration, copy_into, tie_weights
 from worker_service.model_config import SUPPORTED_MODEL_TYPES, ModelConfig
 from worker_service.models import FAMILIES
 from worker_service.models.interface import TP, Kind, Source
 from worker_service.models.llama_spec import QWEN3, LlamaFamily
 from worker_service.parallel.geometry import GeometryError, ShardGeometry
-from worker_service.models.moe import MoEExperts
 from worker_service.parallel.layers import (GatheredLMHead, RowParallelExperts, RowParallelLinear, ShardedRMSNorm,
                                             VocabParallelEmbedding, shard_modules)
 from worker_service.sim.cost import ModelGeometry
