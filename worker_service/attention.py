@@ -10,7 +10,10 @@ Per layer, `attend` takes a sliding window and a logit soft-cap:
   `kv_idx > q_idx - sliding_window`), the query itself and the window - 1 keys before it;
 - `softcap` (None: none; Gemma 2's `attn_logit_softcapping`): scores become
   `softcap * tanh(scores / softcap)` before the mask and the softmax (float32), as HF's eager
-  attention does. SDPA has no soft-cap, so those layers attend by explicit matmuls.
+  attention does. SDPA has no soft-cap, so those layers attend by explicit matmuls;
+- `sinks` (None: none; gpt-oss's learned `[heads]` logits, `worker_service/layers/attention.py`):
+  one more logit per query head in the softmax's denominator, attending to no value (explicit
+  matmuls too, the softmax in float32).
 """
 
 from __future__ import annotations
@@ -45,20 +48,32 @@ class AttentionBackend(Protocol):
                  meta: AttentionMetadata) -> None: ...
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata,
-               scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor: ...
+               scale: float, window: int | None = None, softcap: float | None = None, *,
+               sinks: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, scale: float,
-              softcap: float | None) -> torch.Tensor:
+              softcap: float | None, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """SDPA over `[b, kvh, L, d]` queries and `[b, kvh, S, d]` keys/values, `mask` `[b, 1, L, S]` bool
-    (True: attend; None: all); with `softcap`, HF's eager soft-capped attention instead."""
-    if softcap is None:
+    (True: attend; None: all); with `softcap`, HF's eager soft-capped attention instead; with
+    `sinks` `[kvh * group]` (query head h = kv head h // group), each query row r of kv head i
+    (head i * group + r % group: a KV group's heads folded into L) adds exp(sink) to its softmax's
+    denominator."""
+    if softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [b, kvh, L, S]
-    scores = torch.tanh(scores / softcap) * softcap
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if mask is not None:
         scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [b, kvh, L, S]
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)  # [b, kvh, L, S]
+        return torch.matmul(probs, v)  # [b, kvh, L, d]
+    b, kvh, rows, _ = scores.shape
+    group = sinks.shape[0] // kvh
+    sink = sinks.float().view(kvh, 1, group).expand(kvh, rows // group, group).reshape(1, kvh, rows, 1)
+    logits = torch.cat((scores.float(), sink.expand(b, -1, -1, -1)), dim=-1)  # [b, kvh, L, S + 1]
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(q.dtype)  # [b, kvh, L, S]: the sink's share dropped
     return torch.matmul(probs, v)  # [b, kvh, L, d]
 
 
@@ -112,25 +127,25 @@ class TorchAttentionBackend:
         k_cache.view(-1, k_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, k.reshape(n, -1))
         v_cache.view(-1, v_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, v.reshape(n, -1))
 
-    def attend(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None):
-        # q: [num_tokens, heads, head_dim] -> out [num_tokens, heads, head_dim]
+    def attend(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None, *, sinks=None):
+        # q: [num_tokens, heads, head_dim] -> out [num_tokens, heads, head_dim]; sinks: [heads] or None
         nd = meta.num_decodes
         if nd == q.shape[0]:
-            return self._decode(q, k_cache, v_cache, meta, scale, window, softcap)
-        prefill = self._prefill(q, k_cache, v_cache, meta, scale, window, softcap)  # [num_tokens - nd, heads, d]
+            return self._decode(q, k_cache, v_cache, meta, scale, window, softcap, sinks)
+        prefill = self._prefill(q, k_cache, v_cache, meta, scale, window, softcap, sinks)  # [num_tokens - nd, heads, d]
         if nd == 0:
             return prefill
-        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap), prefill))
+        return torch.cat((self._decode(q[:nd], k_cache, v_cache, meta, scale, window, softcap, sinks), prefill))
 
-    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap):
+    def _decode(self, q, k_cache, v_cache, meta, scale, window, softcap, sinks=None):
         """Outputs `[num_decodes, heads, head_dim]`; on CPU in cache-sized chunks of requests."""
         chunks = self._decode_chunks(meta, k_cache, q.device)
         if len(chunks) == 1:
-            return self._decode_part(q, k_cache, v_cache, meta, scale, chunks[0], window, softcap)
+            return self._decode_part(q, k_cache, v_cache, meta, scale, chunks[0], window, softcap, sinks)
         out = torch.empty_like(q)  # [nd, heads, d]
         for c in chunks:
             out[c.start : c.end] = self._decode_part(q[c.start : c.end], k_cache, v_cache, meta, scale, c, window,
-                                                     softcap)
+                                                     softcap, sinks)
         return out
 
     def _decode_chunks(self, meta: AttentionMetadata, k_cache: torch.Tensor, device: torch.device):
@@ -160,7 +175,7 @@ class TorchAttentionBackend:
             chunks.append(_DecodeChunk(start, end, blocks, None if mask is None else mask[start:end]))
         return chunks
 
-    def _decode_part(self, q, k_cache, v_cache, meta, scale, chunk: _DecodeChunk, window, softcap):
+    def _decode_part(self, q, k_cache, v_cache, meta, scale, chunk: _DecodeChunk, window, softcap, sinks=None):
         """Decodes one chunk; q `[n, heads, d]` -> out of the same shape."""
         n = chunk.end - chunk.start
         k, v = self._buffer.gather_blocks(k_cache, v_cache, chunk.blocks, n, meta.max_decode_kv)  # [n, kvh, S, d]
@@ -171,9 +186,9 @@ class TorchAttentionBackend:
             if mask is None:
                 mask = chunk.window_masks[window] = decode_mask(meta.seq_lens[chunk.start : chunk.end],
                                                                 meta.max_decode_kv, window)
-        return attention(qg, k, v, mask, scale, softcap).reshape(q.shape)
+        return attention(qg, k, v, mask, scale, softcap, sinks).reshape(q.shape)
 
-    def _prefill(self, q, k_cache, v_cache, meta, scale, window, softcap):
+    def _prefill(self, q, k_cache, v_cache, meta, scale, window, softcap, sinks=None):
         """Outputs `[num_tokens - num_decodes, heads, head_dim]` of the prefill tokens, in order."""
         nd = meta.num_decodes
         index = meta.prefill_token_index  # [np, max_q]
@@ -191,7 +206,7 @@ class TorchAttentionBackend:
         if window is not None:
             mask &= key_idx[None, None, :] > q_pos[:, :, None] - window
         mask = mask.repeat_interleave(group, dim=1)[:, None]  # [np, 1, max_q*group, S]
-        o = attention(qp, k, v, mask, scale, softcap)
+        o = attention(qp, k, v, mask, scale, softcap, sinks)
         o = o.view(num_p, kvh, max_q, group, head_dim).permute(0, 2, 1, 3, 4)  # [np, max_q, kvh, group, d]
         # padded rows dropped; requests' tokens are contiguous, so this is the flat token order
         return o.reshape(num_p * max_q, -1, head_dim).index_select(0, meta.prefill_rows)

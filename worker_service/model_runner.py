@@ -31,16 +31,16 @@ from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMask
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, plan_num_blocks
+from worker_service.layers.attention import ForwardContext
+from worker_service.layers.rotary import RotaryTable
 from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing, mask_stops_before_min_tokens
 from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.model_config import RopeConfig, resolve_max_model_len
 from worker_service.models import family
-from worker_service.models.llama import ForwardContext
 from worker_service.pending_step import PendingStep, copy_to_host
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
-from worker_service.rope import RotaryTable
 from worker_service.sampler import Sampler, SamplingMetadata
 from worker_service.speculation import SpecOutputs, Speculator
 from worker_service.streams import DeviceStreams, StepEvent

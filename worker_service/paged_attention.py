@@ -12,7 +12,8 @@ package is installed, the device is CUDA, the dtype half precision and the block
 multiple of 256 (flash-attn 2's page-size rule); the torch path (gather the table's
 blocks, mask keys at or beyond `seq_len` and, in a sliding-window layer, those at or before
 `seq_len - 1 - window`, SDPA or soft-capped attention) otherwise. flash-attn takes the window as
-`window_size=(window - 1, 0)` and the soft-cap as `softcap` (0: none). The cache layout
+`window_size=(window - 1, 0)` and the soft-cap as `softcap` (0: none); a layer with attention
+sinks decodes by the torch path (flash-attn 2 has no sinks). The cache layout
 `[blocks, block_size, kv_heads, head_dim]` is the one flash-attn expects.
 """
 
@@ -45,11 +46,11 @@ class PagedDecodeBackend(TorchAttentionBackend):
     def kernel(self) -> str:
         return "flash-attn" if self._flash is not None else "torch"
 
-    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap):
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap, sinks=None):
         # q: [nd, heads, d]; tables [nd, W] and seq_lens [nd] are device tensors
         nd = q.shape[0]
         tables, seq_lens = meta.block_tables[:nd], meta.seq_lens[:nd]
-        if self._flash is not None:  # not run by the CPU tests
+        if self._flash is not None and sinks is None:  # not run by the CPU tests
             out = self._flash(q.unsqueeze(1), k_cache, v_cache, cache_seqlens=seq_lens.to(torch.int32),
                               block_table=tables.to(torch.int32), softmax_scale=scale, causal=True,
                               window_size=(-1, -1) if window is None else (window - 1, 0),
@@ -60,7 +61,7 @@ class PagedDecodeBackend(TorchAttentionBackend):
         k, v = self._buffer.gather_blocks(k_cache, v_cache, tables.reshape(-1), nd, s_len)  # [nd, kvh, S, d]
         mask = decode_mask(seq_lens, s_len, window)  # [nd, 1, 1, S]
         qg = q.view(nd, k.shape[1], -1, q.shape[-1])  # [nd, kvh, group, d]
-        return attention(qg, k, v, mask, scale, softcap).reshape(q.shape)
+        return attention(qg, k, v, mask, scale, softcap, sinks).reshape(q.shape)
 
 
 def flash_attn_usable(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:

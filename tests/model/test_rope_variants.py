@@ -4,7 +4,7 @@ on both sides of the trained length (32), through chunked prefill, joins and pre
 HF's generate runs one prompt at a time here: dynamic and longrope pick their frequencies in HF
 by the largest position of the forward, which in a left-padded batch is the longest prompt's.
 For those two types the prompts stay within the trained length and the generations cross it:
-that is where HF's rotation of each position is fixed and ours (`worker_service/rope.py`) is
+that is where HF's rotation of each position is fixed and ours (`worker_service/layers/rotary.py`) is
 the same. A longer prompt HF rotates whole by its length, differently from its own later
 tokens; we keep each position's one rotation, so no equality is claimed there.
 

@@ -4,6 +4,9 @@
     stepahead (protocol, shared infrastructure)  <-  model_zoo (built-in models)
         <-  gateway | scheduler_service | worker_service (one each; none imports another)
         <-  cli (the commands)  <-  testing (harnesses)  <-  tests, benchmarks
+
+Inside the worker, the shared layers (`worker_service.layers`) sit below the model families
+(`worker_service.models`): a model file composes layers, a layer never imports a model.
 """
 
 from __future__ import annotations
@@ -109,6 +112,16 @@ def test_the_scheduler_core_imports_nothing_of_its_daemon():
     assert daemon_side == []
 
 
+def models_imported_by_layers(graph: dict[str, set[str]]) -> list[str]:
+    in_package = lambda name, package: name == package or name.startswith(f"{package}.")  # noqa: E731
+    return sorted(f"{m} imports {t}" for m, ts in graph.items() if in_package(m, "worker_service.layers")
+                  for t in ts if in_package(t, "worker_service.models"))
+
+
+def test_the_shared_layers_import_no_model():
+    assert models_imported_by_layers(import_graph()) == []
+
+
 def test_no_import_cycle_between_modules():
     assert cycles(import_graph()) == []
 
@@ -119,3 +132,11 @@ def test_the_checks_see_an_upward_import_and_a_cycle():
     graph = dict(graph, **{"stepahead.plan": graph["stepahead.plan"] | {"worker_service.model_runner"}})
     assert any({"stepahead.plan", "worker_service.model_runner"} <= set(c) for c in cycles(graph))
     assert upward_imports(graph) == ["stepahead.plan imports worker_service.model_runner"]
+
+
+def test_the_layers_check_sees_a_layer_importing_a_model():
+    graph = import_graph()
+    assert "worker_service.layers.rotary" in graph["worker_service.layers.attention"], "the graph must hold real arrows"
+    assert "worker_service.layers.attention" in graph["worker_service.models.llama"]
+    graph = dict(graph, **{"worker_service.layers.mlp": graph["worker_service.layers.mlp"] | {"worker_service.models"}})
+    assert models_imported_by_layers(graph) == ["worker_service.layers.mlp imports worker_service.models"]

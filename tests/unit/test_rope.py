@@ -12,7 +12,7 @@ import torch
 
 from testing.checkpoints import hf_config
 from worker_service.model_config import SUPPORTED_ROPE_TYPES, ModelConfig
-from worker_service.rope import RotaryTable, angles, apply_rotary, attention_scaling, inv_freq
+from worker_service.layers.rotary import RotaryTable, angles, apply_rotary, attention_scaling, inv_freq
 
 LONG = [1.0 + 0.25 * i for i in range(8)]  # longrope factors for 16 rotated dims (8 frequencies)
 SHORT = [1.0 + 0.01 * i for i in range(8)]

@@ -29,7 +29,7 @@ from typing import Any
 from worker_service.models.interface import LayerType
 from worker_service.models.llama_spec import LlamaFamily
 
-ACTIVATIONS = ("gelu_pytorch_tanh",)  # hidden_activation values gemma.py implements
+ACTIVATIONS = ("gelu_pytorch_tanh",)  # hidden_activation values gemma.py builds (layers/activation.py ACTIVATIONS)
 
 
 @dataclass(frozen=True)

@@ -35,7 +35,7 @@ from typing import Any
 from worker_service.models.interface import TP, BaseModelConfig, Kind, ModelFamily, Param, ShardAxis, Source, param
 from worker_service.models.llama_spec import AXES
 
-# the activation_function values gpt2.py implements, as transformers' ACT2FN computes them
+# the activation_function values gpt2.py builds (layers/activation.py ACTIVATIONS), as transformers' ACT2FN computes them
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu", "relu")
 # config.json fields whose other values change the model: the value implemented (HF's default)
 IMPLEMENTED = {"scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,

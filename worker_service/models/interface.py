@@ -41,10 +41,10 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclass(frozen=True)
 class RopeConfig:
     """Rotary embedding settings as config.json's rope_scaling / rope_parameters give them;
-    `worker_service/rope.py` computes the frequencies (`model_config.SUPPORTED_ROPE_TYPES`)."""
+    `worker_service/layers/rotary.py` computes the frequencies (`model_config.SUPPORTED_ROPE_TYPES`)."""
 
     theta: float
-    rope_type: str = "default"  # a key of rope.INV_FREQ: default, linear, dynamic, yarn, longrope, llama3
+    rope_type: str = "default"  # a key of layers/rotary.py INV_FREQ: default, linear, dynamic, yarn, longrope, llama3
     factor: float = 1.0
     low_freq_factor: float = 1.0  # llama3
     high_freq_factor: float = 4.0  # llama3

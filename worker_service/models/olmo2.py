@@ -1,42 +1,31 @@
-"""OLMo 2 decoder (`model_type` "olmo2"): `llama.py`'s modules with the norms after the
-sublayers and q/k RMSNorm over the whole projection width. Module names mirror HF's
-`Olmo2ForCausalLM` (q/k/v fused into qkv_proj, gate/up into gate_up_proj, as in llama.py);
-the declarations are in `olmo2_spec.py`."""
+"""OLMo 2 decoder (`model_type` "olmo2"): the shared layers with the norms after the sublayers
+and q/k RMSNorm over the whole projection width (both scaling in float32), on `llama.py`'s
+skeleton. Module names mirror HF's `Olmo2ForCausalLM` (q/k/v fused into qkv_proj, gate/up into
+gate_up_proj, as in llama.py); the declarations are in `olmo2_spec.py`."""
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
 
+from worker_service.layers.attention import ForwardContext
+from worker_service.layers.norm import RMSNorm
 from worker_service.model_config import ModelConfig
-from worker_service.models.llama import ForwardContext, LlamaAttention, LlamaForCausalLM, LlamaMLP, RMSNorm
+from worker_service.models.llama import LlamaForCausalLM, llama_attention, llama_mlp
 from worker_service.models.olmo2_spec import OLMO2, Olmo2Family
 
-
-class Olmo2RMSNorm(RMSNorm):
-    scale_in_float32 = True  # HF Olmo2RMSNorm: (weight * normed).to(dtype)
-
-
-class Olmo2Attention(LlamaAttention):
-    def __init__(self, cfg: ModelConfig, layer_idx: int, family: Olmo2Family):
-        super().__init__(cfg, layer_idx, family)
-        self.q_norm = Olmo2RMSNorm(self.q_size, cfg.rms_norm_eps)  # weight: [H * d], all heads at once
-        self.k_norm = Olmo2RMSNorm(self.kv_size, cfg.rms_norm_eps)  # weight: [KVH * d]
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q and k `[n, H + KVH, d]` (normed over the whole width, before rope) and v `[n, KVH, d]`."""
-        n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split((self.q_size, self.kv_size, self.kv_size), dim=-1)  # [n, q] [n, kv] [n, kv]
-        qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=-1).view(n, self.num_heads + self.num_kv_heads,
-                                                                      self.head_dim)
-        return qk, v.view(n, self.num_kv_heads, self.head_dim)
+Olmo2RMSNorm = functools.partial(RMSNorm, scale_in_float32=True)  # HF Olmo2RMSNorm: (weight * normed).to(dtype)
 
 
 class Olmo2DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int, family: Olmo2Family):
         super().__init__()
-        self.self_attn = Olmo2Attention(cfg, layer_idx, family)
-        self.mlp = LlamaMLP(cfg)
+        # q_norm weight: [H * d], k_norm: [KVH * d], all heads at once
+        self.self_attn = llama_attention(cfg, layer_idx, family, qk_norm_per_head=False,
+                                         qk_norm=lambda dim: Olmo2RMSNorm(dim, cfg.rms_norm_eps))
+        self.mlp = llama_mlp(cfg)
         self.post_attention_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)  # weight: [hidden]
         self.post_feedforward_layernorm = Olmo2RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

@@ -15,9 +15,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from worker_service.layers.moe import MoEExperts
 from worker_service.models import family
 from worker_service.models.interface import TP
-from worker_service.models.moe import MoEExperts
 from worker_service.parallel.geometry import ShardGeometry
 
 
@@ -75,7 +75,7 @@ class ShardedRMSNorm(nn.Module):
 
     Dividing the reduced sum by k * the local width is the mean over the whole width, also when
     KV heads are replicated (k > KV heads: each head is counted k / KV heads times). The
-    rounding follows the module it replaces (`scale_in_float32`, see models/llama.py RMSNorm).
+    rounding follows the module it replaces (`scale_in_float32`, see layers/norm.py RMSNorm).
     """
 
     def __init__(self, dim: int, eps: float, scale_in_float32: bool, size: int):
