@@ -24,12 +24,13 @@ from jinja2 import TemplateError
 from gateway.admission import StreamGate
 from gateway.metrics import GatewayMetrics
 from gateway.output import Output, OutputProcessor
+from gateway import reasoning_parsers
 from gateway.reasoning_parsers import ReasoningParser
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from gateway.tool_parsers import ToolCallParser
 from gateway.validation import ModelLimits, RawGenerateRequest, ValidationError, ValidRequest, validate
 from stepahead import codec
-from stepahead.limits import MAX_ID_CHARS
+from stepahead.limits import MAX_ID_CHARS, MAX_START_AFTER_TOKENS
 from stepahead.logprobs import Logprobs, PromptLogprobs
 from stepahead.plan import FinishReason, WorkerInfo
 
@@ -224,6 +225,7 @@ class Frontend:
         self.tokenizer = tokenizer
         self.tool_call_parser = tool_call_parser  # how `tool_choice: auto` output is read (None: refused)
         self.reasoning_parser = reasoning_parser
+        self._think_ids = _think_ids(tokenizer) if reasoning_parser is not None else None
         self.stream_interval = stream_interval  # tokens per streamed message at most (event_stream.py)
         self.model = model
         self.limits = ModelLimits(model.model_name, model.max_model_len, model.vocab_size, max_request_bytes,
@@ -255,6 +257,11 @@ class Frontend:
     def validate(self, raw: RawGenerateRequest) -> ValidRequest:
         valid = validate(raw, self.limits, self.tokenize, self.render_chat)
         self._check_capabilities(valid)
+        structured = valid.sampling.structured
+        if raw.chat_messages is not None and self._think_ids is not None and structured is not None:
+            # with a reasoning parser the constraint is the answer's: it starts after `</think>`
+            gated = reasoning_parsers.after_reasoning(structured, valid.prompt_token_ids, *self._think_ids)
+            valid = dataclasses.replace(valid, sampling=dataclasses.replace(valid.sampling, structured=gated))
         return valid
 
     def _check_capabilities(self, valid: ValidRequest) -> None:
@@ -289,3 +296,14 @@ class Frontend:
             raise
         self.metrics.observe_started(transport, len(valid.prompt_token_ids))
         return gen
+
+
+def _think_ids(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The token ids of `<think>` and `</think>` (one added token each in Qwen3's and
+    DeepSeek-R1's tokenizers); refused at startup when the end marker is too long to gate on."""
+    open_ids, close_ids = (tuple(tokenizer.encode(tag, add_special_tokens=False))
+                           for tag in (reasoning_parsers.OPEN, reasoning_parsers.CLOSE))
+    if not 0 < len(close_ids) <= MAX_START_AFTER_TOKENS:
+        raise ValueError(f"--reasoning-parser: {reasoning_parsers.CLOSE!r} is {len(close_ids)} tokens for this "
+                         f"tokenizer; structured outputs can start after at most {MAX_START_AFTER_TOKENS}")
+    return open_ids, close_ids

@@ -82,11 +82,12 @@ _STRUCTURED_FROM_FIELD = {v: k for k, v in _STRUCTURED_TEXT_FIELDS.items()}
 
 
 def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutputs:
+    gate = {"start_after_token_ids": s.start_after} if s.start_after else {}
     if s.kind is StructuredKind.JSON_OBJECT:
-        return common_pb2.StructuredOutputs(json_object=True)
+        return common_pb2.StructuredOutputs(json_object=True, **gate)
     if s.kind is StructuredKind.CHOICE:
-        return common_pb2.StructuredOutputs(choice=common_pb2.Choices(choices=s.choices))
-    return common_pb2.StructuredOutputs(**{_STRUCTURED_TEXT_FIELDS[s.kind]: s.spec})
+        return common_pb2.StructuredOutputs(choice=common_pb2.Choices(choices=s.choices), **gate)
+    return common_pb2.StructuredOutputs(**{_STRUCTURED_TEXT_FIELDS[s.kind]: s.spec}, **gate)
 
 
 def structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
@@ -97,11 +98,12 @@ def structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | 
     which = so.WhichOneof("constraint")
     if which is None or (which == "json_object" and not so.json_object):
         return None
+    gate = tuple(so.start_after_token_ids)
     if which == "json_object":
-        return StructuredOutput(StructuredKind.JSON_OBJECT)
+        return StructuredOutput(StructuredKind.JSON_OBJECT, start_after=gate)
     if which == "choice":
-        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(so.choice.choices))
-    return StructuredOutput(_STRUCTURED_FROM_FIELD[which], spec=getattr(so, which))
+        return StructuredOutput(StructuredKind.CHOICE, choices=tuple(so.choice.choices), start_after=gate)
+    return StructuredOutput(_STRUCTURED_FROM_FIELD[which], spec=getattr(so, which), start_after=gate)
 
 
 def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int) -> SamplingParams:

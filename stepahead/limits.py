@@ -29,7 +29,7 @@ The rules (each names its field in the error; `check_*` return the normalised va
 | presence_penalty, frequency_penalty | finite, -2 ≤ p ≤ 2 | |
 | logprobs, prompt_logprobs | unset, or 0 ≤ k ≤ max_logprobs (`--max-logprobs` on the worker, announced in its hello; default 20) | |
 | request_id, cache_salt | ≤ 256 characters | |
-| structured_outputs | one constraint; json: a JSON object that is a valid JSON schema (its meta-schema); regex: compiles with Python's `re`; choice: 1–256 non-empty strings ≤ 1024 characters; grammar: non-empty; each text ≤ 64 KiB; not with ignore_eos or min_tokens > 0 | |
+| structured_outputs | one constraint; json: a JSON object that is a valid JSON schema (its meta-schema); regex: compiles with Python's `re`; choice: 1–256 non-empty strings ≤ 1024 characters; grammar: non-empty; each text ≤ 64 KiB; not with ignore_eos or min_tokens > 0; start_after: ≤ 16 token ids, each below vocab_size | |
 
 Structured outputs are checked here as far as pure Python can; whether xgrammar compiles
 the constraint is known only on the worker, which fails that request alone with
@@ -74,6 +74,7 @@ MAX_STRUCTURED_SPEC_BYTES = 64 * 1024
 MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 MAX_SCHEMA_DEPTH = 64
+MAX_START_AFTER_TOKENS = 16  # the token ids a constraint starts after (a reasoning end marker)
 MAX_PLAIN_TOKEN_STEPS = 1024  # steps a Connect stream's plain tokens may be held (SessionOptions)
 
 
@@ -119,7 +120,7 @@ def check_sampling(p: SamplingParams, vocab_size: int, max_logprobs: int = MAX_L
         repetition_penalty=check_repetition_penalty(p.repetition_penalty),
         presence_penalty=check_penalty("sampling.presence_penalty", p.presence_penalty),
         frequency_penalty=check_penalty("sampling.frequency_penalty", p.frequency_penalty),
-        structured=check_structured(p),
+        structured=check_structured(p, vocab_size),
     )
 
 
@@ -269,11 +270,12 @@ def check_penalty(field: str, value: float) -> float:
     return value
 
 
-def check_structured(p: SamplingParams) -> StructuredOutput | None:
+def check_structured(p: SamplingParams, vocab_size: int) -> StructuredOutput | None:
     """`p.structured` as far as pure Python can judge it (the worker compiles it)."""
     s = p.structured
     if s is None:
         return None
+    check_token_ids("structured_outputs.start_after_token_ids", s.start_after, vocab_size, MAX_START_AFTER_TOKENS)
     field = f"structured_outputs.{s.kind.value}"
     if p.ignore_eos:
         raise LimitError("sampling.ignore_eos", "cannot be combined with structured outputs (the grammar ends with EOS)")

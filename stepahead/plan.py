@@ -88,6 +88,10 @@ class StructuredOutput:
     kind: StructuredKind
     spec: str = ""
     choices: tuple[str, ...] = ()
+    # The constraint applies only once the output holds this token sequence (a reasoning
+    # model's `</think>`): before it the output is free, the tokens of the sequence included.
+    # Empty: from the first output token.
+    start_after: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

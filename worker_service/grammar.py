@@ -16,7 +16,10 @@ scheduler check what pure Python can (`stepahead.limits.check_structured`).
   current step's forward is already queued on the device, so the wait and the mask build
   overlap it), advances the matchers, fills a host bitmask, uploads it without a host
   wait and applies it on the device. Never an all-allowed mask: a row whose matcher cannot
-  go on raises, and its request fails alone.
+  go on raises, and its request fails alone. The one exception is a gated constraint
+  (`StructuredOutput.start_after`, a reasoning model's `</think>`): its rows allow every
+  token until the request's output holds that token sequence (`Gate`), then the grammar
+  applies from its start.
 
 Speculative decoding: `cut_drafts` keeps the longest prefix of a request's n-gram drafts
 its grammar allows (`accept_token` over them, then `rollback`; none once the grammar ended); `apply(..., drafts)` fills
@@ -148,19 +151,52 @@ _COMPILE = {
 }
 
 
-class RequestGrammar:
-    """One request's matcher, advanced only over tokens the request holds."""
+class Gate:
+    """Free output until the token sequence `after` has been generated (then the grammar
+    applies); open from the start when `after` is empty."""
 
-    def __init__(self, compiled) -> None:
+    def __init__(self, after: tuple[int, ...] = ()) -> None:
+        self.after = tuple(after)
+        self.open = not self.after
+        self._tail: tuple[int, ...] = ()  # the last len(after) - 1 tokens seen while closed
+
+    def feed(self, token: int) -> None:
+        tail = (*self._tail, token)[-len(self.after):]
+        if tail == self.after:
+            self.open = True
+        self._tail = tail[1:] if len(tail) == len(self.after) else tail
+
+    def free_prefix(self, tokens: list[int]) -> int | None:
+        """How many leading `tokens` come before the grammar applies (0 when open; i + 1 when
+        tokens[i] completes the sequence; None when the gate stays closed over all of them).
+        The gate's state is unchanged."""
+        if self.open:
+            return 0
+        tail = self._tail
+        for i, token in enumerate(tokens):
+            tail = (*tail, token)[-len(self.after):]
+            if tail == self.after:
+                return i + 1
+        return None
+
+
+ALL_ALLOWED = -1  # a bitmask word with every bit set (int32)
+
+
+class RequestGrammar:
+    """One request's matcher (behind its gate), advanced only over tokens the request holds."""
+
+    def __init__(self, compiled, start_after: tuple[int, ...] = ()) -> None:
         import xgrammar  # noqa: PLC0415 (already loaded by the cache)
 
         self.matcher = xgrammar.GrammarMatcher(compiled)  # rollback is unlimited in xgrammar 0.2
-        self.num_accepted = 0  # output tokens the matcher has consumed
+        self.gate = Gate(start_after)
+        self.num_accepted = 0  # output tokens consumed: by the gate while closed, then by the matcher
 
     @property
     def ended(self) -> bool:
         """The grammar accepted its stop token (EOS): the request's structured output is complete."""
-        return self.matcher.is_terminated()
+        return self.gate.open and self.matcher.is_terminated()
 
     def advance(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         """Accept the output tokens not accepted yet, `token_ids[num_prompt_tokens + num_accepted:]`
@@ -173,6 +209,10 @@ class RequestGrammar:
         request (`stepahead.limits` refuses ignore_eos and min_tokens with structured outputs).
         """
         for token in token_ids[num_prompt_tokens + self.num_accepted:]:
+            if not self.gate.open:
+                self.gate.feed(token)
+                self.num_accepted += 1
+                continue
             if self.matcher.is_terminated():
                 break
             if not self.matcher.accept_token(token):
@@ -180,18 +220,40 @@ class RequestGrammar:
             self.num_accepted += 1
 
     def allowed_prefix(self, drafts: list[int]) -> int:
-        """How many leading `drafts` the grammar accepts after the consumed output (state unchanged)."""
+        """How many leading `drafts` the grammar accepts after the consumed output (state
+        unchanged); those before the gate opens are all accepted."""
+        free = self.gate.free_prefix(drafts)
+        if free is None:
+            return len(drafts)
         n = 0
-        for token in drafts:
+        for token in drafts[free:]:
             if not self.matcher.accept_token(token):
                 break
             n += 1
         if n:
             self.matcher.rollback(n)
-        return n
+        return free + n
+
+    def fill_rows(self, bitmask: torch.Tensor, row: int, drafts: list[int], eos_token_ids: tuple[int, ...]) -> None:
+        """Rows row .. row + len(drafts) of bitmask: row + j is what may follow the output and
+        drafts[:j] (every token while the gate is closed there; drafts were cut with
+        `allowed_prefix`). The matcher is left as it was."""
+        free = self.gate.free_prefix(drafts)
+        accepted = 0
+        for j in range(len(drafts) + 1):
+            if free is None or j < free:
+                bitmask[row + j] = ALL_ALLOWED
+                continue
+            if j > free:
+                if not self.matcher.accept_token(drafts[j - 1]):
+                    raise GrammarViolation(f"draft {drafts[j - 1]} breaks the grammar (drafts are cut before)")
+                accepted += 1
+            self.fill(bitmask, row + j, eos_token_ids)
+        if accepted:
+            self.matcher.rollback(accepted)  # the matcher advances over emitted tokens only
 
     def fill(self, bitmask: torch.Tensor, row: int, eos_token_ids: tuple[int, ...]) -> None:
-        """bitmask: [rows, words] int32 on the host; writes row `row`.
+        """bitmask: [rows, words] int32 on the host; writes row `row` (the gate open).
 
         A grammar that has ended (its EOS was sampled) allows only EOS: under async scheduling
         the step after the EOS was planned before the scheduler saw it, and the scheduler
@@ -221,8 +283,10 @@ class GrammarMasks:
         return len(self._requests)
 
     def register(self, request_id: str, structured: StructuredOutput) -> None:
-        """Compile (or find) the grammar and start a fresh matcher; GrammarError if it does not compile."""
-        self._requests[request_id] = RequestGrammar(self.cache.get(structured))
+        """Compile (or find) the grammar and start a fresh matcher; GrammarError if it does not
+        compile. One compiled grammar serves a constraint with and without a gate."""
+        compiled = self.cache.get(dataclasses.replace(structured, start_after=()))
+        self._requests[request_id] = RequestGrammar(compiled, structured.start_after)
 
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
@@ -266,15 +330,8 @@ class GrammarMasks:
             r = reqs[i]
             grammar = self._requests[r.request_id]
             grammar.advance(r.token_ids, r.num_prompt_tokens)
-            grammar.fill(bitmask, m, self.cache.eos_token_ids)
-            m += 1
-            if ks[i]:
-                for token in drafts[i]:
-                    if not grammar.matcher.accept_token(token):
-                        raise GrammarViolation(f"draft {token} breaks the grammar (drafts are cut before)")
-                    grammar.fill(bitmask, m, self.cache.eos_token_ids)
-                    m += 1
-                grammar.matcher.rollback(ks[i])  # the matcher advances over emitted tokens only
+            grammar.fill_rows(bitmask, m, drafts[i] if ks[i] else [], self.cache.eos_token_ids)
+            m += ks[i] + 1
         allowed = unpack_bitmask(host_to_device(bitmask[: len(rows)], torch.int32, logits.device),
                                  logits.shape[1])  # [m, vocab] bool
         index = host_to_device(rows, torch.int64, logits.device)  # [m]

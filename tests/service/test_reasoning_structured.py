@@ -1,0 +1,60 @@
+"""An enforced tool call with `--reasoning-parser` (issue 32): the reasoning is free, the call
+after `</think>` is enforced and validates, and `max_tokens` counts both; over HTTP with the
+official `openai` client against real daemons on the random-weight `tiny` model.
+
+The tiny model writes noise: a logit bias on the tokens of `</think>` makes it close its
+reasoning block within a few hundred tokens in some of the seeded choices. Before the gate
+(`StructuredOutput.start_after`), the schema applied from the first token, so the block
+never closed and the call was lost in `reasoning_content`.
+"""
+
+from __future__ import annotations
+
+import json
+
+import jsonschema
+import openai
+import pytest
+
+from testing.launcher import ServeProcess
+from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
+from tests.service.test_openai_tools import SCHEMAS, TIME, WEATHER
+
+ASK = [{"role": "user", "content": "Think first, then call get_weather."}]
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.fixture(scope="module")
+def client(tiny_model_dir):  # noqa: F811
+    with ServeProcess(tiny_model_dir, "--reasoning-parser", "deepseek_r1", capture_stderr=True) as s:
+        with openai.OpenAI(base_url=s.http_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+            yield c
+        problems = s.log_problems()
+        assert not problems, problems
+
+
+def close_bias(tokenizer) -> dict[str, float]:
+    return {str(t): 8.0 for t in tokenizer.encode("</think>", add_special_tokens=False)}
+
+
+def test_the_call_after_free_reasoning_validates(client, tiny_tokenizer):  # noqa: F811
+    out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=400, temperature=1.0, seed=11, n=8,
+                                         tools=[WEATHER, TIME], tool_choice=NAMED,
+                                         logit_bias=close_bias(tiny_tokenizer))
+    called = [c for c in out.choices if c.finish_reason == "tool_calls"]
+    assert called, [(c.finish_reason, c.message.reasoning_content[-40:]) for c in out.choices]
+    for choice in called:
+        assert choice.message.reasoning_content  # free text, whatever the schema
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS["get_weather"])
+    for choice in out.choices:
+        assert choice.finish_reason in ("tool_calls", "length")  # never an answer that broke the schema
+
+
+def test_max_tokens_counts_the_reasoning(client):
+    out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=12, temperature=1.0, seed=3,
+                                         tools=[WEATHER], tool_choice="required")
+    (choice,) = out.choices
+    assert choice.finish_reason == "length" and out.usage.completion_tokens == 12
+    assert choice.message.reasoning_content and not choice.message.tool_calls
