@@ -47,7 +47,7 @@ class WorkerEngineConfig:
         None, "weight dtype: float32, bfloat16, float16 (default: float32; sim: the checkpoint's torch_dtype)")
     device: str = cfg.field("cpu", "torch device: cpu, cuda, cuda:1, or sim (a simulated accelerator, no torch)")
     sim_eos_probability: float = cfg.field(0.01, "--device sim: chance that a sampled token is EOS")
-    kv_cache_memory_bytes: int | None = cfg.field(None, "KV cache size in bytes (CPU default 512 MiB)")
+    kv_cache_memory_bytes: int | None = cfg.field(None, "KV cache size in bytes (CPU default: a quarter of the host memory left after the weights, at most what --max-num-seqs sequences of --max-model-len fill; CUDA: --gpu-memory-utilization)")
     max_model_len: int | None = cfg.field(None, "maximum prompt + output tokens (default: the model's)")
     attention_backend: AttentionBackendName = cfg.field(
         AttentionBackendName.TORCH, "paged attention: torch (reference) or paged (device-side decode "

@@ -7,12 +7,19 @@ block-major, `[host_blocks, layers, 2, block_size, kv_heads, head_dim]`.
 
 from __future__ import annotations
 
+import math
+import mmap
+
 import torch
 
 from worker_service.model_config import ModelConfig
 from worker_service.streams import host_to_device
 
-DEFAULT_CPU_KV_BYTES = 512 * 1024**2
+# On a CPU device without --kv-cache-memory-bytes / --num-gpu-blocks-override: this share of the
+# host memory still available once the weights are loaded (each worker of a machine takes its
+# share of what the ones before it left), and never more than `max_num_seqs` sequences of
+# `max_model_len` tokens could fill.
+CPU_KV_MEMORY_FRACTION = 0.25
 
 
 def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -21,18 +28,36 @@ def block_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     return cfg.num_layers * 2 * block_size * cfg.num_kv_heads * cfg.head_dim * elem
 
 
+def cpu_kv_cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *, available_bytes: int,
+                       max_num_seqs: int, max_model_len: int) -> int:
+    """The CPU default KV budget: `CPU_KV_MEMORY_FRACTION` of `available_bytes` (the host's,
+    measured after loading the weights), capped at what the worker's batch could ever hold."""
+    per_block = block_bytes(cfg, block_size, dtype)
+    need = max_num_seqs * -(-max_model_len // block_size) * per_block
+    return max(min(need, int(available_bytes * CPU_KV_MEMORY_FRACTION)), per_block)
+
+
 def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *, kv_cache_bytes: int | None,
                     num_blocks: int | None) -> int:
-    """Device blocks from an explicit count, else a byte budget (default: 512 MiB; on CUDA the
-    runner passes what its profiling run left, see `memory_profile`)."""
-    if num_blocks is not None:
-        count = num_blocks
-    else:
-        budget = DEFAULT_CPU_KV_BYTES if kv_cache_bytes is None else kv_cache_bytes
-        count = budget // block_bytes(cfg, block_size, dtype)
+    """Device blocks from an explicit count, else a byte budget (the flag's; on CUDA what the
+    profiling run left, see `memory_profile`; on CPU `cpu_kv_cache_bytes`)."""
+    count = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes(cfg, block_size, dtype)
     if count < 1:
         raise ValueError(f"KV cache budget leaves {count} blocks; need at least 1")
     return int(count)
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`torch.zeros`, except on the CPU: fresh anonymous pages, which the kernel gives zeroed
+    and commits as they are first written, so start-up does not write every byte of a cache
+    sized to the host's memory (transparent huge pages asked for where the kernel has them)."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    count = math.prod(shape)
+    pages = mmap.mmap(-1, max(count * torch.empty((), dtype=dtype).element_size(), 1))
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        pages.madvise(mmap.MADV_HUGEPAGE)
+    return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps `pages` alive
 
 
 class KVCache:
@@ -55,7 +80,7 @@ class KVCache:
         self.dummy_block = num_blocks
         block = (block_size, cfg.num_kv_heads, cfg.head_dim)
         # zeros: gathered-but-masked slots must hold finite values (0 * NaN would poison SDPA)
-        self.device_pool = torch.zeros((cfg.num_layers, 2, num_blocks + 1) + block, dtype=dtype, device=device)
+        self.device_pool = zeros((cfg.num_layers, 2, num_blocks + 1) + block, dtype, device)
         self._pin = device.type == "cuda"
         self.host_pool = torch.zeros((num_host_blocks, cfg.num_layers, 2) + block, dtype=dtype, pin_memory=self._pin)
         self.layers = [(self.device_pool[i, 0], self.device_pool[i, 1]) for i in range(cfg.num_layers)]

@@ -97,14 +97,31 @@ class ModelConfig(BaseModelConfig):
 
 
 def host_memory_bytes() -> int:
-    """Memory the host can still give this process (MemAvailable), else its total."""
+    """Memory the host can still give this process: MemAvailable, and no more than its cgroup's
+    headroom (`memory.max` less `memory.current`, cgroup v2: a container's limit), else the
+    machine's total."""
+    available = None
     try:
         for line in open("/proc/meminfo"):
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+                available = int(line.split()[1]) * 1024
     except OSError:
         pass  # not Linux: the page count below
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if available is None:
+        available = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    headroom = _cgroup_headroom()
+    return available if headroom is None else min(available, headroom)
+
+
+def _cgroup_headroom(root: Path = Path("/sys/fs/cgroup")) -> int | None:
+    """What this process's cgroup (v2) may still allocate, None without a limit."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        if limit == "max":
+            return None
+        return max(int(limit) - int((root / "memory.current").read_text()), 0)
+    except (OSError, ValueError):
+        return None
 
 
 def check_fits(model_dir: str | Path, cfg: ModelConfig, bytes_per_param: int, memory_bytes: int, where: str) -> None:

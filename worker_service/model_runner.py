@@ -30,14 +30,14 @@ from worker_service.attention import AttentionBackend, TorchAttentionBackend
 from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
-from worker_service.kv_cache import KVCache, plan_num_blocks
+from worker_service.kv_cache import KVCache, cpu_kv_cache_bytes, plan_num_blocks
 from worker_service.layers.attention import ForwardContext
 from worker_service.layers.rotary import RotaryTable
 from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing, mask_stops_before_min_tokens
 from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
-from worker_service.model_config import RopeConfig, resolve_max_model_len
+from worker_service.model_config import RopeConfig, host_memory_bytes, resolve_max_model_len
 from worker_service.models import family
 from worker_service.pending_step import PendingStep, copy_to_host
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
@@ -141,6 +141,10 @@ class ModelRunner:
         if num_blocks is None and kv_cache_bytes is None and self.streams.cuda:
             self.memory_split = profile_memory(self, gpu_memory_utilization)
             kv_cache_bytes = self.memory_split.kv_cache
+        elif num_blocks is None and kv_cache_bytes is None:  # the host is the device's memory
+            kv_cache_bytes = cpu_kv_cache_bytes(self.model.config, block_size, self.dtype,
+                                                available_bytes=host_memory_bytes(), max_num_seqs=max_num_seqs,
+                                                max_model_len=self.max_model_len)
         self.num_blocks = plan_num_blocks(self.model.config, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
                                           num_blocks=num_blocks)
         self.num_host_blocks = num_host_blocks
