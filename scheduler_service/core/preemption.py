@@ -18,13 +18,13 @@ Two cases take a running request off the device:
   thrown away for a candidate that would get a slot within a few steps anyway.
 
 - *Block shortage*: a running request needs a KV block and none is free; something must go
-  (a forced preemption: no cost test). The worst-ranked running request goes, as before,
-  but protected requests are passed over for the next worse-ranked one that is not; when
-  every request ranked below the one in need is protected, it preempts itself.
+  (a forced preemption: no cost test, no protection). The worst-ranked running request goes
+  (`Scheduler._reserve`; passing over protected ones there would remove a request from the
+  middle of the running order, under the step's bulk decode masks, which index by position).
 
 Protection (`preemption_min_progress`, tokens): a request preempted before is protected until
 it has committed that many output tokens since its last preemption (or finishes): it is never
-a policy preemption's victim, and a block shortage takes it only as the last resort above. So a
+a policy preemption's victim (a block shortage may still take it). So a
 request once preempted is not preempted again before it has made progress (no preempt / readmit
 thrash: each preemption of a request buys it at least that many tokens). 0 turns protection off.
 """
@@ -60,11 +60,3 @@ class PreemptionRule:
         """Of the running requests (worst first), those a policy preemption may take: not
         protected, and cheaper to preempt than the candidate's `gain`."""
         return [v for v in worst_first if not self.protected(v) and self.cost(v) < gain]
-
-    def shortage_victim(self, worst_first: Iterable[Request], needy: Request) -> Request:
-        """The request a block shortage of the running `needy` preempts: the worst-ranked
-        one not protected, searched no further than `needy` itself (then `needy` goes)."""
-        for victim in worst_first:
-            if victim is needy or not self.protected(victim):
-                return victim
-        raise AssertionError(f"{needy.request_id} is not running")

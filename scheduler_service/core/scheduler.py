@@ -237,7 +237,7 @@ class Scheduler:
             need = self._kv.blocks_needed(req, num_tokens)
             if self._kv.could_allocate_later(need):
                 return _Admission.WAIT_FENCE
-            victim = self._preemption.shortage_victim(reversed(self._running), req)
+            victim = self._running[-1]  # the worst (not `preemption.py`'s protection: the step's decode masks index by position)
             self._preempt(victim, b)
             if victim is req:
                 return _Admission.NO_BLOCKS

@@ -40,14 +40,6 @@ def test_a_policy_preemption_only_when_it_pays():
     assert rule.policy_victims([cheap, costly], gain=0) == []
 
 
-def test_a_shortage_passes_over_protected_requests_but_never_above_the_needy_one():
-    rule = PreemptionRule(CONFIG)
-    protected, free, needy = req("protected"), req("free"), req("needy")
-    protected.num_preemptions = 1
-    assert rule.shortage_victim([protected, free, needy], needy) is free
-    assert rule.shortage_victim([protected, needy, free], needy) is needy
-
-
 def test_expected_wait_sheds_past_the_bound_after_measuring_a_backlogged_rate():
     gate = ExpectedWait(2.0)
     gate.check(req("first"), ahead=100, now=0.0)  # nothing measured yet: admitted
