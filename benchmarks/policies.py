@@ -1,30 +1,34 @@
-"""Scheduling quality of fcfs, priority and score on the offline simulator (`stepahead simulate`).
+"""Scheduling quality of fcfs, priority and score under overload, on the offline simulator
+(`stepahead simulate`), with the arrival and length shapes of real production traffic.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/policies.py --sim-profile h100 --model llama3-8b-sim \
-        --num-requests 1500 --out benchmarks/results/policies.json
+    PYTHONPATH=. .venv/bin/python benchmarks/policies.py --out benchmarks/results/policies.json
 
-The profile's capacity (requests/s) is measured first: every request at once, fcfs. Then
-Poisson traces at 0.5x, 1.0x and 1.5x that rate with three priority classes (10 % priority
-0, 30 % priority 1, 60 % priority 2) run under each policy. Reported per class: TTFT p50 /
-p99, TPOT p99; overall: max queue wait (arrival to first schedule) vs the aging bound
-(`--max-wait-time`), preemptions, goodput (share of requests with TTFT <= 2 s and TPOT <=
-100 ms). Goals: at 1.5x, priority 0's p99 TTFT <= 2x its value at 0.5x; under score no
-request waits longer than the aging bound; score's goodput >= fcfs's. Score runs with
-`--score-ttft-target` = this goodput's TTFT target (2 s; `--score-ttft-target 0`: without).
+Traces (`--traces conv code`). With `--azure-csv conv=PATH code=PATH` a downloaded Azure LLM
+inference trace (2023; `TIMESTAMP,ContextTokens,GeneratedTokens`, parsed by `cli.datasets`) is
+replayed as it is: its first `--num-requests` rows, their real lengths and their real
+inter-arrival times, only rescaled to each load. No real trace ships in this repository, so by
+default each trace is *generated from its published shape* (`SHAPES`, `bursty_rows`): bursts
+(Gamma inter-arrival times of coefficient of variation `--burst-cv`, the rate switching between
+busy and calm phases `--burst-ratio` times apart, at the same mean rate) and log-normal lengths
+of the service's median and spread (conversation: prompts of median 1,020 tokens, outputs of
+median 150; code: prompts of median 1,500, outputs of median 13). It is a stand-in of that
+shape, not the trace. Priority classes are drawn per request: 10 % priority 0, 30 % priority 1,
+60 % priority 2.
 
-`--arrivals bursty` replaces the Poisson trace with the shape of the Azure LLM inference
-trace's conversation service (issue 37; no real trace ships here): bursts (Gamma inter-arrival
-times of coefficient of variation `--burst-cv`, the rate switching between busy and calm
-phases `--burst-ratio` times apart, at the same mean rate) and heavy-tailed lengths
-(`bursty_rows`; with `--prompt-len 8 7000 --output-len 1 1000`: prompts of median ~1 k and
-p99 ~4.6 k tokens, outputs of median ~150 and p99 ~1.4 k). `--capacity R` skips the capacity
-run and takes R requests/s. Every row reports preemptions per request (mean, max).
+Per trace the profile's capacity (requests/s: fcfs's steady finish rate when every request
+arrives at once) is measured first (`--capacity conv=R`: given), then the trace runs at 0.5x,
+1.0x and 1.5x of it under each policy, all with the same flags (`--max-wait-time`,
+`--max-expected-wait`, `--preemption-min-progress`, `--extra`). Reported per class: TTFT p50 /
+p99, TPOT p99; overall: TTFT p99, TPOT p99, preemptions (per request: mean, max), the longest
+queue wait (arrival to first schedule) and how many waited past the aging bound
+(`--max-wait-time`), requests shed by admission control (`--max-expected-wait`: refused with
+QUEUE_FULL), and goodput: the share of *offered* requests (shed ones count as missed) with
+TTFT <= 2 s and TPOT <= 100 ms.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/policies.py --sim-profile h200 --num-requests 5000 \
-        --arrivals bursty --prompt-len 8 7000 --output-len 1 1000 --seed 1 --capacity 22.71334
-
-replays the trace on which score livelocked at 1.5x before the progress fix
-(`tests/sim/test_overload_progress.py`).
+Goals (issue 37), checked per trace under score: at 1.5x priority 0's p99 TTFT <= 2x its value
+at 0.5x; TPOT p99 at 1.5x <= 2x its value at 0.5x (the reference load: the unloaded value is
+not measured apart); no request waits past the aging bound at any load; goodput >= fcfs's and
+>= priority's at every load; every run finishes (`SimulationStalled` otherwise).
 """
 
 from __future__ import annotations
@@ -34,11 +38,13 @@ import json
 import math
 import random
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead import config as cfg
 from cli import simulate
+from cli.bench import percentile
 
 CLASSES = ((0, 0.1), (1, 0.3), (2, 0.6))
 POLICIES = ("fcfs", "priority", "score")
@@ -46,42 +52,73 @@ LOADS = (0.5, 1.0, 1.5)
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
 
 
-def write_trace(path: Path, n: int, rate: float, seed: int, prompt: tuple[int, int], output: tuple[int, int],
-                arrivals: str = "poisson", burst_cv: float = 2.5, burst_ratio: float = 4.0,
-                burst_phase_s: float = 20.0) -> Path:
-    rng = random.Random(seed)
-    if arrivals == "bursty":
-        rows = bursty_rows(rng, n, rate, prompt, output, burst_cv, burst_ratio, burst_phase_s)
-    else:
-        t, rows = 0.0, []
-        for _ in range(n):
-            priority = rng.choices([c for c, _ in CLASSES], [w for _, w in CLASSES])[0]
-            rows.append({"arrival_s": t, "prompt_len": rng.randint(*prompt), "output_len": rng.randint(*output),
-                         "priority": priority})
-            t += rng.expovariate(rate) if rate != float("inf") else 0.0
+@dataclass(frozen=True)
+class Shape:
+    """A service's request lengths: log-normal prompt and output lengths (median, sigma),
+    clipped to [1, max_prompt] and [1, max_output]."""
+
+    prompt_median: float
+    prompt_sigma: float
+    output_median: float
+    output_sigma: float
+    max_prompt: int = 7000
+    max_output: int = 1000
+
+
+# The Azure LLM inference trace 2023's two services, by their published medians (spreads chosen
+# to give their heavy tails): a stand-in generated from the shape, not the trace itself.
+SHAPES = {"conv": Shape(1020, 0.65, 150, 0.95), "code": Shape(1500, 0.8, 13, 1.2)}
+
+
+def bursty_rows(rng: random.Random, n: int, rate: float, shape: Shape, cv: float = 2.5, ratio: float = 4.0,
+                phase_s: float = 20.0) -> list[dict]:
+    """`n` requests at mean `rate` in bursts: Gamma gaps of coefficient of variation `cv`, the
+    rate `ratio` times higher in busy phases than in calm ones (phases of exponential length,
+    mean `phase_s`, as much time busy as calm); lengths of `shape`; priority classes `CLASSES`."""
+    gamma, busy, calm = 1 / cv**2, 2 * ratio / (ratio + 1), 2 / (ratio + 1)
+    t, state, switch, rows = 0.0, 0, rng.expovariate(1 / phase_s), []
+    for _ in range(n):
+        if rate != float("inf"):
+            t += rng.gammavariate(gamma, 1 / (gamma * rate * (busy if state else calm)))
+        while t > switch:
+            state, switch = state ^ 1, switch + rng.expovariate(1 / phase_s)
+        p = min(shape.max_prompt, max(1, int(rng.lognormvariate(math.log(shape.prompt_median), shape.prompt_sigma))))
+        o = min(shape.max_output, max(1, int(rng.lognormvariate(math.log(shape.output_median), shape.output_sigma))))
+        rows.append({"arrival_s": t, "prompt_len": p, "output_len": o, "priority": _priority(rng)})
+    return rows
+
+
+def _priority(rng: random.Random) -> int:
+    return rng.choices([c for c, _ in CLASSES], [w for _, w in CLASSES])[0]
+
+
+def azure_rows(path: Path, n: int, rate: float, seed: int) -> list[dict]:
+    """The first `n` requests of an Azure trace CSV, their inter-arrival times scaled to mean
+    `rate` (inf: all at once), a priority class drawn per request."""
+    from cli.datasets import load_trace
+
+    trace, rng = load_trace(path, n), random.Random(seed)
+    span = trace[-1].arrival_s
+    scale = 0.0 if rate == float("inf") or span == 0 else (len(trace) - 1) / rate / span
+    return [{"arrival_s": r.arrival_s * scale, "prompt_len": r.prompt_len, "output_len": r.output_len,
+             "priority": _priority(rng)} for r in trace]
+
+
+def write_trace(path: Path, rows: list[dict]) -> Path:
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     return path
 
 
-def bursty_rows(rng: random.Random, n: int, rate: float, prompt: tuple[int, int], output: tuple[int, int],
-                cv: float, ratio: float, phase_s: float) -> list[dict]:
-    """Arrivals at mean `rate` in bursts: Gamma gaps of coefficient of variation `cv`, the rate
-    `ratio` times higher in busy phases than in calm ones (phases of exponential length, mean
-    `phase_s`, as much time busy as calm). Lengths of the conversation trace's shape:
-    log-normal prompts (median 1,020 tokens) and outputs (median 150), clipped to
-    `prompt` and to `output`'s low end, prompt + output at most `prompt[1] + output[1]`."""
-    shape, busy, calm = 1 / cv**2, 2 * ratio / (ratio + 1), 2 / (ratio + 1)
-    t, state, switch, rows = 0.0, 0, rng.expovariate(1 / phase_s), []
+def poisson_trace(path: Path, n: int, rate: float, seed: int, prompt: tuple[int, int],
+                  output: tuple[int, int]) -> Path:
+    """Poisson arrivals at `rate`, uniform lengths in `prompt` and `output`, the priority
+    classes (`benchmarks/policies_realtime.py`'s traces)."""
+    rng, t, rows = random.Random(seed), 0.0, []
     for _ in range(n):
-        if rate != float("inf"):
-            t += rng.gammavariate(shape, 1 / (shape * rate * (busy if state else calm)))
-        while t > switch:
-            state, switch = state ^ 1, switch + rng.expovariate(1 / phase_s)
-        p = min(prompt[1], max(prompt[0], int(rng.lognormvariate(math.log(1020), 0.65))))
-        o = min(prompt[1] + output[1] - p, max(output[0], int(rng.lognormvariate(math.log(150), 0.95))))
-        priority = rng.choices([c for c, _ in CLASSES], [w for _, w in CLASSES])[0]
-        rows.append({"arrival_s": t, "prompt_len": p, "output_len": o, "priority": priority})
-    return rows
+        rows.append({"arrival_s": t, "prompt_len": rng.randint(*prompt), "output_len": rng.randint(*output),
+                     "priority": _priority(rng)})
+        t += rng.expovariate(rate) if rate != float("inf") else 0.0
+    return write_trace(path, rows)
 
 
 def steady_rate(requests: list[dict]) -> float:
@@ -92,137 +129,179 @@ def steady_rate(requests: list[dict]) -> float:
     return (hi - lo) / (finishes[hi] - finishes[lo])
 
 
+def sim_flags(args, policy: str) -> list[str]:
+    flags = ["--model", args.model, "--sim-profile", args.sim_profile, "--scheduling-policy", policy,
+             "--max-num-seqs", str(args.max_num_seqs), "--max-wait-time", str(args.max_wait_time),
+             "--score-ttft-target", str(args.score_ttft_target)]
+    if getattr(args, "max_expected_wait", None) is not None:
+        flags += ["--max-expected-wait", str(args.max_expected_wait)]
+    if getattr(args, "preemption_min_progress", None) is not None:
+        flags += ["--preemption-min-progress", str(args.preemption_min_progress)]
+    return flags + list(args.extra)
+
+
 def run_sim(args, trace: Path, policy: str) -> dict:
+    """`stepahead simulate` on `trace` with `args`' flags (`sim_flags`) under `policy`."""
     parser = argparse.ArgumentParser()
     simulate.add_arguments(parser)
-    ns = parser.parse_args(["--dataset-path", str(trace), "--model", args.model, "--sim-profile", args.sim_profile,
-                            "--scheduling-policy", policy, "--max-num-seqs", str(args.max_num_seqs),
-                            "--max-wait-time", str(args.max_wait_time),
-                            "--score-ttft-target", str(args.score_ttft_target), *args.extra])
+    ns = parser.parse_args(["--dataset-path", str(trace), *sim_flags(args, policy)])
     return simulate.simulate(cfg.from_args(simulate.SimulateConfig, ns), cfg.from_args(SchedulerDaemonConfig, ns))
 
 
+def _ttft(r: dict) -> float:
+    return r["token_times"][0] - r["arrival"]
+
+
+def _tpot(r: dict) -> float | None:
+    times = r["token_times"]
+    return (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else None
+
+
+def _tails(reqs: list[dict]) -> dict:
+    served = [r for r in reqs if r["token_times"]]
+    ttft = [_ttft(r) * 1e3 for r in served]
+    tpot = [t * 1e3 for r in served if (t := _tpot(r)) is not None]
+    return {"num_requests": len(reqs), "num_shed": sum(not r["token_times"] for r in reqs),
+            "median_ttft_ms": percentile(ttft, 50), "p99_ttft_ms": percentile(ttft, 99),
+            "p99_tpot_ms": percentile(tpot, 99)}
+
+
 def quality(result: dict, max_wait: float) -> dict:
+    """The row of one run: `result["requests"]` holds every offered request, shed ones with
+    no token (`finish_reason` REJECTED: ...)."""
     reqs = result["requests"]
-    good = 0
-    for r in reqs:
-        times = r["token_times"]
-        ttft = times[0] - r["arrival"]
-        tpot = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else 0.0
-        good += ttft <= TTFT_SLO_S and tpot <= TPOT_SLO_S
-    waits = [r["first_scheduled"] - r["arrival"] for r in reqs]
+    served = [r for r in reqs if r["token_times"]]
+    unfinished = [r for r in reqs if not r["finish_reason"]]
+    assert not unfinished, f"{len(unfinished)} requests never finished"
+    good = sum(_ttft(r) <= TTFT_SLO_S and (_tpot(r) or 0.0) <= TPOT_SLO_S for r in served)
+    waits = [r["first_scheduled"] - r["arrival"] for r in served]
+    preemptions = [r["num_preemptions"] for r in served]
     return {
         "goodput": good / len(reqs), "max_queue_wait_s": max(waits), "aging_bound_s": max_wait,
-        "num_preemptions": result["num_preemptions"], "output_throughput": result["output_throughput"],
-        "preemptions_per_request": result["num_preemptions"] / len(reqs),
-        "max_preemptions_per_request": result["max_preemptions_per_request"],
-        "classes": {p: {k: v[k] for k in ("median_ttft_ms", "p99_ttft_ms", "p99_tpot_ms", "num_requests")}
-                    for p, v in result["by_priority"].items()},
+        "waits_over_bound": sum(w > max_wait for w in waits), "num_shed": len(reqs) - len(served),
+        "num_preemptions": result["num_preemptions"], "preemptions_per_request": sum(preemptions) / len(reqs),
+        "max_preemptions_per_request": max(preemptions), "output_throughput": result["output_throughput"],
+        "all": _tails(reqs),
+        "classes": {str(p): _tails([r for r in reqs if r["priority"] == p]) for p, _ in CLASSES},
     }
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| load | policy | p0 TTFT p50/p99 ms | p1 TTFT p50/p99 ms | p2 TTFT p50/p99 ms | TPOT p99 ms (p0/p1/p2) "
-             "| max wait s (bound) | preemptions (per request, max) | goodput |", "|" + "---|" * 9]
+    lines = ["| trace | load | policy | p0 TTFT p50 / p99 ms | p1 TTFT p99 | p2 TTFT p99 | all TTFT p99 ms | TPOT p99 ms "
+             "(p0/p1/p2) | preemptions (per req, max) | max wait s | waits > bound | shed (p0/p1/p2) | goodput |",
+             "|" + "---|" * 13]
     for r in rows:
         c = r["classes"]
-        ttft = " | ".join(f"{c[p]['median_ttft_ms']:.0f} / {c[p]['p99_ttft_ms']:.0f}" for p in ("0", "1", "2"))
-        tpot = " / ".join(f"{c[p]['p99_tpot_ms']:.0f}" for p in ("0", "1", "2"))
-        lines.append(f"| {r['load']}x | {r['policy']} | {ttft} | {tpot} | {r['max_queue_wait_s']:.1f} "
-                     f"({r['aging_bound_s']:.0f}) | {r['num_preemptions']} ({r['preemptions_per_request']:.2f}, "
-                     f"{r['max_preemptions_per_request']}) | {r['goodput']:.1%} |")
+        shed = "/".join(str(c[p]["num_shed"]) for p in ("0", "1", "2"))
+        lines.append(
+            f"| {r['trace']} | {r['load']}x | {r['policy']} | {c['0']['median_ttft_ms']:.0f} / "
+            f"{c['0']['p99_ttft_ms']:.0f} | {c['1']['p99_ttft_ms']:.0f} | {c['2']['p99_ttft_ms']:.0f} | "
+            f"{r['all']['p99_ttft_ms']:.0f} | {r['all']['p99_tpot_ms']:.0f} ({c['0']['p99_tpot_ms']:.0f}/"
+            f"{c['1']['p99_tpot_ms']:.0f}/{c['2']['p99_tpot_ms']:.0f}) | {r['num_preemptions']} "
+            f"({r['preemptions_per_request']:.2f}, {r['max_preemptions_per_request']}) | "
+            f"{r['max_queue_wait_s']:.1f} | {r['waits_over_bound']} | {r['num_shed']} ({shed}) | {r['goodput']:.1%} |")
     return "\n".join(lines)
 
 
-def goals(rows: list[dict]) -> list[str]:
-    by = {(r["load"], r["policy"]): r for r in rows}
+def goals(rows: list[dict]) -> list[tuple[str, bool]]:
+    """(verdict, holds) of every goal, per trace, for the score policy."""
+    by = {(r["trace"], r["load"], r["policy"]): r for r in rows}
     out = []
-    for policy in POLICIES:
-        lo, hi = by[(0.5, policy)]["classes"]["0"]["p99_ttft_ms"], by[(1.5, policy)]["classes"]["0"]["p99_ttft_ms"]
-        out.append(f"{policy}: priority-0 p99 TTFT at 1.5x = {hi:.0f} ms vs 2 x {lo:.0f} ms at 0.5x: "
-                   f"{'holds' if hi <= 2 * lo else 'MISSED'}")
-    for load in LOADS:
-        s = by[(load, "score")]
-        out.append(f"score at {load}x: max queue wait {s['max_queue_wait_s']:.1f} s vs aging bound "
-                   f"{s['aging_bound_s']:.0f} s: {'holds' if s['max_queue_wait_s'] <= s['aging_bound_s'] else 'MISSED'}")
-        f = by[(load, "fcfs")]
-        out.append(f"goodput at {load}x: score {s['goodput']:.1%} vs fcfs {f['goodput']:.1%}: "
-                   f"{'holds' if s['goodput'] >= f['goodput'] else 'MISSED'}")
+    for trace in sorted({r["trace"] for r in rows}):
+        lo, hi = by[(trace, LOADS[0], "score")], by[(trace, LOADS[-1], "score")]
+        a, b = lo["classes"]["0"]["p99_ttft_ms"], hi["classes"]["0"]["p99_ttft_ms"]
+        out.append((f"{trace}: score priority-0 p99 TTFT at {LOADS[-1]}x = {b:.0f} ms vs 2 x {a:.0f} ms at "
+                    f"{LOADS[0]}x", b <= 2 * a))
+        a, b = lo["all"]["p99_tpot_ms"], hi["all"]["p99_tpot_ms"]
+        out.append((f"{trace}: score TPOT p99 at {LOADS[-1]}x = {b:.0f} ms vs 2 x {a:.0f} ms at {LOADS[0]}x",
+                    b <= 2 * a))
+        for load in LOADS:
+            s = by[(trace, load, "score")]
+            out.append((f"{trace} {load}x: score requests waiting past the aging bound: {s['waits_over_bound']} "
+                        f"(max wait {s['max_queue_wait_s']:.1f} s, bound {s['aging_bound_s']:.0f} s)",
+                        s["waits_over_bound"] == 0))
+            f, p = by[(trace, load, "fcfs")], by[(trace, load, "priority")]
+            out.append((f"{trace} {load}x: goodput score {s['goodput']:.1%} vs fcfs {f['goodput']:.1%}, priority "
+                        f"{p['goodput']:.1%}", s["goodput"] >= f["goodput"] and s["goodput"] >= p["goodput"]))
     return out
 
 
-def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
+def rows_for(args, trace: str, rate: float) -> list[dict]:
+    if trace in args.azure_csv:
+        return azure_rows(Path(args.azure_csv[trace]), args.num_requests, rate, args.seed)
+    return bursty_rows(random.Random(args.seed), args.num_requests, rate, SHAPES[trace], args.burst_cv,
+                       args.burst_ratio, args.burst_phase_s)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for policy in POLICIES:
-        mine = [r for r in rows if r["policy"] == policy]
-        a.plot([r["load"] for r in mine], [r["classes"]["0"]["p99_ttft_ms"] for r in mine], "-o", label=policy)
-        b.plot([r["load"] for r in mine], [r["goodput"] for r in mine], "-o", label=policy)
-    a.set_title("priority-0 p99 TTFT (ms)")
-    a.set_yscale("log")
-    b.set_title(f"goodput (TTFT <= {TTFT_SLO_S:.0f} s, TPOT <= {TPOT_SLO_S * 1e3:.0f} ms)")
-    for ax in (a, b):
-        ax.set_xlabel("offered load / capacity")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+def measure(args, work: Path, trace: str, policies=POLICIES, loads=LOADS) -> tuple[float, list[dict]]:
+    """(capacity, rows) of one trace."""
+    capacity = args.capacity.get(trace)
+    if capacity is None:
+        burst = write_trace(work / f"{trace}-burst.jsonl", rows_for(args, trace, float("inf")))
+        capacity = steady_rate(run_sim(args, burst, "fcfs")["requests"])
+        print(f"{trace}: capacity {capacity:.3f} requests/s (fcfs, every request at once)", flush=True)
+    rows = []
+    for load in loads:
+        path = write_trace(work / f"{trace}-{load}.jsonl", rows_for(args, trace, load * capacity))
+        for policy in policies:
+            row = {"trace": trace, "load": load, "policy": policy,
+                   **quality(run_sim(args, path, policy), args.max_wait_time)}
+            rows.append(row)
+            print(table([row]).splitlines()[-1], flush=True)
+    return capacity, rows
+
+
+def _pairs(values: list[str], what: str) -> dict[str, str]:
+    out = {}
+    for v in values:
+        name, sep, value = v.partition("=")
+        if not sep or name not in SHAPES:
+            raise SystemExit(f"{what}: expected TRACE=VALUE with TRACE in {sorted(SHAPES)}, got {v!r}")
+        out[name] = value
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--traces", nargs="+", choices=sorted(SHAPES), default=["conv", "code"])
+    p.add_argument("--azure-csv", nargs="*", default=[], metavar="TRACE=PATH",
+                   help="replay a downloaded Azure trace CSV instead of the generated shape")
+    p.add_argument("--sim-profile", default="h200")
+    p.add_argument("--model", default="llama3-8b-sim")
+    p.add_argument("--num-requests", type=int, default=1500)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-wait-time", type=float, default=30.0, help="the aging bound, seconds")
+    p.add_argument("--score-ttft-target", type=float, default=TTFT_SLO_S)
+    p.add_argument("--max-expected-wait", type=float, default=None, help="admission control, seconds (off)")
+    p.add_argument("--preemption-min-progress", type=int, default=None, help="tokens (the scheduler's default)")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--capacity", nargs="*", default=[], metavar="TRACE=R", help="requests/s; default: measured")
+    p.add_argument("--burst-cv", type=float, default=2.5, help="CV of the inter-arrival times")
+    p.add_argument("--burst-ratio", type=float, default=4.0, help="busy / calm rate")
+    p.add_argument("--burst-phase-s", type=float, default=20.0, help="mean phase length, seconds")
+    p.add_argument("--extra", nargs="*", default=[], help="more scheduler flags for every run")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/policies.json"))
+    return p
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sim-profile", default="h100")
-    parser.add_argument("--model", default="llama3-8b-sim")
-    parser.add_argument("--num-requests", type=int, default=1500)
-    parser.add_argument("--prompt-len", type=int, nargs=2, default=(128, 1024))
-    parser.add_argument("--output-len", type=int, nargs=2, default=(32, 512))
-    parser.add_argument("--max-num-seqs", type=int, default=128)
-    parser.add_argument("--max-wait-time", type=float, default=30.0)
-    parser.add_argument("--score-ttft-target", type=float, default=TTFT_SLO_S,
-                        help="the score policy's TTFT target, seconds (0: off)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--arrivals", choices=("poisson", "bursty"), default="poisson",
-                        help="bursty: the conversation trace's shape (bursts, heavy-tailed lengths)")
-    parser.add_argument("--capacity", type=float, default=None, help="requests/s; default: measured")
-    parser.add_argument("--burst-cv", type=float, default=2.5, help="bursty: CV of the inter-arrival times")
-    parser.add_argument("--burst-ratio", type=float, default=4.0, help="bursty: busy / calm rate")
-    parser.add_argument("--burst-phase-s", type=float, default=20.0, help="bursty: mean phase length, seconds")
-    parser.add_argument("--extra", nargs="*", default=[], help="more scheduler flags for every run")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/policies.json"))
-    args = parser.parse_args()
+    args = parser().parse_args()
+    args.azure_csv = _pairs(args.azure_csv, "--azure-csv")
+    args.capacity = {k: float(v) for k, v in _pairs(args.capacity, "--capacity").items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
+    capacities, rows = {}, []
     with tempfile.TemporaryDirectory(prefix="policies-") as tmp:
-        run_all(args, Path(tmp))
-
-
-def trace_for(args, path: Path, rate: float) -> Path:
-    return write_trace(path, args.num_requests, rate, args.seed, args.prompt_len, args.output_len, args.arrivals,
-                       args.burst_cv, args.burst_ratio, args.burst_phase_s)
-
-
-def run_all(args, work: Path) -> None:
-    capacity = args.capacity
-    if capacity is None:
-        saturated = run_sim(args, trace_for(args, work / "burst.jsonl", float("inf")), "fcfs")
-        capacity = steady_rate(saturated["requests"])
-        print(f"capacity: {capacity:.2f} requests/s (steady state of a burst of {args.num_requests}, fcfs) "
-              f"on {args.sim_profile} with {args.model}", flush=True)
-    rows = []
-    for load in LOADS:
-        trace = trace_for(args, work / f"load{load}.jsonl", load * capacity)
-        for policy in POLICIES:
-            rows.append({"load": load, "policy": policy, **quality(run_sim(args, trace, policy), args.max_wait_time)})
-            print(table(rows[-1:]).splitlines()[-1], flush=True)
+        for trace in args.traces:
+            capacities[trace], mine = measure(args, Path(tmp), trace)
+            rows += mine
     print(table(rows))
     verdicts = goals(rows)
-    print("\n".join(verdicts))
-    args.out.write_text(json.dumps({"capacity_req_s": capacity, "rows": rows, "goals": verdicts,
-                                    "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
-    plot(rows, args.out.with_suffix(".png"))
+    print("\n".join(f"{text}: {'holds' if ok else 'MISSED'}" for text, ok in verdicts))
+    args.out.write_text(json.dumps({
+        "capacity_req_s": capacities, "rows": rows,
+        "goals": [{"goal": text, "holds": ok} for text, ok in verdicts],
+        "trace_source": {t: args.azure_csv.get(t, "generated from the published shape") for t in args.traces},
+        "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
 
 
 if __name__ == "__main__":

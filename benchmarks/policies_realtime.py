@@ -101,8 +101,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="policies-rt-") as tmp:
         work = Path(tmp)
         profile = slowed_profile(args.sim_profile, args.slowdown, work)
-        burst = policies.write_trace(work / "burst.jsonl", args.capacity_requests, float("inf"), args.seed,
-                                     args.prompt_len, args.output_len)
+        burst = policies.poisson_trace(work / "burst.jsonl", args.capacity_requests, float("inf"), args.seed,
+                                      args.prompt_len, args.output_len)
         sim_args = argparse.Namespace(model=args.model, sim_profile=str(profile), max_num_seqs=args.max_num_seqs,
                                       max_wait_time=args.max_wait_time * args.slowdown,
                                       score_ttft_target=policies.TTFT_SLO_S * args.slowdown, extra=[])
@@ -110,8 +110,8 @@ def main() -> None:
         print(f"capacity of the {args.slowdown:g}x slower device: {capacity:.3f} requests/s "
               f"({capacity * args.slowdown:.2f} at full speed)", flush=True)
         for load in LOADS:
-            trace = policies.write_trace(work / f"load{load}.jsonl", args.num_requests, load * capacity, args.seed,
-                                         args.prompt_len, args.output_len)
+            trace = policies.poisson_trace(work / f"load{load}.jsonl", args.num_requests, load * capacity, args.seed,
+                                          args.prompt_len, args.output_len)
             for policy in args.policies:
                 row = {"load": load, "policy": policy, "offline": offline(args, trace, profile, policy),
                        "realtime": realtime(args, trace, profile, policy, work)}

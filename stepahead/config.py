@@ -72,7 +72,7 @@ RANGES: dict[str, Range] = {
     "max_model_len": Range(int, 2), "num_gpu_blocks_override": _POSITIVE, "kv_cache_memory_bytes": _POSITIVE,
     "gpu_memory_utilization": Range(float, 0, 1, lo_open=True), "swap_space": Range(float, 0),
     "long_prefill_token_threshold": Range(int, 0), "max_concurrent_batches": _POSITIVE,
-    "max_queued_requests": _POSITIVE, "max_logprobs": Range(int, 0),
+    "max_queued_requests": _POSITIVE, "max_logprobs": Range(int, 0), "preemption_min_progress": Range(int, 0),
     # processes and threads
     "num_threads": _POSITIVE, "max_workers": _POSITIVE, "data_parallel_size": _POSITIVE,
     "tensor_parallel_size": Range(int, 1, 1024), "sim_num_devices": _POSITIVE, "max_restarts": Range(int, 0),
@@ -82,6 +82,7 @@ RANGES: dict[str, Range] = {
     "reconnect_max_backoff_s": _SECONDS, "worker_step_timeout": _SECONDS, "worker_wait_timeout": _SECONDS,
     "failover_timeout": _SECONDS, "gc_warning_threshold_secs": Range(float, 0),
     "max_wait_time": Range(float, 0, lo_open=True, allow_inf=True), "score_ttft_target": Range(float, 0),
+    "max_expected_wait": _SECONDS,
     # gateway
     "max_request_bytes": _POSITIVE, "max_concurrent_streams": _POSITIVE, "stream_interval": _POSITIVE,
     # scheduling weights and probabilities

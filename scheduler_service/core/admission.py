@@ -1,11 +1,13 @@
 """What a submission must satisfy before the scheduler core takes it (pure Python).
 
 A gateway is a network peer like any other: every submission is checked against the
-shared limits (`stepahead.limits`) again, against the KV pool, and against the waiting
-queue's bound. The checked request's sampling params are the normalised ones.
+shared limits (`stepahead.limits`) again, against the KV pool, against the waiting
+queue's bound, and (`ExpectedWait`, when on) against the wait it can expect. The checked request's sampling params are the normalised ones.
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.core.kv_manager import cdiv
@@ -48,3 +50,54 @@ def check_fits(config: SchedulerConfig, request: Request) -> None:
             f"request {request.request_id!r}: needs up to {blocks} KV blocks ({final_len} tokens) but the device "
             f"pool has only {config.num_gpu_blocks}"
         )
+
+
+class ExpectedWait:
+    """Admission control (`max_expected_wait`): a new request is refused (QueueFull: the
+    gateway answers RESOURCE_EXHAUSTED / HTTP 429 with Retry-After) when its expected queue
+    wait is longer than the bound.
+
+        expected wait = requests the policy serves before it / admission rate
+
+    The requests before it are the waiting ones of its priority or better (all of them under
+    fcfs: `QueuePolicy.ahead_of`), so under overload the worst class is refused first and a
+    better class only once its own backlog is too long. The admission rate is measured while
+    the queue is backlogged: over the last `WINDOW` gaps between admissions that had requests
+    still waiting (an idle queue's gaps measure the arrivals, not the capacity), the gap open
+    since the last admission included, so a core that stops admitting sheds sooner. Before
+    any such gap there is no estimate and nothing is refused."""
+
+    WINDOW = 64
+
+    def __init__(self, bound: float | None) -> None:
+        self.bound = bound
+        self._gaps: deque[float] = deque()
+        self._sum = 0.0
+        self._last: float | None = None
+        self._backlogged = False  # requests were still waiting after the last admission
+
+    def admitted(self, now: float, num_waiting: int) -> None:
+        """A request left the waiting queue at `now`; `num_waiting` still wait."""
+        if self._backlogged and self._last is not None:
+            gap = now - self._last
+            self._gaps.append(gap)
+            self._sum += gap
+            if len(self._gaps) > self.WINDOW:
+                self._sum -= self._gaps.popleft()
+        self._last, self._backlogged = now, num_waiting > 0
+
+    def estimate(self, ahead: int, now: float) -> float | None:
+        """Seconds until `ahead` more admissions at the measured rate (None: not measured yet)."""
+        if not self._gaps:
+            return None
+        span = self._sum + (now - self._last if self._backlogged else 0.0)
+        return ahead * span / len(self._gaps)
+
+    def check(self, request: Request, ahead: int, now: float) -> None:
+        if self.bound is None or not ahead:
+            return
+        wait = self.estimate(ahead, now)
+        if wait is not None and wait > self.bound:
+            raise QueueFull(
+                f"request {request.request_id!r}: expected queue wait {wait:.1f} s for priority {request.priority} "
+                f"({ahead} requests ahead) is past --max-expected-wait {self.bound:g} s; retry later")

@@ -46,6 +46,13 @@ class SchedulingConfig(StepBudgetConfig):
               "for its plans: a deeper window costs new requests a step of TTFT (docs/architecture.md)")
     max_queued_requests: int | None = cfg.field(
         4096, "waiting requests at most; more are refused with RESOURCE_EXHAUSTED (SGLang's name; None: unbounded)")
+    max_expected_wait: float | None = cfg.field(
+        None, "admission control, seconds (unset: off): a new request whose expected queue wait (the requests the "
+              "policy serves before it over the measured admission rate) is longer is refused with "
+              "RESOURCE_EXHAUSTED / HTTP 429, so under overload the lowest priority class is shed first")
+    preemption_min_progress: int = cfg.field(
+        16, "output tokens a preempted request commits before it may be preempted again (0: no protection; "
+            "scheduler_service/core/preemption.py)")
     # score policy: score = w_priority * priority + w_length * remaining tokens - w_wait * seconds waited;
     # lowest score first
     score_priority_weight: float = cfg.field(
@@ -99,6 +106,10 @@ class SchedulerConfig(SchedulingConfig):
             object.__setattr__(self, "preemption_mode", PreemptionMode(self.preemption_mode))
         if self.max_wait_time <= 0 or math.isnan(self.max_wait_time):
             raise ValueError(f"max_wait_time must be > 0, got {self.max_wait_time}")
+        if self.max_expected_wait is not None and not self.max_expected_wait > 0:  # also refuses NaN
+            raise ValueError(f"max_expected_wait must be > 0, got {self.max_expected_wait}")
+        if self.preemption_min_progress < 0:
+            raise ValueError(f"preemption_min_progress must be >= 0, got {self.preemption_min_progress}")
         if not self.score_ttft_target >= 0:  # also refuses NaN
             raise ValueError(f"score_ttft_target must be >= 0, got {self.score_ttft_target}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from abc import ABC, abstractmethod
+from collections import Counter
 from collections.abc import Iterable
 
 from scheduler_service.core.config import SchedulerConfig, SchedulingPolicy
@@ -41,6 +42,12 @@ class QueuePolicy(ABC):
     def is_aged(self, request: Request, now: float) -> bool:
         return False
 
+    def ahead_of(self, priority: int, waiting: Counter) -> int:
+        """Waiting requests (`waiting`: how many of each priority) served before a new request
+        of `priority` (admission control's model, `admission.ExpectedWait`): those of its
+        priority or better."""
+        return sum(n for p, n in waiting.items() if p <= priority)
+
     def urgent_key(self, request: Request) -> tuple:
         """Order of urgent waiting requests (comparable with `static_key`)."""
         return self.static_key(request)
@@ -60,6 +67,9 @@ class QueuePolicy(ABC):
 class FcfsPolicy(QueuePolicy):
     def static_key(self, request: Request) -> tuple:
         return (request.arrival_time,)
+
+    def ahead_of(self, priority: int, waiting: Counter) -> int:
+        return sum(waiting.values())
 
 
 class PriorityPolicy(QueuePolicy):
@@ -206,6 +216,7 @@ class WaitingQueue:
         self._urgent: list[tuple] = []  # those past `urgent_after`, by the policy's urgent key
         self._tokens = itertools.count()
         self._len = 0
+        self.by_priority: Counter = Counter()  # waiting requests of each priority
 
     def __len__(self) -> int:
         return self._len
@@ -223,11 +234,13 @@ class WaitingQueue:
         if self._policy.ttft_target and not request.num_output_tokens:
             heapq.heappush(self._by_arrival, (request.arrival_time, token, request))
         self._len += 1
+        self.by_priority[request.priority] += 1
 
     def remove(self, request: Request) -> None:
         assert request.queue_token is not None, f"{request.request_id} is not queued"
         request.queue_token = None
         self._len -= 1
+        self.by_priority[request.priority] -= 1
 
     def peek(self, now: float) -> Request | None:
         if self._policy.has_aging:

@@ -107,6 +107,7 @@ class Request:
         "host_block_ids",
         "num_cached_tokens",
         "num_preemptions",
+        "output_at_preemption",
         "first_scheduled_time",
         "queued_time",
         "epoch",
@@ -168,6 +169,7 @@ class Request:
         self.num_output_placeholders = 0
         self.num_cached_tokens = 0  # prefix-cache hit at first admission (reported to clients)
         self.num_preemptions = 0
+        self.output_at_preemption = 0  # output tokens committed when it was last preempted (`preemption.py`)
         self.first_scheduled_time: float | None = None
         self.queued_time: float | None = None  # when it last entered the waiting queue
         # Scheduler bookkeeping.

@@ -27,7 +27,7 @@ from operator import attrgetter
 
 import numpy as np
 
-from scheduler_service.core.admission import check_submission
+from scheduler_service.core.admission import ExpectedWait, check_submission
 from scheduler_service.core.block_pool import BlockHashFn, default_block_hash
 from scheduler_service.core.config import PreemptionMode, SchedulerConfig
 from scheduler_service.core.commit import StepCommitter
@@ -36,6 +36,7 @@ from scheduler_service.core.events import RequestEvent, StepEvents
 from scheduler_service.core.integrity import check_core
 from scheduler_service.core.kv_manager import KVCacheManager, PrefixHit, cdiv
 from scheduler_service.core.policy import WaitingQueue, make_policy
+from scheduler_service.core.preemption import PreemptionRule
 from scheduler_service.core.running_set import RunningSet
 from scheduler_service.core.speculation import draft_allowance
 from scheduler_service.core.result_checks import check_result
@@ -67,6 +68,8 @@ class Scheduler:
         self.config = config
         self._clock = clock
         self._policy = make_policy(config)
+        self._preemption = PreemptionRule(config)
+        self._expected_wait = ExpectedWait(config.max_expected_wait)
         self._kv = KVCacheManager(
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn
         )
@@ -100,6 +103,7 @@ class Scheduler:
             raise RequestRejected(f"request {rid!r} was already used by a scheduler")
         check_submission(self.config, request, len(self._waiting))
         now = self._clock()
+        self._expected_wait.check(request, self._policy.ahead_of(request.priority, self._waiting.by_priority), now)
         if request.arrival_time is None:
             request.arrival_time = now
         request.queued_time = now
@@ -233,7 +237,7 @@ class Scheduler:
             need = self._kv.blocks_needed(req, num_tokens)
             if self._kv.could_allocate_later(need):
                 return _Admission.WAIT_FENCE
-            victim = self._running[-1]
+            victim = self._running[-1]  # the worst (not `preemption.py`'s protection: the step's decode masks index by position)
             self._preempt(victim, b)
             if victim is req:
                 return _Admission.NO_BLOCKS
@@ -299,15 +303,18 @@ class Scheduler:
         return _Admission.OK
 
     def _policy_victim(self, candidate: Request, b: StepBuilder, now: float) -> Request | None:
-        """The running request the policy lets the waiting `candidate` preempt, if any."""
+        """The running request the policy lets the waiting `candidate` preempt, if any: of
+        those whose preemption pays and that are not protected (`preemption.py`)."""
         if not self._policy.can_preempt_running:
             return None
+        rule = self._preemption
         worst_first = (r for r in reversed(self._running) if not b.is_scheduled_new(r))
-        return self._policy.pick_victim(candidate, worst_first, now)
+        return self._policy.pick_victim(candidate, rule.policy_victims(worst_first, rule.gain(self._running)), now)
 
     # ---- status transitions --------------------------------------------------------------
     def _admit(self, req: Request, hit: PrefixHit, n: int, b: StepBuilder, now: float) -> None:
         self._waiting.remove(req)
+        self._expected_wait.admitted(now, len(self._waiting))
         self._kv.take_hit(req, hit)
         req.num_computed_tokens = req.num_scheduled_tokens = hit.num_blocks * self.config.block_size
         ok = self._kv.allocate_slots(req, req.num_computed_tokens + n)
@@ -336,6 +343,7 @@ class Scheduler:
         victim.epoch += 1  # its in-flight results are stale from now on
         victim.num_output_placeholders = 0
         victim.num_preemptions += 1
+        victim.output_at_preemption = victim.num_output_tokens
         self._counts["num_preemptions"] += 1
         if victim.in_worker:
             self._pending_preempted.append(victim.request_id)

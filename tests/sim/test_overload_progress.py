@@ -135,8 +135,11 @@ class _PreemptsAnyone(FcfsPolicy):
         return True
 
 
+# preemption_min_progress=0: without the protection of a once-preempted request
+# (`preemption.py`), which would end the broken policy's cycle after one preemption
 STALL_CONFIG = SchedulerConfig(num_gpu_blocks=64, max_model_len=256, block_size=4, max_num_seqs=1,
-                               max_num_batched_tokens=64, enable_prefix_caching=False, async_scheduling=False)
+                               max_num_batched_tokens=64, enable_prefix_caching=False, async_scheduling=False,
+                               preemption_min_progress=0)
 
 
 def _two_long_prompts(d: Driver) -> None:
