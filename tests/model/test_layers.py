@@ -19,6 +19,7 @@ from worker_service.layers.norm import LayerNorm, OffsetRMSNorm, RMSNorm
 from worker_service.layers.rotary import RotaryTable, apply_rotary
 from worker_service.model_config import RopeConfig
 from worker_service.paged_attention import PagedDecodeBackend
+from tests.model.test_sliding_window import _reference
 
 BLOCK = 4
 
@@ -135,23 +136,6 @@ def test_rotary_shapes_and_partial_rotation(partial):
 
 # --- attention sinks through the backends -------------------------------------------------------
 
-def _sink_reference(q, k_all, v_all, q_pos, scale, window, softcap, sinks):
-    """Per query, per head, in float64: exp(l_j) / (Σ_j exp(l_j) + exp(sink_h)) over the keys
-    p - window < j <= p, times v."""
-    out = torch.empty_like(q)  # [n, heads, d]
-    group = q.shape[1] // k_all.shape[1]
-    for t, p in enumerate(q_pos):
-        lo = 0 if window is None else max(0, p - window + 1)
-        k, v = k_all[lo : p + 1].double(), v_all[lo : p + 1].double()  # [keys, kvh, d]
-        for h in range(q.shape[1]):
-            s = k[:, h // group] @ q[t, h].double() * scale  # [keys]
-            if softcap is not None:
-                s = torch.tanh(s / softcap) * softcap
-            e = torch.exp(s)
-            out[t, h] = (e / (e.sum() + torch.exp(sinks[h].double())) @ v[:, h // group]).float()
-    return out
-
-
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0), (5, 2.0)])
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend], ids=["torch", "paged"])
 def test_backends_attend_with_sinks_as_the_reference(window, softcap, backend):
@@ -174,7 +158,7 @@ def test_backends_attend_with_sinks_as_the_reference(window, softcap, backend):
         prefill_token_index=torch.arange(len(lens), len(lens) + 6)[None], prefill_rows=torch.arange(6),
         max_prefill_kv=23)
     out = backend().attend(q, k_cache, v_cache, meta, 0.3, window, softcap, sinks=sinks)
-    expected = _sink_reference(q, k_all, v_all, meta.positions.tolist(), 0.3, window, softcap, sinks)
+    expected = _reference(q, k_all, v_all, meta.positions.tolist(), 0.3, window, softcap, sinks)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
     plain = backend().attend(q, k_cache, v_cache, meta, 0.3, window, softcap)
     assert (out - plain).abs().max() > 1e-2  # the sinks take weight off the values

@@ -88,8 +88,9 @@ def test_a_window_leaves_the_context_unclamped(windowed):
 BLOCK = 4
 
 
-def _reference(q, k_all, v_all, q_pos, scale, window, softcap):
-    """Per query, per head, in float64: softmax over the keys p - window < k <= p."""
+def _reference(q, k_all, v_all, q_pos, scale, window, softcap, sinks=None):
+    """Per query, per head, in float64: softmax over the keys p - window < k <= p; with `sinks`
+    ([heads] logits, gpt-oss style) exp(l_k) / (sum_k exp(l_k) + exp(sink_h)) instead."""
     out = torch.empty_like(q)  # [n, heads, d]
     group = q.shape[1] // k_all.shape[1]
     for t, p in enumerate(q_pos):
@@ -99,7 +100,12 @@ def _reference(q, k_all, v_all, q_pos, scale, window, softcap):
             s = k[:, h // group] @ q[t, h].double() * scale  # [keys]
             if softcap is not None:
                 s = torch.tanh(s / softcap) * softcap
-            out[t, h] = (torch.softmax(s, dim=0) @ v[:, h // group]).float()
+            if sinks is None:
+                weights = torch.softmax(s, dim=0)
+            else:
+                e = torch.exp(s)
+                weights = e / (e.sum() + torch.exp(sinks[h].double()))
+            out[t, h] = (weights @ v[:, h // group]).float()
     return out
 
 
