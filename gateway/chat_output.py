@@ -10,8 +10,9 @@ from typing import NamedTuple
 
 from gateway import reasoning_parsers
 from gateway.reasoning_parsers import ReasoningParser
-from gateway.tool_choice import ForcedTools
+from gateway.tool_choice import ForcedTools, ToolFields, ToolMode, ToolRequest
 from gateway.tool_parsers import PARSERS, CallStream, Parsed, ToolCallDelta, ToolCallParser
+from stepahead.limits import LimitError as ValidationError
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,18 @@ class ChatParsing:
     @property
     def plain(self) -> bool:
         return self.reasoning is None and self.tool_parser is None and self.forced is None
+
+
+def chat_parsing(tools: ToolRequest, tool_parser: ToolCallParser | None, reasoning: ReasoningParser | None,
+                 fields: ToolFields = ToolFields()) -> ChatParsing:
+    """How a request's output is read: the server's parsers (`--tool-call-parser`,
+    `--reasoning-parser`) and the request's tool choice."""
+    if tools.effective_mode is ToolMode.AUTO and tools.tools:
+        if tool_parser is None:
+            raise ValidationError(fields.choice, '"auto" needs the server started with --tool-call-parser; '
+                                         'use "required", a named function or "none"')
+        return ChatParsing(reasoning, tool_parser, None)
+    return ChatParsing(reasoning, None, tools.forced(fields))
 
 
 class ChatDelta(NamedTuple):

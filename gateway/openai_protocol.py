@@ -15,15 +15,15 @@ Logprobs: completions `logprobs=k` (0: the sampled token only; with `echo`, the 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.chat_output import ChatParsing
+from gateway.chat_output import chat_parsing as tool_parsing
 from gateway.reasoning_parsers import ReasoningParser
-from gateway.tool_choice import ForcedTools, ToolSpec, forced
+from gateway.tool_choice import ToolMode, ToolRequest, ToolSpec, call_arguments
 from gateway.tool_parsers import ToolCallParser
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead import limits
@@ -311,20 +311,9 @@ def message_dict(message: ChatMessage, index: int = 0) -> dict[str, Any]:
     if message.tool_calls:
         out["tool_calls"] = [{"id": call.id, "type": "function",
                               "function": {"name": call.function.name,
-                                           "arguments": _arguments(call.function.arguments, index, j)}}
+                                           "arguments": call_arguments(call.function.arguments, f"messages[{index}].tool_calls[{j}].function.arguments")}}
                              for j, call in enumerate(message.tool_calls)]
     return out
-
-
-def _arguments(text: str, index: int, j: int) -> dict[str, Any]:
-    field = f"messages[{index}].tool_calls[{j}].function.arguments"
-    try:
-        value = json.loads(text)
-    except ValueError as exc:
-        raise ValidationError(field, f"is not JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValidationError(field, "must be a JSON object")
-    return value
 
 
 def tool_dicts(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
@@ -334,39 +323,20 @@ def tool_dicts(tools: list[ChatTool] | None) -> list[dict[str, Any]] | None:
     return [tool.model_dump(exclude_none=True) for tool in tools]
 
 
-def _forced(body: ChatCompletionRequest) -> ForcedTools | None:
-    """`required` or a named function: the tools whose schema the output must follow."""
+def tool_request(body: ChatCompletionRequest) -> ToolRequest:
+    """The request's tools and `tool_choice` in the domain's form."""
     choice = body.tool_choice
-    if choice is None or choice in ("none", "auto"):
-        return None
-    if not body.tools:
-        raise ValidationError("tool_choice", f"{_shown(choice)} needs tools")
-    names = [t.function.name for t in body.tools]
-    if len(set(names)) != len(names):
-        raise ValidationError("tools", "function names must be unique")
-    specs = [ToolSpec(t.function.name, t.function.parameters) for t in body.tools]
+    specs = tuple(ToolSpec(t.function.name, t.function.parameters) for t in body.tools or ())
     if isinstance(choice, NamedToolChoice):
-        if choice.function.name not in names:
-            raise ValidationError("tool_choice.function.name", f"{choice.function.name!r} is not one of the tools")
-        return forced(specs, choice.function.name, body.parallel_tool_calls)
-    return forced(specs, None, body.parallel_tool_calls)
-
-
-def _shown(choice) -> str:
-    return f"function {choice.function.name!r}" if isinstance(choice, NamedToolChoice) else repr(choice)
+        return ToolRequest(specs, None, choice.function.name, body.parallel_tool_calls)
+    return ToolRequest(specs, None if choice is None else ToolMode(choice), None, body.parallel_tool_calls)
 
 
 def chat_parsing(body: ChatCompletionRequest, tool_parser: ToolCallParser | None,
                  reasoning: ReasoningParser | None) -> ChatParsing:
-    """How this request's output is read: the server's parsers (`--tool-call-parser`,
-    `--reasoning-parser`) and the request's `tool_choice` (default: `auto` with tools, as OpenAI)."""
-    choice = body.tool_choice if body.tool_choice is not None else ("auto" if body.tools else "none")
-    if choice == "auto" and body.tools:
-        if tool_parser is None:
-            raise ValidationError("tool_choice", '"auto" needs the server started with --tool-call-parser; '
-                                                 'use "required", a named function or "none"')
-        return ChatParsing(reasoning, tool_parser, None)
-    return ChatParsing(reasoning, None, _forced(body))
+    """How this request's output is read (`chat_output.chat_parsing`; default: `auto` with
+    tools, as OpenAI)."""
+    return tool_parsing(tool_request(body), tool_parser, reasoning)
 
 
 def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequest:
@@ -377,13 +347,9 @@ def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequ
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     # logprobs=true alone: the sampled token's
     sampling = _sampling(body, logprobs=(body.top_logprobs or 0) if body.logprobs else None)
-    tools = _forced(body)
+    tools = tool_request(body).forced()
     if tools is not None:
-        if sampling.structured is not None:
-            raise ValidationError("tool_choice", f"{_shown(body.tool_choice)} sets the output's schema: "
-                                  "leave out response_format / structured_outputs")
-        sampling = dataclasses.replace(
-            sampling, structured=StructuredOutput(StructuredKind.JSON_SCHEMA, spec=tools.schema_json()))
+        sampling = tools.constrain(sampling)
     return RawGenerateRequest(
         chat_messages=[message_dict(m, i) for i, m in enumerate(body.messages)],
         chat_tools=tool_dicts(body.tools), add_generation_prompt=body.add_generation_prompt,
