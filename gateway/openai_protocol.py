@@ -130,7 +130,7 @@ class ChatMessage(_Strict):
 
 
 class FunctionDefinition(_Strict):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[a-zA-Z0-9_.-]+$")  # OpenAI's rule
+    name: str = Field(pattern=limits.FUNCTION_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
@@ -157,7 +157,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
-    tools: list[ChatTool] | None = None
+    tools: list[ChatTool] | None = Field(None, max_length=limits.MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
 

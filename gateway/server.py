@@ -23,18 +23,20 @@ import grpc
 from prometheus_client import start_http_server
 
 from gateway.admission import RETRY_AFTER_S, Draining, Overloaded, StreamGate
+from gateway.chat_output import ChatOutputParser, ChatParsing, chat_parsing
 from gateway.event_stream import LoopEvents, Mailbox, choices
 from gateway.generation import ChoiceOutput, Frontend, Rejected
 from gateway.grpc_thread import NO_BACKLOG_SHEDDING, AioHealth, GrpcThread, connection_options
 from gateway.metrics import GatewayMetrics
 from gateway.reasoning_parsers import ReasoningParser
 from gateway.scheduler_link import LinkBroken, SchedulerLink
+from gateway.tool_choice import ToolFields, ToolMode, ToolRequest, ToolSpec, call_arguments
 from gateway.tool_parsers import ToolCallParser
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead import codec, daemon, limits, logs, security
-from stepahead.plan import SamplingParams
+from stepahead.plan import FinishReason, SamplingParams
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
 from stepahead import config as cfg
@@ -108,20 +110,88 @@ class GatewayConfig(GatewayServingConfig, SchedulerClientConfig):
     gc_warning_threshold_secs: float = gc_warning_threshold_field()
 
 
-def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
-    """The public request's fields; its sampling settings through the codec (the one
-    proto -> domain mapping). Raises ValidationError for a logit_bias map too large to sort."""
+# The proto's spellings of the tool fields, for refusals.
+TOOL_FIELDS = ToolFields("chat.tool_choice", "chat.tool_choice.function", "chat.tools")
+TOOL_MODES = {
+    generation_pb2.TOOL_MODE_UNSPECIFIED: None,
+    generation_pb2.TOOL_MODE_NONE: ToolMode.NONE,
+    generation_pb2.TOOL_MODE_AUTO: ToolMode.AUTO,
+    generation_pb2.TOOL_MODE_REQUIRED: ToolMode.REQUIRED,
+}
+
+
+def chat_messages_from_proto(chat: generation_pb2.Chat) -> list[dict]:
+    """The messages as chat templates take them (transformers' convention: a call's
+    `arguments` an object)."""
+    messages = []
+    for i, m in enumerate(chat.messages):
+        message: dict = {"role": m.role, "content": m.content}
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            message["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name,
+                              "arguments": call_arguments(c.arguments, f"chat.messages[{i}].tool_calls[{j}].arguments")}}
+                for j, c in enumerate(m.tool_calls)]
+        messages.append(message)
+    return messages
+
+
+def tools_from_proto(chat: generation_pb2.Chat) -> tuple[list[dict] | None, ToolRequest]:
+    """The tools as chat templates take them (OpenAI's form), and the request's tool choice."""
+    limits.check_tool_count(len(chat.tools), TOOL_FIELDS.tools)
+    dicts, specs = [], []
+    for i, tool in enumerate(chat.tools):
+        limits.check_function_name(f"chat.tools[{i}].name", tool.name)
+        parameters = None
+        if tool.parameters_json:
+            parameters = call_arguments(tool.parameters_json, f"chat.tools[{i}].parameters_json")
+        function: dict = {"name": tool.name}
+        if tool.description:
+            function["description"] = tool.description
+        if parameters is not None:
+            function["parameters"] = parameters
+        dicts.append({"type": "function", "function": function})
+        specs.append(ToolSpec(tool.name, parameters))
+    choice = chat.tool_choice
+    which = choice.WhichOneof("choice")
+    if which == "mode" and choice.mode not in TOOL_MODES:
+        raise ValidationError(TOOL_FIELDS.choice, f"unknown tool mode {choice.mode}")
+    parallel = chat.parallel_tool_calls if chat.HasField("parallel_tool_calls") else True
+    request = ToolRequest(tuple(specs), TOOL_MODES[choice.mode] if which == "mode" else None,
+                          choice.function if which == "function" else None, parallel)
+    return dicts or None, request
+
+
+def raw_from_proto(msg: generation_pb2.GenerateRequest, tool_parser: ToolCallParser | None = None,
+                   reasoning: ReasoningParser | None = None) -> tuple[RawGenerateRequest, ChatParsing]:
+    """The public request's fields, its sampling settings through the codec (the one
+    proto -> domain mapping), and how its output is read (a chat's: the gateway's parsers
+    and the request's tool choice; a text or token prompt's output is plain). Raises
+    ValidationError for a logit_bias map too large to sort, and for malformed tools or
+    tool-call arguments."""
     s = msg.sampling
     limits.check_logit_bias_count(len(s.logit_bias))
     which = msg.WhichOneof("prompt")
+    sampling = codec.sampling_from_proto(s, default_max_tokens=SamplingParams.max_tokens)
+    messages = tools = None
+    parsing = ChatParsing()
+    if which == "chat":
+        messages = chat_messages_from_proto(msg.chat)
+        tools, tool_request = tools_from_proto(msg.chat)
+        parsing = chat_parsing(tool_request, tool_parser, reasoning, TOOL_FIELDS)
+        if parsing.forced is not None:
+            sampling = parsing.forced.constrain(sampling, TOOL_FIELDS.choice)
     return RawGenerateRequest(
         request_id=msg.request_id,
         model=msg.model,
         prompt_text=msg.text if which == "text" else None,
         prompt_token_ids=list(msg.token_ids.ids) if which == "token_ids" else None,
-        chat_messages=[{"role": m.role, "content": m.content} for m in msg.chat.messages] if which == "chat" else None,
+        chat_messages=messages,
+        chat_tools=tools,
         add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
-        sampling=codec.sampling_from_proto(s, default_max_tokens=SamplingParams.max_tokens),
+        sampling=sampling,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         stop=list(msg.stop),
         include_stop_str_in_output=msg.include_stop_str_in_output,
@@ -129,7 +199,7 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest) -> RawGenerateRequest:
         priority=msg.priority,
         n=msg.n if msg.HasField("n") else 1,
         size_bytes=msg.ByteSize(),
-    )
+    ), parsing
 
 
 def _client_of(context) -> str:
@@ -168,7 +238,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         front = self.frontend
         try:  # a text or chat prompt is tokenized off the loop; token ids are cheap to check
-            raw = raw_from_proto(request)
+            raw, parsing = raw_from_proto(request, front.tool_call_parser, front.reasoning_parser)
             valid = front.validate(raw) if raw.prompt_token_ids is not None else \
                 await asyncio.to_thread(front.validate, raw)
         except ValidationError as exc:
@@ -187,9 +257,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=RETRY_HINT)
         except Draining as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=RETRY_HINT)
+        parsers = None if parsing.plain else [ChatOutputParser(parsing) for _ in range(valid.n)]
         try:
             async for choice in choices(gen, events, front.stream_interval):
-                response = self._response(request_id, choice)
+                parser = None if parsers is None else parsers[choice.index]
+                response = self._response(request_id, choice, parser)
                 if response is not None:
                     yield response
         except Rejected as exc:
@@ -199,24 +271,37 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             gen.abort()  # client gone (the task is cancelled) or call over: a no-op then
 
-    def _response(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse | None:
+    def _response(self, request_id: str, choice: ChoiceOutput,
+                  parser: ChatOutputParser | None) -> generation_pb2.GenerateResponse | None:
         out = choice.output
+        parsed = {}
+        if parser is not None:
+            delta = parser.feed(out.text, out.finished)
+            parsed = {"content": delta.content, "reasoning": delta.reasoning}
         if out.finished:
-            return self._final(request_id, choice)
+            return self._final(request_id, choice, parsed, parser)
         if not (out.text or out.token_ids or out.logprobs):
             return None
         return generation_pb2.GenerateResponse(request_id=request_id, text=out.text, token_ids=out.token_ids,
-                                               index=choice.index, **_logprobs_fields(out))
+                                               index=choice.index, **parsed, **_logprobs_fields(out))
 
-    def _final(self, request_id: str, choice: ChoiceOutput) -> generation_pb2.GenerateResponse:
+    def _final(self, request_id: str, choice: ChoiceOutput, parsed: dict,
+               parser: ChatOutputParser | None) -> generation_pb2.GenerateResponse:
         out = choice.output
+        calls = [] if parser is None else [generation_pb2.ToolCall(id=call_id, name=c.name, arguments=c.arguments)
+                                           for call_id, c in zip(parser.calls.ids, parser.calls.calls)]
+        finish = codec.finish_reason_to_proto(out.finish_reason)
+        if calls and out.finish_reason is FinishReason.STOP:  # OpenAI's "tool_calls"
+            finish = common_pb2.FINISH_REASON_TOOL_CALLS
         return generation_pb2.GenerateResponse(
             request_id=request_id,
             index=choice.index,
             text=out.text,
             token_ids=out.token_ids,
+            **parsed,
+            tool_calls=calls,
             **_logprobs_fields(out),
-            finish_reason=codec.finish_reason_to_proto(out.finish_reason),
+            finish_reason=finish,
             stop_reason=out.stop_reason,
             error=choice.error,
             usage=common_pb2.Usage(

@@ -29,6 +29,7 @@ The rules (each names its field in the error; `check_*` return the normalised va
 | presence_penalty, frequency_penalty | finite, -2 ≤ p ≤ 2 | |
 | logprobs, prompt_logprobs | unset, or 0 ≤ k ≤ max_logprobs (`--max-logprobs` on the worker, announced in its hello; default 20) | |
 | request_id, cache_salt | ≤ 256 characters | |
+| tools | ≤ 128 functions, each named by 1–64 of `[a-zA-Z0-9_.-]` (OpenAI's rules) | |
 | structured_outputs | one constraint; json: a JSON object that is a valid JSON schema (its meta-schema); regex: compiles with Python's `re`; choice: 1–256 non-empty strings ≤ 1024 characters; grammar: non-empty; each text ≤ 64 KiB; not with ignore_eos or min_tokens > 0; start_after: ≤ 16 token ids, each below vocab_size | |
 
 Structured outputs are checked here as far as pure Python can; whether xgrammar compiles
@@ -75,6 +76,8 @@ MAX_CHOICES = 256
 MAX_CHOICE_CHARS = 1024
 MAX_SCHEMA_DEPTH = 64
 MAX_START_AFTER_TOKENS = 16  # the token ids a constraint starts after (a reasoning end marker)
+MAX_TOOLS = 128  # functions in one chat request (OpenAI's limit)
+FUNCTION_NAME = r"^[a-zA-Z0-9_.-]{1,64}$"  # a tool's name (OpenAI's rule)
 MAX_PLAIN_TOKEN_STEPS = 1024  # steps a Connect stream's plain tokens may be held (SessionOptions)
 
 
@@ -233,6 +236,17 @@ def check_n(value: int) -> int:
     if not 1 <= value <= MAX_N:
         raise LimitError("n", f"must be in [1, {MAX_N}], got {value}")
     return value
+
+
+def check_tool_count(count: int, field: str = "tools") -> None:
+    if count > MAX_TOOLS:
+        raise LimitError(field, f"at most {MAX_TOOLS} tools, got {count}")
+
+
+def check_function_name(field: str, name: str) -> str:
+    if re.fullmatch(FUNCTION_NAME, name) is None:
+        raise LimitError(field, f"must be 1-64 of a-z, A-Z, 0-9, '_', '.' and '-', got {name[:80]!r}")
+    return name
 
 
 def check_logit_bias_count(count: int) -> None:

@@ -1,6 +1,7 @@
 """An enforced tool call with `--reasoning-parser` (issue 32): the reasoning is free, the call
 after `</think>` is enforced and validates, and `max_tokens` counts both; over HTTP with the
-official `openai` client against real daemons on the random-weight `tiny` model.
+official `openai` client against real daemons on the random-weight `tiny` model, and over gRPC
+(the same seeded request splits into the same reasoning and calls).
 
 The tiny model writes noise: a logit bias on the tokens of `</think>` makes it close its
 reasoning block within a few hundred tokens in some of the seeded choices. Before the gate
@@ -16,6 +17,7 @@ import jsonschema
 import openai
 import pytest
 
+from stepahead.v1 import common_pb2, generation_pb2
 from testing.launcher import ServeProcess
 from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.service.test_openai_tools import SCHEMAS, TIME, WEATHER
@@ -25,12 +27,17 @@ NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir):  # noqa: F811
+def served(tiny_model_dir):  # noqa: F811
     with ServeProcess(tiny_model_dir, "--reasoning-parser", "deepseek_r1", capture_stderr=True) as s:
-        with openai.OpenAI(base_url=s.http_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
-            yield c
+        yield s
         problems = s.log_problems()
         assert not problems, problems
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    with openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c
 
 
 def close_bias(tokenizer) -> dict[str, float]:
@@ -58,3 +65,35 @@ def test_max_tokens_counts_the_reasoning(client):
     (choice,) = out.choices
     assert choice.finish_reason == "length" and out.usage.completion_tokens == 12
     assert choice.message.reasoning_content and not choice.message.tool_calls
+
+
+def test_grpc_splits_the_same_reasoning_and_calls_as_http(served, client, tiny_tokenizer):  # noqa: F811
+    bias = close_bias(tiny_tokenizer)
+    out = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=400, temperature=1.0, seed=11, n=8,
+                                         tools=[WEATHER, TIME], tool_choice=NAMED, logit_bias=bias)
+    request = generation_pb2.GenerateRequest(
+        n=8, chat=generation_pb2.Chat(
+            messages=[generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in ASK],
+            tools=[generation_pb2.Tool(name=t["function"]["name"], parameters_json=json.dumps(t["function"]["parameters"]))
+                   for t in (WEATHER, TIME)],
+            tool_choice=generation_pb2.ToolChoice(function="get_weather")),
+        sampling=common_pb2.SamplingParams(max_tokens=400, temperature=1.0, seed=11,
+                                           logit_bias={int(t): b for t, b in bias.items()}))
+    got = {i: {"text": "", "reasoning": "", "content": "", "calls": None, "finish": None} for i in range(8)}
+    for reply in served.gateway.Generate(request, timeout=300):
+        g = got[reply.index]
+        assert g["finish"] is None  # nothing after a choice's final message
+        g["text"] += reply.text
+        g["reasoning"] += reply.reasoning
+        g["content"] += reply.content
+        if reply.finish_reason:
+            g["finish"], g["calls"] = reply.finish_reason, [(c.name, c.arguments) for c in reply.tool_calls]
+    finish = {"tool_calls": common_pb2.FINISH_REASON_TOOL_CALLS, "length": common_pb2.FINISH_REASON_LENGTH}
+    assert any(c.finish_reason == "tool_calls" for c in out.choices)
+    for choice in out.choices:
+        g = got[choice.index]
+        assert g["finish"] == finish[choice.finish_reason]
+        assert g["reasoning"] == choice.message.reasoning_content
+        assert g["content"] == (choice.message.content or "")
+        assert g["calls"] == [(c.function.name, c.function.arguments) for c in choice.message.tool_calls or ()]
+        assert g["reasoning"] in g["text"] and all(args in g["text"] for _, args in g["calls"])
