@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 from tests.model.oracle import TIE_GAP
 from tests.service.hf_oracle import HFGreedy
 
@@ -24,3 +26,23 @@ def assert_hf_text(got: str, expected: tuple[str, str]) -> None:
         assert got == full
     else:
         assert got.startswith(before_tie)
+
+
+@contextlib.contextmanager
+def served(model_dir, *flags: str):
+    """`stepahead serve` of `model_dir` with `flags` that must log no warning or error."""
+    from testing.launcher import ServeProcess
+
+    with ServeProcess(model_dir, *flags, capture_stderr=True) as s:
+        yield s
+        problems = s.log_problems()
+        assert not problems, problems
+
+
+@contextlib.contextmanager
+def openai_client_of(serve):
+    """The official `openai` client of a `ServeProcess`'s HTTP API."""
+    import openai
+
+    with openai.OpenAI(base_url=serve.http_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+        yield c

@@ -12,12 +12,11 @@ import json
 
 import grpc
 import jsonschema
-import openai
 import pytest
 
 from stepahead.v1 import common_pb2, generation_pb2
-from testing.launcher import ServeProcess
 from tests.fixtures_models import smollm2_model_dir  # noqa: F401
+from tests.service.openai_helpers import openai_client_of, served as serve_checked
 from tests.service.test_openai_tools import SCHEMAS, TIME, WEATHER, streamed_calls
 
 NAME = "smollm2-135m"
@@ -27,16 +26,14 @@ ASK = [{"role": "user", "content": "What is the weather in Paris right now, in c
 
 @pytest.fixture(scope="module")
 def served(smollm2_model_dir):  # noqa: F811
-    with ServeProcess(smollm2_model_dir, "--served-model-name", NAME, "--speculative-config", SPEC,
-                      "--tool-call-parser", "hermes", capture_stderr=True) as s:
+    with serve_checked(smollm2_model_dir, "--served-model-name", NAME, "--speculative-config", SPEC,
+                       "--tool-call-parser", "hermes") as s:
         yield s
-        problems = s.log_problems()
-        assert not problems, problems
 
 
 @pytest.fixture(scope="module")
 def client(served):
-    with openai.OpenAI(base_url=served.http_url + "/v1", api_key="unused", max_retries=0, timeout=300) as c:
+    with openai_client_of(served) as c:
         yield c
 
 
