@@ -111,7 +111,7 @@ class GroupHandle(WorkerHandle):
 
 # hello fields every rank of a group must agree on
 _SAME_IN_GROUP = ("model_name", "model_type", "dtype", "block_size", "num_device_blocks", "num_host_blocks",
-                  "max_model_len", "vocab_size", "eos_token_ids", "tp_size")
+                  "max_model_len", "vocab_size", "eos_token_ids", "tp_size", "sliding_window")
 
 
 class GroupAssembly:

@@ -48,6 +48,7 @@ _COUNTERS = {
     "num_steps": ("scheduler_steps", "steps committed"),
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "speculative decoding: draft tokens verified"),
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "speculative decoding: draft tokens accepted"),
+    "num_slid_blocks": ("kv_blocks_slid", "KV blocks freed once every layer's sliding window had passed them"),
 }
 
 

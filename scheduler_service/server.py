@@ -112,6 +112,7 @@ class SchedulerDaemonConfig(SchedulerEngineConfig, SpeculativeFlag, SchedulingCo
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
             max_logprobs=info.max_logprobs,
+            sliding_window=info.sliding_window,
         )
 
 

@@ -326,6 +326,7 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         tensor_parallel_size=info.tp_size,
         no_logprobs=not info.logprobs,
         no_structured_outputs=not info.structured_outputs,
+        sliding_window=info.sliding_window,
     )
 
 
@@ -348,4 +349,5 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         tp_size=max(msg.tensor_parallel_size, 1),
         logprobs=not msg.no_logprobs,
         structured_outputs=not msg.no_structured_outputs,
+        sliding_window=msg.sliding_window,
     )

@@ -431,6 +431,7 @@ def check_worker_info(info) -> None:
         ("max_model_len", 2, MAX_MODEL_LEN),
         ("vocab_size", 1, MAX_VOCAB_SIZE),
         ("max_logprobs", 0, MAX_VOCAB_SIZE),
+        ("sliding_window", 0, MAX_MODEL_LEN),
     ):
         value = getattr(info, name)
         if not lo <= value <= hi:

@@ -322,3 +322,6 @@ class WorkerInfo:
     tp_size: int = 1  # the group's size k
     logprobs: bool = True  # computes logprobs (the sim worker does not: it has no logits)
     structured_outputs: bool = True  # constrains output to a grammar (the sim worker does not)
+    # the window every attention layer applies (0: some layer sees the whole context): the
+    # scheduler frees the leading blocks all layers slid past (`KVCacheManager.release_slid`)
+    sliding_window: int = 0

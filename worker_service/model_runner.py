@@ -103,6 +103,7 @@ class ModelRunner:
         self.config = cfg
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
         self.max_model_len = resolve_max_model_len(cfg, max_model_len)
+        self.sliding_window = cfg.kv_window or 0  # announced in the hello (`WorkerInfo.sliding_window`)
         self.block_size = block_size
         self.max_num_seqs, self.max_num_batched_tokens = max_num_seqs, max_num_batched_tokens
         self.max_blocks_per_req = -(-self.max_model_len // block_size)

@@ -40,6 +40,7 @@ class Runner(Protocol):
     computes_logprobs: bool
     supports_structured_outputs: bool
     grammar: object | None  # the compiled-grammar cache the metrics watch, when there is one
+    sliding_window: int  # the window every attention layer applies; 0: some layer sees the whole context
 
     def launch(self, plan: StepPlan, received: float = 0.0) -> PendingStep:
         """Check `plan` and start it on the device; raise on a plan the worker cannot run."""
@@ -148,4 +149,5 @@ def worker_info(config: WorkerConfig, runner: Runner, model_dir: Path | str) -> 
         max_logprobs=runner.max_logprobs,
         logprobs=runner.computes_logprobs,
         structured_outputs=runner.supports_structured_outputs,
+        sliding_window=runner.sliding_window,
     )

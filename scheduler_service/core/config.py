@@ -79,6 +79,9 @@ class SchedulerConfig(SchedulingConfig):
     eos_token_ids: tuple[int, ...] = ()
     vocab_size: int | None = None  # token ids in submissions and results are checked against it
     max_logprobs: int = MAX_LOGPROBS  # the worker's --max-logprobs (from its hello)
+    # the window every attention layer applies (the hello's; 0: some layer sees everything):
+    # a request's leading blocks that every layer slid past are freed (`KVCacheManager.release_slid`)
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):
@@ -86,6 +89,8 @@ class SchedulerConfig(SchedulingConfig):
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ValueError(f"max_queued_requests must be >= 1, got {self.max_queued_requests}")
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
         if self.long_prefill_token_threshold < 0:

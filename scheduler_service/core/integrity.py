@@ -16,7 +16,7 @@ def _require(ok: bool, req: Request, what: str) -> None:
 
 
 def check_request(req: Request, block_size: int, max_model_len: int, num_in_flight: int,
-                  num_speculative_tokens: int = 0) -> None:
+                  num_speculative_tokens: int = 0, sliding_window: int = 0) -> None:
     _require(
         req.num_scheduled_tokens >= req.num_computed_tokens >= req.num_committed_tokens,
         req, "scheduled >= computed >= committed violated",
@@ -29,7 +29,12 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
     _require(req.num_known_tokens <= max_model_len, req, "longer than max_model_len")
     _require(0 <= req.num_output_placeholders <= num_in_flight * (1 + num_speculative_tokens), req,
              "more placeholders than plans in flight can produce")
-    _require(len(set(req.block_ids)) == len(req.block_ids), req, "a block appears twice in its table")
+    owned = req.owned_block_ids
+    _require(len(set(owned)) == len(owned), req, "a block appears twice in its table")
+    _require(0 <= req.num_slid_blocks <= len(req.block_ids) or req.status is RequestStatus.SWAPPED, req,
+             "more holes than blocks")
+    _require(req.num_slid_blocks * block_size <= max(req.num_committed_tokens - sliding_window, 0), req,
+             "a block freed before every layer's window passed it")
     _require(req.is_running_row == (req.status is RequestStatus.RUNNING), req,
              "holds a running row unless running, and only then")
     match req.status:
@@ -38,10 +43,12 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
             _require(not req.host_block_ids, req, "running with host blocks")
         case RequestStatus.SWAPPED:
             _require(not req.block_ids and req.num_output_placeholders == 0, req, "swapped but holds device state")
-            _require(len(req.host_block_ids) * block_size >= req.num_computed_tokens, req, "host copy too short")
+            _require((req.num_slid_blocks + len(req.host_block_ids)) * block_size >= req.num_computed_tokens, req,
+                     "host copy too short")
             _require(req.num_scheduled_tokens == req.num_computed_tokens, req, "swapped with work in flight")
         case RequestStatus.WAITING | RequestStatus.PREEMPTED:
-            _require(not req.block_ids and not req.host_block_ids, req, "waiting but holds blocks")
+            _require(not req.block_ids and not req.host_block_ids and not req.num_slid_blocks, req,
+                     "waiting but holds blocks")
             _require(req.num_scheduled_tokens == req.num_output_placeholders == 0, req, "waiting with work")
         case _:
             raise AssertionError(f"{req!r}: finished but still tracked")
@@ -74,8 +81,9 @@ def check_core(config, requests: Mapping[str, Request], running, swapped, waitin
     """A scheduler core's whole state: requests, pools vs owners, queues, plan order."""
     refs, host_refs = Counter(), Counter()
     for req in requests.values():
-        check_request(req, config.block_size, config.max_model_len, len(in_flight), config.num_speculative_tokens)
-        refs.update(req.block_ids)
+        check_request(req, config.block_size, config.max_model_len, len(in_flight), config.num_speculative_tokens,
+                      config.sliding_window)
+        refs.update(req.owned_block_ids)
         host_refs.update(req.host_block_ids)
     kv.device.check_integrity(refs)
     kv.host.check_integrity(host_refs)

@@ -30,9 +30,10 @@ NO_HIT = PrefixHit((), (), 0)
 class KVCacheManager:
     def __init__(
         self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_caching: bool,
-        hash_fn: BlockHashFn = default_block_hash,
+        hash_fn: BlockHashFn = default_block_hash, sliding_window: int = 0,
     ) -> None:
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's window (0: some layer reads every key)
         self.device = BlockPool(num_gpu_blocks, enable_caching)
         self.host = BlockPool(num_cpu_blocks)
         self.enable_caching = enable_caching
@@ -76,8 +77,9 @@ class KVCacheManager:
 
     def register_computed(self, request: Request) -> None:
         """Cache every full block that is computed and committed (at most one new block per
-        decode step: lean on that path)."""
-        if not self.enable_caching:
+        decode step: lean on that path). A chain of cached blocks cannot pass a hole the sliding
+        window left (a request swapped in after its window passed blocks): nothing after it is cached."""
+        if not self.enable_caching or len(request.prefix_ids) < request.num_slid_blocks:
             return
         bs, prefix, hashes, salt = self.block_size, request.prefix_ids, request.block_hashes, request.cache_salt
         for i in range(len(prefix), request.num_committed_tokens // bs):
@@ -113,6 +115,25 @@ class KVCacheManager:
         for request, block in zip(requests, blocks):
             request.block_ids = [*request.block_ids, block]
 
+    def release_slid(self, request: Request) -> int:
+        """Give back the request's leading blocks that every layer's sliding window has passed;
+        returns how many. No query of the request sits before its last committed token (a
+        rejected draft rolls back no further), so no later step reads a key before
+        `num_committed_tokens - window`; the blocks wholly before it are freed, fenced while
+        its newest plan is in flight. With prefix caching only blocks already cached go while
+        its chain of cached blocks is whole (`register_computed`): the cache keeps them for other
+        requests. Their ids stay in `block_ids` as holes: the worker's table keeps them and its
+        window masks never read them."""
+        start = request.num_slid_blocks
+        end = (request.num_committed_tokens - self.sliding_window) // self.block_size
+        if self.enable_caching and len(request.prefix_ids) >= start:
+            end = min(end, len(request.prefix_ids))
+        if not self.sliding_window or end <= start:
+            return 0
+        self.device.free(reversed(request.block_ids[start:end]), request.last_step_id)
+        request.num_slid_blocks = end
+        return end - start
+
     def could_allocate_later(self, num_blocks: int) -> bool:
         """Would `num_blocks` fit once every fence is released?"""
         return num_blocks <= self.device.num_free + self.device.num_fenced
@@ -120,8 +141,9 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release device and host blocks (fenced while the request's newest plan is in flight)."""
         # Free the tail first: the LRU queue then evicts a sequence's end before its prefix.
-        self.device.free(reversed(request.block_ids), request.last_step_id)
+        self.device.free(reversed(request.owned_block_ids), request.last_step_id)
         self.host.free(request.host_block_ids, request.last_step_id)
+        request.num_slid_blocks = 0
         request.block_ids = []
         request.host_block_ids = []
         request.prefix_ids = []
@@ -129,23 +151,25 @@ class KVCacheManager:
     # ---- swap ----------------------------------------------------------------------------
     def swap_out(self, request: Request, step_id: int) -> list[tuple[int, int]] | None:
         """Copy the blocks holding confirmed KV to host blocks; None if the host pool is short.
-        The device blocks are released, fenced until `step_id` (the plan doing the copy)."""
-        keep = cdiv(request.num_computed_tokens, self.block_size)
+        The device blocks are released, fenced until `step_id` (the plan doing the copy). Blocks
+        the sliding window passed are not copied: they stay holes (`swap_in`)."""
+        slid, keep = request.num_slid_blocks, cdiv(request.num_computed_tokens, self.block_size)
         if keep == 0:
             return None
-        host_blocks = self.host.allocate(keep)
+        host_blocks = self.host.allocate(keep - slid)
         if host_blocks is None:
             return None
-        pairs = list(zip(request.block_ids[:keep], host_blocks))
+        pairs = list(zip(request.block_ids[slid:keep], host_blocks))
         request.last_step_id = step_id
-        self.device.free(reversed(request.block_ids), step_id)
+        self.device.free(reversed(request.owned_block_ids), step_id)
         request.block_ids = []
         request.prefix_ids = []
         request.host_block_ids = host_blocks
         return pairs
 
     def swap_in(self, request: Request, step_id: int) -> list[tuple[int, int]] | None:
-        """Copy the host blocks back into fresh device blocks; None if the device is short."""
+        """Copy the host blocks back into fresh device blocks; None if the device is short. The
+        holes of blocks the sliding window passed take the first block's id (never read)."""
         assert not request.block_ids and request.host_block_ids
         device_blocks = self.device.allocate(len(request.host_block_ids))
         if device_blocks is None:
@@ -154,5 +178,5 @@ class KVCacheManager:
         request.last_step_id = step_id
         self.host.free(request.host_block_ids, step_id)
         request.host_block_ids = []
-        request.block_ids = device_blocks
+        request.block_ids = device_blocks[:1] * request.num_slid_blocks + device_blocks
         return pairs

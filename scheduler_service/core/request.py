@@ -105,6 +105,7 @@ class Request:
         "status",
         "_block_ids",
         "host_block_ids",
+        "num_slid_blocks",
         "num_cached_tokens",
         "num_preemptions",
         "output_at_preemption",
@@ -164,6 +165,9 @@ class Request:
         self.status = RequestStatus.WAITING
         self._block_ids: list[int] = []  # device KV blocks, in sequence order (`block_ids`)
         self.host_block_ids: list[int] = []  # host copies while SWAPPED
+        # leading blocks every layer's sliding window has passed, given back to the pool: their
+        # entries in `block_ids` are holes (ids the worker's masks never read), not owned blocks
+        self.num_slid_blocks = 0
         self.num_scheduled_tokens = 0
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0
@@ -196,6 +200,11 @@ class Request:
         self._block_ids = blocks
         if self._columns is not None:
             self._columns.blocks_changed(self._row, len(blocks))
+
+    @property
+    def owned_block_ids(self) -> list[int]:
+        """The blocks of `block_ids` it holds: those after the sliding window's holes."""
+        return self._block_ids[self.num_slid_blocks:] if self.num_slid_blocks else self._block_ids
 
     @property
     def is_running_row(self) -> bool:

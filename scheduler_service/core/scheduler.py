@@ -71,7 +71,8 @@ class Scheduler:
         self._preemption = PreemptionRule(config)
         self._expected_wait = ExpectedWait(config.max_expected_wait)
         self._kv = KVCacheManager(
-            config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn
+            config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn,
+            config.sliding_window,
         )
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._policy)
@@ -128,6 +129,7 @@ class Scheduler:
         assert not request.is_running_row, "adopt a request its earlier core released"
         assert request.arrival_time is not None, "adopt a request that arrived (its policy keys read the time)"
         request.block_ids, request.host_block_ids, request.prefix_ids = [], [], []
+        request.num_slid_blocks = 0
         request.num_scheduled_tokens = request.num_computed_tokens = request.num_output_placeholders = 0
         request.epoch += 1
         request.in_worker, request.last_step_id, request.queue_token, request.run_key = False, -1, None, ()
@@ -206,6 +208,9 @@ class Scheduler:
         if len(wants) > free:
             take, wants = int(wants[free]), wants[:free]
         growing = [self._running[start + p] for p in wants.tolist()]
+        if self.config.sliding_window:  # a table grows by a block as often as the window slides past one
+            for req in growing:
+                self._release_slid(req)
         grown = [(p, req, len(req.block_ids)) for p, req in zip(wants.tolist(), growing)]  # before the append
         self._kv.append_blocks(growing)
         b.add_decodes(self._running.rows()[start:start + take], grown)
@@ -222,6 +227,7 @@ class Scheduler:
         n += drafts
         first_new_block = len(req.block_ids)
         if req.num_scheduled_tokens + n > first_new_block * cfg.block_size:  # it needs a new block
+            self._release_slid(req)
             outcome = self._reserve(req, req.num_scheduled_tokens + n, b)
             if outcome is not _Admission.OK:
                 return outcome is _Admission.WAIT_FENCE
@@ -243,6 +249,9 @@ class Scheduler:
                 return _Admission.NO_BLOCKS
         return _Admission.OK
 
+    def _release_slid(self, req: Request) -> None:
+        self._counts["num_slid_blocks"] += self._kv.release_slid(req)
+
     def _add_running(self, req: Request, now: float) -> None:
         req.status = RequestStatus.RUNNING
         req.run_key = self._policy.running_key(req, now)
@@ -257,7 +266,8 @@ class Scheduler:
             if self._outranked_by_waiting(req, now):
                 return False
             n = num_new_tokens(self.config, req, req.num_tokens - req.num_computed_tokens, b.token_budget)
-            need = max(len(req.host_block_ids), cdiv(req.num_computed_tokens + n, self.config.block_size))
+            need = max(len(req.host_block_ids),
+                       cdiv(req.num_computed_tokens + n, self.config.block_size) - req.num_slid_blocks)
             full = b.seq_budget == 0 or len(self._running) >= self.config.max_num_seqs
             if full or n == 0 or need > self._kv.device.num_free:
                 return True

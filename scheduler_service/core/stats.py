@@ -32,6 +32,7 @@ class SchedulerStats:
     num_sampled_tokens: int  # tokens the device sampled so far (stale ones included)
     spec_num_draft_tokens: int = 0  # speculative decoding: drafts proposed and verified
     spec_num_accepted_tokens: int = 0  # ... and accepted
+    num_slid_blocks: int = 0  # KV blocks freed because every layer's sliding window had passed them
 
 
 def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiting: int, num_swapped: int,
@@ -59,6 +60,7 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         num_sampled_tokens=counts["num_sampled_tokens"],
         spec_num_draft_tokens=counts["spec_num_draft_tokens"],
         spec_num_accepted_tokens=counts["spec_num_accepted_tokens"],
+        num_slid_blocks=counts["num_slid_blocks"],
     )
 
 

@@ -45,3 +45,30 @@ def test_family_matches_hf_through_the_daemons(tiny_model_dir, tiny_tokenizer, t
     assert stats.prefix_hit_tokens > 0, "the shared prefix was meant to hit the cache"
     assert stats.num_free_blocks == stats.num_total_blocks
     check_against_hf(HFGreedy(model_dir), prompts, first + rest, max_tokens)
+
+
+@pytest.mark.parametrize("num_requests,mode", [(4, "recompute"), (8, "swap")])
+def test_sliding_window_frees_the_blocks_every_layer_passed(tiny_model_dir, tiny_tokenizer, tmp_path,  # noqa: F811
+                                                            num_requests, mode):
+    """Mistral windows every layer (16 keys here), so the scheduler gives a request's leading
+    blocks back once the window passed them. Each request runs to 90 tokens, 23 blocks of 4
+    without frees: 4 of them would need 92 of the pool's 48 blocks, and fit without a
+    preemption; 8 still preempt, by swap, and come back with holes in their tables. Prompts of
+    30-40 tokens prefill in chunks of 16, past the window. Tokens equal HF's either way."""
+    model_dir = family_checkpoint("mistral_untied_gqa1", tiny_model_dir, tmp_path / "mistral")
+    prompts = random_prompts(num_requests, 30, 40, len(tiny_tokenizer), seed=21)
+    max_tokens = [90 - len(p) for p in prompts]
+    flags = ("--num-gpu-blocks-override", "48", "--block-size", "4", "--max-num-batched-tokens", "16",
+             "--preemption-mode", mode)
+    with Serve(model_dir, *flags, capture_stderr=True) as s:
+        outputs = run_concurrently(s.gateway, prompts, max_tokens)
+        stats = s.stats()
+    problems = s.log_problems()
+    assert not problems, problems
+    assert stats.num_slid_blocks > 0
+    if num_requests == 4:
+        assert stats.num_preemptions == 0, "the window's frees were meant to make room for all four"
+    else:
+        assert stats.num_preemptions > 0, "eight were meant to preempt (by swap) even with the frees"
+    assert stats.num_free_blocks == stats.num_total_blocks
+    check_against_hf(HFGreedy(model_dir), prompts, outputs, max_tokens)

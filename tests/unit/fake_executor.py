@@ -69,6 +69,9 @@ class FakeExecutor:
     # speculative decoding: drafts proposed and accepted at random (a prefix of the true
     # continuation, so the tokens equal a run without speculation); None: propose nothing
     spec_rng: random.Random | None = None
+    # every layer's sliding window (0: none): a query at p reads the keys p - window < k <= p
+    # only, so a block the window passed may be reused under another request
+    window: int = 0
 
     def __post_init__(self) -> None:
         self.kv = [[None] * self.block_size for _ in range(self.num_gpu_blocks)]
@@ -102,6 +105,7 @@ class FakeExecutor:
             scheduled.append((rr.request_id, rr.num_scheduled_tokens, rr.input_is_placeholder, rr.num_draft_tokens))
         ids = [rid for rid, *_ in scheduled]
         assert len(ids) == len(set(ids)), "a request scheduled twice in one plan"
+        starts = {rid: self.requests[rid].num_computed for rid in ids}
         sampled, spec = {}, {}
         for rid, n, placeholder, drafts in scheduled:
             if drafts:
@@ -110,7 +114,7 @@ class FakeExecutor:
             token = self._compute(rid, n, placeholder, plan.step_id)
             if token is not None:
                 sampled[rid] = token
-        self._record_touched(plan)
+        self._record_touched(plan, starts)
         self.next_step += 1
         return StepResult(plan.step_id, sampled, speculation=spec)
 
@@ -135,7 +139,7 @@ class FakeExecutor:
         for i, tok in enumerate([req.tokens[start], *drafts]):
             p = start + i
             self.kv[req.block_table[p // bs]][p % bs] = (p, tok)
-        for q in range(start + 1):
+        for q in range(self._first_key(start), start + 1):
             got = self.kv[req.block_table[q // bs]][q % bs]
             assert got == (q, req.tokens[q]), f"{rid}: KV at position {q} holds {got}, want {(q, req.tokens[q])}"
         req.tokens += true[: a + 1]
@@ -154,7 +158,7 @@ class FakeExecutor:
             f"{rid}: placeholder input sampled by step {req.sampled_by[start]}, not the previous one ({step_id - 1})"
         for p in range(start, end):
             self.kv[req.block_table[p // bs]][p % bs] = (p, req.tokens[p])
-        for q in range(end):
+        for q in range(self._first_key(start), end):
             got = self.kv[req.block_table[q // bs]][q % bs]
             assert got == (q, req.tokens[q]), f"{rid}: KV at position {q} holds {got}, want {(q, req.tokens[q])}"
         req.num_computed = end
@@ -178,10 +182,15 @@ class FakeExecutor:
             assert not fresh & device, f"plan {plan.step_id} reuses blocks {fresh & device} of in-flight plan {step}"
             assert not fresh_host & host, f"plan {plan.step_id} reuses host blocks of in-flight plan {step}"
 
-    def _record_touched(self, plan: StepPlan) -> None:
+    def _first_key(self, start: int) -> int:
+        """The first position a step computing from `start` on reads."""
+        return max(0, start - self.window + 1) if self.window else 0
+
+    def _record_touched(self, plan: StepPlan, starts: Mapping[str, int]) -> None:
         device = {dev for dev, _ in plan.swap_out} | {dev for _, dev in plan.swap_in}
-        for rid in [r.request_id for r in plan.new_requests] + [r.request_id for r in plan.running]:
-            device.update(self.requests[rid].block_table)
+        for rid, start in starts.items():
+            if rid in self.requests:
+                device.update(self.requests[rid].block_table[self._first_key(start) // self.block_size:])
         host = {h for _, h in plan.swap_out} | {h for h, _ in plan.swap_in}
         self._touched[plan.step_id] = (device, host)
 
@@ -220,7 +229,8 @@ class Driver:
     def create(cls, config: SchedulerConfig, token_fn: TokenFn, clock=None, scheduler_class: type = Scheduler,
                **kwargs) -> Driver:
         sched = scheduler_class(config, clock, **kwargs) if clock else scheduler_class(config, **kwargs)
-        fake = FakeExecutor(config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, token_fn)
+        fake = FakeExecutor(config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, token_fn,
+                            window=config.sliding_window)
         return cls(sched, fake)
 
     def step(self) -> bool:

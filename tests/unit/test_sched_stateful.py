@@ -58,6 +58,7 @@ def configs(draw) -> SchedulerConfig:
         score_length_weight=draw(st.sampled_from([0.005, 0.5])),  # 0.5: length outweighs arrival order
         score_ttft_target=draw(st.sampled_from([0.0, 2.0])),
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
+        sliding_window=draw(st.sampled_from([0, 0, 3, 5])),  # every layer windowed: slid blocks are freed
     )
 
 
@@ -167,6 +168,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         counts = self.sched.counters()
         event(f"drafts accepted: {counts['spec_num_accepted_tokens'] > 0}, "
               f"rejected: {counts['spec_num_draft_tokens'] > counts['spec_num_accepted_tokens']}")
+        event(f"blocks slid: {stats.num_slid_blocks > 0}, slid and swapped: "
+              f"{stats.num_slid_blocks > 0 and stats.num_swap_outs > 0}")
         for rid, spec in self.specs.items():
             reason = self.driver.finished[rid]
             if reason is FinishReason.ABORT:

@@ -125,6 +125,13 @@ class BaseModelConfig:
             return None
         return self.sliding_window
 
+    @property
+    def kv_window(self) -> int | None:
+        """The window every layer applies (None: some layer attends to every earlier key): the
+        keys further back than it are read by no layer, so their KV blocks can be freed."""
+        windows = {self.layer_window(i) for i in range(self.num_layers)}
+        return None if None in windows else min(windows)
+
     def check(self) -> None:
         """Dimensions a model can be built with: a zero or negative one fails deep in torch,
         or (hidden_size 0) only after every layer has been built."""

@@ -72,6 +72,7 @@ class SimRunner:
     computes_logprobs = False
     supports_structured_outputs = False
     max_logprobs = 0
+    sliding_window = 0  # the sim models attend to the whole context
     grammar = None  # no compiled grammars to watch
 
     def __init__(self, model_dir: str | Path, profile: AcceleratorProfile, *, dtype: str = "bfloat16",
