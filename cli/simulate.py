@@ -27,6 +27,8 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import heapq
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -85,10 +87,11 @@ def build(config: SimulateConfig, sched_flags):
     runner = SimRunner(model_dir, load_profile(config.sim_profile), dtype=config.dtype or checkpoint_dtype(model_dir),
                        num_devices=config.sim_num_devices, block_size=config.block_size,
                        num_blocks=config.num_gpu_blocks_override, memory_utilization=config.gpu_memory_utilization,
-                       swap_space_bytes=config.swap_space * 2**30, eos_probability=0.0)
+                       swap_space_bytes=config.swap_space * 2**30,
+                       offload_space_bytes=config.kv_offloading_size * 2**30, eos_probability=0.0)
     info = WorkerInfo("simulate", model_dir.name, runner.model_type, runner.dtype, runner.device, runner.block_size,
                       runner.num_blocks, runner.num_host_blocks, runner.max_model_len, runner.vocab_size,
-                      tuple(runner.eos_token_ids))
+                      tuple(runner.eos_token_ids), num_offload_blocks=runner.num_offload_blocks)
     return runner, sched_flags.core_config(info), info
 
 
@@ -135,22 +138,30 @@ class VirtualSystem:
         self.busy = 0.0
         self.num_steps = 0
         self.logs: dict[str, SimRequestLog] = {}  # request id -> its log, once admitted
+        self.requests: dict[str, object] = {}  # request id -> the Request, once admitted
+        self._follow_up = None
+        self._pending: list = []  # heap of (arrival at the scheduler, sequence number, Request, log)
+        self._arrivals = itertools.count()  # the sequence numbers: equal times keep their order
 
-    def run(self, arrivals: list[tuple[float, object, SimRequestLog]]) -> None:
-        """arrivals: (time, Request, log) sorted by time; fills each log."""
+    def run(self, arrivals: list[tuple[float, object, SimRequestLog]], follow_up=None) -> None:
+        """arrivals: (time, Request, log); fills each log. `follow_up(request, log)`, called as
+        a request finishes (closed loop: a conversation's next turn), returns the next
+        (time, Request, log) to arrive, or None."""
         from scheduler_service.core.scheduler import RequestRejected
 
-        logs = self.logs
-        pending = collections.deque((t + self.control.ingress, request, log) for t, request, log in arrivals)
+        logs, pending, self._follow_up = self.logs, self._pending, follow_up
+        for t, request, log in arrivals:
+            self._arrive(t, request, log)
         while pending or self.device or self.scheduler.has_unfinished_requests():
             while pending and pending[0][0] <= self.now:
-                _, request, log = pending.popleft()
+                _, _, request, log = heapq.heappop(pending)
                 try:
                     self.scheduler.add_request(request)
                 except RequestRejected as exc:  # e.g. longer than the model or the KV pool
                     log.finish, log.finish_reason = self.now, f"REJECTED: {exc}"
                     continue
                 logs[request.request_id] = log
+                self.requests[request.request_id] = request
             self._pump()
             times = ([self.device[0][1]] if self.device else []) + ([pending[0][0]] if pending else [])
             if not times:
@@ -191,6 +202,12 @@ class VirtualSystem:
             log.token_times += [seen] * len(event.new_token_ids)
             if event.finish_reason is not None:
                 log.finish, log.finish_reason = seen, event.finish_reason.name
+                nxt = self._follow_up and self._follow_up(self.requests[event.request_id], log)
+                if nxt:
+                    self._arrive(*nxt)
+
+    def _arrive(self, t: float, request, log: SimRequestLog) -> None:
+        heapq.heappush(self._pending, (t + self.control.ingress, next(self._arrivals), request, log))
 
 
 def simulate(config: SimulateConfig, sched_flags) -> dict:

@@ -49,6 +49,9 @@ _COUNTERS = {
     "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "speculative decoding: draft tokens verified"),
     "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "speculative decoding: draft tokens accepted"),
     "num_slid_blocks": ("kv_blocks_slid", "KV blocks freed once every layer's sliding window had passed them"),
+    "prefix_host_hit_tokens": ("prefix_cache_host_hits", "prompt tokens loaded from the prefix cache's host tier"),
+    "num_offloaded_blocks": ("kv_offloaded_blocks", "evicted device KV blocks copied to the prefix cache's host tier"),
+    "num_host_evictions": ("kv_host_cache_evictions", "cached host KV blocks dropped to make room"),
 }
 
 

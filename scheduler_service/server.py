@@ -113,6 +113,7 @@ class SchedulerDaemonConfig(SchedulerEngineConfig, SpeculativeFlag, SchedulingCo
             vocab_size=info.vocab_size,
             max_logprobs=info.max_logprobs,
             sliding_window=info.sliding_window,
+            num_offload_blocks=min(info.num_offload_blocks, info.num_host_blocks),
         )
 
 

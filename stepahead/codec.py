@@ -327,6 +327,7 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         no_logprobs=not info.logprobs,
         no_structured_outputs=not info.structured_outputs,
         sliding_window=info.sliding_window,
+        num_offload_blocks=info.num_offload_blocks,
     )
 
 
@@ -350,4 +351,5 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         logprobs=not msg.no_logprobs,
         structured_outputs=not msg.no_structured_outputs,
         sliding_window=msg.sliding_window,
+        num_offload_blocks=msg.num_offload_blocks,
     )

@@ -71,6 +71,7 @@ RANGES: dict[str, Range] = {
     "block_size": Range(int, 1, 1024), "max_num_seqs": _POSITIVE, "max_num_batched_tokens": _POSITIVE,
     "max_model_len": Range(int, 2), "num_gpu_blocks_override": _POSITIVE, "kv_cache_memory_bytes": _POSITIVE,
     "gpu_memory_utilization": Range(float, 0, 1, lo_open=True), "swap_space": Range(float, 0),
+    "kv_offloading_size": Range(float, 0),
     "long_prefill_token_threshold": Range(int, 0), "max_concurrent_batches": _POSITIVE,
     "max_queued_requests": _POSITIVE, "max_logprobs": Range(int, 0), "preemption_min_progress": Range(int, 0),
     # processes and threads

@@ -52,6 +52,15 @@ class KVCacheConfig:
              "profiling step at max_num_seqs / max_num_batched_tokens leave of it")
     num_gpu_blocks_override: int | None = cfg.field(None, "exact number of device KV blocks")
     swap_space: float = cfg.field(1.0, "host memory for swapped-out KV blocks, GiB")
+    kv_offloading_size: float = cfg.field(
+        0.0, "host memory for the prefix cache's second tier, GiB (vLLM's name; 0: off): committed blocks evicted "
+             "from the device are copied to host memory and loaded back on a prefix hit instead of recomputed; "
+             "the host pool is --swap-space plus this, shared with swapping")
+
+    def host_blocks(self, block_bytes: int) -> tuple[int, int]:
+        """(the host pool's blocks, the share --kv-offloading-size added) at `block_bytes` a block."""
+        offload = int(self.kv_offloading_size * 2**30) // block_bytes
+        return int(self.swap_space * 2**30) // block_bytes + offload, offload
 
 
 @dataclass(frozen=True)

@@ -432,6 +432,7 @@ def check_worker_info(info) -> None:
         ("vocab_size", 1, MAX_VOCAB_SIZE),
         ("max_logprobs", 0, MAX_VOCAB_SIZE),
         ("sliding_window", 0, MAX_MODEL_LEN),
+        ("num_offload_blocks", 0, MAX_BLOCKS),
     ):
         value = getattr(info, name)
         if not lo <= value <= hi:

@@ -325,3 +325,6 @@ class WorkerInfo:
     # the window every attention layer applies (0: some layer sees the whole context): the
     # scheduler frees the leading blocks all layers slid past (`KVCacheManager.release_slid`)
     sliding_window: int = 0
+    # host blocks --kv-offloading-size added (0: no host tier): the scheduler keeps evicted
+    # prefix-cache blocks in the host pool and loads them back on a hit (`KVCacheManager`)
+    num_offload_blocks: int = 0

@@ -86,7 +86,7 @@ class ModelRunner:
     def __init__(self, model_dir: str | Path, *, dtype: str = "float32", device: str = "cpu",
                  block_size: int = 16, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, num_blocks: int | None = None,
-                 num_host_blocks: int = 0, max_model_len: int | None = None,
+                 num_host_blocks: int = 0, num_offload_blocks: int = 0, max_model_len: int | None = None,
                  attention_backend: AttentionBackend | None = None, seed: int = 0,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
@@ -149,6 +149,7 @@ class ModelRunner:
         self.num_blocks = plan_num_blocks(self.model.config, block_size, self.dtype, kv_cache_bytes=kv_cache_bytes,
                                           num_blocks=num_blocks)
         self.num_host_blocks = num_host_blocks
+        self.num_offload_blocks = min(num_offload_blocks, num_host_blocks)  # of them, for the prefix cache's host tier
         self.kv_cache = KVCache(self.model.config, num_blocks=self.num_blocks, num_host_blocks=num_host_blocks,
                                 block_size=block_size, dtype=self.dtype, device=self.device)
         self.table = RequestTable(self.max_blocks_per_req, self.kv_cache.dummy_block)

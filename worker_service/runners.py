@@ -41,6 +41,7 @@ class Runner(Protocol):
     supports_structured_outputs: bool
     grammar: object | None  # the compiled-grammar cache the metrics watch, when there is one
     sliding_window: int  # the window every attention layer applies; 0: some layer sees the whole context
+    num_offload_blocks: int  # host blocks --kv-offloading-size added for the prefix cache's host tier (0: off)
 
     def launch(self, plan: StepPlan, received: float = 0.0) -> PendingStep:
         """Check `plan` and start it on the device; raise on a plan the worker cannot run."""
@@ -76,7 +77,7 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
     model_cfg = ModelConfig.from_dir(model_dir)
     dtype = config.dtype or "float32"
     check_weights_fit(model_dir, model_cfg, config, parse_dtype(dtype).itemsize)
-    host_blocks = int(config.swap_space * 2**30) // block_bytes(model_cfg, config.block_size, parse_dtype(dtype))
+    host_blocks, offload_blocks = config.host_blocks(block_bytes(model_cfg, config.block_size, parse_dtype(dtype)))
     runner_class = ModelRunner
     if group is not None:
         from functools import partial
@@ -94,6 +95,7 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
         gpu_memory_utilization=config.gpu_memory_utilization,
         num_blocks=config.num_gpu_blocks_override,
         num_host_blocks=host_blocks,
+        num_offload_blocks=offload_blocks,
         max_model_len=config.max_model_len,
         seed=config.seed,
         max_num_seqs=config.max_num_seqs,
@@ -150,4 +152,5 @@ def worker_info(config: WorkerConfig, runner: Runner, model_dir: Path | str) -> 
         logprobs=runner.computes_logprobs,
         structured_outputs=runner.supports_structured_outputs,
         sliding_window=runner.sliding_window,
+        num_offload_blocks=runner.num_offload_blocks,
     )

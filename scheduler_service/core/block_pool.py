@@ -9,7 +9,9 @@ Every block is in exactly one state:
 
 Prefix cache: a block's content identity is (parent identity, its tokens, cache salt).
 Lookups go by a chained hash, and every hash hit is verified by comparing the tokens, the
-salt and the parent identity (`pid`, never reused), so hash collisions cannot alias.
+salt and the parent identity (`pid`, never reused), so hash collisions cannot alias. Two pools
+(the device's and the host tier) can share one `PidSource`: a content keeps its identity when
+it moves between them, so a chain continues across the tiers.
 """
 
 from __future__ import annotations
@@ -47,8 +49,23 @@ class Block:
         self.entry: CacheEntry | None = None
 
 
+class PidSource:
+    """Content identities, never reused (one per scheduler core, shared by its pools)."""
+
+    __slots__ = ("next",)
+
+    def __init__(self) -> None:
+        self.next = 1
+
+    def take(self) -> int:
+        pid, self.next = self.next, self.next + 1
+        return pid
+
+
 class BlockPool:
-    def __init__(self, num_blocks: int, enable_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, enable_caching: bool = False, pids: PidSource | None = None,
+                 keep_evicted: bool = False) -> None:
+        """`keep_evicted`: remember each cached block `allocate` evicts (`take_evicted`)."""
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self._blocks = [Block(i) for i in range(num_blocks)]
@@ -58,7 +75,10 @@ class BlockPool:
         self._done_step = -1  # newest step whose result has been processed
         self._cache: dict[int, list[int]] = {}  # hash -> block ids carrying that hash
         self._num_cached = 0
-        self._next_pid = 1
+        self._pids = pids or PidSource()
+        self._keep_evicted = keep_evicted
+        self._evicted: list[tuple[int, CacheEntry]] = []  # (block, the content it held), since `take_evicted`
+        self._num_evictions = 0  # cached blocks whose content allocation dropped, since `take_num_evictions`
 
     # ---- counts ----------------------------------------------------------------------
     @property
@@ -94,6 +114,10 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self._blocks[block_id]
+            if block.entry is not None:
+                self._num_evictions += 1
+                if self._keep_evicted:
+                    self._evicted.append((block_id, block.entry))
             self._evict(block)
             block.ref_count = 1
             out.append(block_id)
@@ -153,19 +177,34 @@ class BlockPool:
         assert entry is not None, f"block {block_id} is not cached"
         return entry.pid
 
-    def register(self, block_id: int, hash_value: int, tokens: tuple[int, ...], salt: str | None, parent_pid: int) -> int:
+    def register(self, block_id: int, hash_value: int, tokens: tuple[int, ...], salt: str | None, parent_pid: int,
+                 pid: int | None = None) -> int:
         """Cache a full computed block; returns the content's pid (an existing identical
-        block keeps its entry and this one stays uncached)."""
+        block keeps its entry and this one stays uncached). `pid`: the identity the content
+        already has in another pool sharing this one's `PidSource` (else a new one)."""
         existing = self.lookup(hash_value, tokens, salt, parent_pid)
         if existing is not None:
             return self._blocks[existing].entry.pid
         block = self._blocks[block_id]
         assert block.ref_count > 0 and block.entry is None, f"cannot cache block {block_id}"
-        block.entry = CacheEntry(hash_value, tokens, salt, parent_pid, self._next_pid)
-        self._next_pid += 1
+        block.entry = CacheEntry(hash_value, tokens, salt, parent_pid, self._pids.take() if pid is None else pid)
         self._cache.setdefault(hash_value, []).append(block_id)
         self._num_cached += 1
         return block.entry.pid
+
+    def entry_of(self, block_id: int) -> CacheEntry | None:
+        return self._blocks[block_id].entry
+
+    def take_num_evictions(self) -> int:
+        """Cached blocks whose content `allocate` dropped since the last call."""
+        n, self._num_evictions = self._num_evictions, 0
+        return n
+
+    def take_evicted(self) -> list[tuple[int, CacheEntry]]:
+        """The cached blocks `allocate` evicted since the last call, with what they held (their
+        content is still there until the plan being built runs)."""
+        evicted, self._evicted = self._evicted, []
+        return evicted
 
     def _evict(self, block: Block) -> None:
         if block.entry is None:

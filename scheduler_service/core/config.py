@@ -82,6 +82,9 @@ class SchedulerConfig(SchedulingConfig):
     # the window every attention layer applies (the hello's; 0: some layer sees everything):
     # a request's leading blocks that every layer slid past are freed (`KVCacheManager.release_slid`)
     sliding_window: int = 0
+    # host blocks set aside for the prefix cache's host tier (the hello's; 0: off): evicted cached
+    # blocks are offloaded there and loaded back on a hit (`KVCacheManager`; needs prefix caching)
+    num_offload_blocks: int = 0
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

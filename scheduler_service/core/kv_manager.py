@@ -1,11 +1,21 @@
 """Glue between requests and the device / host block pools: prefix hits, slot allocation,
-registration of computed blocks, swap out / in. No policy decisions here."""
+registration of computed blocks, swap out / in, the sliding window's frees, and the prefix
+cache's host tier. No policy decisions here.
+
+Host tier (`host_tier`, --kv-offloading-size): the host pool caches too. A cached device
+block that allocation evicts is copied to a host block (a `swap_out` pair of the plan being
+built: the worker copies before the step computes, so before the block's new owner writes
+it), keeping its content identity; a prefix hit that runs past the device's cached blocks
+goes on in the host pool, and those blocks are copied into the request's fresh device blocks
+(`swap_in` pairs, before the step computes) instead of being computed again. The host pool is
+shared with swapping: its cached blocks are free, evicted LRU when a swap or an offload
+needs room."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from scheduler_service.core.block_pool import BlockHashFn, BlockPool, default_block_hash
+from scheduler_service.core.block_pool import BlockHashFn, BlockPool, PidSource, default_block_hash
 from scheduler_service.core.request import Request
 
 
@@ -15,12 +25,19 @@ def cdiv(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class PrefixHit:
-    block_ids: tuple[int, ...]
+    block_ids: tuple[int, ...]  # cached device blocks, from the first block on
     pids: tuple[int, ...]
     num_free_hits: int  # hit blocks now in the free queue: taking them shrinks it
+    host_block_ids: tuple[int, ...] = ()  # the host tier's blocks that continue the hit, to load
+    host_pids: tuple[int, ...] = ()
 
     @property
     def num_blocks(self) -> int:
+        """Blocks whose KV the request need not compute: on the device, or loaded from the host."""
+        return len(self.block_ids) + len(self.host_block_ids)
+
+    @property
+    def num_device_blocks(self) -> int:
         return len(self.block_ids)
 
 
@@ -30,12 +47,14 @@ NO_HIT = PrefixHit((), (), 0)
 class KVCacheManager:
     def __init__(
         self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, enable_caching: bool,
-        hash_fn: BlockHashFn = default_block_hash, sliding_window: int = 0,
+        hash_fn: BlockHashFn = default_block_hash, sliding_window: int = 0, host_tier: bool = False,
     ) -> None:
         self.block_size = block_size
         self.sliding_window = sliding_window  # every layer's window (0: some layer reads every key)
-        self.device = BlockPool(num_gpu_blocks, enable_caching)
-        self.host = BlockPool(num_cpu_blocks)
+        self.host_tier = host_tier and enable_caching and num_cpu_blocks > 0
+        pids = PidSource()  # one identity per content, in either pool
+        self.device = BlockPool(num_gpu_blocks, enable_caching, pids, keep_evicted=self.host_tier)
+        self.host = BlockPool(num_cpu_blocks, self.host_tier, pids)
         self.enable_caching = enable_caching
         self._hash_fn = hash_fn
 
@@ -66,7 +85,16 @@ class KVCacheManager:
             block_ids.append(block_id)
             pids.append(parent)
             revive += self.device.is_free(block_id)
-        return PrefixHit(tuple(block_ids), tuple(pids), revive)
+        host_ids, host_pids = [], []
+        for i in range(len(block_ids), max_blocks if self.host_tier else 0):
+            tokens = request.token_ids_range(i * bs, (i + 1) * bs)
+            block_id = self.host.lookup(request.block_hashes[i], tokens, request.cache_salt, parent)
+            if block_id is None:
+                break
+            parent = self.host.pid_of(block_id)
+            host_ids.append(block_id)
+            host_pids.append(parent)
+        return PrefixHit(tuple(block_ids), tuple(pids), revive, tuple(host_ids), tuple(host_pids))
 
     def take_hit(self, request: Request, hit: PrefixHit) -> None:
         assert not request.block_ids
@@ -74,6 +102,44 @@ class KVCacheManager:
             self.device.touch(block_id)
         request.block_ids = list(hit.block_ids)
         request.prefix_ids = list(hit.pids)
+
+    def load_host_hit(self, request: Request, hit: PrefixHit, step_id: int) -> list[tuple[int, int]]:
+        """(host block, device block) copies of the hit's host part into the device blocks that
+        follow its device part (allocated since `take_hit`); each device block is cached with
+        the content's identity. The host blocks stay fenced until `step_id` (the copying plan)."""
+        if not hit.host_block_ids:
+            return []
+        first = hit.num_device_blocks
+        pairs = list(zip(hit.host_block_ids, request.block_ids[first:first + len(hit.host_block_ids)]))
+        for (host_block, device_block), pid in zip(pairs, hit.host_pids):
+            entry = self.host.entry_of(host_block)
+            request.prefix_ids.append(self.device.register(device_block, entry.hash_value, entry.tokens, entry.salt,
+                                                           entry.parent_pid, pid=pid))
+            self.host.touch(host_block)
+        self.host.free(hit.host_block_ids, step_id)
+        return pairs
+
+    def take_offloads(self, step_id: int) -> list[tuple[int, int]]:
+        """(device block, host block) copies of the cached device blocks evicted while building
+        plan `step_id` (they are someone else's from this step on; the plan copies them first)
+        into the host tier, which keeps their identities; LRU host blocks make room. A content
+        the host tier holds already is not copied again."""
+        pairs = []
+        for device_block, entry in self.device.take_evicted():
+            if self.host.lookup(entry.hash_value, entry.tokens, entry.salt, entry.parent_pid) is not None:
+                continue
+            host_blocks = self.host.allocate(1)
+            if host_blocks is None:  # every host block holds a swapped request or a copy in flight
+                continue
+            self.host.register(host_blocks[0], entry.hash_value, entry.tokens, entry.salt, entry.parent_pid,
+                               pid=entry.pid)
+            self.host.free(host_blocks, step_id)
+            # the copy reads the device block in this plan: fenced until it ran, like any block a
+            # plan touches (its owner, if the allocation was not undone, holds it anyway)
+            self.device.touch(device_block)
+            self.device.free((device_block,), step_id)
+            pairs.append((device_block, host_blocks[0]))
+        return pairs
 
     def register_computed(self, request: Request) -> None:
         """Cache every full block that is computed and committed (at most one new block per
@@ -87,7 +153,9 @@ class KVCacheManager:
             if i == len(hashes):  # hashes run from block 0 on, at least as far as the cached prefix
                 hashes.append(self._hash_fn(hashes[-1] if hashes else None, tokens, salt))
             parent = prefix[-1] if prefix else 0
-            prefix.append(self.device.register(request.block_ids[i], hashes[i], tokens, salt, parent))
+            known = self.host.lookup(hashes[i], tokens, salt, parent) if self.host_tier else None
+            pid = None if known is None else self.host.pid_of(known)  # the host tier's identity for it
+            prefix.append(self.device.register(request.block_ids[i], hashes[i], tokens, salt, parent, pid))
 
     # ---- slots ---------------------------------------------------------------------------
     def blocks_needed(self, request: Request, num_tokens: int) -> int:

@@ -72,7 +72,7 @@ class Scheduler:
         self._expected_wait = ExpectedWait(config.max_expected_wait)
         self._kv = KVCacheManager(
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn,
-            config.sliding_window,
+            config.sliding_window, config.num_offload_blocks > 0,
         )
         self._requests: dict[str, Request] = {}
         self._waiting = WaitingQueue(self._policy)
@@ -168,6 +168,11 @@ class Scheduler:
         deferred = self._schedule_running(b, now)
         if not b.preempted and not deferred and not self._schedule_swapped(b, now):
             self._schedule_waiting(b, now)
+        if self._kv.host_tier:  # before anything computes, the plan copies what allocation evicted
+            offloads = self._kv.take_offloads(b.step_id)
+            b.swap_out.extend(offloads)
+            self._counts["num_offloaded_blocks"] += len(offloads)
+            self._counts["num_host_evictions"] += self._kv.host.take_num_evictions()
         if b.is_empty:
             return None
         plan, in_flight = b.build(self._pending_finished, self._pending_preempted, self._running.columns)
@@ -306,7 +311,7 @@ class Scheduler:
         n = num_new_tokens(self.config, req, req.num_tokens - computed, b.token_budget)
         if n == 0:
             return _Admission.NO_BUDGET
-        need = cdiv(computed + n, self.config.block_size) - hit.num_blocks + hit.num_free_hits
+        need = cdiv(computed + n, self.config.block_size) - hit.num_device_blocks + hit.num_free_hits
         if need > self._kv.device.num_free:
             return _Admission.WAIT_FENCE if self._kv.could_allocate_later(need) else _Admission.NO_BLOCKS
         self._admit(req, hit, n, b, now)
@@ -329,12 +334,14 @@ class Scheduler:
         req.num_computed_tokens = req.num_scheduled_tokens = hit.num_blocks * self.config.block_size
         ok = self._kv.allocate_slots(req, req.num_computed_tokens + n)
         assert ok, "admission checked the free blocks"
+        b.swap_in.extend(self._kv.load_host_hit(req, hit, b.step_id))
         self._add_running(req, now)
         if req.first_scheduled_time is None:
             req.first_scheduled_time = self._clock()
             req.num_cached_tokens = req.num_computed_tokens
         self._counts["prefix_query_tokens"] += req.num_tokens
         self._counts["prefix_hit_tokens"] += req.num_computed_tokens
+        self._counts["prefix_host_hit_tokens"] += len(hit.host_block_ids) * self.config.block_size
         b.add(req, n, True, 0)
 
     def _swap_in(self, req: Request, n: int, b: StepBuilder, now: float) -> None:

@@ -33,6 +33,9 @@ class SchedulerStats:
     spec_num_draft_tokens: int = 0  # speculative decoding: drafts proposed and verified
     spec_num_accepted_tokens: int = 0  # ... and accepted
     num_slid_blocks: int = 0  # KV blocks freed because every layer's sliding window had passed them
+    prefix_host_hit_tokens: int = 0  # host tier: prompt tokens loaded from host blocks on a hit
+    num_offloaded_blocks: int = 0  # ... evicted device blocks copied to host blocks
+    num_host_evictions: int = 0  # ... cached host blocks dropped for room
 
 
 def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiting: int, num_swapped: int,
@@ -61,6 +64,9 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         spec_num_draft_tokens=counts["spec_num_draft_tokens"],
         spec_num_accepted_tokens=counts["spec_num_accepted_tokens"],
         num_slid_blocks=counts["num_slid_blocks"],
+        prefix_host_hit_tokens=counts["prefix_host_hit_tokens"],
+        num_offloaded_blocks=counts["num_offloaded_blocks"],
+        num_host_evictions=counts["num_host_evictions"],
     )
 
 

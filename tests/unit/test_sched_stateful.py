@@ -39,16 +39,17 @@ def configs(draw) -> SchedulerConfig:
     max_model_len = draw(st.sampled_from([12, 20]))
     chunked = draw(st.booleans())
     need = cdiv(min(MAX_PROMPT + MAX_TOKENS, max_model_len) - 1, block_size)
+    host_tier = draw(st.sampled_from([False, False, True]))  # the prefix cache's host tier, in the host pool
     return SchedulerConfig(
         block_size=block_size,
         num_gpu_blocks=need + draw(st.sampled_from([0, 0, 1, 2, 6])),
-        num_cpu_blocks=draw(st.sampled_from([0, 4, 16, 16])),
+        num_cpu_blocks=16 if host_tier else draw(st.sampled_from([0, 4, 16, 16])),
         max_model_len=max_model_len,
         max_num_seqs=draw(st.sampled_from([2, 3, 8])),
         max_num_batched_tokens=draw(st.sampled_from([3, 8, 32])) if chunked else 32,
         enable_chunked_prefill=chunked,
         long_prefill_token_threshold=draw(st.sampled_from([0, 0, 3])) if chunked else 0,
-        enable_prefix_caching=draw(st.booleans()),
+        enable_prefix_caching=host_tier or draw(st.booleans()),
         scheduling_policy=draw(st.sampled_from(list(SchedulingPolicy))),
         preemption_mode=draw(st.sampled_from(list(PreemptionMode))),
         async_scheduling=draw(st.booleans()),
@@ -59,6 +60,7 @@ def configs(draw) -> SchedulerConfig:
         score_ttft_target=draw(st.sampled_from([0.0, 2.0])),
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         sliding_window=draw(st.sampled_from([0, 0, 3, 5])),  # every layer windowed: slid blocks are freed
+        num_offload_blocks=8 if host_tier else 0,
     )
 
 
@@ -168,6 +170,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         counts = self.sched.counters()
         event(f"drafts accepted: {counts['spec_num_accepted_tokens'] > 0}, "
               f"rejected: {counts['spec_num_draft_tokens'] > counts['spec_num_accepted_tokens']}")
+        event(f"host tier: offloaded {stats.num_offloaded_blocks > 0}, hit {stats.prefix_host_hit_tokens > 0}, "
+              f"evicted {stats.num_host_evictions > 0}")
         event(f"blocks slid: {stats.num_slid_blocks > 0}, slid and swapped: "
               f"{stats.num_slid_blocks > 0 and stats.num_swap_outs > 0}")
         for rid, spec in self.specs.items():

@@ -39,6 +39,7 @@ class TPModelRunner(ModelRunner):
         if (num_blocks, num_host) == (self.num_blocks, self.num_host_blocks):
             return
         self.num_blocks, self.num_host_blocks = num_blocks, num_host
+        self.num_offload_blocks = min(self.num_offload_blocks, num_host)
         self.kv_cache = KVCache(self.model.config, num_blocks=num_blocks, num_host_blocks=num_host,
                                 block_size=self.block_size, dtype=self.dtype, device=self.device)
         self.table = RequestTable(self.max_blocks_per_req, self.kv_cache.dummy_block)

@@ -28,6 +28,7 @@ def build_sim_runner(config) -> tuple[SimRunner, Path]:
         num_blocks=config.num_gpu_blocks_override,
         memory_utilization=config.gpu_memory_utilization,
         swap_space_bytes=config.swap_space * 2**30,
+        offload_space_bytes=config.kv_offloading_size * 2**30,
         max_model_len=config.max_model_len,
         seed=config.seed,
         eos_probability=config.sim_eos_probability,

@@ -77,7 +77,7 @@ class SimRunner:
 
     def __init__(self, model_dir: str | Path, profile: AcceleratorProfile, *, dtype: str = "bfloat16",
                  num_devices: int = 1, block_size: int = 16, num_blocks: int | None = None,
-                 memory_utilization: float = 0.9, swap_space_bytes: float = 2**30,
+                 memory_utilization: float = 0.9, swap_space_bytes: float = 2**30, offload_space_bytes: float = 0.0,
                  max_model_len: int | None = None, seed: int = 0, eos_probability: float = 0.0,
                  speculative_config: SpeculativeConfig | None = None, acceptance_rate: float = 0.0) -> None:
         if block_size < 1:
@@ -91,7 +91,9 @@ class SimRunner:
         self.cost = CostModel(self.geometry, profile, num_devices)
         self.block_size = block_size
         self.num_blocks = num_blocks or self.cost.num_kv_blocks(block_size, memory_utilization)
-        self.num_host_blocks = int(swap_space_bytes // (block_size * self.geometry.kv_bytes_per_token))
+        block_bytes = block_size * self.geometry.kv_bytes_per_token
+        self.num_offload_blocks = int(offload_space_bytes // block_bytes)  # the prefix cache's host tier
+        self.num_host_blocks = int(swap_space_bytes // block_bytes) + self.num_offload_blocks
         limit = cfg.rope.max_positions(cfg.max_position_embeddings)
         if max_model_len is not None and not 0 < max_model_len <= limit:
             raise ValueError(f"max_model_len {max_model_len} outside (0, {limit}] for this model")
