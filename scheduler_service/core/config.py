@@ -53,10 +53,8 @@ class SchedulingConfig(StepBudgetConfig):
     preemption_min_progress: int = cfg.field(
         16, "output tokens a preempted request commits before it may be preempted again (0: no protection; "
             "scheduler_service/core/preemption.py)")
-    # score policy: score = w_priority * priority + w_length * remaining tokens - w_wait * seconds waited;
-    # lowest score first
-    score_priority_weight: float = cfg.field(
-        10.0, "score policy: weight of the priority value (seconds of waiting one level is worth)")
+    # score policy: priority first; within a priority, score = w_length * remaining tokens - w_wait * seconds
+    # waited, lowest first (scheduler_service/core/policy.py)
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(
