@@ -20,7 +20,7 @@ import random
 
 import pytest
 
-from benchmarks import policies as bench
+from testing import overload as bench
 
 CAPACITY = {"conv": 23.319, "code": 19.509}
 NUM_REQUESTS = 800
@@ -28,11 +28,14 @@ LOW, HIGH = 0.5, 1.5
 MAX_WAIT = 10.0  # the aging bound: shorter than the benchmark's 30 s, so a slice this short reaches it
 
 
-def bench_args(sim_model_dir) -> argparse.Namespace:
-    args = bench.parser().parse_args(["--num-requests", str(NUM_REQUESTS), "--max-expected-wait", "2",
-                                      "--max-wait-time", str(MAX_WAIT)])
-    args.model, args.azure_csv, args.capacity = str(sim_model_dir), {}, CAPACITY
-    return args
+SEED = 1
+
+
+def sim_args(sim_model_dir) -> argparse.Namespace:
+    """`benchmarks/policies.py`'s setup (its defaults) for every policy's run."""
+    return argparse.Namespace(model=str(sim_model_dir), sim_profile="h200", max_num_seqs=128, max_wait_time=MAX_WAIT,
+                              score_ttft_target=bench.TTFT_SLO_S, max_expected_wait=2.0, preemption_min_progress=None,
+                              extra=[])
 
 
 _rows: dict[tuple[str, str], dict] = {}
@@ -43,10 +46,10 @@ def rows_of(trace: str, sim_model_dir, tmp_path_factory) -> dict:
     every run finishes (`run_sim` raises SimulationStalled if it stops progressing)."""
     key = (trace, str(sim_model_dir))
     if key not in _rows:
-        args, rows, work = bench_args(sim_model_dir), {}, tmp_path_factory.mktemp(trace)
+        args, rows, work = sim_args(sim_model_dir), {}, tmp_path_factory.mktemp(trace)
         for load in (LOW, HIGH):
             path = bench.write_trace(work / f"{load}.jsonl", bench.bursty_rows(
-                random.Random(args.seed), NUM_REQUESTS, load * CAPACITY[trace], bench.SHAPES[trace]))
+                random.Random(SEED), NUM_REQUESTS, load * CAPACITY[trace], bench.SHAPES[trace]))
             for policy in bench.POLICIES:
                 result = bench.run_sim(args, path, policy)
                 assert all(r["finish_reason"] for r in result["requests"]), f"{trace} {load}x {policy}: unfinished"
