@@ -120,7 +120,7 @@ class ScorePolicy(QueuePolicy):
     target the oldest goes first and shorter, later arrivals of its priority no longer pass
     it; a request past the target cannot meet it and is ordered by its score again. (Without
     it, on `benchmarks/policies.py`'s seed-1 trace at 1.0x load, long priority-2 prompts were
-    passed over by ~45 later, shorter priority-2 requests each and missed the target.)
+    passed over by many later, shorter priority-2 requests each and missed the target.)
 
     The wait term is `w_w * (now - arrival)`; `-w_w * now` is common to all requests, so
     the order is static: `(priority, w_l * remaining + w_w * arrival)`. A request that
