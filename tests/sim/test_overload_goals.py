@@ -5,7 +5,7 @@ their values at 0.5x, no request waits in the queue past the aging bound (overlo
 instead), its goodput is at least fcfs's and priority's at both loads, and every run finishes
 (`SimulationStalled` otherwise).
 
-The slice: each trace's first 800 requests (seed 1), every policy with `--max-expected-wait 2`
+The slice: each trace's first 600 requests (seed 1), every policy with `--max-expected-wait 2`
 and an aging bound of 10 s (the benchmark's 30 s is not reached in a slice this short). One
 goal is not met and is marked so (strict xfail): goodput on the code trace at 0.5x.
 
@@ -23,7 +23,7 @@ import pytest
 from testing import overload as bench
 
 CAPACITY = {"conv": 23.319, "code": 19.509}
-NUM_REQUESTS = 800
+NUM_REQUESTS = 600
 LOW, HIGH = 0.5, 1.5
 MAX_WAIT = 10.0  # the aging bound: shorter than the benchmark's 30 s, so a slice this short reaches it
 
