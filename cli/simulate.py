@@ -191,6 +191,9 @@ class VirtualSystem:
             result = StepResult(plan.step_id, sampled, failed=failed, speculation=self.runner.last_speculation,
                                 timing=WorkerTiming(forward_start=start, forward_end=self.device_free))
             self.device.append((result, self.device_free + self.control.result))
+        for request_id, refusal in self.scheduler.take_shed():  # admission control refused it in the queue
+            log = self.logs[request_id]
+            log.finish, log.finish_reason = self.now + self.control.egress, f"REJECTED: {refusal}"
 
     def _commit(self) -> None:
         result, _ = self.device.popleft()

@@ -182,6 +182,7 @@ class Engine:
             jitter.maybe_jitter()  # test-only delay (STEPAHEAD_TEST_JITTER_MS); a no-op when unset
             for replica in list(self._replicas.values()):
                 replica.pump()
+                self._dispatch_shed(replica)
             if self._holding and not any(r.loop.num_in_flight for r in self._replicas.values()):
                 self._flush_held()  # no step in flight: no later step would send them
 
@@ -307,6 +308,15 @@ class Engine:
         stalled = replica.scheduler.stall()
         if stalled is not None:
             self._stalls.note(replica=replica.name, reason=stalled)
+
+    def _dispatch_shed(self, replica: Replica) -> None:
+        """Requests the replica's core refused after queueing them (admission control: not
+        admitted within --max-wait-time) are answered like a refused submission: QUEUE_FULL."""
+        shed = replica.scheduler.take_shed()
+        for request_id, _ in shed:
+            self.metrics.forget(request_id)
+        if shed:
+            self._dispatch([Rejected(rid, str(refusal), RejectCode.QUEUE_FULL) for rid, refusal in shed])
 
     def _dispatch(self, events: list[RequestEvent | Rejected], plain: PlainTokens | None = None) -> None:
         """Hand events to their sinks: one list per sink, so a gateway session gets one message

@@ -7,6 +7,7 @@ queue's bound, and (`ExpectedWait`, when on) against the wait it can expect. The
 
 from __future__ import annotations
 
+import math
 from collections import deque
 
 from scheduler_service.core.config import SchedulerConfig
@@ -65,12 +66,20 @@ class ExpectedWait:
     the queue is backlogged: over the last `WINDOW` gaps between admissions that had requests
     still waiting (an idle queue's gaps measure the arrivals, not the capacity), the gap open
     since the last admission included, so a core that stops admitting sheds sooner. Before
-    any such gap there is no estimate and nothing is refused."""
+    any such gap there is no estimate and nothing is refused.
+
+    With admission control on, a request accepted at its arrival may still be passed over
+    for longer than the aging bound (`max_wait_time`: later arrivals of better priorities
+    take the capacity, as a burst of them may). Such a request is shed when it reaches the
+    bound (`overdue`): refused like one at its arrival (QueueFull, retry later), instead of
+    aging into an admission that preempts running work. Only a request that has streamed no
+    token can be refused; a preempted stream ages and goes first instead."""
 
     WINDOW = 64
 
-    def __init__(self, bound: float | None) -> None:
+    def __init__(self, bound: float | None, max_wait: float = math.inf) -> None:
         self.bound = bound
+        self.max_wait = max_wait
         self._gaps: deque[float] = deque()
         self._sum = 0.0
         self._last: float | None = None
@@ -92,6 +101,14 @@ class ExpectedWait:
             return None
         span = self._sum + (now - self._last if self._backlogged else 0.0)
         return ahead * span / len(self._gaps)
+
+    def overdue(self, request: Request, now: float) -> QueueFull | None:
+        """The refusal of a waiting `request` that reached the aging bound with no token, if on."""
+        wait = now - request.queued_time
+        if self.bound is None or request.num_output_tokens or not wait > self.max_wait:
+            return None
+        return QueueFull(f"request {request.request_id!r}: not admitted within --max-wait-time "
+                         f"{self.max_wait:g} s (priority {request.priority}, overload); retry later")
 
     def check(self, request: Request, ahead: int, now: float) -> None:
         if self.bound is None or not ahead:

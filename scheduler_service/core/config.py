@@ -49,21 +49,22 @@ class SchedulingConfig(StepBudgetConfig):
     max_expected_wait: float | None = cfg.field(
         None, "admission control, seconds (unset: off): a new request whose expected queue wait (the requests the "
               "policy serves before it over the measured admission rate) is longer is refused with "
-              "RESOURCE_EXHAUSTED / HTTP 429, so under overload the lowest priority class is shed first")
+              "RESOURCE_EXHAUSTED / HTTP 429, so under overload the lowest priority class is shed first; with it on, "
+              "the score policy also sheds a request not admitted within --max-wait-time (instead of aging it)")
     preemption_min_progress: int = cfg.field(
         16, "output tokens a preempted request commits before it may be preempted again (0: no protection; "
             "scheduler_service/core/preemption.py)")
-    # score policy: score = w_priority * priority + w_length * remaining tokens - w_wait * seconds waited;
-    # lowest score first
-    score_priority_weight: float = cfg.field(
-        10.0, "score policy: weight of the priority value (seconds of waiting one level is worth)")
+    # score policy: priority first; within a priority, score = w_length * remaining tokens - w_wait * seconds
+    # waited, lowest first (scheduler_service/core/policy.py)
     score_wait_weight: float = cfg.field(1.0, "score policy: weight of seconds waited (subtracted)")
     score_length_weight: float = cfg.field(0.005, "score policy: weight of remaining tokens")
     max_wait_time: float = cfg.field(
         30.0, "score policy: seconds after which a request is admitted first (it jumps ahead of every younger "
-              "request and may preempt running work that has not aged; inf: no aging)")
+              "request and may preempt running work that has not aged; inf: no aging); with --max-expected-wait, "
+              "a request with no token yet is shed then instead")
     score_ttft_target: float = cfg.field(
-        0.0, "score policy: TTFT target in s (0: off): a request with no token yet past half of it goes first")
+        0.0, "score policy: TTFT target in s (0: off): within a priority, a request with no token yet past "
+                   "half of it goes first, and one past it after those that can still meet it")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -52,10 +52,18 @@ class QueuePolicy(ABC):
         """Order of urgent waiting requests (comparable with `static_key`)."""
         return self.static_key(request)
 
+    def late_key(self, request: Request) -> tuple:
+        """Order of waiting requests past the TTFT target (comparable with `static_key`)."""
+        return self.static_key(request)
+
     def is_urgent(self, request: Request, now: float) -> bool:
         """Has `request` no token yet and waited past `urgent_after`, but not past `ttft_target`?"""
         return (self.ttft_target > 0 and not request.num_output_tokens
                 and self.urgent_after <= now - request.arrival_time < self.ttft_target)
+
+    def is_late(self, request: Request, now: float) -> bool:
+        """Has `request` no token yet and waited past `ttft_target` (when set)?"""
+        return self.ttft_target > 0 and not request.num_output_tokens and now - request.arrival_time >= self.ttft_target
 
     def pick_victim(self, candidate: Request, worst_first: Iterable[Request], now: float) -> Request | None:
         """The running request (given worst first) that the waiting `candidate` preempts to
@@ -85,26 +93,37 @@ class PriorityPolicy(QueuePolicy):
 
 
 class ScorePolicy(QueuePolicy):
-    """score = w_p * priority + w_l * remaining tokens - w_w * time since arrival (lowest first).
+    """Priority first; within a priority, score = w_l * remaining tokens - w_w * time since
+    arrival (lowest first); a preempted stream is readmitted before any new request.
 
-    With the default weights one priority level is worth 10 s of waiting (w_p / w_w), so
-    under overload a priority-0 request goes ahead of priority-2 work queued up to 20 s
-    before it (a smaller weight loses that race under overload: `benchmarks/policies.py`); 1000
-    remaining tokens are worth 5 s (w_l / w_w): short requests go first, but a long one is
-    passed over by same-priority arrivals of at most the next few seconds (a larger length
-    weight made long requests miss the TTFT target at full load, `benchmarks/policies.py`).
+    Priority dominates: no request of a worse priority goes ahead of a waiting better one
+    (unless it has aged, below), however long it waited or however short it is. (A summed
+    priority term let long priority-0 prompts, whose length term outweighed two levels, wait
+    until they became urgent while short priority-2 requests went first: priority 0's TTFT
+    tail grew several-fold under overload, `benchmarks/policies.py`.) Starvation of the worse
+    classes is bounded by aging, and with admission control on (`max_expected_wait`) by
+    shedding the request at the bound instead (`Scheduler._shed_overdue`).
+
+    Within a priority, 1000 remaining tokens are worth 5 s of waiting (w_l / w_w, defaults):
+    short requests go first, but a long one is passed over by same-priority arrivals of at
+    most the next few seconds.
+
+    Readmission: a preempted request that has streamed tokens (its client is waiting in the
+    middle of a stream: every second it waits again is TPOT) goes ahead of every request
+    that has not, in the order they were preempted; the running order ranks it there too, so
+    it is not a victim again before every request admitted without such a turn. (Queued
+    behind new requests of its class, preempted streams made the TPOT tail under overload.)
 
     With a TTFT target (`score_ttft_target` > 0), a request that has no token yet and has
     waited (since arrival) past half the target but not past the target is urgent: its
-    length term no longer counts, so among the requests about to miss the target the
-    oldest of the best priority goes first and shorter, later arrivals of its priority no
-    longer pass it; a request past the target cannot meet it and is ordered by its score
-    again. (Without it, on `benchmarks/policies.py`'s seed-1 trace at 1.0x load, long
-    priority-2 prompts were passed over by ~45 later, shorter priority-2 requests each and
-    missed the target: 95.7% goodput vs fcfs's 100%.)
+    length term no longer counts, so among the requests of its priority about to miss the
+    target the oldest goes first and shorter, later arrivals of its priority no longer pass
+    it; a request past the target cannot meet it and is ordered by its score again. (Without
+    it, on `benchmarks/policies.py`'s seed-1 trace at 1.0x load, long priority-2 prompts were
+    passed over by many later, shorter priority-2 requests each and missed the target.)
 
     The wait term is `w_w * (now - arrival)`; `-w_w * now` is common to all requests, so
-    the order is static: `w_p * priority + w_l * remaining + w_w * arrival`. A request that
+    the order is static: `(priority, w_l * remaining + w_w * arrival)`. A request that
     has been in the waiting queue longer than `max_wait_time` (since it arrived or was last
     preempted) has aged: it goes ahead of every request that has not, aged requests go in
     queueing order, and an aged request may preempt any running request but one that was
@@ -120,7 +139,6 @@ class ScorePolicy(QueuePolicy):
     can_preempt_running = True
 
     def __init__(self, config: SchedulerConfig) -> None:
-        self.w_priority = config.score_priority_weight
         self.w_wait = config.score_wait_weight
         self.w_length = config.score_length_weight
         self.max_wait = config.max_wait_time
@@ -128,14 +146,19 @@ class ScorePolicy(QueuePolicy):
         self.urgent_after = self.ttft_target / 2
 
     def score(self, request: Request) -> float:
+        """Within a priority: lower first."""
         remaining = (
             request.num_tokens - request.num_computed_tokens
             + request.sampling.max_tokens - request.num_output_tokens
         )
-        return self.w_priority * request.priority + self.w_length * remaining + self.w_wait * request.arrival_time
+        return self.w_length * remaining + self.w_wait * request.arrival_time
 
     def static_key(self, request: Request) -> tuple:
-        return (1, self.score(request), request.arrival_time)
+        """Aged requests are tier 0 (`queue_key`), preempted streams tier 1 in queueing order,
+        every other request tier 2 by priority, then score."""
+        if request.num_output_tokens:
+            return (1, request.queued_time, request.arrival_time)
+        return (2, request.priority, 0, self.score(request), request.arrival_time)
 
     def is_aged(self, request: Request, now: float) -> bool:
         return now - request.queued_time > self.max_wait
@@ -145,13 +168,18 @@ class ScorePolicy(QueuePolicy):
         return (*self.static_key(request), self.is_aged(request, now))
 
     def urgent_key(self, request: Request) -> tuple:
-        return (1, self.w_priority * request.priority + self.w_wait * request.arrival_time, request.arrival_time)
+        return (2, request.priority, 0, self.w_wait * request.arrival_time, request.arrival_time)
+
+    def late_key(self, request: Request) -> tuple:
+        return (2, request.priority, 1, self.score(request), request.arrival_time)
 
     def queue_key(self, request: Request, now: float) -> tuple:
         if self.is_aged(request, now):
             return (0, request.queued_time, request.arrival_time)
         if self.is_urgent(request, now):
             return self.urgent_key(request)
+        if self.is_late(request, now):
+            return self.late_key(request)
         return self.static_key(request)
 
     def may_preempt(self, candidate: Request, victim: Request, now: float) -> bool:
@@ -203,43 +231,45 @@ def make_policy(config: SchedulerConfig) -> QueuePolicy:
 
 
 class WaitingQueue:
-    """Heap on the policy's static key with lazy removal; for aging policies a second heap
-    on queueing time finds the longest-waiting request, which goes first once it has aged;
-    with a TTFT target, requests without a token wait in a heap by arrival until they become
-    urgent, then in a heap on the urgent key, which competes with the static key's best."""
+    """Heaps with lazy removal (an entry is live while its token is its request's
+    `queue_token`). Every request waits in a heap on the policy's static key, except, with a
+    TTFT target, one without a token: it moves (a new token) from the static-key heap to a
+    heap on the urgent key once it has waited past `urgent_after` since arrival, and from
+    there to a heap on the late key once past the target (heaps by arrival time tell when).
+    `peek` takes the least key of the heaps' heads; for aging policies a heap on queueing
+    time finds the longest-waiting request, which goes first once it has aged."""
 
     def __init__(self, policy: QueuePolicy) -> None:
         self._policy = policy
         self._by_key: list[tuple] = []
         self._by_queued: list[tuple] = []
-        self._by_arrival: list[tuple] = []  # requests waiting for their first token, by arrival
-        self._urgent: list[tuple] = []  # those past `urgent_after`, by the policy's urgent key
+        self._to_urgent: list[tuple] = []  # requests in `_by_key` with no token yet, by arrival
+        self._urgent: list[tuple] = []  # by the urgent key
+        self._to_late: list[tuple] = []  # requests in `_urgent`, by arrival
+        self._late: list[tuple] = []  # by the late key
         self._tokens = itertools.count()
-        self._len = 0
+        self._live: dict[str, Request] = {}
         self.by_priority: Counter = Counter()  # waiting requests of each priority
 
     def __len__(self) -> int:
-        return self._len
+        return len(self._live)
 
     def __contains__(self, request: Request) -> bool:
         return request.queue_token is not None
 
     def push(self, request: Request) -> None:
         assert request.queue_token is None, f"{request.request_id} queued twice"
-        token = next(self._tokens)
-        request.queue_token = token
+        token = self._retoken(request)
         heapq.heappush(self._by_key, (self._policy.static_key(request), token, request))
-        if self._policy.has_aging:
-            heapq.heappush(self._by_queued, ((request.queued_time, request.arrival_time), token, request))
         if self._policy.ttft_target and not request.num_output_tokens:
-            heapq.heappush(self._by_arrival, (request.arrival_time, token, request))
-        self._len += 1
+            heapq.heappush(self._to_urgent, (request.arrival_time, token, request))
+        self._live[request.request_id] = request
         self.by_priority[request.priority] += 1
 
     def remove(self, request: Request) -> None:
         assert request.queue_token is not None, f"{request.request_id} is not queued"
         request.queue_token = None
-        self._len -= 1
+        del self._live[request.request_id]
         self.by_priority[request.priority] -= 1
 
     def peek(self, now: float) -> Request | None:
@@ -247,12 +277,10 @@ class WaitingQueue:
             oldest = self._top(self._by_queued)
             if oldest is not None and self._policy.is_aged(oldest, now):
                 return oldest
-        best = self._top(self._by_key)
-        if self._policy.ttft_target:
-            urgent = self._top_urgent(now)
-            if urgent is not None and self._urgent[0][0] < self._by_key[0][0]:  # the two heads' keys
-                return urgent
-        return best
+        if not self._policy.ttft_target:
+            return self._top(self._by_key)
+        self._advance(now)
+        return self._least((self._by_key, self._urgent, self._late))
 
     def pop(self, now: float) -> Request | None:
         request = self.peek(now)
@@ -261,18 +289,40 @@ class WaitingQueue:
         return request
 
     def requests(self) -> list[Request]:
-        return [entry[2] for entry in self._by_key if entry[2].queue_token == entry[1]]
+        return list(self._live.values())
 
-    def _top_urgent(self, now: float) -> Request | None:
-        """The best urgent request: move those that waited past `urgent_after` from the arrival
-        heap to the urgent heap; drop (lazily) those past the TTFT target, which cannot meet it."""
-        policy, by_arrival, urgent = self._policy, self._by_arrival, self._urgent
-        while (r := self._top(by_arrival)) is not None and now - r.arrival_time >= policy.urgent_after:
-            entry = heapq.heappop(by_arrival)
-            heapq.heappush(urgent, (policy.urgent_key(r), entry[1], r))
-        while (r := self._top(urgent)) is not None and not policy.is_urgent(r, now):
-            heapq.heappop(urgent)
-        return r
+    def oldest(self) -> Request | None:
+        """The request longest in the queue (aging policies only; None otherwise or if empty)."""
+        return self._top(self._by_queued)
+
+    def _retoken(self, request: Request) -> int:
+        """A new live token (earlier entries of the request die), in the queueing-time heap too."""
+        token = next(self._tokens)
+        request.queue_token = token
+        if self._policy.has_aging:
+            heapq.heappush(self._by_queued, ((request.queued_time, request.arrival_time), token, request))
+        return token
+
+    def _advance(self, now: float) -> None:
+        """Move the requests that waited past `urgent_after` (since arrival) to the urgent heap,
+        and those past the TTFT target on to the late heap."""
+        policy = self._policy
+        while (r := self._top(self._to_urgent)) is not None and now - r.arrival_time >= policy.urgent_after:
+            heapq.heappop(self._to_urgent)
+            token = self._retoken(r)
+            heapq.heappush(self._urgent, (policy.urgent_key(r), token, r))
+            heapq.heappush(self._to_late, (r.arrival_time, token, r))
+        while (r := self._top(self._to_late)) is not None and now - r.arrival_time >= policy.ttft_target:
+            heapq.heappop(self._to_late)
+            heapq.heappush(self._late, (policy.late_key(r), self._retoken(r), r))
+
+    def _least(self, heaps: tuple[list[tuple], ...]) -> Request | None:
+        """The request at the head with the least key among `heaps`."""
+        best = None
+        for heap in heaps:
+            if self._top(heap) is not None and (best is None or heap[0][0] < best[0]):
+                best = heap[0]
+        return best[2] if best is not None else None
 
     @staticmethod
     def _top(heap: list[tuple]) -> Request | None:

@@ -69,7 +69,7 @@ class Scheduler:
         self._clock = clock
         self._policy = make_policy(config)
         self._preemption = PreemptionRule(config)
-        self._expected_wait = ExpectedWait(config.max_expected_wait)
+        self._expected_wait = ExpectedWait(config.max_expected_wait, config.max_wait_time)
         self._kv = KVCacheManager(
             config.block_size, config.num_gpu_blocks, config.num_cpu_blocks, config.enable_prefix_caching, hash_fn,
             config.sliding_window, config.num_offload_blocks > 0,
@@ -86,6 +86,7 @@ class Scheduler:
         self._next_step_id = 0
         self._pending_finished: list[str] = []
         self._pending_preempted: list[str] = []
+        self._shed: list[tuple[str, QueueFull]] = []  # refused after they were queued (`take_shed`)
         self._counts = Counter(counters or {})  # carried over from an earlier core: totals survive re-attach
         self._stall_limit = stall_limit(config)
         self._steps_without_token = 0  # committed steps in a row that gave no request a token or an end
@@ -159,10 +160,17 @@ class Scheduler:
     def num_unfinished(self) -> int:
         return len(self._requests)
 
+    def take_shed(self) -> list[tuple[str, QueueFull]]:
+        """Requests refused since the last call after they had been queued (admission control:
+        not admitted within the aging bound), each with its refusal; they are gone from the core."""
+        shed, self._shed = self._shed, []
+        return shed
+
     def schedule(self) -> StepPlan | None:
         if not self.can_schedule():
             return None
         now = self._clock()
+        self._shed_overdue(now)
         cfg = self.config
         b = StepBuilder(self._next_step_id, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         deferred = self._schedule_running(b, now)
@@ -291,17 +299,18 @@ class Scheduler:
         )
 
     def _schedule_waiting(self, b: StepBuilder, now: float) -> None:
+        """Admit the queue's head while it fits; one that does not may preempt running work
+        (`_policy_victim`) and takes what the preemption freed (the victim, queued again, may
+        rank ahead of it: a preempted stream is readmitted first)."""
         while len(self._waiting):
             req = self._waiting.peek(now)
-            outcome = self._try_admit(req, b, now)
-            if outcome is _Admission.OK:
-                continue
-            if outcome is _Admission.WAIT_FENCE or outcome is _Admission.NO_BUDGET:
-                return  # preempting would free nothing that lasts past this step
-            victim = self._policy_victim(req, b, now)
-            if victim is None:
-                return
-            self._preempt(victim, b)
+            while (outcome := self._try_admit(req, b, now)) is not _Admission.OK:
+                if outcome is _Admission.WAIT_FENCE or outcome is _Admission.NO_BUDGET:
+                    return  # preempting would free nothing that lasts past this step
+                victim = self._policy_victim(req, b, now)
+                if victim is None:
+                    return
+                self._preempt(victim, b)
 
     def _try_admit(self, req: Request, b: StepBuilder, now: float) -> _Admission:
         if len(self._running) >= self.config.max_num_seqs or b.seq_budget == 0:
@@ -325,6 +334,21 @@ class Scheduler:
         rule = self._preemption
         worst_first = (r for r in reversed(self._running) if not b.is_scheduled_new(r))
         return self._policy.pick_victim(candidate, rule.policy_victims(worst_first, rule.gain(self._running)), now)
+
+    def _shed_overdue(self, now: float) -> None:
+        """Refuse the waiting requests that reached the aging bound with no token, oldest first
+        (`ExpectedWait.overdue`; only when admission control is on)."""
+        while (oldest := self._waiting.oldest()) is not None:
+            refusal = self._expected_wait.overdue(oldest, now)
+            if refusal is None:
+                return
+            self._waiting.remove(oldest)
+            del self._requests[oldest.request_id]
+            oldest.status = RequestStatus.FINISHED_ABORTED
+            oldest.epoch += 1
+            self._shed.append((oldest.request_id, refusal))
+            self._counts["num_shed"] += 1
+            self._progressed()
 
     # ---- status transitions --------------------------------------------------------------
     def _admit(self, req: Request, hit: PrefixHit, n: int, b: StepBuilder, now: float) -> None:

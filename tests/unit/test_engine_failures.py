@@ -117,3 +117,33 @@ def test_refused_submissions_give_their_inbox_slot_back():
     assert sorted(r.request_id for r in got) == sorted(f"bad{i}" for i in range(10))
     assert all(r.code is RejectCode.INVALID for r in got)
     engine.stop()
+
+
+def test_a_request_its_core_sheds_after_queueing_is_answered_queue_full():
+    """Admission control refuses a queued request not admitted within --max-wait-time
+    (`Scheduler.take_shed`): its stream gets one QUEUE_FULL answer (the gateway's 429 /
+    RESOURCE_EXHAUSTED with Retry-After) and the engine lets go of it; other streams go on."""
+    from scheduler_service.core.request import QueueFull
+
+    engine, plans = started_engine()
+    core = engine._call(lambda: next(iter(engine._replicas.values())).scheduler)
+    real_take_shed, pending = core.take_shed, []
+
+    def take_shed():  # reports "shed" once it is queued (the core itself keeps it: nothing reads it later)
+        shed = real_take_shed()
+        if pending and pending[0] in core._requests:
+            shed.append((pending.pop(), QueueFull("not admitted within --max-wait-time 30 s; retry later")))
+        return shed
+
+    core.take_shed = take_shed
+    waiting, other = GatewaySession(), GatewaySession()
+    pending.append("shed")
+    engine.submit(Request("shed", [5, 6, 7], SamplingParams(max_tokens=2)), waiting)
+    engine.submit(Request("other", [5, 6, 8], SamplingParams(max_tokens=2)), other)
+    [answer] = rejections(waiting, 1)
+    assert answer.request_id == "shed" and answer.code is RejectCode.QUEUE_FULL
+    assert "max-wait-time" in answer.message
+    assert "other" in planned_ids(plans, {"other"})
+    assert engine._call(lambda: "shed" not in engine._streams and "shed" not in engine._owner)
+    assert alive(engine)
+    engine.stop()

@@ -52,13 +52,13 @@ def test_priority_is_lower_value_first_then_arrival():
     assert drain(q) == ["early-high", "late-high", "low"]
 
 
-def test_score_weighs_priority_length_and_wait():
-    q = queue_for(SchedulingPolicy.SCORE, score_priority_weight=1.0, score_wait_weight=1.0,
-                  score_length_weight=0.5, max_wait_time=math.inf)
+def test_score_is_priority_first_then_length_and_wait():
+    q = queue_for(SchedulingPolicy.SCORE, score_wait_weight=1.0, score_length_weight=0.5, max_wait_time=math.inf)
     q.push(req("long", 0.0, max_tokens=20))  # 0.5 * 24 = 12
     q.push(req("short-late", 5.0))  # 0.5 * 8 + 5 = 9
-    q.push(req("urgent", 9.0, priority=-10))  # -10 + 4 + 9 = 3
-    assert drain(q, now=10.0) == ["urgent", "short-late", "long"]
+    q.push(req("better-longest-latest", 9.0, priority=-10, max_tokens=40))  # 0.5 * 44 + 9 = 31, but priority -10
+    q.push(req("worse-oldest", -100.0, priority=1))  # 0.5 * 8 - 100 = -96, but priority 1
+    assert drain(q, now=10.0) == ["better-longest-latest", "short-late", "long", "worse-oldest"]
 
 
 def test_aged_requests_go_first_in_queueing_order():
@@ -143,16 +143,18 @@ def _score_driver(**kw) -> Driver:
 
 
 def _protected_worst_and_fresh(d: Driver) -> tuple[Request, Request]:
-    """Two running priority-2 requests: `protected` (preempted once, the worst score: it is
-    the tail of the running order) and `fresh` (never preempted, a better score)."""
-    d.scheduler.add_request(req("protected", None, priority=2, max_tokens=40))
-    d.scheduler.add_request(req("short", None, priority=0, max_tokens=2))
+    """Two running priority-2 requests: `protected` (preempted once in its prefill, so it has
+    no token to be readmitted first for, and the worst score: it is the tail of the running
+    order) and `fresh` (never preempted, a better score). `d` prefills 4 tokens a request a
+    step, so `protected`'s 30-token prompt leaves room for the priority-0 arrivals."""
+    d.scheduler.add_request(req("protected", None, priority=2, prompt_len=30, max_tokens=20))
     d.tick()
+    d.scheduler.add_request(req("short", None, priority=0, max_tokens=2))
     d.scheduler.add_request(req("urgent1", None, priority=0, max_tokens=2))
     d.tick()
     assert d.scheduler.get_request("protected").num_preemptions == 1
     d.scheduler.add_request(req("fresh", None, priority=2, max_tokens=20))
-    for _ in range(6):  # short and urgent1 finish; protected and fresh run
+    for _ in range(8):  # short and urgent1 finish; protected and fresh run
         d.tick()
         d.scheduler.check_integrity()
     protected, fresh = d.scheduler.get_request("protected"), d.scheduler.get_request("fresh")
@@ -165,7 +167,7 @@ def test_score_policy_preempts_the_worst_request_it_may_not_only_the_worst_one()
     """A priority-0 arrival whose worst running request is protected (preempted once) takes
     the next worse-priority one instead of waiting for a slot (benchmarks/policies.py: at
     1.5x it waited up to 254 ms behind protected tails)."""
-    d = _score_driver()
+    d = _score_driver(max_num_batched_tokens=8, long_prefill_token_threshold=4)
     protected, fresh = _protected_worst_and_fresh(d)
     d.scheduler.add_request(req("urgent2", None, priority=0, max_tokens=2))
     d.tick()
@@ -233,16 +235,24 @@ def test_an_urgent_request_still_goes_after_a_better_priority_and_after_aged_one
     assert drain(q, now=1.5) == ["aged", "better", "long", "short"]
 
 
-def test_a_request_that_has_streamed_a_token_is_never_urgent():
-    """A request preempted after its first token has met its TTFT: it keeps its score."""
+def test_a_preempted_stream_is_readmitted_first_and_is_never_urgent():
+    """A request preempted after its first token has met its TTFT (never urgent, never late)
+    and its client waits mid-stream: it goes ahead of every request without a token, better
+    priorities and urgent ones included, preempted streams in the order they were queued."""
     q = queue_for(SchedulingPolicy.SCORE, score_ttft_target=2.0)
-    resumed = req("resumed", 0.0, priority=2, max_tokens=1000)
-    resumed.commit_token(5)
-    q.push(resumed)
+    streams = []
+    for rid, queued in (("resumed-later", 1.0), ("resumed", 0.5)):
+        r = req(rid, 0.0, priority=2, max_tokens=1000)
+        r.commit_token(5)
+        r.queued_time = queued
+        streams.append(r)
+        q.push(r)
     q.push(req("short", 0.5, priority=2))
-    assert drain(q, now=1.5) == ["short", "resumed"]
+    q.push(req("better", 0.4, priority=0))
+    q.push(req("urgent", -0.1, priority=0, max_tokens=1000))
+    assert drain(q, now=1.5) == ["resumed", "resumed-later", "urgent", "better", "short"]
     assert not make_policy(replace(CONFIG, scheduling_policy=SchedulingPolicy.SCORE,
-                                   score_ttft_target=2.0)).is_urgent(resumed, 1.5)
+                                   score_ttft_target=2.0)).is_urgent(streams[1], 1.5)
 
 
 def test_score_ttft_target_must_not_be_negative():

@@ -49,3 +49,59 @@ def test_expected_wait_sheds_past_the_bound_after_measuring_a_backlogged_rate():
     with pytest.raises(QueueFull, match="max-expected-wait"):
         gate.check(req("shed"), ahead=5, now=0.5)  # 2.5 s
     ExpectedWait(None).check(req("off"), ahead=10**6, now=0.0)  # off: never refuses
+
+
+def _overloaded(max_expected_wait: float | None):
+    """One sequence slot held by a long priority-0 request; a priority-2 request waiting
+    behind it, and later a priority-2 stream preempted after its first token; score policy,
+    aging bound 2 s."""
+    from dataclasses import replace
+
+    from scheduler_service.core.config import SchedulingPolicy
+    from tests.unit.fake_executor import Driver, hashed_tokens
+
+    clock = [0.0]
+    config = replace(CONFIG, max_num_seqs=1, async_scheduling=False, scheduling_policy=SchedulingPolicy.SCORE,
+                     max_wait_time=2.0, max_expected_wait=max_expected_wait)
+    d = Driver.create(config, hashed_tokens(1000), clock=lambda: clock[0])
+    d.scheduler.add_request(Request("hog", range(1, 5), SamplingParams(max_tokens=40), 0, None))
+    d.tick()
+    d.scheduler.add_request(Request("starved", range(1, 5), SamplingParams(max_tokens=2), 2, None))
+    return d, clock
+
+
+def test_admission_control_sheds_a_request_not_admitted_within_the_aging_bound():
+    """With admission control on, the starved request is refused (QueueFull, retry later) as
+    soon as it has waited past the bound, and is gone from the core; it never ages into an
+    admission. Off, it ages and preempts the hog as before."""
+    d, clock = _overloaded(max_expected_wait=5.0)
+    waits = []
+    while d.scheduler.get_request("starved") is not None:
+        clock[0] += 0.25
+        d.tick()
+        d.scheduler.check_integrity()
+        waits.append(clock[0])
+    shed = d.scheduler.take_shed()
+    assert [rid for rid, _ in shed] == ["starved"] and isinstance(shed[0][1], QueueFull)
+    assert "retry later" in str(shed[0][1]) and waits[-1] - 2.0 <= 0.25, "shed at the first step past the bound"
+    assert d.scheduler.get_request("hog").num_preemptions == 0 and d.scheduler.take_shed() == []
+    assert d.scheduler.stats().num_waiting == 0
+
+    d, clock = _overloaded(max_expected_wait=None)
+    for _ in range(12):
+        clock[0] += 0.25
+        d.tick()
+    assert d.scheduler.take_shed() == [] and d.scheduler.get_request("hog").num_preemptions == 1
+
+
+def test_a_preempted_stream_is_never_shed():
+    """A request that has streamed a token cannot be refused any more: past the bound it ages
+    (goes first) instead."""
+    gate = ExpectedWait(1.0, max_wait=2.0)
+    stream, fresh = req("stream"), req("fresh")
+    for r in (stream, fresh):
+        r.queued_time = 0.0
+    stream.output_token_ids.append(5)
+    assert gate.overdue(fresh, 2.0) is None and gate.overdue(stream, 2.5) is None
+    assert isinstance(gate.overdue(fresh, 2.5), QueueFull)
+    assert ExpectedWait(None, max_wait=2.0).overdue(fresh, 9.0) is None
