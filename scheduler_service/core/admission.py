@@ -42,10 +42,15 @@ def check_limits(config: SchedulerConfig, request: Request) -> None:
 
 
 def check_fits(config: SchedulerConfig, request: Request) -> None:
-    """The request at its longest must fit the device pool alone."""
+    """The request at its longest must fit the device pool alone. When every layer is windowed
+    it holds only the blocks from its window's first key to what its plans in flight and the
+    next one schedule (`KVCacheManager.release_slid`), plus one for the block boundary."""
     n = request.num_prompt_tokens
     final_len = min(n + request.sampling.max_tokens, config.max_model_len)
     blocks = cdiv(final_len - 1, config.block_size)  # the last sampled token is never computed
+    if config.sliding_window:
+        span = config.sliding_window + config.max_in_flight * config.max_num_batched_tokens
+        blocks = min(blocks, cdiv(span, config.block_size) + 1)
     if blocks > config.num_gpu_blocks:
         raise RequestRejected(
             f"request {request.request_id!r}: needs up to {blocks} KV blocks ({final_len} tokens) but the device "

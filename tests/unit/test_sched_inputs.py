@@ -83,3 +83,26 @@ def test_a_request_object_cannot_be_added_twice():
 def test_bad_config_is_rejected(change, message):
     with pytest.raises(ValueError, match=message):
         replace(CONFIG, **change)
+
+
+def test_a_request_longer_than_the_pool_fits_when_every_layer_is_windowed():
+    """50 tokens need 13 blocks of 4 whole, more than the pool's 8; with every layer windowed
+    (6 keys) the request holds only its window's blocks and what its plans in flight schedule,
+    so it is admitted and runs to its end (the fake worker checks every key it reads)."""
+    from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens, run_alone
+
+    config = SchedulerConfig(num_gpu_blocks=8, max_model_len=64, block_size=4, max_num_batched_tokens=4,
+                             max_concurrent_batches=2)
+    spec = RequestSpec("a", tuple(range(1, 11)), SamplingParams(max_tokens=40, ignore_eos=True))
+    tokens = hashed_tokens(vocab_size=50)
+    with pytest.raises(RequestRejected, match="needs up to 13 KV blocks"):
+        Scheduler(config).add_request(spec.build())
+    windowed = replace(config, sliding_window=6)
+    driver = Driver.create(windowed, tokens)
+    driver.scheduler.add_request(spec.build())
+    driver.run_until_done()
+    want, _ = run_alone(replace(config, num_gpu_blocks=16), spec, tokens)
+    assert driver.outputs["a"] == want
+    stats = driver.scheduler.stats()
+    assert stats.num_slid_blocks > 0 and stats.num_preemptions == 0
+    assert stats.num_free_blocks == stats.num_total_blocks
