@@ -136,12 +136,12 @@ def test_kill_one_rank_of_tp2_x_dp2_loses_nothing(tiny_model_dir, tiny_tokenizer
 
 @pytest.mark.slow  # the default suite checks the refusal in process (tests/model/test_tensor_parallel.py)
 def test_a_model_that_does_not_split_is_refused_naming_the_dimension(tiny_model_dir, tmp_path):  # noqa: F811
-    bad = tmp_path / "six-heads"
+    bad = tmp_path / "twelve-heads"  # 12 query heads over tiny's 4 KV heads: a model, but not split 8 ways
     shutil.copytree(tiny_model_dir, bad)
-    config = (bad / "config.json").read_text().replace('"num_attention_heads": 8', '"num_attention_heads": 6')
+    config = (bad / "config.json").read_text().replace('"num_attention_heads": 8', '"num_attention_heads": 12')
     (bad / "config.json").write_text(config)
     proc = subprocess.run([sys.executable, "-m", "cli", "worker", "--model", str(bad),
-                           "--tensor-parallel-size", "4", "--scheduler", "127.0.0.1:1"],
+                           "--tensor-parallel-size", "8", "--scheduler", "127.0.0.1:1"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "num_attention_heads (6) is not divisible by the tensor-parallel size 4" in proc.stderr
+    assert "num_attention_heads (12) is not divisible by the tensor-parallel size 8" in proc.stderr, proc.stderr
