@@ -275,13 +275,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             master_addr=assignment.master_addr, master_port=assignment.master_port)
 
     def _read_results(self, request_iterator, handle: WorkerHandle) -> None:
-        """Results up to the engine; a clean end of the stream is a worker leaving (info),
-        anything else a loss (error)."""
-        reason, error, clean = "the worker detached", None, False
+        """Results up to the engine; a stream that the worker ends with a `detach` message is a
+        worker leaving (info), anything else a loss (a warning; a killed worker's stream can
+        end without an error here)."""
+        reason, error, clean = "the attach stream ended without a detach (the worker died or its connection broke)", \
+            None, False
         try:
             for msg in request_iterator:
                 if msg.HasField("fatal_error"):
                     reason = f"the worker failed: {msg.fatal_error[:1000]}"
+                    break
+                if msg.HasField("detach"):
+                    reason, clean = f"the worker detached: {msg.detach[:200]}", True
                     break
                 if not msg.HasField("result"):
                     reason = "the worker sent something other than a result after its hello"
@@ -297,8 +302,6 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     error = WorkerRefused(WorkerRefused.Kind.INVALID, reason := f"invalid step result: {exc}")
                     break
                 handle.on_result(result)
-            else:
-                clean = True
         except grpc.RpcError as exc:  # the server side raises a bare RpcError (no code) on reset
             reason = f"attach stream failed: {exc!r}"
         handle.on_lost(reason, error, clean)

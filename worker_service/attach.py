@@ -152,6 +152,9 @@ class StopWatch:
                 self._detach(*self._session)
 
     def _detach(self, call, outbox: queue.SimpleQueue) -> None:
+        from stepahead.v1 import scheduler_pb2
+
+        outbox.put(scheduler_pb2.WorkerMessage(detach="the worker is stopping"))  # a leave, not a loss
         outbox.put(None)
         timer = threading.Timer(self.GRACE_S, call.cancel)
         timer.daemon = True

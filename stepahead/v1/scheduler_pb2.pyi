@@ -234,14 +234,16 @@ class WorkerHello(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., no_logprobs: _Optional[bool] = ..., no_structured_outputs: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "result", "fatal_error")
+    __slots__ = ("hello", "result", "fatal_error", "detach")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     FATAL_ERROR_FIELD_NUMBER: _ClassVar[int]
+    DETACH_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerHello
     result: StepResult
     fatal_error: str
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., fatal_error: _Optional[str] = ...) -> None: ...
+    detach: str
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., fatal_error: _Optional[str] = ..., detach: _Optional[str] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("plan",)
