@@ -22,8 +22,9 @@ from worker_service.model_config import ModelConfig
 from worker_service.model_runner import ModelRunner
 from worker_service.parallel.geometry import GeometryError, ShardGeometry
 
-CHECKPOINTS = ("llama_tied_gqa4", "qwen2_untied_gqa4", "qwen3_tied_gqa1", "phi3_untied_gqa4", "olmo2_untied_gqa4",
-               "gpt2_tied", "qwen3_moe_untied_gqa2", "mixtral_tied_gqa2", "gemma2_tied_gqa2", "gemma3_text_untied_gqa2")
+CHECKPOINTS = ("llama_tied_gqa4", "mistral_untied_gqa1", "qwen2_untied_gqa4", "qwen3_tied_gqa1", "phi3_untied_gqa4",
+               "olmo2_untied_gqa4", "gpt2_tied", "qwen3_moe_untied_gqa2", "mixtral_tied_gqa2", "gemma2_tied_gqa2",
+               "gemma3_text_untied_gqa2")
 PROMPT_LENS = [3, 40, 21, 9]
 MAX_NEW = 12
 RTOL = 1e-4
@@ -134,8 +135,9 @@ def test_two_ranks_match_the_unsharded_model_rope_variants(tmp_path_factory, tmp
 
 @pytest.mark.slow
 def test_two_ranks_match_the_unsharded_model_all_families(tmp_path_factory, tmp_path):
-    """llama (tied, llama3 RoPE), qwen2, qwen3 (q/k norms, head_dim 24), phi3 (fused tensors), olmo2, gpt2,
-    qwen3_moe and mixtral (experts split along their intermediate width)."""
+    """llama (tied, llama3 RoPE), mistral (every layer windowed), qwen2, qwen3 (q/k norms, head_dim 24), phi3
+    (fused tensors), olmo2, gpt2, qwen3_moe and mixtral (experts split along their intermediate width), gemma2
+    and gemma3_text (sliding and global layers)."""
     paths = [checkpoint(name, tmp_path_factory) for name in CHECKPOINTS]
     assert_same_as_unsharded(paths, run_ranks(2, paths, str(tmp_path / "out")))
 
