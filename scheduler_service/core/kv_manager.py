@@ -69,32 +69,34 @@ class KVCacheManager:
             hashes.append(self._hash_fn(hashes[-1] if hashes else None, tokens, request.cache_salt))
 
     def find_prefix_hit(self, request: Request) -> PrefixHit:
-        """Longest verified cached prefix of full blocks, leaving >= 1 token to compute."""
+        """Longest verified cached prefix of full blocks (on the device, going on in the host tier),
+        leaving >= 1 token to compute."""
         if not self.enable_caching or request.needs_prompt_logprobs:
             return NO_HIT
         bs = self.block_size
         max_blocks = (request.num_tokens - 1) // bs
         self._extend_hashes(request, max_blocks)
-        block_ids, pids, revive, parent = [], [], 0, 0
-        for i in range(max_blocks):
+        block_ids, pids = self._cached_chain(self.device, request, 0, max_blocks, 0)
+        revive = sum(map(self.device.is_free, block_ids))
+        host_ids, host_pids = self._cached_chain(self.host, request, len(block_ids), max_blocks if self.host_tier else 0,
+                                                 pids[-1] if pids else 0)
+        return PrefixHit(tuple(block_ids), tuple(pids), revive, tuple(host_ids), tuple(host_pids))
+
+    def _cached_chain(self, pool: BlockPool, request: Request, start: int, stop: int,
+                      parent: int) -> tuple[list[int], list[int]]:
+        """The blocks of `pool` caching the request's blocks `start`, `start + 1`, ... (before
+        `stop`) while each continues the chain (`parent`: block `start - 1`'s identity, 0 for
+        none), with their identities."""
+        bs, block_ids, pids = self.block_size, [], []
+        for i in range(start, stop):
             tokens = request.token_ids_range(i * bs, (i + 1) * bs)
-            block_id = self.device.lookup(request.block_hashes[i], tokens, request.cache_salt, parent)
+            block_id = pool.lookup(request.block_hashes[i], tokens, request.cache_salt, parent)
             if block_id is None:
                 break
-            parent = self.device.pid_of(block_id)
+            parent = pool.pid_of(block_id)
             block_ids.append(block_id)
             pids.append(parent)
-            revive += self.device.is_free(block_id)
-        host_ids, host_pids = [], []
-        for i in range(len(block_ids), max_blocks if self.host_tier else 0):
-            tokens = request.token_ids_range(i * bs, (i + 1) * bs)
-            block_id = self.host.lookup(request.block_hashes[i], tokens, request.cache_salt, parent)
-            if block_id is None:
-                break
-            parent = self.host.pid_of(block_id)
-            host_ids.append(block_id)
-            host_pids.append(parent)
-        return PrefixHit(tuple(block_ids), tuple(pids), revive, tuple(host_ids), tuple(host_pids))
+        return block_ids, pids
 
     def take_hit(self, request: Request, hit: PrefixHit) -> None:
         assert not request.block_ids
