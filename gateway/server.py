@@ -15,6 +15,8 @@ import asyncio
 import inspect
 import os
 import resource
+import threading
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -335,19 +337,51 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
 
 
+MODEL_RETRY_S = 2.0  # the longest wait between asks for the model while no scheduler has a worker
+
+
 def wait_for_model(channels, stop, log) -> scheduler_pb2.WorkerHello | None:
-    """Ask the schedulers in turn for their model until one has a worker (or we are stopped)."""
+    """Ask the schedulers in turn for their model until one has a worker (or we are stopped).
+    Between asks it follows their health (SERVING: a worker attached), so it asks again as
+    soon as one turns SERVING rather than after a backoff: a model that loads for seconds
+    costs no extra second of start-up."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
     stubs = [scheduler_pb2_grpc.SchedulerStub(ch) for ch in channels]
-    backoff, turn = 0.05, 0
-    while not stop.is_set():
-        stub, turn = stubs[turn % len(stubs)], turn + 1
+    serving = threading.Event()
+    watches = [health_pb2_grpc.HealthStub(ch).Watch(health_pb2.HealthCheckRequest(), wait_for_ready=True)
+               for ch in channels]
+
+    def follow(watch) -> None:
         try:
-            return stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=5, wait_for_ready=len(stubs) == 1)
-        except grpc.RpcError as exc:
-            log.info("waiting_for_model", code=exc.code().name)
-        stop.wait(backoff)  # retry backoff, interrupted by SIGTERM
-        backoff = min(backoff * 2, 2.0)
-    return None
+            for update in watch:
+                if update.status == health_pb2.HealthCheckResponse.SERVING:
+                    serving.set()
+        except grpc.RpcError:  # cancelled once the model is known, or the scheduler went: the asks go on
+            return
+
+    followers = [threading.Thread(target=follow, args=(w,), name="model-wait", daemon=True) for w in watches]
+    for thread in followers:
+        thread.start()
+    turn = 0
+    try:
+        while not stop.is_set():
+            stub, turn = stubs[turn % len(stubs)], turn + 1
+            try:
+                return stub.GetModel(scheduler_pb2.GetModelRequest(), timeout=5, wait_for_ready=len(stubs) == 1)
+            except grpc.RpcError as exc:
+                if turn <= len(stubs):  # once per scheduler: the wait itself is no news
+                    log.info("waiting_for_model", code=exc.code().name)
+            deadline = time.monotonic() + MODEL_RETRY_S
+            while not (serving.wait(0.05) or stop.is_set() or time.monotonic() > deadline):
+                pass  # SIGTERM is seen within 50 ms
+            serving.clear()
+        return None
+    finally:
+        for watch in watches:
+            watch.cancel()
+        for thread in followers:
+            thread.join(timeout=5)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -55,16 +56,38 @@ def load_model(model_dir: str | Path, dtype: torch.dtype, device: torch.device) 
     cfg = ModelConfig.from_dir(model_dir)
     fam = family(cfg.model_type)
     files = weight_files(model_dir)
-    with torch.device("meta"):
+    with empty_weights(device):
         model = fam.model_class()(cfg)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)
     tie_weights(model, fam)
     load_weights(model, iter_tensors(files))
     return model.eval(), cfg
 
 
+# torch.nn.init's in-place initializers, which the layers' constructors call
+_INITIALIZERS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+                 "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+@contextlib.contextmanager
+def empty_weights(device: torch.device):
+    """Modules built inside get their parameters allocated on `device` and not initialized:
+    every one is filled from the checkpoint next (`load_weights` refuses a checkpoint that
+    leaves one out). Not the meta device: its first use in a process imports the meta kernels
+    and sympy, seconds of a worker's start-up (`benchmarks/startup.py`)."""
+    saved = {name: getattr(nn.init, name) for name in _INITIALIZERS}
+    try:
+        for name in _INITIALIZERS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        with torch.device(device):
+            yield
+    finally:
+        for name, initializer in saved.items():
+            setattr(nn.init, name, initializer)
+
+
 def tie_weights(model: nn.Module, fam: ModelFamily) -> None:
-    """The head shares the embedding's weight (again: `to_empty` gave each its own storage)."""
+    """The head shares the embedding's weight (the model was built with a head of its own)."""
     if fam.tied(model.config):
         model.get_submodule(fam.lm_head).weight = model.get_submodule(fam.embedding).weight
 

@@ -10,7 +10,7 @@ from safetensors import SafetensorError, safe_open
 
 from torch import nn
 
-from worker_service.loader import load_weights, tie_weights, weight_files
+from worker_service.loader import empty_weights, load_weights, tie_weights, weight_files
 from worker_service.model_config import ModelConfig
 from worker_service.models import family
 from worker_service.parallel.geometry import ShardGeometry
@@ -28,10 +28,10 @@ def load_shard(model_dir: str | Path, dtype: torch.dtype, device: torch.device, 
     geom = ShardGeometry.of(cfg, rank, size, expert_parallel)
     files = weight_files(model_dir)
     fam = family(cfg.model_type)
-    with torch.device("meta"):
+    with empty_weights(device):
         model = fam.model_class()(geom.local_config(cfg))
         shard_modules(model, geom)
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype)
     tie_weights(model, fam)
     load_weights(model, iter_slices(files, geom, fam.checkpoint_name))
     return model.eval(), cfg
