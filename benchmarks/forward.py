@@ -73,14 +73,16 @@ def _time_round(step_fns: dict, warmup: int, steps: int) -> dict[str, float]:
     return result
 
 
-def runner_step(path: Path, batch: int, steps: int):
+def runner_step(path: Path, batch: int, steps: int, *, compile: bool = False, with_runner: bool = False):
+    """A decode step of `batch` requests (`compile`: the runner's compiled forward, warmed up here)."""
     from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
     from worker_service.model_runner import ModelRunner
 
     block_size = 16
     total = KV_TOKENS + 1 + steps + 1
     per_req = -(-total // block_size)
-    runner = ModelRunner(path, block_size=block_size, num_blocks=batch * per_req, max_model_len=total + 1)
+    runner = ModelRunner(path, block_size=block_size, num_blocks=batch * per_req, max_model_len=total + 1,
+                         enforce_eager=not compile)
     greedy = SamplingParams(temperature=0.0)
     prompt = tuple(range(1, KV_TOKENS + 2))  # KV_TOKENS cached + 1 to decode
     new = tuple(NewRequest(f"r{i}", prompt, greedy, tuple(range(i * per_req, (i + 1) * per_req)), KV_TOKENS, 1)
@@ -88,7 +90,11 @@ def runner_step(path: Path, batch: int, steps: int):
     runner.execute(StepPlan(0, new_requests=new))
     decode = tuple(RunningRequest(f"r{i}", (), 1, input_is_placeholder=True) for i in range(batch))
     step_id = iter(range(1, 1 << 30))
-    return lambda: runner.execute(StepPlan(next(step_id), running=decode))
+
+    def step():
+        return runner.execute(StepPlan(next(step_id), running=decode))
+
+    return (step, runner) if with_runner else step
 
 
 def hf_step(path: Path, batch: int):
@@ -162,7 +168,7 @@ def _fmt(row: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=sorted(SPECS))
+    parser.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=[*sorted(SPECS), "smollm2-135m"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
