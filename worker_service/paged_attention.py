@@ -71,8 +71,12 @@ class PagedDecodeBackend(TorchAttentionBackend):
 class CpuDecodeBackend(TorchAttentionBackend):
     """Decodes with the CPU paged-decode kernel (one pass over each request's blocks, no gather)."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel=None):
         super().__init__()
+        if kernel is None:
+            kernel = cpu_kernels.load()
+            if kernel is None:
+                raise RuntimeError("the CPU paged-decode kernel could not be built (the warning above says why)")
         self._kernel = kernel  # the module `cpu_kernels.load()` returned
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap, sinks=None):
