@@ -91,5 +91,6 @@ def paged_decode(module: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_c
     int64 -> `[n, H, d]`: each query (position seq_len - 1) over its request's first seq_len keys
     (the last `window` of them), scores soft-capped, sinks `[H]` in the softmax's denominator."""
     empty = q.new_empty(0)
-    return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0,
-                               empty if sinks is None else sinks.detach())
+    with torch.profiler.record_function("stepahead::paged_decode_cpu"):  # named in profiles (a pybind call)
+        return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0,
+                                   softcap or 0.0, empty if sinks is None else sinks.detach())

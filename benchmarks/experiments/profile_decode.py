@@ -2,7 +2,12 @@
 (`benchmarks/forward.py`'s runner setup: ~256 KV tokens per request), ops grouped by class.
 
     PYTHONPATH=. .venv/bin/python benchmarks/experiments/profile_decode.py --model smollm2-135m --batch 64 \
-        [--threads 1] [--steps 10] [--enforce-eager | --compile] [--out benchmarks/results/profile_decode.json]
+        [--threads 1] [--steps 8] [--rounds 2] [--out benchmarks/results/profile_decode_smollm2-135m.json]
+
+Three setups, profiled in turn for `--rounds` rounds (each setup's round with the least profiled
+time is reported, the others being the shared machine's noise): `reference` (`--attention-backend
+torch`: gather the blocks, then SDPA), `default` (the CPU paged-decode kernel) and `compiled`
+(`--no-enforce-eager` beside the kernel).
 
 Classes (the self time of each aten op, on the calling thread): matmul (mm/addmm/bmm), attention
 (the paged KV write and gather, SDPA and its masks), norms/rope/activations (pointwise), sampling
@@ -38,7 +43,7 @@ POINTWISE = {"aten::rms_norm", "aten::_fused_rms_norm", "aten::roll", "aten::add
 def classify(name: str) -> str:
     if name in MATMUL:
         return "matmul"
-    if name in ATTENTION:
+    if name in ATTENTION or name == "stepahead::paged_decode_cpu":
         return "attention"
     if name in POINTWISE:
         return "norm_rope_act"
@@ -47,18 +52,8 @@ def classify(name: str) -> str:
     return "other_ops"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="smollm2-135m")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--compile", action="store_true", help="the compiled step (default: eager)")
-    parser.add_argument("--out", type=Path, default=None)
-    args = parser.parse_args()
-    torch.set_num_threads(args.threads)
-    step, runner = runner_step(model_dir(args.model), args.batch, args.steps + 5, compile=args.compile,
-                               with_runner=True)
+def profile_steps(step, runner, steps: int) -> dict:
+    """Profile `steps` calls of `step`; per-class self times (ms per step), top ops, wall time."""
     sample = runner._sample
 
     def traced_sample(*a, **k):
@@ -66,51 +61,69 @@ def main() -> None:
             return sample(*a, **k)
 
     runner._sample = traced_sample
-    for _ in range(3):
+    for _ in range(2):
         step()
     walls = []
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(args.steps):
+        for _ in range(steps):
             t0 = time.perf_counter()
             with record_function("stepahead::step"):
                 step()
             walls.append(time.perf_counter() - t0)
-    events = [e for e in prof.events() if e.thread == prof.events()[0].thread or True]
+    runner._sample = sample
+    events = prof.events()
+    sample_ranges = [(e.time_range.start, e.time_range.end) for e in events if e.name == "stepahead::sample"]
+    step_total = sum(e.cpu_time_total for e in events if e.name == "stepahead::step")
     by_class: dict[str, float] = defaultdict(float)
     by_op: dict[str, float] = defaultdict(float)
-    sampling = 0.0
-    step_total = 0.0
-    for e in prof.key_averages():
-        if e.key == "stepahead::sample":
-            sampling = e.cpu_time_total
-        elif e.key == "stepahead::step":
-            step_total = e.cpu_time_total
-    # self time of each op, attributing the ops under the sample region to sampling
-    sample_ranges = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "stepahead::sample"]
-    for e in prof.events():
-        if e.name.startswith("stepahead::"):
+    for e in events:
+        if e.name in ("stepahead::step", "stepahead::sample"):
             continue
         inside = any(s <= e.time_range.start and e.time_range.end <= t for s, t in sample_ranges)
         cls = "sampling" if inside else classify(e.name)
         by_class[cls] += e.self_cpu_time_total
         if not inside:
             by_op[e.name] += e.self_cpu_time_total
-    n = args.steps
-    wall_ms = statistics.median(walls) * 1e3
-    ops_ms = {k: v / n / 1e3 for k, v in by_class.items()}
-    ops_ms["python"] = step_total / n / 1e3 - sum(ops_ms.values())
-    print(f"{args.model} batch {args.batch}, {args.threads} thread(s), {'compiled' if args.compile else 'eager'}: "
-          f"step wall median {wall_ms:.2f} ms (profiled, {step_total / n / 1e3:.2f} ms)")
-    for k, v in sorted(ops_ms.items(), key=lambda kv: -kv[1]):
-        print(f"  {k:>16} {v:8.2f} ms  {100 * v / (step_total / n / 1e3):5.1f}%")
-    print("  top ops (self ms per step):")
-    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:18]
-    for k, v in top:
-        print(f"    {k:>50} {v / n / 1e3:8.3f}")
+    classes = {k: v / steps / 1e3 for k, v in by_class.items()}
+    classes["python"] = step_total / steps / 1e3 - sum(classes.values())
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])[:12]
+    return {"profiled_ms": step_total / steps / 1e3, "wall_ms": statistics.median(walls) * 1e3,
+            "classes_ms": dict(sorted(classes.items(), key=lambda kv: -kv[1])),
+            "top_ops_ms": {k: v / steps / 1e3 for k, v in top}}
+
+
+SETUPS = {"reference": dict(attention="torch"), "default": {}, "compiled": dict(compile=True)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--setups", nargs="+", default=list(SETUPS), choices=list(SETUPS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    path = model_dir(args.model)
+    runners = {name: runner_step(path, args.batch, (args.steps + 2) * args.rounds + 2, with_runner=True,
+                                 **SETUPS[name]) for name in args.setups}
+    best: dict[str, dict] = {}
+    for _ in range(args.rounds):
+        for name, (step, runner) in runners.items():
+            result = profile_steps(step, runner, args.steps)
+            if name not in best or result["profiled_ms"] < best[name]["profiled_ms"]:
+                best[name] = result
+    for name, r in best.items():
+        print(f"{args.model} batch {args.batch}, {args.threads} thread(s), {name}: step {r['profiled_ms']:.2f} ms "
+              f"profiled (wall median {r['wall_ms']:.2f} ms)")
+        for k, v in r["classes_ms"].items():
+            print(f"  {k:>16} {v:8.2f} ms  {100 * v / r['profiled_ms']:5.1f}%")
+        print("  top ops (self ms per step): " + ", ".join(f"{k} {v:.2f}" for k, v in r["top_ops_ms"].items()))
     if args.out:
         args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "torch": torch.__version__,
-                                        "step_wall_ms": wall_ms, "classes_ms": ops_ms,
-                                        "top_ops_ms": {k: v / n / 1e3 for k, v in top}}, indent=1))
+                                        "setups": best}, indent=1))
         print(f"wrote {args.out}")
 
 
