@@ -491,6 +491,10 @@ def main() -> None:
                         help="one more stepahead (async) run, labelled stepahead_LABEL, with these serve flags "
                         "besides --serve-args, e.g. ref='--attention-backend torch' (repeatable)")
     parser.add_argument("--skip-sync", action="store_true", help="leave out the --no-async-scheduling run")
+    parser.add_argument("--skip-hf-continuous", action="store_true", help="HF static generate only")
+    parser.add_argument("--warmup-run", action="store_true",
+                        help="one unrecorded stepahead run first (the first serve of an invocation has run "
+                        "~3x slower than the same flags later in it on the shared development machine)")
     parser.add_argument("--out", type=Path, default=Path("results/compare.json"))
     args = parser.parse_args()
     if args.random_range_ratio and not args.skip_hf:
@@ -502,6 +506,8 @@ def main() -> None:
         args.dataset = "real" if args.model == "smollm2-135m" else "random"
     if args.dataset == "real":
         args.real_texts, args.real_prompts = real_workload(args)
+    if args.warmup_run:
+        run_stepahead(args, "warmup")
     if not args.concurrency:
         rows = [run_stepahead(args, "stepahead_async")]
         if not args.skip_sync:
@@ -509,7 +515,9 @@ def main() -> None:
         rows += [run_stepahead(args, f"stepahead_{label}", *flags) for label, flags in variants(args)]
         if not args.skip_hf:
             prompts = workload(args)
-            rows += [run_hf_continuous(args, prompts), run_hf_static(args, prompts)]
+            if not args.skip_hf_continuous:
+                rows.append(run_hf_continuous(args, prompts))
+            rows.append(run_hf_static(args, prompts))
         by = {r["label"]: r["output_throughput"] for r in rows}
         ratios = {f"async/{k}": by["stepahead_async"] / v for k, v in by.items() if k != "stepahead_async"}
         print(table(rows))
@@ -542,7 +550,8 @@ def main_concurrency(args) -> None:
     prompts = workload(args)
     if not args.skip_hf:
         for c in args.concurrency:
-            done(run_hf_continuous_capped(args, prompts, c))
+            if not args.skip_hf_continuous:
+                done(run_hf_continuous_capped(args, prompts, c))
             done(run_hf_static_padded(args, prompts, c))
     if args.skip_llamacpp:
         notes["llama.cpp"] = "left out (--skip-llamacpp)"

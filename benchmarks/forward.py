@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -159,8 +160,9 @@ STEPAHEAD = ("stepahead", "stepahead_ref", "stepahead_compiled")
 
 
 def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = False,
-            compiled: bool = False) -> list[dict]:
-    """One row per (model, batch): per-step medians, and ratios as medians over `repeat` rounds."""
+            compiled: bool = False, done=lambda rows: None) -> list[dict]:
+    """One row per (model, batch): per-step medians, and ratios as medians over `repeat` rounds
+    (`done(rows)` after each row: a cut run keeps what it measured)."""
     rows = []
     n = (warmup + steps) * repeat
     for name in models:
@@ -185,6 +187,7 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
                 row[f"vs_floor{suffix}"] = statistics.median(t[key] / t["floor"] for t in rounds)
             print(_fmt(row), flush=True)
             rows.append(row)
+            done(rows)
     return rows
 
 
@@ -225,10 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus; "
           f"decode step ms ({args.clock} clock), median of {args.steps} steps, {args.repeat} rounds")
-    rows = run_all(args.models, args.batches, args.warmup, args.steps, args.repeat, args.reference, args.compiled)
-    meta = {"clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "load_avg_after": os.getloadavg()}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    def write(rows: list[dict]) -> None:
+        meta = {"clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "argv": sys.argv[1:]}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+    run_all(args.models, args.batches, args.warmup, args.steps, args.repeat, args.reference, args.compiled, write)
     print(f"wrote {args.out}")
     return 0
 
