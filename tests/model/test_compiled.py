@@ -48,3 +48,29 @@ def test_compiled_forward_matches_hf(tmp_path):
 @pytest.mark.parametrize("name", SLOW)
 def test_compiled_families_match_hf(name, tmp_path):
     _compiled_matches_hf(name, tmp_path)
+
+
+def test_worker_flags_default_to_the_cpu_kernel_eagerly(tmp_path, monkeypatch):
+    """serve/worker defaults on CPU float32: the C++ decode kernel, no compile; --no-enforce-eager
+    asks for the compiled forward, which a tensor-parallel rank refuses."""
+    import argparse
+    import dataclasses
+
+    from stepahead import config as cfg
+    from worker_service.daemon import WorkerConfig, add_arguments
+    from worker_service.paged_attention import CpuDecodeBackend
+    from worker_service.runners import build_runner, resolve_enforce_eager
+
+    model_type, overrides = VARIANTS[DEFAULT]
+    build_checkpoint(tmp_path, model_type, **overrides)
+    parser = argparse.ArgumentParser()
+    monkeypatch.setenv("STEPAHEAD_MAX_NUM_SEQS", "4")
+    add_arguments(parser)
+    config = cfg.from_args(WorkerConfig, parser.parse_args(["--model", str(tmp_path), "--num-gpu-blocks-override", "16"]))
+    runner, _ = build_runner(config)
+    assert isinstance(runner.backend, CpuDecodeBackend) and runner.enforce_eager and runner.warm_up_seconds == 0
+    compiled = cfg.from_args(WorkerConfig, parser.parse_args(["--model", str(tmp_path), "--no-enforce-eager"]))
+    assert compiled.enforce_eager is False and resolve_enforce_eager(compiled, tensor_parallel=False) is False
+    assert resolve_enforce_eager(config, tensor_parallel=True) is True
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        resolve_enforce_eager(dataclasses.replace(compiled, tensor_parallel_size=2), tensor_parallel=True)

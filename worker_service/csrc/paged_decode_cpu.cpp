@@ -163,5 +163,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (float32, CPU)");
+  // the GIL released while it runs, as torch's own ops do: the worker's gRPC threads go on meanwhile
+  m.def("paged_decode", &paged_decode, "paged decode attention (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
 }
