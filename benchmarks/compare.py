@@ -173,6 +173,17 @@ def run_stepahead(args, label: str, *flags: str) -> dict:
     return rows
 
 
+def variants(args) -> list[tuple[str, list[str]]]:
+    """`--variant LABEL=FLAGS` as (label, flags)."""
+    out = []
+    for v in args.variant:
+        label, sep, flags = v.partition("=")
+        if not sep or not label:
+            raise SystemExit(f"--variant {v!r}: expected LABEL=FLAGS")
+        out.append((label, flags.split()))
+    return out
+
+
 def bench_items(args, s, label: str, concurrency: int) -> dict:
     """`stepahead bench` on the given prompts (bench.bench draws random ids itself)."""
     import asyncio
@@ -476,6 +487,14 @@ def main() -> None:
     parser.add_argument("--random-range-ratio", type=float, default=0.0, help="prompt/output length spread")
     parser.add_argument("--skip-hf", action="store_true", help="only stepahead async vs sync")
     parser.add_argument("--serve-args", default="", help="extra flags for both stepahead runs")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL=FLAGS",
+                        help="one more stepahead (async) run, labelled stepahead_LABEL, with these serve flags "
+                        "besides --serve-args, e.g. ref='--attention-backend torch' (repeatable)")
+    parser.add_argument("--skip-sync", action="store_true", help="leave out the --no-async-scheduling run")
+    parser.add_argument("--skip-hf-continuous", action="store_true", help="HF static generate only")
+    parser.add_argument("--warmup-run", action="store_true",
+                        help="one unrecorded stepahead run first (the first serve of an invocation has run "
+                        "~3x slower than the same flags later in it on the shared development machine)")
     parser.add_argument("--out", type=Path, default=Path("results/compare.json"))
     args = parser.parse_args()
     if args.random_range_ratio and not args.skip_hf:
@@ -487,18 +506,25 @@ def main() -> None:
         args.dataset = "real" if args.model == "smollm2-135m" else "random"
     if args.dataset == "real":
         args.real_texts, args.real_prompts = real_workload(args)
+    if args.warmup_run:
+        run_stepahead(args, "warmup")
     if not args.concurrency:
-        rows = [run_stepahead(args, "stepahead_async"),
-                run_stepahead(args, "stepahead_sync", "--no-async-scheduling")]
+        rows = [run_stepahead(args, "stepahead_async")]
+        if not args.skip_sync:
+            rows.append(run_stepahead(args, "stepahead_sync", "--no-async-scheduling"))
+        rows += [run_stepahead(args, f"stepahead_{label}", *flags) for label, flags in variants(args)]
         if not args.skip_hf:
             prompts = workload(args)
-            rows += [run_hf_continuous(args, prompts), run_hf_static(args, prompts)]
+            if not args.skip_hf_continuous:
+                rows.append(run_hf_continuous(args, prompts))
+            rows.append(run_hf_static(args, prompts))
         by = {r["label"]: r["output_throughput"] for r in rows}
         ratios = {f"async/{k}": by["stepahead_async"] / v for k, v in by.items() if k != "stepahead_async"}
         print(table(rows))
         print(json.dumps(ratios, indent=2))
         args.out.write_text(json.dumps({"rows": [{k: v for k, v in r.items() if k != "config"} for r in rows],
                                         "ratios": ratios, "model": args.model, "num_prompts": args.num_prompts,
+                                        "serve_args": args.serve_args, "variants": args.variant,
                                         "input_len": args.input_len, "output_len": args.output_len}, indent=2))
         return
     main_concurrency(args)
@@ -517,11 +543,15 @@ def main_concurrency(args) -> None:
         args.out.write_text(json.dumps(partial, indent=2) + "\n")  # a cut run keeps what it measured
 
     done(run_stepahead(args, "stepahead_async"))
-    done(run_stepahead(args, "stepahead_sync", "--no-async-scheduling"))
+    if not args.skip_sync:
+        done(run_stepahead(args, "stepahead_sync", "--no-async-scheduling"))
+    for label, flags in variants(args):
+        done(run_stepahead(args, f"stepahead_{label}", *flags))
     prompts = workload(args)
     if not args.skip_hf:
         for c in args.concurrency:
-            done(run_hf_continuous_capped(args, prompts, c))
+            if not args.skip_hf_continuous:
+                done(run_hf_continuous_capped(args, prompts, c))
             done(run_hf_static_padded(args, prompts, c))
     if args.skip_llamacpp:
         notes["llama.cpp"] = "left out (--skip-llamacpp)"
@@ -564,7 +594,7 @@ def main_concurrency(args) -> None:
     args.out.write_text(json.dumps({
         "model": args.model, "dataset": args.dataset, "num_prompts": args.num_prompts,
         "output_len": args.output_len, "concurrency": args.concurrency, "dtype": args.dtype,
-        "serve_args": args.serve_args, "ignore_eos": True, "greedy": True,
+        "serve_args": args.serve_args, "variants": args.variant, "ignore_eos": True, "greedy": True,
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "rows": [{k: v for k, v in r.items() if k != "config"} for r in rows],
         "ratios": ratios, "notes": notes}, indent=2) + "\n")

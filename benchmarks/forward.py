@@ -1,9 +1,15 @@
 """Per-decode-step time: stepahead's ModelRunner vs Hugging Face (with its KV cache) vs the
-bare-matmul floor, for the built-in `tiny` and `100m` Llama models, ~256 tokens of KV per
-request, batch 1/8/32/64. Prints a table and writes JSON.
+bare-matmul floor, for the built-in `tiny`, `100m` and `smollm2-135m` models, ~256 tokens of KV
+per request, batch 1/8/32/64. Prints a table and writes JSON.
 
-    python benchmarks/forward.py [--models tiny 100m] [--batches 1 8 32 64] [--steps 20] [--repeat 1]
-                                 [--out benchmarks/forward.json] [--threads N] [--clock wall|cpu]
+    python benchmarks/forward.py [--models tiny 100m smollm2-135m] [--batches 1 8 32 64] [--steps 20]
+                                 [--repeat 1] [--out benchmarks/forward.json] [--threads N] [--clock wall|cpu]
+                                 [--reference] [--compiled]
+
+Contenders: `stepahead` (the runner as served by default), `hf`, `floor`; with `--reference`
+also `stepahead_ref` (`--attention-backend torch`: gather the blocks, then SDPA), with
+`--compiled` also `stepahead_compiled` (`--no-enforce-eager`, compiled and warmed up before
+the timed rounds).
 
 Each round runs the three contenders in turn (warm-up, then the timed steps); with
 `--repeat R` the ratios are medians of R rounds' ratios, so a load change on a shared
@@ -20,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -73,14 +80,23 @@ def _time_round(step_fns: dict, warmup: int, steps: int) -> dict[str, float]:
     return result
 
 
-def runner_step(path: Path, batch: int, steps: int):
+def runner_step(path: Path, batch: int, steps: int, *, compile: bool = False, with_runner: bool = False,
+                attention: str = "auto"):
+    """A decode step of `batch` requests (`compile`: the runner's compiled forward, warmed up here;
+    `attention`: an `--attention-backend` name)."""
+    import torch
+
     from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
+    from worker_service.attention_names import AttentionBackendName
     from worker_service.model_runner import ModelRunner
+    from worker_service.paged_attention import make_backend
 
     block_size = 16
     total = KV_TOKENS + 1 + steps + 1
     per_req = -(-total // block_size)
-    runner = ModelRunner(path, block_size=block_size, num_blocks=batch * per_req, max_model_len=total + 1)
+    backend = make_backend(AttentionBackendName(attention), torch.device("cpu"), torch.float32, block_size)
+    runner = ModelRunner(path, block_size=block_size, num_blocks=batch * per_req, max_model_len=total + 1,
+                         enforce_eager=not compile, attention_backend=backend)
     greedy = SamplingParams(temperature=0.0)
     prompt = tuple(range(1, KV_TOKENS + 2))  # KV_TOKENS cached + 1 to decode
     new = tuple(NewRequest(f"r{i}", prompt, greedy, tuple(range(i * per_req, (i + 1) * per_req)), KV_TOKENS, 1)
@@ -88,7 +104,11 @@ def runner_step(path: Path, batch: int, steps: int):
     runner.execute(StepPlan(0, new_requests=new))
     decode = tuple(RunningRequest(f"r{i}", (), 1, input_is_placeholder=True) for i in range(batch))
     step_id = iter(range(1, 1 << 30))
-    return lambda: runner.execute(StepPlan(next(step_id), running=decode))
+
+    def step():
+        return runner.execute(StepPlan(next(step_id), running=decode))
+
+    return (step, runner) if with_runner else step
 
 
 def hf_step(path: Path, batch: int):
@@ -136,33 +156,56 @@ def floor_step(path: Path, batch: int):
     return step
 
 
-def run_all(models, batches, warmup, steps, repeat: int = 1) -> list[dict]:
-    """One row per (model, batch): per-step medians, and ratios as medians over `repeat` rounds."""
+STEPAHEAD = ("stepahead", "stepahead_ref", "stepahead_compiled")
+
+
+def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = False,
+            compiled: bool = False, done=lambda rows: None) -> list[dict]:
+    """One row per (model, batch): per-step medians, and ratios as medians over `repeat` rounds
+    (`done(rows)` after each row: a cut run keeps what it measured)."""
     rows = []
+    n = (warmup + steps) * repeat
     for name in models:
         path = model_dir(name)
         for batch in batches:
-            fns = {"stepahead": runner_step(path, batch, (warmup + steps) * repeat), "hf": hf_step(path, batch),
-                   "floor": floor_step(path, batch)}
+            fns = {"stepahead": runner_step(path, batch, n)}
+            if reference:
+                fns["stepahead_ref"] = runner_step(path, batch, n, attention="torch")
+            if compiled:
+                start = time.perf_counter()
+                fns["stepahead_compiled"] = runner_step(path, batch, n, compile=True)
+                print(f"  ({name} batch {batch}: compiled runner built and warmed up in "
+                      f"{time.perf_counter() - start:.1f} s)", flush=True)
+            fns |= {"hf": hf_step(path, batch), "floor": floor_step(path, batch)}
             rounds = [_time_round(fns, warmup, steps) for _ in range(repeat)]
             row = {"model": name, "batch": batch, "kv_tokens": KV_TOKENS, "rounds": repeat}
             for key in fns:
                 row[f"{key}_ms"] = 1e3 * statistics.median(t[key] for t in rounds)
-            row["vs_hf"] = statistics.median(t["stepahead"] / t["hf"] for t in rounds)
-            row["vs_floor"] = statistics.median(t["stepahead"] / t["floor"] for t in rounds)
+            for key in (k for k in STEPAHEAD if k in fns):
+                suffix = key.removeprefix("stepahead")
+                row[f"vs_hf{suffix}"] = statistics.median(t[key] / t["hf"] for t in rounds)
+                row[f"vs_floor{suffix}"] = statistics.median(t[key] / t["floor"] for t in rounds)
             print(_fmt(row), flush=True)
             rows.append(row)
+            done(rows)
     return rows
 
 
 def _fmt(row: dict) -> str:
-    return (f"{row['model']:>5} {row['batch']:>5} {row['stepahead_ms']:>10.2f} {row['hf_ms']:>10.2f} "
-            f"{row['floor_ms']:>10.2f} {row['vs_hf']:>7.2f} {row['vs_floor']:>9.2f}")
+    cells = [f"{row['model']:>12} {row['batch']:>5}"]
+    for key in (*STEPAHEAD, "hf", "floor"):
+        if f"{key}_ms" in row:
+            cells.append(f"{key}={row[f'{key}_ms']:.2f}ms")
+    for key in STEPAHEAD:
+        suffix = key.removeprefix("stepahead")
+        if f"vs_hf{suffix}" in row:
+            cells.append(f"{key}: {row[f'vs_hf{suffix}']:.2f}x hf {row[f'vs_floor{suffix}']:.2f}x floor")
+    return "  ".join(cells)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=sorted(SPECS))
+    parser.add_argument("--models", nargs="+", default=["tiny", "100m"], choices=[*sorted(SPECS), "smollm2-135m"])
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8, 32, 64])
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per round")
@@ -170,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="cpu: process CPU time, steadier on a shared machine (use with --threads 1)")
+    parser.add_argument("--reference", action="store_true", help="also the torch reference attention backend")
+    parser.add_argument("--compiled", action="store_true", help="also the compiled forward (--no-enforce-eager)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/forward.json"))
     args = parser.parse_args(argv)
 
@@ -183,11 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} cpus; "
           f"decode step ms ({args.clock} clock), median of {args.steps} steps, {args.repeat} rounds")
-    print(f"{'model':>5} {'batch':>5} {'stepahead':>10} {'hf':>10} {'floor':>10} {'vs_hf':>7} {'vs_floor':>9}")
-    rows = run_all(args.models, args.batches, args.warmup, args.steps, args.repeat)
-    meta = {"clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-            "load_avg_after": os.getloadavg()}
-    args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    def write(rows: list[dict]) -> None:
+        meta = {"clock": args.clock, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                "cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "argv": sys.argv[1:]}
+        args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+
+    run_all(args.models, args.batches, args.warmup, args.steps, args.repeat, args.reference, args.compiled, write)
     print(f"wrote {args.out}")
     return 0
 

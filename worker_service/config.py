@@ -50,8 +50,13 @@ class WorkerEngineConfig:
     kv_cache_memory_bytes: int | None = cfg.field(None, "KV cache size in bytes (CPU default: a quarter of the host memory left after the weights, at most what --max-num-seqs sequences of --max-model-len fill; CUDA: --gpu-memory-utilization)")
     max_model_len: int | None = cfg.field(None, "maximum prompt + output tokens (default: the model's)")
     attention_backend: AttentionBackendName = cfg.field(
-        AttentionBackendName.TORCH, "paged attention: torch (reference) or paged (device-side decode "
-        "metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
+        AttentionBackendName.AUTO, "paged attention: auto (CPU float32: a C++ decode kernel over the paged "
+        "cache, built once into $STEPAHEAD_CACHE_DIR; otherwise torch), torch (reference: gather, then SDPA) "
+        "or paged (device-side decode metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
+    enforce_eager: bool | None = cfg.field(
+        None, "run the model's forward eagerly, no torch.compile (default: eager on CPU, where compiling does "
+        "not pay end to end: docs/benchmarks.md; --no-enforce-eager compiles it with inductor, warmed up at "
+        "start-up, its cache in $STEPAHEAD_CACHE_DIR/inductor)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
     structured_outputs_cache_size: int = cfg.field(
         256, "compiled grammars (structured outputs) kept per worker, least recently used evicted")

@@ -75,19 +75,26 @@ def profile_memory(runner, utilization: float) -> MemorySplit:
 def profile_run(runner) -> None:
     """One prefill at the token budget, then one decode batch of max_num_seqs requests at
     max_model_len: the largest activations, gather buffers, logits and sampling temporaries a
-    step can need. Every KV write goes to the dummy block; no request state is left behind.
-    """
-    dummy, width, max_len = runner.kv_cache.dummy_block, runner.max_blocks_per_req, runner.max_model_len
-    sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)  # the sort path
+    step can need (`dummy_steps`)."""
+    max_len = runner.max_model_len
     prefill, left = [], runner.max_num_batched_tokens
     while left > 0 and len(prefill) < runner.max_num_seqs:
         n = min(left, max_len)
         prefill.append((n, 0, n))  # (known tokens, computed, scheduled)
         left -= n
     num_decodes = min(runner.max_num_seqs, runner.max_num_batched_tokens)
-    decode = [(max_len, max_len - 1, 1)] * num_decodes
+    dummy_steps(runner, [prefill, [(max_len, max_len - 1, 1)] * num_decodes], sample=True)
+
+
+@torch.inference_mode()
+def dummy_steps(runner, shapes: list[list[tuple[int, int, int]]], sample: bool) -> None:
+    """One step per shape, each a list of requests (known tokens, computed, scheduled), every
+    KV write to the dummy block; forward, and sampling when `sample`. No request state is left
+    behind (the memory profile, the compiled forward's warm-up)."""
+    dummy, width = runner.kv_cache.dummy_block, runner.max_blocks_per_req
+    sampling = SamplingParams(temperature=1.0, top_k=50, top_p=0.9, seed=0)  # the sort path
     with runner.streams.on_compute_stream():
-        for shape in (prefill, decode):
+        for shape in shapes:
             table = RequestTable(width, dummy, rows=len(shape))
             sched = ScheduledBatch()
             tokens = {known: [0] * known for known, _, _ in set(shape)}  # shared: max_model_len can be 128k
@@ -98,7 +105,9 @@ def profile_run(runner) -> None:
             saved, runner.table = runner.table, table
             try:
                 inputs = runner._copy_inputs(sched, 0)
-                runner._sample(runner._forward(inputs), inputs.sampling_reqs)
+                logits = runner._forward(inputs)
+                if sample:
+                    runner._sample(logits, inputs.sampling_reqs)
             finally:
                 runner.table = saved
     runner.last_logits, runner.last_logits_ids = None, ()

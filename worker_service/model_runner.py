@@ -26,7 +26,8 @@ import torch
 from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
-from worker_service.attention import AttentionBackend, TorchAttentionBackend
+from worker_service.attention import AttentionBackend
+from worker_service.attention_names import AttentionBackendName
 from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
@@ -39,6 +40,7 @@ from worker_service.logprobs import LogprobsTracker, StepLogprobs
 from worker_service.memory_profile import MemorySplit, profile_memory
 from worker_service.model_config import RopeConfig, host_memory_bytes, resolve_max_model_len
 from worker_service.models import family
+from worker_service.paged_attention import make_backend
 from worker_service.pending_step import PendingStep, copy_to_host
 from worker_service.plan_checks import check_plan, split_bad_sampling_rows
 from worker_service.sampler import Sampler, SamplingMetadata
@@ -91,7 +93,7 @@ class ModelRunner:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
                  speculative_config: SpeculativeConfig | None = None,
-                 structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE):
+                 structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE, enforce_eager: bool = True):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -114,7 +116,15 @@ class ModelRunner:
         self.local_rotary = (RotaryTable(RopeConfig(theta=cfg.rope_local_theta), cfg.head_dim, self.max_model_len,
                                          self.dtype, self.device)
                              if self.rotary is not None and cfg.rope_local_theta is not None else None)
-        self.backend = attention_backend or TorchAttentionBackend()
+        self.backend = attention_backend or make_backend(AttentionBackendName.AUTO, self.device, self.dtype,
+                                                         block_size)
+        # the model's forward(input_ids, ctx): eager, or compiled (warmed up below, once the KV cache exists)
+        self.enforce_eager = enforce_eager
+        self._run_model = self.model
+        if not enforce_eager:
+            from worker_service.compiled import compile_forward
+
+            self._run_model = compile_forward(self.model)
         self.sampler = Sampler(self.device, seed=seed)
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
         self.grammar = GrammarMasks(GrammarCache(model_dir, self.vocab_size, self.eos_token_ids,
@@ -160,6 +170,11 @@ class ModelRunner:
         self.last_logits: torch.Tensor | None = None
         self.last_logits_ids: tuple[str, ...] = ()
         self.streams.wait_for_constructor()  # W0
+        self.warm_up_seconds = 0.0  # compiling the forward at start-up (0 when eager)
+        if not enforce_eager:
+            from worker_service.compiled import warm_up
+
+            self.warm_up_seconds = warm_up(self)
 
     def _load_model(self, model_dir):
         return load_model(model_dir, self.dtype, self.device)
@@ -372,7 +387,7 @@ class ModelRunner:
         cos, sin = self.rotary.lookup(positions) if self.rotary is not None else (None, None)
         local_cos, local_sin = self.local_rotary.lookup(positions) if self.local_rotary is not None else (None, None)
         ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin, local_cos, local_sin)
-        hidden = self.model(inputs.input_ids, ctx)  # [num_tokens, hidden]
+        hidden = self._run_model(inputs.input_ids, ctx)  # [num_tokens, hidden]
         if self._step_lp is not None:
             self._step_lp.prompt(hidden, self.model.compute_logits)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))

@@ -1,5 +1,8 @@
-"""A paged decode-attention backend whose decode reads only device tensors, and the
-`--attention-backend` registry.
+"""Paged decode-attention backends beside the torch reference, and the `--attention-backend`
+registry.
+
+`CpuDecodeBackend` (`auto` on CPU float32) decodes with the C++ kernel of
+`worker_service/cpu_kernels.py`, straight over the paged cache; prompts take the reference path.
 
 `PagedDecodeBackend` attends each decode over its block table and sequence length *on the
 device*: the shapes of its kernels depend only on the batch rows and the block-table width
@@ -25,6 +28,7 @@ import logging
 import torch
 from worker_service.attention import AttentionBackend, AttentionMetadata, TorchAttentionBackend, attention, decode_mask
 from worker_service.attention_names import AttentionBackendName
+from worker_service import cpu_kernels
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +68,24 @@ class PagedDecodeBackend(TorchAttentionBackend):
         return attention(qg, k, v, mask, scale, softcap, sinks).reshape(q.shape)
 
 
+class CpuDecodeBackend(TorchAttentionBackend):
+    """Decodes with the CPU paged-decode kernel (one pass over each request's blocks, no gather)."""
+
+    def __init__(self, kernel=None):
+        super().__init__()
+        if kernel is None:
+            kernel = cpu_kernels.load()
+            if kernel is None:
+                raise RuntimeError("the CPU paged-decode kernel could not be built (the warning above says why)")
+        self._kernel = kernel  # the module `cpu_kernels.load()` returned
+
+    def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap, sinks=None):
+        # q: [nd, heads, d]; the first nd rows of block_tables [*, W] and seq_lens [*]
+        nd = q.shape[0]
+        return cpu_kernels.paged_decode(self._kernel, q, k_cache, v_cache, meta.block_tables[:nd],
+                                        meta.seq_lens[:nd], scale, window, softcap, sinks)
+
+
 def flash_attn_usable(device: torch.device, dtype: torch.dtype, block_size: int) -> bool:
     return (device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
             and block_size % FLASH_ATTN_PAGE_MULTIPLE == 0
@@ -72,6 +94,9 @@ def flash_attn_usable(device: torch.device, dtype: torch.dtype, block_size: int)
 
 def make_backend(name: AttentionBackendName, device: torch.device, dtype: torch.dtype,
                  block_size: int) -> AttentionBackend:
+    if name is AttentionBackendName.AUTO:
+        kernel = cpu_kernels.load() if cpu_kernels.usable(device, dtype) else None
+        return CpuDecodeBackend(kernel) if kernel is not None else TorchAttentionBackend()
     if name is AttentionBackendName.TORCH:
         return TorchAttentionBackend()
     backend = PagedDecodeBackend(use_flash_attn=flash_attn_usable(device, dtype, block_size))

@@ -1,4 +1,4 @@
-"""Decode attention of the torch backend against a naive per-request reference.
+"""Decode attention of the torch backend and the CPU kernel against a naive per-request reference.
 
 The reference reads each request's keys token by token through its block table and runs
 plain softmax attention per query head; the backend must match it whatever the chunking
@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from worker_service.attention import AttentionMetadata, TorchAttentionBackend
+from worker_service.paged_attention import CpuDecodeBackend
 
 BLOCK = 4
 
@@ -65,6 +66,23 @@ def test_decode_matches_reference(lens, heads, kv_heads, chunk_reqs):
     q = torch.randn(len(lens), heads, d, generator=gen)
     backend = TorchAttentionBackend(cpu_decode_chunk_bytes=chunk_bytes)
     out = backend.attend(q, k_cache, v_cache, meta, scale=d**-0.5)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lens", [[37] * 9, [1, 5, 16, 17, 40, 3, 29, 8, 33]], ids=["uniform", "ragged"])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("width", [0, 3], ids=["tables-fit", "tables-wider"])
+def test_cpu_kernel_decode_matches_reference(lens, heads, kv_heads, width):
+    """The C++ kernel reads the blocks in place; tables wider than a request's blocks (padded
+    with block 0, as bucketed tables are) must not change what it reads."""
+    gen = torch.Generator().manual_seed(len(lens) * 100 + heads * 10 + kv_heads)
+    d, num_blocks = 16, 128
+    meta = _decode_meta(lens, num_blocks, gen)
+    meta.block_tables = torch.cat((meta.block_tables, torch.zeros(len(lens), width, dtype=torch.int64)), dim=1)
+    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, d, generator=gen)
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    out = CpuDecodeBackend().attend(q, k_cache, v_cache, meta, scale=d**-0.5)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-5)
 
 

@@ -18,7 +18,7 @@ from worker_service.layers.moe import MoEExperts, SparseMoeBlock
 from worker_service.layers.norm import LayerNorm, OffsetRMSNorm, RMSNorm
 from worker_service.layers.rotary import RotaryTable, apply_rotary
 from worker_service.model_config import RopeConfig
-from worker_service.paged_attention import PagedDecodeBackend
+from worker_service.paged_attention import CpuDecodeBackend, PagedDecodeBackend
 from tests.model.test_sliding_window import _reference
 
 BLOCK = 4
@@ -137,7 +137,8 @@ def test_rotary_shapes_and_partial_rotation(partial):
 # --- attention sinks through the backends -------------------------------------------------------
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (None, 2.0), (5, 2.0)])
-@pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend], ids=["torch", "paged"])
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend, CpuDecodeBackend],
+                         ids=["torch", "paged", "cpu"])
 def test_backends_attend_with_sinks_as_the_reference(window, softcap, backend):
     """One sequence of 23 tokens in the cache; a step of 3 decodes (at 22 and at two shorter
     lengths) then one 6-token chunk (positions 17..22); 8 query heads over 2 KV heads, each

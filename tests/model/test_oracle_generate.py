@@ -21,10 +21,10 @@ def checkpoint(request, tmp_path_factory):
     return request.param, path, prompts, hf_greedy(hf, prompts, MAX_NEW)
 
 
-def run_workload(runner, prompts, **driver_kwargs) -> ToyScheduler:
+def run_workload(runner, prompts, max_new: int = MAX_NEW, **driver_kwargs) -> ToyScheduler:
     sched = ToyScheduler(runner, **driver_kwargs)
     for i, p in enumerate(prompts):  # requests join over time
-        sched.add(ToyRequest(f"r{i}", p, MAX_NEW, arrival_step=3 * (i // 2)))
+        sched.add(ToyRequest(f"r{i}", p, max_new, arrival_step=3 * (i // 2)))
     sched.run()
     return sched
 

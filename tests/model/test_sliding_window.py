@@ -18,7 +18,7 @@ from tests.model.oracle import check_against_hf, hf_greedy, random_prompts
 from worker_service.attention import AttentionMetadata, TorchAttentionBackend
 from worker_service.model_config import ModelConfig
 from worker_service.model_runner import ModelRunner
-from worker_service.paged_attention import PagedDecodeBackend
+from worker_service.paged_attention import CpuDecodeBackend, PagedDecodeBackend
 
 WINDOWED = ("mistral_untied_gqa1", "gemma2_tied_gqa2", "gemma3_text_untied_gqa2")
 PROMPT_LENS = [3, 45, 17, 70, 12, 33]
@@ -34,7 +34,8 @@ def windowed(request, tmp_path_factory):
     return request.param, path, hf, prompts, hf_greedy(hf, prompts, MAX_NEW)
 
 
-@pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend], ids=["torch", "paged"])
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend, CpuDecodeBackend],
+                         ids=["torch", "paged", "cpu"])
 @pytest.mark.parametrize("chunk", [5, 32], ids=["chunk-below-window", "chunk-above-window"])
 def test_generations_past_the_window_match_hf(windowed, chunk, backend):
     name, path, _, prompts, expected = windowed
@@ -110,7 +111,8 @@ def _reference(q, k_all, v_all, q_pos, scale, window, softcap, sinks=None):
 
 
 @pytest.mark.parametrize("window,softcap", [(None, None), (5, None), (5, 2.0), (None, 2.0), (64, None)])
-@pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend], ids=["torch", "paged"])
+@pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend, CpuDecodeBackend],
+                         ids=["torch", "paged", "cpu"])
 def test_backends_window_and_softcap_match_a_reference(window, softcap, backend):
     """One sequence of 23 tokens in the cache; a step of 3 decodes (at 22 and at two shorter
     lengths) then one 6-token chunk (positions 17..22), each against the reference."""

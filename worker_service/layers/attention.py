@@ -12,12 +12,16 @@ attends to no value, so a head can put weight "nowhere":
 backends take them per `attend` call (`worker_service/attention.py`).
 
 `paged_attention` is the part after the projections (write this step's K/V, attend), for a
-family that projects q/k/v itself (GPT-2's `c_attn`).
+family that projects q/k/v itself (GPT-2's `c_attn`). Under `torch.compile` it is one opaque
+op, `torch.ops.stepahead.paged_attention`, that finds the step's context where the compiled
+forward put it (`current_context`): the layers' dense parts compile, the paged attention
+(host scalars, per-step metadata, a C++ kernel) runs as it does eagerly (vLLM's piecewise split).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -42,15 +46,46 @@ class ForwardContext:
     local_sin: torch.Tensor | None = None  # [num_tokens, 1, head_dim]
 
 
+_current: list[ForwardContext] = []  # the context of the compiled forward running now (one at most)
+
+
+@contextlib.contextmanager
+def current_context(ctx: ForwardContext) -> Iterator[None]:
+    """Make `ctx` the one the compiled forward's attention ops read, for the duration of a forward."""
+    if _current:
+        raise RuntimeError("a compiled forward is already running")
+    _current.append(ctx)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer_idx: int,
                     scale: float, window: int | None = None, softcap: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q `[n, H, d]`, k and v `[n, KVH, d]` (rotated already) -> `[n, H, d]`: this step's K/V
     written into layer `layer_idx`'s cache, then each query attends over its request's keys
     (`window`: the last `window` positions only; `softcap`: scores soft-capped; `sinks` `[H]`)."""
+    if torch.compiler.is_compiling():  # traced: one opaque op; `ctx` is the one current_context holds
+        return torch.ops.stepahead.paged_attention(q, k, v, layer_idx, scale, window, softcap, sinks)
     k_cache, v_cache = ctx.kv_caches[layer_idx]
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
     return ctx.backend.attend(q, k_cache, v_cache, ctx.meta, scale, window, softcap, sinks=sinks)
+
+
+@torch.library.custom_op("stepahead::paged_attention", mutates_args=())
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+                        window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    # writes the layer's KV cache, which is no input of the graph (the caches live in the context)
+    if not _current:
+        raise RuntimeError("stepahead::paged_attention ran outside current_context()")
+    return paged_attention(q, k, v, _current[0], layer_idx, scale, window, softcap, sinks)
+
+
+@_paged_attention_op.register_fake
+def _(q, k, v, layer_idx, scale, window, softcap, sinks):
+    return torch.empty_like(q)  # [n, H, d]
 
 
 class Attention(nn.Module):

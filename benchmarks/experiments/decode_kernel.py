@@ -1,0 +1,71 @@
+"""One layer's decode attention: the CPU paged-decode kernel against the torch reference (gather
+each request's blocks in cache-sized chunks, then SDPA), SmolLM2-135M's geometry by default.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/decode_kernel.py [--reqs 64] [--keys 256]
+        [--threads 1] [--iters 20] [--rounds 5]
+
+Process CPU time per call, the two alternating, the median of `--rounds`; also a plain read of
+both caches (`read_all`) as the memory floor of the layer's K/V.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from worker_service import cpu_kernels
+from worker_service.attention import TorchAttentionBackend
+from worker_service.attention import AttentionMetadata
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--reqs", type=int, default=64)
+    parser.add_argument("--keys", type=int, default=256)
+    parser.add_argument("--heads", type=int, default=9)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    n, bs, d = args.reqs, args.block_size, args.head_dim
+    per_req = -(-args.keys // bs)
+    k_cache = torch.randn(n * per_req + 1, bs, args.kv_heads, d)
+    v_cache = torch.randn_like(k_cache)
+    tables = torch.arange(n * per_req).view(n, per_req)
+    lens = torch.full((n,), args.keys)
+    q = torch.randn(n, args.heads, d)
+    empty = torch.zeros(0, dtype=torch.int64)
+    meta = AttentionMetadata(slot_mapping=empty, positions=lens - 1, block_tables=tables, seq_lens=lens,
+                             num_decodes=n, max_decode_kv=args.keys, decode_uniform=True,
+                             prefill_token_index=empty.view(0, 0), prefill_rows=empty, max_prefill_kv=0)
+    reference = TorchAttentionBackend()
+    kernel = cpu_kernels.load()
+    fns = {"reference": lambda: reference.attend(q, k_cache, v_cache, meta, d**-0.5),
+           "kernel": lambda: cpu_kernels.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d**-0.5, None,
+                                                      None, None),
+           "read_all": lambda: (k_cache.sum(), v_cache.sum())}
+    torch.testing.assert_close(fns["kernel"](), fns["reference"](), rtol=1e-5, atol=1e-5)
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(args.rounds):
+        for name, fn in fns.items():
+            fn()
+            start = time.process_time()
+            for _ in range(args.iters):
+                fn()
+            times[name].append((time.process_time() - start) / args.iters * 1e3)
+    kv_mb = 2 * k_cache.numel() * 4 / 2**20
+    print(f"{n} requests x {args.keys} keys, {args.heads}/{args.kv_heads} heads, d {d}; K+V {kv_mb:.1f} MiB; "
+          f"{args.threads} thread(s)")
+    for name, t in times.items():
+        print(f"  {name:>10} {statistics.median(t):7.3f} ms per layer")
+
+
+if __name__ == "__main__":
+    main()

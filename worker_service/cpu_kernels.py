@@ -1,0 +1,96 @@
+"""Hand-written CPU kernels (C++, built once per machine with torch's extension builder).
+
+`paged_decode` (`csrc/paged_decode_cpu.cpp`): float32 decode attention straight over the
+paged KV cache, one task per request on torch's intra-op threads. The reference path
+(`attention.TorchAttentionBackend`) gathers each request's blocks into a buffer and runs SDPA
+over it, which on a CPU costs a write and a re-read of every K/V byte besides the read the
+attention itself needs; the kernel reads each byte once. It supports what the reference
+decode does: GQA, a sliding window, logit soft-capping and attention sinks.
+
+The build (g++, ninja, `-O3 -march=native`) goes to `$STEPAHEAD_CACHE_DIR/torch_extensions/`
+under a name hashed from the source and the CPU's flags, so a restart loads the cached
+library and a cache shared between machines never loads code built for another CPU.
+`load()` builds or loads it once per process, logs the time it took, and returns None where
+it cannot (no compiler; the reason is logged as a warning), so the worker falls back to the
+reference path instead of failing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
+
+_lock = threading.Lock()
+_loaded: dict[str, ModuleType | None] = {}  # "paged_decode" -> the module, or None where the build failed
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line
+    except OSError:  # not Linux: the machine and processor names stand in for the flags
+        pass
+    return f"{platform.machine()} {platform.processor()}"
+
+
+def _build_name() -> str:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
+                            + torch.__version__.encode()).hexdigest()[:16]
+    return f"stepahead_paged_decode_{digest}"
+
+
+def load() -> ModuleType | None:
+    """The built kernel module (built on first use, then cached on disk), or None."""
+    with _lock:
+        if "paged_decode" not in _loaded:
+            _loaded["paged_decode"] = _build()
+        return _loaded["paged_decode"]
+
+
+def _build() -> ModuleType | None:
+    from model_zoo.builtin_models import cache_dir
+    from torch.utils.cpp_extension import load as load_extension
+
+    name = _build_name()
+    build_dir = cache_dir() / "torch_extensions" / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    try:
+        module = load_extension(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
+                                build_directory=str(build_dir), verbose=False)
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja: the reference path serves
+        log.warning("CPU paged-decode kernel unavailable (%s: %s); decode attention takes the torch reference "
+                    "path", type(exc).__name__, str(exc)[:500])
+        return None
+    log.info("CPU paged-decode kernel ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    return module
+
+
+def usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """The kernel's domain: float32 caches on the CPU."""
+    return device.type == "cpu" and dtype == torch.float32
+
+
+def paged_decode(module: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None,
+                 softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+    """q `[n, H, d]`, caches `[blocks, block_size, KVH, d]`, block_tables `[n, W]` and seq_lens `[n]`
+    int64 -> `[n, H, d]`: each query (position seq_len - 1) over its request's first seq_len keys
+    (the last `window` of them), scores soft-capped, sinks `[H]` in the softmax's denominator."""
+    empty = q.new_empty(0)
+    with torch.profiler.record_function("stepahead::paged_decode_cpu"):  # named in profiles (a pybind call)
+        return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0,
+                                   softcap or 0.0, empty if sinks is None else sinks.detach())

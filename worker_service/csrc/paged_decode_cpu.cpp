@@ -1,0 +1,169 @@
+// Paged decode attention on CPU, float32: each decode query attends over its request's blocks of
+// the paged KV cache in place (no gathered copy of K/V), one task per request on torch's intra-op
+// thread pool. See worker_service/cpu_kernels.py.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// exp(x) for x <= 0 (scores minus their max): Cephes' expf, range reduction by ln 2, a degree-5
+// polynomial, 2^n through the exponent bits; plain float code, so the compiler vectorizes it.
+inline float exp_nonpositive(float x) {
+  x = x < -87.0f ? -87.0f : x;
+  const int32_t ni = static_cast<int32_t>(x * 1.44269504088896341f - 0.5f);  // round(x / ln 2)
+  const float n = static_cast<float>(ni);
+  float r = x - n * 0.693359375f;
+  r -= n * -2.12194440e-4f;
+  float y = 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  return y * __builtin_bit_cast(float, (ni + 127) << 23);
+}
+
+struct Geometry {
+  int64_t H, kvh, G, bs, W;
+  float scale, cap;  // cap <= 0: no soft-cap
+  int64_t window;    // <= 0: none
+};
+
+// Calls f(j, row) for the keys j in [start, len) of request r, row pointing at key j's
+// [kvh, d] in `cache`, walking the block table block by block.
+template <int64_t D, typename F>
+inline void for_keys(const float* cache, const int64_t* table, int64_t start, int64_t len, int64_t bs,
+                     int64_t row_floats, F&& f) {
+  for (int64_t b = start / bs; b * bs < len; ++b) {
+    const float* block = cache + table[b] * bs * row_floats;
+    const int64_t lo = std::max(start, b * bs), hi = std::min(len, (b + 1) * bs);
+    for (int64_t j = lo; j < hi; ++j) f(j, block + (j - b * bs) * row_floats);
+  }
+}
+
+// D > 0: the head dim known at compile time (fully unrolled, vectorized); 0: `d` at run time.
+template <int64_t D>
+void decode_rows(const float* qp, const float* kp, const float* vp, const int64_t* tab, const int64_t* lens,
+                 const float* sink, float* op, int64_t n, int64_t d_runtime, const Geometry& g) {
+  const int64_t d = D > 0 ? D : d_runtime;
+  const int64_t H = g.H, G = g.G, row_floats = g.kvh * d, max_len = g.W * g.bs;
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;  // [H, S]
+    std::vector<float> acc(H * d);  // [H, d]
+    std::vector<float> denom(H);
+    std::vector<int64_t> kv_offset(H);  // query head qh reads kv head qh / G: its offset in a key's row
+    for (int64_t qh = 0; qh < H; ++qh) kv_offset[qh] = (qh / G) * d;
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t len = std::min(lens[r], max_len);
+      const int64_t start = g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0;
+      const int64_t S = len - start;
+      const float* qr = qp + r * H * d;  // [H, d]; query head qh reads kv head qh / G
+      float* orow = op + r * H * d;
+      const int64_t* table = tab + r * g.W;
+      if (S <= 0) {
+        std::fill(orow, orow + H * d, 0.0f);
+        continue;
+      }
+      scores.resize(H * S);
+      float* sc = scores.data();
+      for_keys<D>(kp, table, start, len, g.bs, row_floats, [&](int64_t j, const float* krow) {
+        for (int64_t qh = 0; qh < H; ++qh) {  // scores = q k^T * scale
+          const float* q = qr + qh * d;
+          const float* k = krow + kv_offset[qh];
+          float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+          for (int64_t i = 0; i < d; ++i) s += q[i] * k[i];
+          sc[qh * S + (j - start)] = s * g.scale;
+        }
+      });
+      if (g.cap > 0.0f) {  // soft-capped logits
+        for (int64_t i = 0; i < H * S; ++i) sc[i] = std::tanh(sc[i] / g.cap) * g.cap;
+      }
+      for (int64_t qh = 0; qh < H; ++qh) {  // softmax over the keys (a sink joins the denominator)
+        float* s = sc + qh * S;
+        float m = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : m)
+        for (int64_t t = 0; t < S; ++t) m = std::max(m, s[t]);
+        if (sink != nullptr) m = std::max(m, sink[qh]);
+        float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t t = 0; t < S; ++t) {
+          s[t] = exp_nonpositive(s[t] - m);
+          sum += s[t];
+        }
+        if (sink != nullptr) sum += std::exp(sink[qh] - m);
+        denom[qh] = sum;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      float* a = acc.data();
+      for_keys<D>(vp, table, start, len, g.bs, row_floats, [&](int64_t j, const float* vrow) {
+        for (int64_t qh = 0; qh < H; ++qh) {  // acc = p v
+          const float p = sc[qh * S + (j - start)];
+          const float* v = vrow + kv_offset[qh];
+          float* out = a + qh * d;
+#pragma omp simd
+          for (int64_t i = 0; i < d; ++i) out[i] += p * v[i];
+        }
+      });
+      for (int64_t qh = 0; qh < H; ++qh) {
+        const float inv = 1.0f / denom[qh];
+        for (int64_t i = 0; i < d; ++i) orow[qh * d + i] = a[qh * d + i] * inv;
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q [n, H, d]; k_cache, v_cache [blocks, block_size, kvh, d]; tables [n, W] int64;
+// seq_lens [n] int64 (keys in the cache, this step's included); window <= 0: none;
+// softcap <= 0: none; sinks: [H] or an empty tensor. Returns [n, H, d].
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
+                           torch::Tensor seq_lens, double scale, int64_t window, double softcap,
+                           torch::Tensor sinks) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "bad shapes");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat, "float32 only");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && seq_lens.scalar_type() == at::kLong, "int64 tables, lengths");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "contiguous caches");
+  q = q.contiguous();
+  tables = tables.contiguous();
+  seq_lens = seq_lens.contiguous();
+  const int64_t n = q.size(0), H = q.size(1), d = q.size(2);
+  const int64_t kvh = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == d && H % kvh == 0 && tables.size(0) >= n && seq_lens.size(0) >= n, "bad shapes");
+  const bool has_sinks = sinks.numel() > 0;
+  if (has_sinks) {
+    TORCH_CHECK(sinks.numel() == H, "sinks: one per query head");
+    sinks = sinks.to(at::kFloat).contiguous();
+  }
+  auto out = torch::empty_like(q);
+  const Geometry g{H, kvh, H / kvh, k_cache.size(1), tables.size(1), static_cast<float>(scale),
+                   static_cast<float>(softcap), window};
+  const float* sink = has_sinks ? sinks.data_ptr<float>() : nullptr;
+  auto args = std::make_tuple(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                              tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), sink,
+                              out.data_ptr<float>(), n, d);
+  auto run = [&](auto kernel) {
+    std::apply([&](auto... a) { kernel(a..., g); }, args);
+  };
+  switch (d) {
+    case 64: run(decode_rows<64>); break;
+    case 128: run(decode_rows<128>); break;
+    default: run(decode_rows<0>);
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL released while it runs, as torch's own ops do: the worker's gRPC threads go on meanwhile
+  m.def("paged_decode", &paged_decode, "paged decode attention (float32, CPU)",
+        py::call_guard<py::gil_scoped_release>());
+}
