@@ -338,6 +338,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
 
 MODEL_RETRY_S = 2.0  # the longest wait between asks for the model while no scheduler has a worker
+STOP_CHECK_S = 0.05  # while waiting for the model, how often a stop (SIGTERM) is looked at
 
 
 def wait_for_model(channels, stop, log) -> scheduler_pb2.WorkerHello | None:
@@ -373,8 +374,8 @@ def wait_for_model(channels, stop, log) -> scheduler_pb2.WorkerHello | None:
                 if turn <= len(stubs):  # once per scheduler: the wait itself is no news
                     log.info("waiting_for_model", code=exc.code().name)
             deadline = time.monotonic() + MODEL_RETRY_S
-            while not (serving.wait(0.05) or stop.is_set() or time.monotonic() > deadline):
-                pass  # SIGTERM is seen within 50 ms
+            while not (serving.wait(STOP_CHECK_S) or stop.is_set() or time.monotonic() > deadline):
+                continue
             serving.clear()
         return None
     finally:
