@@ -53,10 +53,10 @@ class WorkerEngineConfig:
         AttentionBackendName.AUTO, "paged attention: auto (CPU float32: a C++ decode kernel over the paged "
         "cache, built once into $STEPAHEAD_CACHE_DIR; otherwise torch), torch (reference: gather, then SDPA) "
         "or paged (device-side decode metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
-    enforce_eager: bool | None = cfg.field(
-        None, "run the model's forward eagerly, no torch.compile (default: eager on CPU, where compiling does "
-        "not pay end to end: docs/benchmarks.md; --no-enforce-eager compiles it with inductor, warmed up at "
-        "start-up, its cache in $STEPAHEAD_CACHE_DIR/inductor)")
+    enforce_eager: bool = cfg.field(
+        True, "run the model's forward eagerly, no torch.compile (on CPU compiling does not pay end to end: "
+        "docs/benchmarks.md; --no-enforce-eager compiles it with inductor, warmed up at start-up, its cache in "
+        "$STEPAHEAD_CACHE_DIR/inductor)")
     seed: int = cfg.field(0, "seed of unseeded sampling")
     structured_outputs_cache_size: int = cfg.field(
         256, "compiled grammars (structured outputs) kept per worker, least recently used evicted")

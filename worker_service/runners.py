@@ -111,14 +111,11 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
 
 
 def resolve_enforce_eager(config: WorkerConfig, tensor_parallel: bool) -> bool:
-    """--enforce-eager as given, else eager (the compiled forward is opt-in: docs/benchmarks.md,
-    "Compiled and fused steps"). A tensor-parallel rank always runs eagerly (its collectives are
-    not traced)."""
-    if tensor_parallel:
-        if config.enforce_eager is False:
-            raise ValueError("--no-enforce-eager: the compiled forward does not run tensor-parallel")
-        return True
-    return True if config.enforce_eager is None else config.enforce_eager
+    """--enforce-eager (the compiled forward is opt-in: docs/benchmarks.md, "Compiled and fused
+    steps"); a tensor-parallel rank runs eagerly (its collectives are not traced)."""
+    if tensor_parallel and not config.enforce_eager:
+        raise ValueError("--no-enforce-eager: the compiled forward does not run tensor-parallel")
+    return config.enforce_eager
 
 
 def check_weights_fit(model_dir, model_cfg, config: WorkerConfig, bytes_per_param: int) -> None:
