@@ -233,10 +233,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         first = next(request_iterator, None)
         if first is None or not first.HasField("hello"):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
-        info = codec.worker_info_from_proto(first.hello)
         try:
+            info = codec.worker_info_from_proto(first.hello)
             limits.check_worker_info(info)
-        except limits.LimitError as exc:
+        except (ValueError, limits.LimitError) as exc:  # a LimitError is a ValueError
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
         outbox = PlanOutbox(on_accept=lambda: context.send_initial_metadata((daemon.ATTACH_ACCEPTED,)))
         context.add_callback(outbox.close)  # call over: end the writer

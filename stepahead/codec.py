@@ -13,6 +13,8 @@ from stepahead.flight_recorder import StepRecord
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import (
     FinishReason,
+    KVLoad,
+    KVLoaded,
     NewRequest,
     RunningDeltas,
     SamplingParams,
@@ -22,6 +24,7 @@ from stepahead.plan import (
     StructuredKind,
     StructuredOutput,
     WorkerInfo,
+    WorkerRole,
     WorkerTiming,
 )
 from stepahead.v1 import common_pb2, scheduler_pb2
@@ -173,6 +176,10 @@ def plan_to_proto(plan: StepPlan, out: scheduler_pb2.StepPlan | None = None) -> 
         msg.swap_in.extend(scheduler_pb2.BlockPair(src=s, dst=d) for s, d in plan.swap_in)
     if plan.running:
         _running_to_proto(plan.running, msg.running)
+    if plan.kv_loads:
+        msg.kv_loads.extend(scheduler_pb2.KVLoad(transfer_id=x.transfer_id, source=x.source,
+                                                 src_block_ids=x.src_block_ids, dst_block_ids=x.dst_block_ids)
+                            for x in plan.kv_loads)
     return msg
 
 
@@ -209,7 +216,38 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
         preempted_ids=tuple(msg.preempted_ids),
         swap_out=tuple((p.src, p.dst) for p in msg.swap_out),
         swap_in=tuple((p.src, p.dst) for p in msg.swap_in),
+        kv_loads=tuple(_kv_load_from_proto(x) for x in msg.kv_loads),
     )
+
+
+def _kv_load_from_proto(msg: scheduler_pb2.KVLoad) -> KVLoad:
+    """ValueError naming the field when the two block lists do not pair up."""
+    if len(msg.src_block_ids) != len(msg.dst_block_ids):
+        raise ValueError(f"kv_loads: transfer {msg.transfer_id} has {len(msg.src_block_ids)} src_block_ids "
+                         f"but {len(msg.dst_block_ids)} dst_block_ids")
+    return KVLoad(msg.transfer_id, msg.source, tuple(msg.src_block_ids), tuple(msg.dst_block_ids))
+
+
+def kv_loaded_to_proto(loaded: KVLoaded) -> scheduler_pb2.KVLoaded:
+    return scheduler_pb2.KVLoaded(transfer_id=loaded.transfer_id, error=loaded.error)
+
+
+def kv_loaded_from_proto(msg: scheduler_pb2.KVLoaded) -> KVLoaded:
+    return KVLoaded(msg.transfer_id, msg.error)
+
+
+_ROLE_TO_PROTO = {
+    WorkerRole.BOTH: scheduler_pb2.WORKER_ROLE_BOTH,
+    WorkerRole.PREFILL: scheduler_pb2.WORKER_ROLE_PREFILL,
+    WorkerRole.DECODE: scheduler_pb2.WORKER_ROLE_DECODE,
+}
+_ROLE_FROM_PROTO = {v: k for k, v in _ROLE_TO_PROTO.items()}
+
+
+def _role_from_proto(value: int) -> WorkerRole:
+    if value not in _ROLE_FROM_PROTO:
+        raise ValueError(f"role: unknown value {value}")
+    return _ROLE_FROM_PROTO[value]
 
 
 def _running_from_proto(d: scheduler_pb2.RunningDeltas) -> RunningDeltas:
@@ -328,6 +366,8 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         no_structured_outputs=not info.structured_outputs,
         sliding_window=info.sliding_window,
         num_offload_blocks=info.num_offload_blocks,
+        role=_ROLE_TO_PROTO[info.role],
+        kv_transfer_address=info.kv_transfer_address,
     )
 
 
@@ -352,4 +392,6 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         structured_outputs=not msg.no_structured_outputs,
         sliding_window=msg.sliding_window,
         num_offload_blocks=msg.num_offload_blocks,
+        role=_role_from_proto(msg.role),
+        kv_transfer_address=msg.kv_transfer_address,
     )

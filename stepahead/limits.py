@@ -420,6 +420,7 @@ MAX_MODEL_LEN = 1 << 24
 MAX_VOCAB_SIZE = 1 << 24
 MAX_BLOCKS = 1 << 26
 MAX_TENSOR_PARALLEL_SIZE = 1024
+MAX_KV_TRANSFER_BLOCKS = MAX_MODEL_LEN  # one request's blocks at block size 1
 
 
 def check_worker_info(info) -> None:
@@ -444,6 +445,20 @@ def check_worker_info(info) -> None:
     check_id("group_id", info.group_id)
     if (info.tp_size > 1) != bool(info.group_id):
         raise LimitError("group_id", "must be set exactly when tensor_parallel_size > 1")
+    check_id("kv_transfer_address", info.kv_transfer_address)
+    if info.role.value != "both" and info.tp_size > 1:
+        raise LimitError("role", "disaggregation (a prefill or decode role) needs tensor_parallel_size 1")
+    if info.role.value == "prefill" and not info.kv_transfer_address:
+        raise LimitError("kv_transfer_address", "must be set on a prefill replica (decode replicas read its KV there)")
+
+
+def check_kv_blocks(field: str, block_ids, num_blocks: int) -> None:
+    """Block ids a peer names (a KV transfer's): at most MAX_KV_TRANSFER_BLOCKS, each in the pool."""
+    if len(block_ids) > MAX_KV_TRANSFER_BLOCKS:
+        raise LimitError(field, f"at most {MAX_KV_TRANSFER_BLOCKS} blocks per transfer, got {len(block_ids)}")
+    bad = next((b for b in block_ids if not 0 <= b < num_blocks), None)
+    if bad is not None:
+        raise LimitError(field, f"block {bad} is not in the pool of {num_blocks} blocks")
 
 
 def check_group_place(size: int, rank: int) -> None:

@@ -33,6 +33,16 @@ Worker-side semantics (the contract both sides rely on):
 - Tensor-parallel groups (`WorkerInfo.group_id`): every rank receives the same plans and
   applies them identically; rank 0 samples and broadcasts the ids inside the step, and only
   rank 0 sends `StepResult`s (the other ranks send none).
+- Disaggregated prefill/decode (docs/disaggregation.md): a plan's `kv_loads` order the
+  worker to copy blocks of a finished prefill from another replica's worker (`source`, its
+  `WorkerHello.kv_transfer_address`) into its own `dst_block_ids`. The worker starts each
+  load after the plan's swaps, in the background (the plan's forward, and later ones, run
+  meanwhile: no plan touches a block being loaded), and reports it once, as soon as it
+  ends, with a `KVLoaded` on its attach stream (not in a `StepResult`): written, or the
+  error (source unreachable, timeout, a reply that does not fit). The scheduler keeps the
+  source blocks fenced on the source replica and the destination blocks out of every plan
+  until that report; the request then resumes as a `NewRequest` whose
+  `num_computed_tokens` covers the loaded prompt.
 - Speculative decoding (docs/speculative-decoding.md): a decode delta with
   `num_draft_tokens = k > 0` allows the worker to propose up to k draft tokens (n-gram
   lookup over every token it knows for the request) and verify them in the same forward;
@@ -79,6 +89,14 @@ class StructuredKind(enum.Enum):
     REGEX = "regex"  # spec: a regular expression the whole output matches
     CHOICE = "choice"  # choices: the output is exactly one of them
     GRAMMAR = "grammar"  # spec: an EBNF grammar (xgrammar's dialect, root rule `root`)
+
+
+class WorkerRole(enum.Enum):
+    """What a replica does in a disaggregated deployment (`stepahead worker --role`)."""
+
+    BOTH = "both"  # prefill and decode (the default: no disaggregation)
+    PREFILL = "prefill"  # new prompts; after the first token the KV moves to a decode replica
+    DECODE = "decode"  # continues requests prefilled elsewhere (new prompts only when no replica prefills)
 
 
 @dataclass(frozen=True)
@@ -223,6 +241,24 @@ class RunningDeltas(Sequence):
 
 
 @dataclass(frozen=True)
+class KVLoad:
+    """Blocks to copy from another replica's worker into this one's (see the module doc)."""
+
+    transfer_id: int  # the scheduler's id of the transfer, echoed in `KVLoaded`
+    source: str  # host:port of the source worker's KV transfer service
+    src_block_ids: tuple[int, ...]  # device blocks on the source, in sequence order
+    dst_block_ids: tuple[int, ...]  # this worker's device blocks, one per source block
+
+
+@dataclass(frozen=True)
+class KVLoaded:
+    """A worker's report that a `KVLoad` ended (sent once per transfer, on the attach stream)."""
+
+    transfer_id: int
+    error: str = ""  # empty: every block was written; otherwise why not (the blocks hold garbage)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One step for the worker. `step_id` increases by one per plan."""
 
@@ -233,6 +269,7 @@ class StepPlan:
     preempted_ids: tuple[str, ...] = ()  # preempted (recompute or swap): forget
     swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies
     swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies
+    kv_loads: tuple[KVLoad, ...] = ()  # blocks to load from other replicas, in the background
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "running", RunningDeltas.of(self.running))
@@ -247,7 +284,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return self.num_requests == 0 and not (self.swap_out or self.swap_in)
+        return self.num_requests == 0 and not (self.swap_out or self.swap_in or self.kv_loads)
 
 
 @dataclass(frozen=True)
@@ -328,3 +365,7 @@ class WorkerInfo:
     # host blocks --kv-offloading-size added (0: no host tier): the scheduler keeps evicted
     # prefix-cache blocks in the host pool and loads them back on a hit (`KVCacheManager`)
     num_offload_blocks: int = 0
+    role: WorkerRole = WorkerRole.BOTH  # --role: prefill, decode or both (disaggregation)
+    # host:port of this worker's KV transfer service, where decode replicas read the blocks
+    # of prompts it prefilled ("" : none; a prefill-role worker always has one)
+    kv_transfer_address: str = ""

@@ -13,9 +13,18 @@ class RejectCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     REJECT_CODE_INVALID: _ClassVar[RejectCode]
     REJECT_CODE_UNAVAILABLE: _ClassVar[RejectCode]
     REJECT_CODE_QUEUE_FULL: _ClassVar[RejectCode]
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_BOTH: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
 REJECT_CODE_INVALID: RejectCode
 REJECT_CODE_UNAVAILABLE: RejectCode
 REJECT_CODE_QUEUE_FULL: RejectCode
+WORKER_ROLE_BOTH: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
 
 class JoinGroupRequest(_message.Message):
     __slots__ = ("worker_id", "tensor_parallel_size", "rendezvous_host", "rendezvous_port")
@@ -192,7 +201,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs", "group_id", "tensor_parallel_rank", "tensor_parallel_size", "no_logprobs", "no_structured_outputs", "sliding_window", "num_offload_blocks")
+    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs", "group_id", "tensor_parallel_rank", "tensor_parallel_size", "no_logprobs", "no_structured_outputs", "sliding_window", "num_offload_blocks", "role", "kv_transfer_address")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +221,8 @@ class WorkerHello(_message.Message):
     NO_STRUCTURED_OUTPUTS_FIELD_NUMBER: _ClassVar[int]
     SLIDING_WINDOW_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_name: str
     model_type: str
@@ -231,19 +242,43 @@ class WorkerHello(_message.Message):
     no_structured_outputs: bool
     sliding_window: int
     num_offload_blocks: int
-    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., no_logprobs: _Optional[bool] = ..., no_structured_outputs: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ...) -> None: ...
+    role: WorkerRole
+    kv_transfer_address: str
+    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., no_logprobs: _Optional[bool] = ..., no_structured_outputs: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_transfer_address: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "result", "fatal_error", "detach")
+    __slots__ = ("hello", "result", "fatal_error", "detach", "kv_loaded")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     FATAL_ERROR_FIELD_NUMBER: _ClassVar[int]
     DETACH_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADED_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerHello
     result: StepResult
     fatal_error: str
     detach: str
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., fatal_error: _Optional[str] = ..., detach: _Optional[str] = ...) -> None: ...
+    kv_loaded: KVLoaded
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., fatal_error: _Optional[str] = ..., detach: _Optional[str] = ..., kv_loaded: _Optional[_Union[KVLoaded, _Mapping]] = ...) -> None: ...
+
+class KVLoaded(_message.Message):
+    __slots__ = ("transfer_id", "error")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    error: str
+    def __init__(self, transfer_id: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
+
+class KVLoad(_message.Message):
+    __slots__ = ("transfer_id", "source", "src_block_ids", "dst_block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    source: str
+    src_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[int] = ..., source: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("plan",)
@@ -294,7 +329,7 @@ class RunningDeltas(_message.Message):
     def __init__(self, request_ids: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., input_is_placeholder: _Optional[bytes] = ..., num_draft_tokens: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "preempted_ids", "swap_out", "swap_in")
+    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "preempted_ids", "swap_out", "swap_in", "kv_loads")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -302,6 +337,7 @@ class StepPlan(_message.Message):
     PREEMPTED_IDS_FIELD_NUMBER: _ClassVar[int]
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
+    KV_LOADS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: RunningDeltas
@@ -309,7 +345,8 @@ class StepPlan(_message.Message):
     preempted_ids: _containers.RepeatedScalarFieldContainer[str]
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ...) -> None: ...
+    kv_loads: _containers.RepeatedCompositeFieldContainer[KVLoad]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., kv_loads: _Optional[_Iterable[_Union[KVLoad, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs", "speculation", "invalid_ids")
@@ -434,3 +471,21 @@ class StepRecord(_message.Message):
     worker: WorkerTiming
     replica: str
     def __init__(self, step_id: _Optional[int] = ..., schedule_start: _Optional[float] = ..., schedule_end: _Optional[float] = ..., plan_sent: _Optional[float] = ..., commit_start: _Optional[float] = ..., result_committed: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerTiming, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
+
+class ReadBlocksRequest(_message.Message):
+    __slots__ = ("transfer_id", "block_ids")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: int
+    block_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, transfer_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVChunk(_message.Message):
+    __slots__ = ("num_blocks", "bytes_per_block", "data")
+    NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    num_blocks: int
+    bytes_per_block: int
+    data: bytes
+    def __init__(self, num_blocks: _Optional[int] = ..., bytes_per_block: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...

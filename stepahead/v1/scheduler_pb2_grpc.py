@@ -329,3 +329,85 @@ class Scheduler:
             timeout,
             metadata,
             _registered_method=True)
+
+
+class KVTransferStub:
+    """Served by every worker with a KV transfer address (--kv-transfer-port): the blocks of the
+    prompts it prefilled, read by the decode replicas their requests moved to. Internal plane:
+    the cluster token (and TLS) as for the scheduler's service.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.ReadBlocks = channel.unary_stream(
+                '/stepahead.v1.KVTransfer/ReadBlocks',
+                request_serializer=stepahead_dot_v1_dot_scheduler__pb2.ReadBlocksRequest.SerializeToString,
+                response_deserializer=stepahead_dot_v1_dot_scheduler__pb2.KVChunk.FromString,
+                _registered_method=True)
+
+
+class KVTransferServicer:
+    """Served by every worker with a KV transfer address (--kv-transfer-port): the blocks of the
+    prompts it prefilled, read by the decode replicas their requests moved to. Internal plane:
+    the cluster token (and TLS) as for the scheduler's service.
+    """
+
+    def ReadBlocks(self, request, context):
+        """The KV of the given device blocks, in order, as chunks of whole blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_KVTransferServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'ReadBlocks': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlocks,
+                    request_deserializer=stepahead_dot_v1_dot_scheduler__pb2.ReadBlocksRequest.FromString,
+                    response_serializer=stepahead_dot_v1_dot_scheduler__pb2.KVChunk.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'stepahead.v1.KVTransfer', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('stepahead.v1.KVTransfer', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class KVTransfer:
+    """Served by every worker with a KV transfer address (--kv-transfer-port): the blocks of the
+    prompts it prefilled, read by the decode replicas their requests moved to. Internal plane:
+    the cluster token (and TLS) as for the scheduler's service.
+    """
+
+    @staticmethod
+    def ReadBlocks(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/stepahead.v1.KVTransfer/ReadBlocks',
+            stepahead_dot_v1_dot_scheduler__pb2.ReadBlocksRequest.SerializeToString,
+            stepahead_dot_v1_dot_scheduler__pb2.KVChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
