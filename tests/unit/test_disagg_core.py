@@ -35,9 +35,9 @@ def config(role: WorkerRole, blocks: int, **kw) -> SchedulerConfig:
     return SchedulerConfig(**{**base, **kw})
 
 
-def chain(rid: str, prompt: tuple[int, ...], n: int) -> list[int]:
+def chain(rid: str, prompt: tuple[int, ...], n: int, vocab: int = VOCAB) -> list[int]:
     """The oracle: the fake's tokens for a request alone."""
-    token_fn, tokens, out = hashed_tokens(VOCAB), list(prompt), []
+    token_fn, tokens, out = hashed_tokens(vocab), list(prompt), []
     for _ in range(n):
         out.append(token_fn(rid, tuple(tokens)))
         tokens.append(out[-1])
