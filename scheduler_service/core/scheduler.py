@@ -437,13 +437,12 @@ class Scheduler:
 
     def _try_load(self, req: Request, b: StepBuilder, now: float) -> _Admission:
         """Admit a transferred request: blocks for its prompt, the ones its local prefix-cache
-        hit lacks loaded from the source (a `KVLoad` in this plan). It preempts nobody: it
+        hit (device, then host tier) lacks loaded from the source (a `KVLoad` in this plan). It preempts nobody: it
         waits for free blocks (its source holds the KV meanwhile)."""
         bs, source = self.config.block_size, req.kv_source
         if b.token_budget == 0:
             return _Admission.NO_BUDGET
-        hit = self._kv.find_prefix_hit(req)
-        hit = PrefixHit(hit.block_ids, hit.pids, hit.num_free_hits)  # the device part: the rest comes from the source
+        hit = self._kv.find_prefix_hit(req)  # cached here, on the device or in the host tier
         num_prompt_blocks = cdiv(req.num_prompt_tokens, bs)
         if num_prompt_blocks > len(source.block_ids) or req.num_tokens != req.num_prompt_tokens + 1:
             req.kv_source = None  # not a prefill's hand-off: computed here
@@ -459,11 +458,13 @@ class Scheduler:
         self._kv.take_hit(req, hit)
         ok = self._kv.allocate_slots(req, req.num_prompt_tokens + 1)
         assert ok, "admission checked the free blocks"
+        b.swap_in.extend(self._kv.load_host_hit(req, hit, b.step_id))  # before anything computes
         req.num_computed_tokens = req.num_scheduled_tokens = req.num_prompt_tokens
         req.kv_source = None
         self._counts["prefix_query_tokens"] += req.num_prompt_tokens
-        self._counts["prefix_hit_tokens"] += hit.num_device_blocks * bs
-        first = hit.num_device_blocks
+        self._counts["prefix_hit_tokens"] += hit.num_blocks * bs
+        self._counts["prefix_host_hit_tokens"] += len(hit.host_block_ids) * bs
+        first = hit.num_blocks
         if first == num_prompt_blocks:  # all of it cached here: nothing to load, it runs now
             self._released_sources.append(source.transfer_id)
             self._add_running(req, now)

@@ -77,6 +77,7 @@ class FakeExecutor:
     # before the scheduler released it shows up as wrong KV here)
     peers: dict[str, FakeExecutor] = field(default_factory=dict)
     pending_loads: list = field(default_factory=list)
+    loaded_blocks: set = field(default_factory=set)  # destinations of reported loads, not yet resumed
 
     def __post_init__(self) -> None:
         self.kv = [[None] * self.block_size for _ in range(self.num_gpu_blocks)]
@@ -185,6 +186,7 @@ class FakeExecutor:
         from stepahead.plan import KVLoaded
 
         self.pending_loads.remove(load)
+        self.loaded_blocks.update(load.dst_block_ids)  # its request's since the plan that ordered it
         if not error:
             peer = self.peers[load.source]
             for src, dst in zip(load.src_block_ids, load.dst_block_ids):
@@ -196,6 +198,9 @@ class FakeExecutor:
         bs = self.block_size
         fresh = {dev for _, dev in plan.swap_in}
         for nr in plan.new_requests:
+            if self.loaded_blocks & set(nr.block_ids):  # resumed after a load: its blocks are its own
+                self.loaded_blocks -= set(nr.block_ids)  # since the plan that ordered the load
+                continue
             fresh.update(nr.block_ids[nr.num_computed_tokens // bs :])
         for rr in plan.running:
             fresh.update(rr.new_block_ids)

@@ -47,13 +47,15 @@ def chain(rid: str, prompt: tuple[int, ...], n: int, vocab: int = VOCAB) -> list
 class Pair:
     """A prefill driver and a decode driver, glued as the engine glues them."""
 
-    def __init__(self, rng: random.Random, prefill_blocks: int, decode_blocks: int, async_scheduling: bool) -> None:
+    def __init__(self, rng: random.Random, prefill_blocks: int, decode_blocks: int, async_scheduling: bool,
+                 host_blocks: int = 0) -> None:
         token_fn = hashed_tokens(VOCAB)
         self.rng = rng
         self.prefill = Driver.create(config(WorkerRole.PREFILL, prefill_blocks, async_scheduling=async_scheduling),
                                      token_fn)
-        self.decode = Driver.create(config(WorkerRole.DECODE, decode_blocks, async_scheduling=async_scheduling),
-                                    token_fn)
+        # the decode side may have a host tier: a prefix it evicted comes back from host memory
+        self.decode = Driver.create(config(WorkerRole.DECODE, decode_blocks, async_scheduling=async_scheduling,
+                                           num_cpu_blocks=host_blocks, num_offload_blocks=host_blocks), token_fn)
         self.decode.executor.peers[SOURCE] = self.prefill.executor
         self.transfers = Transfers()
         self.owner: dict[str, Driver] = {}
@@ -121,9 +123,9 @@ class Pair:
 
 
 def run(seed: int, fail_rate: float, abort_rate: float, async_scheduling: bool = True,
-        prefill_blocks: int = 40, decode_blocks: int = 40) -> tuple[Pair, dict]:
+        prefill_blocks: int = 40, decode_blocks: int = 40, host_blocks: int = 0) -> tuple[Pair, dict]:
     rng = random.Random(seed)
-    pair = Pair(rng, prefill_blocks, decode_blocks, async_scheduling)
+    pair = Pair(rng, prefill_blocks, decode_blocks, async_scheduling, host_blocks)
     shared = tuple(rng.randrange(VOCAB) for _ in range(8))  # two full blocks some prompts share
     specs = {}
     for i in range(rng.randint(1, 8)):
@@ -194,6 +196,16 @@ def test_a_small_decode_pool_makes_handoffs_wait_not_fail(seed):
     """Decode blocks for about one request: the others wait in its queue, their source
     blocks held, and still finish."""
     pair, specs = run(seed, fail_rate=0.0, abort_rate=0.0, decode_blocks=10, prefill_blocks=60)
+    check_outputs(pair, specs)
+    check_pools_empty(pair)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(0, 2**32 - 1))
+def test_a_decode_side_host_tier_serves_evicted_prefixes(seed):
+    """A small decode pool with a host tier: prefixes it evicted are copied back from host
+    memory instead of loaded from the prefill replica again (or computed)."""
+    pair, specs = run(seed, fail_rate=0.1, abort_rate=0.0, decode_blocks=14, prefill_blocks=60, host_blocks=24)
     check_outputs(pair, specs)
     check_pools_empty(pair)
 
