@@ -14,6 +14,7 @@ requests refused quietly. Block ids a peer names are checked against the pool
 
 from __future__ import annotations
 
+import socket
 import threading
 from concurrent import futures
 
@@ -40,6 +41,20 @@ def max_message_bytes(bytes_per_block: int) -> int:
 
 def blocks_per_chunk(bytes_per_block: int) -> int:
     return max(1, CHUNK_BYTES // max(bytes_per_block, 1))
+
+
+def _probe_port(host: str, port: int) -> None:
+    """A port another process holds fails here, in one line naming the flag (grpc would log
+    its own error lines first)."""
+    if not port:
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise cfg.ConfigError(f"--kv-transfer-port {port}: cannot listen on {host_port(host, port)} "
+                                  f"({exc.strerror}); stop what holds it or pick another --kv-transfer-port") from None
 
 
 class KVTransferServicer:
@@ -86,6 +101,7 @@ class KVTransferServer:
         self.servicer = KVTransferServicer(log)
         scheduler_pb2_grpc.add_KVTransferServicer_to_server(self.servicer, self._server)
         bind = host_port(config.kv_transfer_host, config.kv_transfer_port)
+        _probe_port(config.kv_transfer_host, config.kv_transfer_port)
         try:
             self.port = security.add_port(self._server, bind, config.kv_transfer_tls())
         except RuntimeError as exc:  # grpc cannot bind the port
