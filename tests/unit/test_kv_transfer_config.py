@@ -83,3 +83,31 @@ def test_the_hello_carries_the_role(tiny_model_dir) -> None:
 
 
 from tests.fixtures_models import tiny_model_dir  # noqa: E402,F401
+
+
+def _serve(*flags: str) -> tuple[subprocess.CompletedProcess, list[str]]:
+    proc = subprocess.run([sys.executable, "-m", "cli", "serve", *flags], capture_output=True, text=True,
+                          timeout=FAIL_WITHIN_S)
+    return proc, [line for line in proc.stderr.splitlines() if line.strip()]
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--prefill-replicas", "1", "--decode-replicas", "1", "--tensor-parallel-size", "2"], "--tensor-parallel-size 2"),
+    (["--prefill-replicas", "2"], "--decode-replicas 0"),
+    (["--prefill-replicas", "-1"], "--prefill-replicas"),
+])
+def test_serve_refuses_disaggregation_it_cannot_run(flags, named) -> None:
+    proc, lines = _serve("--device", "sim", "--port", "0", "--http-port", "0", *flags)
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert named in lines[0], lines
+
+
+def test_serve_starts_prefill_workers_with_a_kv_port_each_then_decode_workers() -> None:
+    from cli.serve import ServeConfig, worker_roles
+
+    plain = worker_roles(ServeConfig(data_parallel_size=2), WorkerConfig(), [])
+    assert plain == [("worker", []), ("worker1", [])]
+    roles = worker_roles(ServeConfig(prefill_replicas=2, decode_replicas=1), WorkerConfig(), [4001, 4002])
+    assert [name for name, _ in roles] == ["prefill0", "prefill1", "decode0"]
+    assert roles[1][1] == ["--role", "prefill", "--kv-transfer-host", "127.0.0.1", "--kv-transfer-port", "4002"]
+    assert roles[2][1] == ["--role", "decode"]
