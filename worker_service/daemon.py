@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import enum
 import threading
 
 from prometheus_client import REGISTRY, start_http_server
@@ -47,7 +48,8 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
     if kv_server is not None:
         kv_server.serve(runner)
         info = dataclasses.replace(info, kv_transfer_address=kv_server.address)
-    log.info("model_loaded", **{k: v for k, v in info.__dict__.items() if k != "eos_token_ids"})
+    log.info("model_loaded", **{k: v.value if isinstance(v, enum.Enum) else v for k, v in info.__dict__.items()
+                                if k != "eos_token_ids"})
     log_kv_capacity(log, info)
     metrics = metrics or WorkerMetrics(REGISTRY)  # one per daemon: counters go on across re-attaches
     metrics.watch_grammars(runner)
