@@ -103,6 +103,36 @@ def test_loaded_blocks_equal_the_source_and_decode_on_as_there(source, destinati
     assert not _loader_threads()
 
 
+@pytest.mark.parametrize("device, dtype", [
+    ("cpu", "bfloat16"),
+    pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu),  # the transfer stream, beside the compute stream
+    pytest.param("cuda", "float32", marks=pytest.mark.gpu),
+])
+def test_a_load_between_runners_of_another_device_or_dtype(tiny_model_dir, device, dtype) -> None:  # noqa: F811
+    from worker_service.model_runner import ModelRunner
+
+    src, dst = (ModelRunner(tiny_model_dir, device=device, dtype=dtype, num_blocks=16, block_size=4,
+                            max_model_len=64) for _ in range(2))
+    server = KVTransferServer(_config(), LOG)
+    server.serve(src)
+    session = Session(dst)
+    try:
+        first = src.execute(StepPlan(1, new_requests=(NewRequest("r", PROMPT, GREEDY, SRC_BLOCKS, 0, len(PROMPT)),)))
+        # the source decodes on while the destination reads the prompt's blocks (the decode writes block 7 only)
+        decode = src.launch(StepPlan(2, running=(RunningRequest("r", (7,), 1),)))
+        dst.execute(StepPlan(1, kv_loads=(KVLoad(8, server.address, SRC_BLOCKS, DST_BLOCKS),)))
+        report = session.report()
+        assert report.error == ""
+        assert src.read_kv_blocks(list(SRC_BLOCKS)) == dst.read_kv_blocks(list(DST_BLOCKS))
+        resumed = dst.execute(StepPlan(2, new_requests=(
+            NewRequest("r", PROMPT + (first.sampled_token_ids["r"],), GREEDY, DST_BLOCKS + (6,), len(PROMPT), 1,
+                       num_prompt_tokens=len(PROMPT)),)))
+        assert resumed.sampled_token_ids["r"] == decode.wait().sampled_token_ids["r"]
+    finally:
+        session.close()
+        server.close()
+
+
 def test_a_block_outside_the_pool_is_invalid_argument_naming_block_ids(source) -> None:
     _, server = source
     with _config().scheduler_channel(server.address) as channel:
