@@ -290,3 +290,46 @@ def test_a_sim_load_from_a_dead_source_fails_like_a_real_one(tiny_model_dir) -> 
     finally:
         session.close()
     assert report.transfer_id == 22 and dead in report.error
+
+
+def test_over_mtls_the_loader_presents_the_workers_scheduler_credentials(tmp_path, destination) -> None:
+    """The KVTransfer server with --kv-transfer-ssl-*; the loader dials with the TLS files the
+    worker uses for its scheduler (--scheduler-ssl-*) and the cluster token."""
+    from testing.certs import make_certs
+
+    certs = make_certs(tmp_path)
+    server_config = _config(kv_transfer_ssl_certfile=str(certs.server_cert),
+                            kv_transfer_ssl_keyfile=str(certs.server_key), kv_transfer_ssl_ca_certs=str(certs.ca))
+    server = KVTransferServer(server_config, LOG)
+    server.serve(destination)
+    client = _config(scheduler_ssl_ca_certs=str(certs.ca), scheduler_ssl_certfile=str(certs.client_cert),
+                     scheduler_ssl_keyfile=str(certs.client_key))
+    session = Session(destination, config=client)
+    try:
+        destination.execute(StepPlan(1, kv_loads=(KVLoad(31, server.address, (0, 1), (2, 3)),)))
+        assert session.report().error == ""
+        plain = Session(destination)  # no client certificate, no CA: the handshake fails
+        try:
+            destination.execute(StepPlan(2, kv_loads=(KVLoad(32, server.address, (0,), (4,)),)))
+            failed = plain.report()
+        finally:
+            plain.close()
+    finally:
+        session.close()
+        server.close()
+    assert failed.transfer_id == 32 and failed.error
+    assert destination.read_kv_blocks([0, 1]) == destination.read_kv_blocks([2, 3])
+
+
+def test_the_attach_stream_carries_kv_loaded_between_the_other_messages() -> None:
+    from stepahead import codec
+    from stepahead.plan import KVLoaded
+    from worker_service.attach import Pipeline
+
+    hello = scheduler_pb2.WorkerMessage(detach="hello stand-in")
+    pipeline = Pipeline(runner=None, hello=hello, log=LOG)
+    pipeline.send_kv_loaded(KVLoaded(41, "source unreachable"))
+    pipeline.close()
+    messages = list(pipeline.requests())
+    assert messages[0] == hello
+    assert codec.kv_loaded_from_proto(messages[1].kv_loaded) == KVLoaded(41, "source unreachable")
