@@ -117,6 +117,9 @@ def run(args: argparse.Namespace) -> int:
             health.close()
             return 2
         log.info("kv_transfer_listening", address=kv_server.address)
+        if (config.kv_transfer_advertise_host or config.kv_transfer_host) in ("0.0.0.0", "::", "[::]"):
+            log.warning("kv_transfer_address_unreachable", address=kv_server.address,
+                        hint="decode workers cannot dial an unspecified address: set --kv-transfer-advertise-host")
     try:
         serve(config, stop, log, health, kv_server, metrics)
     except GeometryError as exc:  # the model does not split over --tensor-parallel-size
