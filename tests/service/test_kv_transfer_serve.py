@@ -19,6 +19,9 @@ def test_disaggregated_serve_matches_hf(tiny_model_dir, hf):  # noqa: F811
         check_against_hf(hf, prompts, outputs, max_tokens)
         stats = serve.stats()
         assert stats.num_running == 0
+        if "num_loaded_blocks" in stats.DESCRIPTOR.fields_by_name:  # a scheduler that reports its transfers
+            assert stats.num_handoffs >= len(prompts) and stats.num_loaded_blocks > 0, stats
+            assert stats.num_failed_loads == 0 and stats.num_loading == 0, stats
     finally:
         serve.close()
     assert serve.log_problems() == []
