@@ -2,7 +2,9 @@
 
 Starts the scheduler, then `--data-parallel-size` × `--tensor-parallel-size` workers that
 attach to it (one replica per data-parallel rank; with k > 1 the scheduler groups each k
-workers into one tensor-parallel replica), each with its own `--health-port` on loopback,
+workers into one tensor-parallel replica), or, disaggregated, `--prefill-replicas` workers
+with `--role prefill` (each with its own `--kv-transfer-port`) and `--decode-replicas` with
+`--role decode`; each worker has its own `--health-port` on loopback,
 then the gateway; waits until the scheduler, every worker (attached) and the gateway report
 SERVING on gRPC health; prints
 the endpoint. The internal plane stays on loopback and carries a cluster token made for
@@ -42,6 +44,12 @@ class ServeConfig:
     http_port: int = cfg.field(8000, "gateway's OpenAI-compatible HTTP port (0 disables HTTP)")
     scheduler_port: int = cfg.field(0, "scheduler port (0 picks a free one)")
     data_parallel_size: int = cfg.field(1, "workers to start: each attaches as a replica with its own KV pool")
+    prefill_replicas: int = cfg.field(
+        0, "disaggregated prefill/decode: workers started with --role prefill (each serves its prefilled KV on "
+        "a port of its own); with --decode-replicas, instead of --data-parallel-size (0: off)")
+    decode_replicas: int = cfg.field(
+        0, "disaggregated prefill/decode: workers started with --role decode, which load the KV of prompts the "
+        "prefill workers computed (0: off)")
     startup_timeout_s: float = cfg.field(600.0, "give up if not healthy after this long")
     pin_cpus: bool | None = cfg.field(
         None, "CPU device: worker on all cores but the last, the rest on the last (default: auto, see "
@@ -235,6 +243,7 @@ def run(args: argparse.Namespace) -> int:
     sched_cfg = cfg.from_args(SchedulerDaemonConfig, args)
     worker_cfg = cfg.from_args(WorkerConfig, args)
     check_ports(config)
+    check_disaggregation(config, worker_cfg)
     if worker_cfg.served_model_name is None:  # vLLM's rule: the --model argument, as given
         worker_cfg = dataclasses.replace(worker_cfg, served_model_name=config.model)
     model_dir = str(prepare_model(config.model, worker_cfg.tokenizer))
@@ -246,13 +255,15 @@ def run(args: argparse.Namespace) -> int:
         # The CPU is the device: pinned, the worker's threads own every core but the one the
         # scheduler and the gateway plan and stream on; unpinned, they take every core.
         # Each replica gets its share.
-        replicas = max(config.data_parallel_size * worker_cfg.tensor_parallel_size, 1)
+        replicas = max(len(worker_roles(config, worker_cfg, [0] * config.prefill_replicas)), 1)
         share = max(1, (cores - 1 if worker_cpus else cores) // replicas)
         worker_cfg = dataclasses.replace(worker_cfg, num_threads=share)
     named = {config.port, config.http_port, config.scheduler_port}  # the flags' ports: not to be picked again
     port = config.port or free_port(config.host, exclude=named)
-    sched_port, *health_ports = free_ports(1 + config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1),
-                                           exclude=named | {port})
+    num_workers = len(worker_roles(config, worker_cfg, [0] * config.prefill_replicas))
+    sched_port, *picked = free_ports(1 + num_workers + config.prefill_replicas, exclude=named | {port})
+    health_ports, kv_ports = picked[:num_workers], picked[num_workers:]
+    roles = worker_roles(config, worker_cfg, kv_ports)
     sched_addr = f"127.0.0.1:{config.scheduler_port or sched_port}"
     log = ["--log-level", config.log_level]
     stop = threading.Event()
@@ -263,11 +274,11 @@ def run(args: argparse.Namespace) -> int:
     children = [
         Child("scheduler", ["scheduler", "--host", "127.0.0.1", "--port", sched_addr.split(":")[1], *log,
                             *cfg.to_flags(sched_cfg, served_fields("scheduler"))], control_cpus, token),
-        *(Child(f"worker{i}" if i else "worker", ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
-                                                   "--health-port", str(health_port),
-                                                   *cfg.to_flags(worker_cfg, served_fields("worker"))],
+        *(Child(name, ["worker", "--scheduler", sched_addr, "--model", model_dir, *log,
+                       "--health-port", str(health_port), *role_flags,
+                       *cfg.to_flags(worker_cfg, served_fields("worker"))],
                 worker_cpus, token)
-          for i, health_port in enumerate(health_ports)),
+          for (name, role_flags), health_port in zip(roles, health_ports)),
         Child("gateway", ["gateway", "--scheduler", sched_addr, "--host", config.host, "--port", str(port),
                           "--http-port", str(config.http_port), "--model", model_dir,
                           *cfg.to_flags(gateway_cfg, served_fields("gateway")), *log],
@@ -295,6 +306,38 @@ def run(args: argparse.Namespace) -> int:
         shutdown([c.proc for c in children], gateway_cfg.drain_timeout)
         if run_file is not None:
             run_file.unlink(missing_ok=True)
+
+
+def disaggregated(config: ServeConfig) -> bool:
+    return bool(config.prefill_replicas or config.decode_replicas)
+
+
+def check_disaggregation(config: ServeConfig, worker_cfg) -> None:
+    """--prefill-replicas / --decode-replicas: at least one of each, single-worker replicas
+    (a role does not combine with tensor parallelism), and not with --data-parallel-size."""
+    if not disaggregated(config):
+        return
+    if not (config.prefill_replicas and config.decode_replicas):
+        raise cfg.ConfigError(f"--prefill-replicas {config.prefill_replicas} --decode-replicas "
+                              f"{config.decode_replicas}: disaggregated serving needs at least one of each")
+    if worker_cfg.tensor_parallel_size > 1:
+        raise cfg.ConfigError(f"--prefill-replicas/--decode-replicas: prefill and decode workers run alone; they "
+                              f"do not combine with --tensor-parallel-size {worker_cfg.tensor_parallel_size}")
+    if config.data_parallel_size > 1:
+        raise cfg.ConfigError(f"--prefill-replicas/--decode-replicas set the replicas; leave --data-parallel-size "
+                              f"({config.data_parallel_size}) at 1")
+
+
+def worker_roles(config: ServeConfig, worker_cfg, kv_ports: list[int]) -> list[tuple[str, list[str]]]:
+    """(name, the role's flags) of each worker serve starts: `--data-parallel-size` ×
+    `--tensor-parallel-size` plain workers, or the prefill workers (one of `kv_ports` each,
+    on loopback like the rest of the internal plane) then the decode workers."""
+    if not disaggregated(config):
+        count = config.data_parallel_size * max(worker_cfg.tensor_parallel_size, 1)
+        return [(f"worker{i}" if i else "worker", []) for i in range(count)]
+    return ([(f"prefill{i}", ["--role", "prefill", "--kv-transfer-host", "127.0.0.1", "--kv-transfer-port", str(p)])
+             for i, p in enumerate(kv_ports)]
+            + [(f"decode{i}", ["--role", "decode"]) for i in range(config.decode_replicas)])
 
 
 def prepare_model(spec: str, tokenizer: str | None):

@@ -67,6 +67,7 @@ _FRACTION = Range(float, 0, 1)
 RANGES: dict[str, Range] = {
     # ports (0: pick a free one, or off where the help says so)
     "port": _PORT, "http_port": _PORT, "scheduler_port": _PORT, "metrics_port": _PORT, "health_port": _PORT,
+    "kv_transfer_port": _PORT,
     # step geometry
     "block_size": Range(int, 1, 1024), "max_num_seqs": _POSITIVE, "max_num_batched_tokens": _POSITIVE,
     "max_model_len": Range(int, 2), "num_gpu_blocks_override": _POSITIVE, "kv_cache_memory_bytes": _POSITIVE,
@@ -76,6 +77,7 @@ RANGES: dict[str, Range] = {
     "max_queued_requests": _POSITIVE, "max_logprobs": Range(int, 0), "preemption_min_progress": Range(int, 0),
     # processes and threads
     "num_threads": _POSITIVE, "max_workers": _POSITIVE, "data_parallel_size": _POSITIVE,
+    "prefill_replicas": Range(int, 0), "decode_replicas": Range(int, 0),
     "tensor_parallel_size": Range(int, 1, 1024), "sim_num_devices": _POSITIVE, "max_restarts": Range(int, 0),
     "structured_outputs_cache_size": _POSITIVE, "flight_recorder_steps": Range(int, 0),
     # timeouts and intervals (seconds)
@@ -83,7 +85,7 @@ RANGES: dict[str, Range] = {
     "reconnect_max_backoff_s": _SECONDS, "worker_step_timeout": _SECONDS, "worker_wait_timeout": _SECONDS,
     "failover_timeout": _SECONDS, "gc_warning_threshold_secs": Range(float, 0),
     "max_wait_time": Range(float, 0, lo_open=True, allow_inf=True), "score_ttft_target": Range(float, 0),
-    "max_expected_wait": _SECONDS,
+    "max_expected_wait": _SECONDS, "kv_transfer_timeout": _SECONDS,
     # gateway
     "max_request_bytes": _POSITIVE, "max_concurrent_streams": _POSITIVE, "stream_interval": _POSITIVE,
     # scheduling weights and probabilities

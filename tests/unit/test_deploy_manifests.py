@@ -122,3 +122,80 @@ def test_compose_requires_the_cluster_token_and_says_how_to_make_one():
     readme = (ROOT / "README.md").read_text()
     assert "export STEPAHEAD_CLUSTER_TOKEN=$(openssl rand -hex 32)" in readme
     assert (ROOT / "docs" / "deployment.md").is_file() and "docs/deployment.md" in readme
+
+
+# ---- disaggregated prefill/decode: the overlay and the compose services ---------------------
+
+DISAGGREGATED = K8S / "disaggregated"
+
+
+def _parse_worker(argv: list[str]):
+    import argparse
+
+    from worker_service.daemon import add_arguments
+
+    assert argv[:2] == ["stepahead", "worker"], argv
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    add_arguments(parser)
+    return parser.parse_args(argv[2:])
+
+
+def disaggregated_documents() -> list[dict]:
+    """What `kubectl apply -k deploy/kubernetes/disaggregated/` applies: the base without what
+    the overlay's patches delete, plus its own resources."""
+    overlay = yaml.safe_load((DISAGGREGATED / "kustomization.yaml").read_text())
+    deleted = set()
+    for patch in overlay["patches"]:
+        doc = yaml.safe_load(patch["patch"])
+        assert doc["$patch"] == "delete"
+        deleted.add((doc["kind"], doc["metadata"]["name"]))
+    assert overlay["resources"][0] == ".."
+    own = [d for name in overlay["resources"][1:] for d in yaml.safe_load_all((DISAGGREGATED / name).read_text()) if d]
+    return [d for d in documents() if (d["kind"], d["metadata"]["name"]) not in deleted] + own
+
+
+def test_the_disaggregated_overlay_has_prefill_and_decode_workers_that_scale_apart():
+    docs = disaggregated_documents()
+    deployments = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Deployment"}
+    assert "worker" not in deployments and {"worker-prefill", "worker-decode"} <= deployments.keys()
+    budgets = {d["metadata"]["name"] for d in docs if d["kind"] == "PodDisruptionBudget"}
+    assert {"worker-prefill", "worker-decode"} <= budgets and "worker" not in budgets
+    prefill, decode = (deployments[n]["spec"]["template"]["spec"]["containers"][0]
+                       for n in ("worker-prefill", "worker-decode"))
+    p, d = _parse_worker(prefill["args"]), _parse_worker(decode["args"])
+    assert (p.role.value, d.role.value) == ("prefill", "decode")
+    assert p.scheduler == d.scheduler == "scheduler:50051"
+    kv_port = next(x for x in prefill["ports"] if x["name"] == "kv-transfer")["containerPort"]
+    assert p.kv_transfer_port == kv_port and p.kv_transfer_host == "0.0.0.0"
+    advertise = next(e for e in prefill["env"] if e["name"] == "STEPAHEAD_KV_TRANSFER_ADVERTISE_HOST")
+    assert advertise["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"  # decode pods dial the pod itself
+    for container, args in ((prefill, p), (decode, d)):
+        assert container["readinessProbe"]["grpc"]["port"] == args.health_port
+        assert any(e["name"] == "STEPAHEAD_CLUSTER_TOKEN" and "secretKeyRef" in e["valueFrom"]
+                   for e in container["env"])
+    selectors = [deployments[n]["spec"]["selector"]["matchLabels"] for n in ("worker-prefill", "worker-decode")]
+    assert selectors[0] != selectors[1]  # scaled (and disrupted) apart
+
+
+def test_the_disaggregated_manifests_validate_against_the_kubernetes_schemas():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+    for doc in disaggregated_documents():
+        kubernetes_validate.validate(doc, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_compose_has_prefill_and_decode_workers_in_a_profile():
+    import shlex
+
+    services = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]
+    prefill, decode = services["worker-prefill"], services["worker-decode"]
+    assert prefill["profiles"] == decode["profiles"] == ["disaggregated"]  # `up` alone starts plain workers
+    shell = prefill["command"]
+    assert shell[:2] == ["sh", "-c"] and shell[2].startswith("exec stepahead worker ")
+    argv = shlex.split(shell[2].removeprefix("exec "))
+    p = _parse_worker(argv)
+    assert p.role.value == "prefill" and p.kv_transfer_host == "0.0.0.0" and p.kv_transfer_port == 50053
+    assert p.kv_transfer_advertise_host.startswith("$$(hostname -i")  # compose passes `$(hostname -i ...)` to sh
+    d = _parse_worker(decode["command"])
+    assert d.role.value == "decode"
+    for service, args in ((prefill, p), (decode, d)):
+        assert service["healthcheck"]["test"][-1] == f"127.0.0.1:{args.health_port}"
