@@ -67,6 +67,7 @@ _FRACTION = Range(float, 0, 1)
 RANGES: dict[str, Range] = {
     # ports (0: pick a free one, or off where the help says so)
     "port": _PORT, "http_port": _PORT, "scheduler_port": _PORT, "metrics_port": _PORT, "health_port": _PORT,
+    "kv_transfer_port": _PORT,
     # step geometry
     "block_size": Range(int, 1, 1024), "max_num_seqs": _POSITIVE, "max_num_batched_tokens": _POSITIVE,
     "max_model_len": Range(int, 2), "num_gpu_blocks_override": _POSITIVE, "kv_cache_memory_bytes": _POSITIVE,
@@ -83,7 +84,7 @@ RANGES: dict[str, Range] = {
     "reconnect_max_backoff_s": _SECONDS, "worker_step_timeout": _SECONDS, "worker_wait_timeout": _SECONDS,
     "failover_timeout": _SECONDS, "gc_warning_threshold_secs": Range(float, 0),
     "max_wait_time": Range(float, 0, lo_open=True, allow_inf=True), "score_ttft_target": Range(float, 0),
-    "max_expected_wait": _SECONDS,
+    "max_expected_wait": _SECONDS, "kv_transfer_timeout": _SECONDS,
     # gateway
     "max_request_bytes": _POSITIVE, "max_concurrent_streams": _POSITIVE, "stream_interval": _POSITIVE,
     # scheduling weights and probabilities

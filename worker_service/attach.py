@@ -19,7 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from stepahead import codec, daemon, jitter
-from stepahead.plan import WorkerInfo
+from stepahead.plan import KVLoaded, WorkerInfo
 from worker_service.config import WorkerConfig
 from worker_service.health import NoHealth, WorkerHealth
 from worker_service.metrics import WorkerMetrics
@@ -105,6 +105,13 @@ class Pipeline:
         self.metrics.on_result(result)
         return scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)) if self.report else None
 
+    def send_kv_loaded(self, loaded: KVLoaded) -> None:
+        """A KV load's report, from a loader thread: on the stream in the order it is queued
+        (a thread-safe queue), between results."""
+        from stepahead.v1 import scheduler_pb2
+
+        self.outbox.put(scheduler_pb2.WorkerMessage(kv_loaded=codec.kv_loaded_to_proto(loaded)))
+
     def close(self) -> None:
         self.outbox.put(None)  # the request stream ends, whatever happened
         if self._fatal_timer is not None:
@@ -168,13 +175,31 @@ class StopWatch:
 
 
 def attach_once(channel, runner, info: WorkerInfo, watch: StopWatch, log,
-                metrics: WorkerMetrics | None = None, health: WorkerHealth | NoHealth = NoHealth()) -> None:
+                metrics: WorkerMetrics | None = None, health: WorkerHealth | NoHealth = NoHealth(),
+                new_loader: Callable[[Callable[[KVLoaded], None]], object] | None = None) -> None:
     """One attach session: hello, then execute plans until the stream ends. Health is
-    SERVING from the scheduler's acceptance (initial metadata) until the stream ends."""
+    SERVING from the scheduler's acceptance (initial metadata) until the stream ends.
+
+    `new_loader(report)`: the session's `kv_loads.KVLoader`, which sends each KV load's end
+    on this stream (None: this worker loads no KV, e.g. a tensor-parallel rank); it is closed
+    with the session (loads in flight are cancelled and their reports dropped)."""
     from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
     hello = scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info))
     pipeline = Pipeline(runner, hello, log, metrics=metrics, report=info.tp_rank == 0)
+    loader = runner.kv_loader = new_loader(pipeline.send_kv_loaded) if new_loader is not None else None
+    try:
+        _run_session(channel, pipeline, info, watch, log, health)
+    finally:
+        runner.kv_loader = None
+        if loader is not None:
+            loader.close()
+
+
+def _run_session(channel, pipeline: Pipeline, info: WorkerInfo, watch: StopWatch, log,
+                 health: WorkerHealth | NoHealth) -> None:
+    from stepahead.v1 import scheduler_pb2_grpc
+
     responses = scheduler_pb2_grpc.SchedulerStub(channel).AttachWorker(pipeline.requests())
     pipeline.on_fatal = responses.cancel
     watch.track(responses, pipeline.outbox)

@@ -14,7 +14,8 @@ from stepahead import config as cfg
 from stepahead.heap import gc_warning_threshold_field
 from stepahead.knobs import KVCacheConfig, SimDeviceConfig, SpeculativeFlag, StepBudgetConfig
 from stepahead.logprobs import MAX_LOGPROBS
-from stepahead.security import SchedulerClientConfig
+from stepahead.plan import WorkerRole
+from stepahead.security import SchedulerClientConfig, TLSFiles
 from worker_service.attention_names import AttentionBackendName
 
 
@@ -77,11 +78,43 @@ class WorkerEngineConfig:
     distributed_backend: str | None = cfg.field(None, "torch.distributed backend (default: gloo on CPU, nccl on CUDA)")
     distributed_timeout: float = cfg.field(
         60.0, "seconds a tensor-parallel rendezvous or collective may take before the group is torn down")
+    kv_transfer_timeout: float = cfg.field(
+        30.0, "disaggregation: seconds one KV load (reading a prefilled prompt's blocks from a prefill worker) "
+        "may take before it is reported failed")
+    sim_kv_link: str = cfg.field(
+        "ib", "--device sim: the link KV loads cross between replicas: ib, nvlink, pcie or a JSON file "
+        "(docs/sim.md)")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """This worker's part in disaggregated prefill/decode (docs/disaggregation.md): its role, and
+    the KVTransfer service a prefill worker serves its prefilled blocks on."""
+
+    role: WorkerRole = cfg.field(
+        WorkerRole.BOTH, "what this replica does: both (prefill and decode), prefill (new prompts; their KV then "
+        "moves to a decode replica) or decode (continues requests prefilled elsewhere)")
+    kv_transfer_host: str = cfg.field("127.0.0.1", "address the KVTransfer service listens on (role prefill)")
+    kv_transfer_port: int = cfg.field(0, "port of the KVTransfer service (role prefill; 0 picks a free one)")
+    kv_transfer_advertise_host: str | None = cfg.field(
+        None, "host decode workers reach the KVTransfer service at, announced to the scheduler (default: "
+        "--kv-transfer-host)")
+    kv_transfer_ssl_certfile: str | None = cfg.field(None, "TLS certificate (PEM) of the KVTransfer service")
+    kv_transfer_ssl_keyfile: str | None = cfg.field(None, "TLS private key (PEM) of the KVTransfer service")
+    kv_transfer_ssl_ca_certs: str | None = cfg.field(
+        None, "CA bundle: the KVTransfer service requires client certificates signed by it (mTLS)")
+
+    @property
+    def serves_kv_transfer(self) -> bool:
+        return self.role is WorkerRole.PREFILL
+
+    def kv_transfer_tls(self) -> TLSFiles:
+        return TLSFiles(self.kv_transfer_ssl_certfile, self.kv_transfer_ssl_keyfile, self.kv_transfer_ssl_ca_certs)
 
 
 @dataclass(frozen=True)
 class WorkerConfig(WorkerEngineConfig, SpeculativeFlag, StepBudgetConfig, SimDeviceConfig, KVCacheConfig,
-                   WorkerProcessConfig):
+                   KVTransferConfig, WorkerProcessConfig):
     """`stepahead worker`'s flags."""
 
 

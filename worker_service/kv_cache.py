@@ -105,6 +105,32 @@ class KVCache:
                 staged[i].copy_(self.host_pool[h], non_blocking=True)
             self.device_pool.index_copy_(2, self._to_device(dst), staged.movedim(0, 2))
 
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of one block as `read_blocks` lays it out: every layer's K and V."""
+        return self.device_pool[:, :, 0].numel() * self.device_pool.element_size()
+
+    def read_blocks(self, block_ids: list[int]) -> bytes:
+        """The KV of device blocks, block after block, each `[layers, 2 (K/V), block_size,
+        kv_heads, head_dim]` in the pool's dtype (the layout `write_blocks` takes back).
+        Runs on the caller's current stream and waits for its copy to the host."""
+        index = self._to_device(torch.tensor(block_ids, dtype=torch.int64))
+        # [layers, 2, n, block...] gathered, then block-major [n, layers, 2, block...] on the host
+        staged = self.device_pool.index_select(2, index).movedim(2, 0).contiguous().cpu()
+        return staged.view(torch.uint8).numpy().tobytes()
+
+    def write_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """Device blocks from `read_blocks`' layout (len(block_ids) blocks of `bytes_per_block`),
+        on the caller's current stream: the caller synchronises it before the blocks are read."""
+        n = len(block_ids)
+        if len(data) != n * self.bytes_per_block:
+            raise ValueError(f"write_blocks: {len(data)} bytes for {n} blocks of {self.bytes_per_block}")
+        block = self.device_pool.shape[:2] + self.device_pool.shape[3:]  # [layers, 2, block_size, heads, dim]
+        host = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(self.device_pool.dtype).view((n,) + block)
+        staged = host.to(self.device_pool.device)  # [n, layers, 2, block...]
+        self.device_pool.index_copy_(2, self._to_device(torch.tensor(block_ids, dtype=torch.int64)),
+                                     staged.movedim(0, 2))
+
     def _to_device(self, index: torch.Tensor) -> torch.Tensor:
         return host_to_device(index, torch.int64, self.device_pool.device)
 

@@ -35,6 +35,14 @@ class WorkerMetrics:
         self.grammar_cache_misses = Counter(P + "grammar_cache_misses", "structured outputs: grammar compiled "
                                             "(or refused) because the cache did not hold it", registry=r)
 
+        self.kv_loads = Counter(P + "kv_loads", "KV loads from prefill workers that ended (disaggregation), by "
+                                "outcome", ["outcome"], registry=r)
+        self.kv_transfer_refused = Counter(P + "kv_transfer_refused", "KVTransfer calls refused for a missing or "
+                                           "wrong cluster token", ["method"], registry=r)
+
+    def on_kv_load(self, ok: bool) -> None:
+        self.kv_loads.labels("ok" if ok else "error").inc()
+
     def watch_grammars(self, runner) -> None:
         """Observe the runner's grammar compilations (the sim runner has none)."""
         grammar = runner.grammar

@@ -42,7 +42,7 @@ from worker_service.model_config import RopeConfig, host_memory_bytes, resolve_m
 from worker_service.models import family
 from worker_service.paged_attention import make_backend
 from worker_service.pending_step import PendingStep, copy_to_host
-from worker_service.plan_checks import check_plan, split_bad_sampling_rows
+from worker_service.plan_checks import check_plan, kv_loader_for, split_bad_sampling_rows
 from worker_service.sampler import Sampler, SamplingMetadata
 from worker_service.speculation import SpecOutputs, Speculator
 from worker_service.streams import DeviceStreams, StepEvent
@@ -200,9 +200,12 @@ class ModelRunner:
             self.speculator.resolve_before(plan, self._pending)
         check_plan(plan, self.requests, self._prev_rows, num_blocks=self.num_blocks, block_size=self.block_size,
                    max_model_len=self.max_model_len, vocab_size=self.vocab_size)
+        loader = kv_loader_for(plan, self.kv_loader, self.num_blocks) if plan.kv_loads else None
         with self.streams.on_compute_stream():
             self.kv_cache.swap_out(plan.swap_out)
             self.kv_cache.swap_in(plan.swap_in)
+            if loader is not None:  # in the background; their writes come after the swaps (W4)
+                loader.start(plan.kv_loads)
             sched = self._schedule(plan.new_requests, plan.running, failed)
             if not sched:
                 self._set_sampled([], self._sampled[0, :0])
@@ -307,6 +310,36 @@ class ModelRunner:
         self._spec_out = None
         self._set_sampled([], self._sampled[0, :0])
         self.last_logits, self.last_logits_ids = None, ()
+
+    # -- KV transfers (disaggregation: `kv_transfer` serves reads, `kv_loads` writes) -----------
+
+    holds_kv = True  # KV chunks carry the blocks' bytes
+    kv_loader = None  # the attach session's `kv_loads.KVLoader`: plans with kv_loads need one
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        return self.kv_cache.bytes_per_block
+
+    def read_kv_blocks(self, block_ids: list[int]) -> bytes:
+        """The bytes of device blocks (`KVCache.read_blocks`' layout), from any thread while steps
+        run: the scheduler keeps every plan off the blocks while they are read; on CUDA the read
+        runs on the transfer stream after every step launched so far."""
+        with torch.inference_mode(), self.streams.on_transfer_stream():
+            self.streams.transfer_waits_for_compute()
+            return self.kv_cache.read_blocks(block_ids)
+
+    def write_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """Device blocks from another worker's `read_kv_blocks`, from a loader thread while steps
+        run (no plan touches them until the load is reported); on the device when this returns.
+        On CUDA it follows every step launched so far (a swap-out of the blocks' former contents)."""
+        with torch.inference_mode(), self.streams.on_transfer_stream():
+            self.streams.transfer_waits_for_compute()
+            self.kv_cache.write_blocks(block_ids, data)
+            self.streams.synchronize_transfer()
+
+    def kv_link_seconds(self, nbytes: int) -> float:
+        """Extra time a load of `nbytes` waits (a real link took its own time): none."""
+        return 0.0
 
     def logits_of(self, request_id: str) -> torch.Tensor:
         """The last step's logits `[vocab]` for a request that sampled in it."""

@@ -17,6 +17,19 @@ class PlanError(ValueError):
     """A plan the worker cannot execute; the message names the request and the problem."""
 
 
+def kv_loader_for(plan: StepPlan, loader, num_blocks: int):
+    """The runner's loader (`kv_loads.KVLoader`) for a plan with `kv_loads`, their destination
+    blocks checked against the pool; PlanError before anything changed otherwise."""
+    if loader is None:
+        raise PlanError("kv_loads: this worker has no KV loader (it loads only inside an attach session)")
+    for load in plan.kv_loads:
+        try:
+            limits.check_kv_blocks("kv_loads.dst_block_ids", load.dst_block_ids, num_blocks)
+        except limits.LimitError as exc:
+            raise PlanError(f"transfer {load.transfer_id}: {exc}") from None
+    return loader
+
+
 def check_plan(plan: StepPlan, requests: dict[str, CachedRequest], prev_rows: dict[str, int], *,
                num_blocks: int, block_size: int, max_model_len: int, vocab_size: int | None = None) -> None:
     """Raises PlanError for anything that would index out of range on the device (a sticky

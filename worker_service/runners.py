@@ -42,6 +42,10 @@ class Runner(Protocol):
     grammar: object | None  # the compiled-grammar cache the metrics watch, when there is one
     sliding_window: int  # the window every attention layer applies; 0: some layer sees the whole context
     num_offload_blocks: int  # host blocks --kv-offloading-size added for the prefix cache's host tier (0: off)
+    # KV transfers (disaggregation): `kv_transfer` reads blocks for other workers, `kv_loads` writes them
+    holds_kv: bool  # a block's bytes travel (the sim runner holds none: its chunks carry no data)
+    kv_bytes_per_block: int
+    kv_loader: object | None  # the attach session's `kv_loads.KVLoader` (set by `attach_once`)
 
     def launch(self, plan: StepPlan, received: float = 0.0) -> PendingStep:
         """Check `plan` and start it on the device; raise on a plan the worker cannot run."""
@@ -53,6 +57,18 @@ class Runner(Protocol):
 
     def reset(self) -> None:
         """Forget every request (the scheduler forgot them: a new attach session)."""
+        ...
+
+    def read_kv_blocks(self, block_ids: list[int]) -> bytes:
+        """The bytes of device blocks, block after block, from any thread (no plan writes them meanwhile)."""
+        ...
+
+    def write_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+        """Device blocks from another worker's `read_kv_blocks`, from a loader thread."""
+        ...
+
+    def kv_link_seconds(self, nbytes: int) -> float:
+        """The simulated link's time for a load of `nbytes` (0: a real transfer took its own)."""
         ...
 
 
@@ -162,4 +178,5 @@ def worker_info(config: WorkerConfig, runner: Runner, model_dir: Path | str) -> 
         structured_outputs=runner.supports_structured_outputs,
         sliding_window=runner.sliding_window,
         num_offload_blocks=runner.num_offload_blocks,
+        role=config.role,
     )

@@ -8,7 +8,9 @@ thread that built the runner):
   into a CUDA graph): swaps, the forward pass, sampling;
 - copy stream: host-to-device copies of a step's inputs from pinned, contiguous buffers;
 - output stream: the device-to-host copy of the sampled ids into a pinned buffer, with
-  an event the sender thread waits on (the step's one host synchronisation).
+  an event the sender thread waits on (the step's one host synchronisation);
+- transfer stream: KV blocks read for, or written by, another replica (disaggregation),
+  from a thread of their own; the scheduler keeps those blocks out of every plan meanwhile.
 
 Device input buffers and the sampled-ids buffers are double-buffered by step parity
 (`slot = launch index % 2`), so the copy of step t+1 overlaps the compute of step t. Every
@@ -63,6 +65,7 @@ class DeviceStreams:
             self.compute = torch.cuda.Stream(device)
             self.copy = torch.cuda.Stream(device)
             self.output = torch.cuda.Stream(device)
+            self.transfer = torch.cuda.Stream(device)
 
     # -- entering streams ---------------------------------------------------------------
 
@@ -74,6 +77,11 @@ class DeviceStreams:
 
     def on_output_stream(self):
         return torch.cuda.stream(self.output) if self.cuda else contextlib.nullcontext()
+
+    def on_transfer_stream(self):
+        """KV transfers (disaggregation): reads and writes of blocks no in-flight step touches,
+        from a gRPC or loader thread, beside the steps."""
+        return torch.cuda.stream(self.transfer) if self.cuda else contextlib.nullcontext()
 
     def record(self, stream_name: str) -> StepEvent:
         """An event at the current end of the named stream ("compute", "copy", "output")."""
@@ -92,6 +100,17 @@ class DeviceStreams:
             current = torch.cuda.current_stream(self.compute.device)
             self.compute.wait_stream(current)
             self.copy.wait_stream(current)
+
+    def transfer_waits_for_compute(self) -> None:
+        """W4: a KV read or write comes after every step launched so far (for a read, the one
+        that wrote its blocks; for a write, a swap-out of the blocks' former contents)."""
+        if self.cuda:
+            self.transfer.wait_stream(self.compute)
+
+    def synchronize_transfer(self) -> None:
+        """A KV write is on the device before the load is reported (later plans use the blocks)."""
+        if self.cuda:
+            self.transfer.synchronize()
 
     def copy_waits_for_compute(self, compute_done: StepEvent) -> None:
         """W1: the device input buffers of a slot are overwritten only after the compute of

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from stepahead.speculative import parse_speculative_config
-from worker_service.sim.profiles import load_profile
+from worker_service.sim.profiles import load_link_profile, load_profile
 from worker_service.sim.runner import SimRunner
 
 
@@ -34,5 +34,6 @@ def build_sim_runner(config) -> tuple[SimRunner, Path]:
         eos_probability=config.sim_eos_probability,
         speculative_config=parse_speculative_config(config.speculative_config),
         acceptance_rate=config.sim_acceptance_rate,
+        kv_link=load_link_profile(config.sim_kv_link),
     )
     return runner, model_dir

@@ -1,4 +1,5 @@
-"""Accelerator profiles of the simulated worker: `--sim-profile h100|h200|a100|FILE.json`.
+"""Accelerator profiles of the simulated worker (`--sim-profile h100|h200|a100|FILE.json`) and the
+links between replicas that KV loads cross (`--sim-kv-link ib|nvlink|pcie|FILE.json`, at the end).
 
 Peak numbers are the vendors' public datasheet values (dense, no sparsity); the efficiency
 factors and the per-step overhead are this project's assumptions (see docs/sim.md):
@@ -83,3 +84,69 @@ def load_profile(spec: str) -> AcceleratorProfile:
         return AcceleratorProfile(**raw)
     except TypeError as exc:  # a required key is missing
         raise ValueError(f"sim profile {path}: {exc}") from None
+
+
+# ---- links between replicas (KV transfers of disaggregated prefill/decode) --------------------
+
+US = 1e-6
+
+
+@dataclass(frozen=True)
+class LinkProfile:
+    """A link a KV load crosses from a prefill replica to a decode replica: `--sim-kv-link`.
+
+    A transfer of n bytes takes `latency_s + n / bandwidth` (one message, no contention)."""
+
+    name: str
+    bandwidth: float  # bytes/s, one way
+    latency_s: float  # seconds before the first byte arrives
+
+    def __post_init__(self) -> None:
+        for name in ("bandwidth", "latency_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise ValueError(f"sim link {self.name!r}: {name} must be a finite number, got {value!r}")
+            if value < 0 or (value == 0 and name == "bandwidth"):
+                raise ValueError(f"sim link {self.name!r}: {name} must be positive, got {value!r}")
+
+    def transfer_seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+
+BUILTIN_LINKS: dict[str, LinkProfile] = {
+    # NVLink 4 (NVIDIA H100 SXM5 datasheet): 900 GB/s bidirectional per GPU, 450 GB/s each way;
+    # latency: a peer-to-peer copy's launch and first bytes, a few microseconds.
+    "nvlink": LinkProfile("nvlink", bandwidth=450 * GB, latency_s=2 * US),
+    # NDR InfiniBand (NVIDIA ConnectX-7 datasheet): 400 Gb/s per port = 50 GB/s each way; RDMA
+    # latency across one switch, a few microseconds.
+    "ib": LinkProfile("ib", bandwidth=50 * GB, latency_s=5 * US),
+    # PCIe Gen5 x16 (PCI-SIG Base Specification 5.0): 32 GT/s x 16 lanes, about 64 GB/s each way;
+    # staged through host memory, so the highest latency of the three.
+    "pcie": LinkProfile("pcie", bandwidth=64 * GB, latency_s=10 * US),
+}
+
+
+def load_link_profile(spec: str) -> LinkProfile:
+    """A built-in link name (nvlink, ib, pcie), or the path of a JSON file with LinkProfile's
+    keys (`bandwidth`, `latency_s`; `name` defaults to the file's stem). The offline
+    simulator and the sim worker (`--sim-kv-link`) both read links through this."""
+    if spec in BUILTIN_LINKS:
+        return BUILTIN_LINKS[spec]
+    path = Path(spec)
+    if not path.is_file():
+        raise ValueError(f"sim link {spec!r} is neither a built-in ({', '.join(BUILTIN_LINKS)}) nor a file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"sim link {path}: not JSON: {exc}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"sim link {path}: expected a JSON object")
+    known = {f.name for f in dataclasses.fields(LinkProfile)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"sim link {path}: unknown keys {unknown}; known: {sorted(known)}")
+    raw.setdefault("name", path.stem)
+    try:
+        return LinkProfile(**raw)
+    except TypeError as exc:  # a required key is missing
+        raise ValueError(f"sim link {path}: {exc}") from None

@@ -20,10 +20,10 @@ from pathlib import Path
 from stepahead.plan import NewRequest, SamplingParams, SpecOutcome, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service.model_config import ModelConfig
-from worker_service.plan_checks import PlanError, check_plan, split_bad_sampling_rows
+from worker_service.plan_checks import PlanError, check_plan, kv_loader_for, split_bad_sampling_rows
 from worker_service.sim import tokens
 from worker_service.sim.cost import CostModel, ModelGeometry
-from worker_service.sim.profiles import AcceleratorProfile
+from worker_service.sim.profiles import BUILTIN_LINKS, AcceleratorProfile, LinkProfile
 
 
 _ACCEPT_SALT = 0x5BEC_DEC0_DE5A_17ED  # acceptance draws differ from token draws
@@ -79,7 +79,8 @@ class SimRunner:
                  num_devices: int = 1, block_size: int = 16, num_blocks: int | None = None,
                  memory_utilization: float = 0.9, swap_space_bytes: float = 2**30, offload_space_bytes: float = 0.0,
                  max_model_len: int | None = None, seed: int = 0, eos_probability: float = 0.0,
-                 speculative_config: SpeculativeConfig | None = None, acceptance_rate: float = 0.0) -> None:
+                 speculative_config: SpeculativeConfig | None = None, acceptance_rate: float = 0.0,
+                 kv_link: LinkProfile = BUILTIN_LINKS["ib"]) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         model_dir = Path(model_dir)
@@ -91,7 +92,8 @@ class SimRunner:
         self.cost = CostModel(self.geometry, profile, num_devices)
         self.block_size = block_size
         self.num_blocks = num_blocks or self.cost.num_kv_blocks(block_size, memory_utilization)
-        block_bytes = block_size * self.geometry.kv_bytes_per_token
+        self.kv_link = kv_link  # what KV loads from other replicas cross (`kv_link_seconds`)
+        self.kv_bytes_per_block = block_bytes = block_size * self.geometry.kv_bytes_per_token
         self.num_offload_blocks = int(offload_space_bytes // block_bytes)  # the prefix cache's host tier
         self.num_host_blocks = int(swap_space_bytes // block_bytes) + self.num_offload_blocks
         limit = cfg.rope.max_positions(cfg.max_position_embeddings)
@@ -121,13 +123,31 @@ class SimRunner:
             self._failed_ids.clear()
             self._prev_sampled = {}
 
+    # -- KV transfers: no KV is held, so chunks carry no bytes and a load takes the link's time --
+
+    holds_kv = False
+    kv_loader = None  # the attach session's `kv_loads.KVLoader`: plans with kv_loads need one
+
+    def read_kv_blocks(self, block_ids: list[int]) -> bytes:
+        return b""
+
+    def write_kv_blocks(self, block_ids: list[int], data: bytes) -> None:
+        pass
+
+    def kv_link_seconds(self, nbytes: int) -> float:
+        """How long a load of `nbytes` crosses the link (`--sim-kv-link`)."""
+        return self.kv_link.transfer_seconds(nbytes)
+
     def launch(self, plan: StepPlan, received: float = 0.0) -> SimPendingStep:
         with self._lock:
             return self._launch(plan, received)
 
     def _launch(self, plan: StepPlan, received: float) -> SimPendingStep:
         prep_start = time.time()
+        loader = kv_loader_for(plan, self.kv_loader, self.num_blocks) if plan.kv_loads else None
         sampled, busy, failed = self.apply(plan)
+        if loader is not None:  # in the background, over the simulated link
+            loader.start(plan.kv_loads)
         start = max(time.monotonic(), self._device_free_at)
         self._device_free_at = start + busy
         timing = WorkerTiming(received or prep_start, prep_start, start + self._wall_offset)
