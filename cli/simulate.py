@@ -135,7 +135,7 @@ def build_cluster(config: SimulateConfig, sched_flags) -> tuple[VirtualCluster, 
     if roles == [WorkerRole.BOTH]:
         runner, sched_config, info = build(config, sched_flags)
         return VirtualSystem(runner, sched_config, control), info
-    from cli._link_standin import load_link_profile
+    from worker_service.sim.profiles import load_link_profile
 
     replicas, infos = [], []
     counts = {role: 0 for role in WorkerRole}
@@ -152,9 +152,7 @@ def build_cluster(config: SimulateConfig, sched_flags) -> tuple[VirtualCluster, 
         link = load_link_profile(config.kv_link) if disaggregated else None
     except ValueError as exc:
         raise SystemExit(f"stepahead simulate: --kv-link: {exc}") from None
-    runner = replicas[0][1]
-    bytes_per_block = runner.cost.geometry.kv_bytes_per_token * runner.block_size
-    return VirtualCluster(replicas, control, link, bytes_per_block), infos[0]
+    return VirtualCluster(replicas, control, link, replicas[0][1].kv_bytes_per_block), infos[0]
 
 
 def simulate(config: SimulateConfig, sched_flags) -> dict:
