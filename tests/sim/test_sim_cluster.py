@@ -146,3 +146,98 @@ def test_replica_flags_are_checked(sim_model_dir, tmp_path):
                   ("--prefill-replicas", "1", "--decode-replicas", "1", "--replicas", "2")):
         with pytest.raises(SystemExit):
             run(sim_model_dir, trace, *flags)
+
+
+def test_long_prompt_trace_is_seeded_and_scales_with_the_rate(tmp_path):
+    from cli.datasets import load_trace, long_prompt_trace, write_jsonl_trace
+
+    slow, fast = long_prompt_trace(400, 2.0, seed=7), long_prompt_trace(400, 8.0, seed=7)
+    assert [(r.prompt_len, r.output_len) for r in slow] == [(r.prompt_len, r.output_len) for r in fast]
+    assert all(abs(a.arrival_s - 4 * b.arrival_s) < 1e-9 for a, b in zip(slow, fast))
+    assert long_prompt_trace(400, 2.0, seed=8) != slow
+    prompts, outputs = sorted(r.prompt_len for r in slow), sorted(r.output_len for r in slow)
+    assert 1700 < prompts[200] < 2400 and 10 <= outputs[200] <= 40  # ~2k-token prompts, tens of output tokens
+    assert all(r.prompt_len + r.output_len <= 8192 for r in slow)
+    capped = long_prompt_trace(200, 1.0, seed=7, max_model_len=2048)
+    assert max(r.prompt_len + r.output_len for r in capped) == 2048
+    assert 1.5 < 400 / slow[-1].arrival_s < 2.5  # Poisson at 2 per second
+    assert load_trace(write_jsonl_trace(tmp_path / "t.jsonl", slow)) == slow
+
+
+def run_cluster(sim_model_dir, trace: str, *flags: str):
+    """(the cluster after replaying `trace`, its arrivals (time, Request, log))."""
+    config, sched_flags = configs(sim_model_dir, trace, *flags)
+    cluster, _ = simulate.build_cluster(config, sched_flags)
+    arrivals = arrivals_of(config, cluster.replicas[0].runner.vocab_size)
+    cluster.run(arrivals)
+    return cluster, arrivals
+
+
+def outputs(cluster, arrivals) -> list[tuple[int, ...]]:
+    return [tuple(cluster.requests[request.request_id].output_token_ids) for _, request, _ in arrivals]
+
+
+DISAGG = ("--prefill-replicas", "1", "--decode-replicas", "1")
+
+
+def test_disaggregated_replicas_give_the_aggregated_tokens(sim_model_dir, tmp_path):
+    """1 prefill + 1 decode replica: every request finishes with the very tokens of an aggregated
+    run (the sim's tokens are a function of the request's tokens: an oracle), its first token
+    sampled on the prefill replica and the rest on the decode replica, each prompt's KV moved
+    once over the link and its source blocks released."""
+    trace = write_trace(tmp_path / "t.jsonl", 150, span_s=1.5)
+    wanted = [json.loads(line)["output_len"] for line in open(trace)]
+    agg, agg_arrivals = run_cluster(sim_model_dir, trace, "--sim-profile", "a100", "--replicas", "2")
+    dis, dis_arrivals = run_cluster(sim_model_dir, trace, "--sim-profile", "a100", *DISAGG)
+    assert [len(t) for t in outputs(dis, dis_arrivals)] == wanted
+    assert outputs(dis, dis_arrivals) == outputs(agg, agg_arrivals)
+    handed = [log for _, _, log in dis_arrivals if log.decode_replica]
+    assert {log.replica for _, _, log in dis_arrivals} == {"prefill-0"}
+    assert len(handed) == sum(n > 1 for n in wanted) and {log.decode_replica for log in handed} == {"decode-0"}
+    assert len(dis.transfers) == len(handed) and all(t.end is not None for t in dis.transfers)
+    for replica in dis.replicas:
+        assert not replica.scheduler.has_unfinished_requests()
+        replica.scheduler.check_integrity()
+    prefill = dis.replicas[0].scheduler
+    assert prefill.stats().num_free_blocks == prefill.config.num_gpu_blocks, "every handed-off block released"
+
+
+def test_ttft_includes_the_prefill_and_the_link_prices_each_transfer(sim_model_dir, tmp_path):
+    """Requests one at a time: the first token comes from the prefill replica when the aggregated
+    replica would give it (the same prefill), the second only after the KV crossed the link, and
+    each transfer takes the link's time for the prompt's blocks."""
+    from worker_service.sim.profiles import load_link_profile
+
+    rows = [{"arrival_s": 2.0 * i, "prompt_len": 200 + 150 * i, "output_len": 5} for i in range(6)]
+    path = tmp_path / "sparse.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    for link in ("ib", "pcie"):
+        agg, agg_arrivals = run_cluster(sim_model_dir, str(path), "--sim-profile", "h200")
+        dis, dis_arrivals = run_cluster(sim_model_dir, str(path), "--sim-profile", "h200", "--kv-link", link, *DISAGG)
+        assert outputs(dis, dis_arrivals) == outputs(agg, agg_arrivals)
+        price = load_link_profile(link).transfer_seconds
+        block_bytes = dis.replicas[0].runner.kv_bytes_per_block
+        assert dis.link.name == link and len(dis.transfers) == len(rows)
+        for (_, _, a), (_, _, d), transfer, row in zip(agg_arrivals, dis_arrivals, dis.transfers, rows):
+            assert d.token_times[0] == a.token_times[0]  # TTFT: the prompt's prefill, on the prefill replica
+            assert d.token_times[0] - d.arrival > 0.005  # and a 200+ token prefill of an 8B model takes time
+            assert transfer.num_blocks == -(-row["prompt_len"] // 16)
+            assert transfer.nbytes == transfer.num_blocks * block_bytes
+            assert transfer.end - transfer.start == pytest.approx(price(transfer.nbytes), rel=1e-12)
+            assert d.token_times[0] <= transfer.ready <= transfer.start  # the decode replica's plan started it
+            assert d.token_times[1] > transfer.end  # the decode needs the KV
+            assert d.token_times[1] > a.token_times[1]
+
+
+def test_disaggregated_runs_end_under_pressure(sim_model_dir, tmp_path):
+    """A burst into small KV pools, two prefill replicas handing off to one decode replica:
+    the run ends with every request complete (or says it stalled: never spins)."""
+    trace = write_trace(tmp_path / "t.jsonl", 120, span_s=0.05, max_prompt=900, max_output=60)
+    result = run(sim_model_dir, trace, "--sim-profile", "a100", "--num-gpu-blocks-override", "300",
+                 "--prefill-replicas", "2", "--decode-replicas", "1")
+    assert result["completed"] == 120 and result["failed"] == 0
+    assert [len(r["token_times"]) for r in result["requests"]] == [json.loads(line)["output_len"]
+                                                                    for line in open(trace)]
+    assert result["kv_transfers"]["num_completed"] == result["kv_transfers"]["num_transfers"] > 0
+    assert {r["name"]: r["role"] for r in result["replicas"]} == {"prefill-0": "prefill", "prefill-1": "prefill",
+                                                                  "decode-0": "decode"}
