@@ -12,6 +12,13 @@ result does not fit its plan, or that misses `worker_step_timeout_s` is dropped;
 unfinished requests move to the other replicas as recompute (prompt + committed output,
 `Scheduler.adopt`), so their clients' streams continue with no gap and no duplicate. With
 no replica left they wait up to `worker_wait_timeout_s`, then end UNAVAILABLE.
+
+Disaggregation (docs/disaggregation.md): new prompts go to replicas whose worker's role
+prefills (`prefill` or `both`; any replica when none does). A `prefill` replica's core hands
+each request off after its first token; the engine gives it to a replica that decodes
+(`decode` or `both`, by the router among them) with the source worker's address and blocks,
+and frees the source blocks once the decode core is done with them (`transfers.py`). With
+no replica that decodes, a handed-off request waits like one with no replica at all.
 """
 
 from __future__ import annotations
@@ -29,8 +36,8 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.groups import GroupAssembly, GroupFormer
 from scheduler_service.inbox import Abort, Attach, Call, CloseSession, Inbox, Stop, Submit
 from scheduler_service.links import (
-    GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerHandle, WorkerLost, WorkerRefused, WorkerResult,
-    rejection,
+    GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerHandle, WorkerKVLoaded, WorkerLost,
+    WorkerRefused, WorkerResult, rejection,
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
@@ -39,11 +46,12 @@ from scheduler_service.core.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.core.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
 from scheduler_service.core.stats import SchedulerStats, sum_stats
+from scheduler_service.transfers import Transfers
 from stepahead.logs import RateLimitedLog
 from stepahead import jitter
 from stepahead.flight_recorder import StepRecord
 from stepahead.heap import freeze_heap
-from stepahead.plan import WorkerInfo
+from stepahead.plan import WorkerInfo, WorkerRole
 
 __all__ = ["Engine", "EngineOptions", "GatewaySession", "NoWorker", "PlanOutbox", "RejectCode", "Rejected",
            "WorkerHandle", "WorkerRefused"]
@@ -78,7 +86,9 @@ class Engine:
         self._inbox = Inbox()
         self._replicas: dict[WorkerHandle, Replica] = {}
         self._model: WorkerInfo | None = None  # the first replica's hello: what this scheduler serves
-        self._router: Router | None = None
+        self._router: Router | None = None  # new prompts
+        self._decode_router: Router | None = None  # handed-off requests, among the replicas that decode
+        self._transfers = Transfers()
         self._owner: dict[str, Replica] = {}  # request id -> the replica holding it
         self._parked: dict[str, tuple[Request, float]] = {}  # no replica: request, monotonic deadline
         self._streams: dict[str, GatewaySession] = {}  # request id -> the session it came on
@@ -183,6 +193,7 @@ class Engine:
             for replica in list(self._replicas.values()):
                 replica.pump()
                 self._dispatch_shed(replica)
+                self._release_sources(replica)
             if self._holding and not any(r.loop.num_in_flight for r in self._replicas.values()):
                 self._flush_held()  # no step in flight: no later step would send them
 
@@ -196,6 +207,10 @@ class Engine:
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:  # late results of a dropped replica mean nothing
                     self._commit(replica, result)
+            case WorkerKVLoaded(handle, loaded):
+                replica = self._replicas.get(self._assembly.owner(handle))
+                if replica is not None:
+                    self._kv_loaded(replica, loaded)
             case Attach(handle):
                 if handle.info.tp_size > 1:  # a rank: the group attaches once all its ranks have
                     handle = self._assembly.add(handle)
@@ -277,8 +292,14 @@ class Engine:
         self.metrics.on_submit(request.request_id)
 
     def _place(self, request: Request) -> Replica:
-        candidates = [Candidate(handle, r.load) for handle, r in self._replicas.items()]
+        """The replica for a new (or recomputed) request: among those that prefill."""
+        candidates = _candidates(self._replicas, WorkerRole.DECODE)
         return self._replicas[self._router.choose(request, candidates)]
+
+    def _decoder_for(self, request: Request) -> Replica | None:
+        """The replica a handed-off request moves to: among those that decode; None if none."""
+        candidates = _candidates(self._replicas, WorkerRole.PREFILL, fallback=False)
+        return self._replicas[self._decode_router.choose(request, candidates)] if candidates else None
 
     def _park(self, request: Request) -> None:
         self._parked[request.request_id] = (request, time.monotonic() + self.options.worker_wait_timeout_s)
@@ -287,6 +308,7 @@ class Engine:
         replica = self._owner.get(request_id)
         if replica is not None:
             event = replica.scheduler.abort(request_id)
+            self._release_sources(replica)
             if event is not None:
                 self.metrics.on_events([event])
                 self._dispatch([event])
@@ -305,9 +327,52 @@ class Engine:
             return
         self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
+        if replica.handle.info.role is WorkerRole.PREFILL:
+            self._move_handoffs(replica)
         stalled = replica.scheduler.stall()
         if stalled is not None:
             self._stalls.note(replica=replica.name, reason=stalled)
+
+    def _move_handoffs(self, source: Replica) -> None:
+        """Give each request the prefill replica handed off to a replica that decodes, with
+        where its KV is; with none, it waits as a request with no replica (recomputed)."""
+        for handoff in source.scheduler.take_handoffs():
+            request = handoff.request
+            rid = request.request_id
+            if rid not in self._streams:  # ended meanwhile (nothing can: defensive)
+                source.scheduler.release_handoff(rid)
+                continue
+            target = self._decoder_for(request)
+            if target is None:
+                source.scheduler.release_handoff(rid)
+                self._owner.pop(rid, None)
+                self._park(request)
+                continue
+            transfer_id = self._transfers.start(source.handle, rid)
+            target.scheduler.add_transferred(request, source.handle.info.kv_transfer_address, handoff.block_ids,
+                                             transfer_id)
+            self._owner[rid] = target
+
+    def _kv_loaded(self, replica: Replica, loaded) -> None:
+        """A decode worker's load ended; one it was never ordered drops the replica."""
+        try:
+            replica.scheduler.kv_loaded(loaded)
+        except ValueError as exc:
+            reason = f"invalid kv_loaded: {exc}"
+            self._lose(replica, reason, WorkerRefused(WorkerRefused.Kind.INVALID, reason))
+            return
+        if loaded.error:
+            self._log.warning("kv_load_failed", worker_id=replica.name, transfer_id=loaded.transfer_id,
+                              error=loaded.error[:300])
+        self._release_sources(replica)
+
+    def _release_sources(self, replica: Replica) -> None:
+        """Free, on their prefill replicas, the source blocks `replica`'s core is done with."""
+        released = replica.scheduler.take_released_sources()
+        for source_handle, rid in self._transfers.end(released) if released else ():
+            source = self._replicas.get(source_handle)
+            if source is not None:
+                source.scheduler.release_handoff(rid)
 
     def _dispatch_shed(self, replica: Replica) -> None:
         """Requests the replica's core refused after queueing them (admission control: not
@@ -370,6 +435,7 @@ class Engine:
         if self._model is None:
             self._model = info
             self._router = Router(self.options.routing, info.block_size)
+            self._decode_router = Router(self.options.routing, info.block_size)
         self._replicas[handle] = Replica(handle, scheduler, self.options.recorder_steps)
         handle.outbox.accept()
         self._log.info("worker_attached", replicas=len(self._replicas), **dataclasses.asdict(info))
@@ -385,8 +451,15 @@ class Engine:
         `clean`: the worker closed its stream itself (leaving, e.g. SIGTERM): info, not a loss."""
         moving = replica.scheduler.release()
         del self._replicas[replica.handle]
+        self._release_sources(replica)  # the moves into it end: their requests move on as recompute
+        for transfer_id, rid in self._transfers.from_source(replica.handle):  # the moves out of it lose their KV
+            target = self._owner.get(rid)
+            if target is not None:
+                target.scheduler.source_lost(transfer_id)
+                self._release_sources(target)
         self._assembly.forget(replica.handle)
         self._router.forget(replica.handle)
+        self._decode_router.forget(replica.handle)
         counts = replica.scheduler.counters()
         self._carried_counts += counts  # totals go on without it
         self._earlier_counts[replica.name] = self._earlier_counts.get(replica.name, collections.Counter()) + counts
@@ -405,7 +478,7 @@ class Engine:
             self._owner.pop(request.request_id, None)
             self._park(request)
             return
-        replica = self._place(request)
+        replica = (request.num_output_tokens and self._decoder_for(request)) or self._place(request)
         replica.scheduler.adopt(request)
         self._owner[request.request_id] = replica
 
@@ -430,3 +503,9 @@ class Engine:
         deadlines += [d for _, d in self._parked.values()]
         deadlines += [d for d in (self._assembly.next_deadline(),) if d is not None]
         return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+
+
+def _candidates(replicas: dict[WorkerHandle, Replica], avoid: WorkerRole, fallback: bool = True) -> list[Candidate]:
+    """The replicas whose role is not `avoid`; all of them when there are none and `fallback`."""
+    chosen = [Candidate(h, r.load) for h, r in replicas.items() if h.info.role is not avoid]
+    return chosen if chosen or not fallback else [Candidate(h, r.load) for h, r in replicas.items()]

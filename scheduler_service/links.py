@@ -13,7 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from scheduler_service.core.request import QueueFull
-from stepahead.plan import StepPlan, StepResult, WorkerInfo
+from stepahead.plan import KVLoaded, StepPlan, StepResult, WorkerInfo
 
 
 class NoWorker(RuntimeError):
@@ -113,11 +113,20 @@ class WorkerHandle:
     def on_lost(self, reason: str, error: WorkerRefused | None = None, clean: bool = False) -> None:
         self._deliver(WorkerLost(self, reason, error, clean))
 
+    def on_kv_loaded(self, loaded: KVLoaded) -> None:
+        self._deliver(WorkerKVLoaded(self, loaded))
+
 
 @dataclass(frozen=True)
 class WorkerResult:
     handle: WorkerHandle
     result: StepResult
+
+
+@dataclass(frozen=True)
+class WorkerKVLoaded:
+    handle: WorkerHandle
+    loaded: KVLoaded
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,9 @@ _COUNTERS = {
     "prefix_host_hit_tokens": ("prefix_cache_host_hits", "prompt tokens loaded from the prefix cache's host tier"),
     "num_offloaded_blocks": ("kv_offloaded_blocks", "evicted device KV blocks copied to the prefix cache's host tier"),
     "num_host_evictions": ("kv_host_cache_evictions", "cached host KV blocks dropped to make room"),
+    "num_handoffs": ("kv_transfer_handoffs", "requests a prefill replica handed to a decode replica"),
+    "num_loaded_blocks": ("kv_transfer_loaded_blocks", "KV blocks decode replicas loaded from prefill replicas"),
+    "num_failed_loads": ("kv_transfer_failed_loads", "KV loads that failed (the request was computed again)"),
 }
 
 

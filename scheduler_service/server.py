@@ -40,7 +40,7 @@ from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead.undecodable import UndecodableGuard
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
-from stepahead.plan import WorkerInfo
+from stepahead.plan import WorkerInfo, WorkerRole
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
 
 SERVICE_NAME = scheduler_pb2.DESCRIPTOR.services_by_name["Scheduler"].full_name
@@ -112,8 +112,10 @@ class SchedulerDaemonConfig(SchedulerEngineConfig, SpeculativeFlag, SchedulingCo
             eos_token_ids=info.eos_token_ids,
             vocab_size=info.vocab_size,
             max_logprobs=info.max_logprobs,
-            sliding_window=info.sliding_window,
+            # a prefill replica hands its requests' whole KV off: it frees nothing early
+            sliding_window=0 if info.role is WorkerRole.PREFILL else info.sliding_window,
             num_offload_blocks=min(info.num_offload_blocks, info.num_host_blocks),
+            role=info.role,
         )
 
 
@@ -288,6 +290,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                 if msg.HasField("detach"):
                     reason, clean = f"the worker detached: {msg.detach[:200]}", True
                     break
+                if msg.HasField("kv_loaded"):
+                    handle.on_kv_loaded(codec.kv_loaded_from_proto(msg.kv_loaded))
+                    continue
                 if not msg.HasField("result"):
                     reason = "the worker sent something other than a result after its hello"
                     error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)

@@ -25,9 +25,11 @@ from stepahead.plan import StepResult
 
 class StepCommitter:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, finish: Callable[[Request, FinishReason], None],
-                 requests: Mapping[str, Request]) -> None:
-        """`finish`: the core's status transition; `requests`: its live requests by id."""
+                 requests: Mapping[str, Request], hand_off: Callable[[Request], None]) -> None:
+        """`finish`, `hand_off`: the core's status transitions (a request that ends; one that
+        leaves a prefill core at `Request.handoff_at`); `requests`: its live requests by id."""
         self.config, self._kv, self._finish, self._requests = config, kv, finish, requests
+        self._hand_off = hand_off
         self._eos = frozenset(config.eos_token_ids)
 
     def commit(self, record: InFlightPlan, result: StepResult, ordered: list[int] | None) -> StepEvents:
@@ -67,6 +69,8 @@ class StepCommitter:
         if samples:
             if reason is not None:
                 self._finish(req, reason)
+            elif req.num_tokens >= req.handoff_at:
+                self._hand_off(req)
             add_committed(out, req, committed, reason, result, prompt_lp, drafts)
         elif prompt_lp is not None:
             out.events.append(RequestEvent(req.request_id, (), None, req.num_prompt_tokens, 0,
@@ -89,6 +93,8 @@ class StepCommitter:
             reason = stop_reason(self.config, self._eos, req, token) if may_stop else None
             if reason is not None:
                 self._finish(req, reason)
+            elif req.num_tokens >= req.handoff_at:
+                self._hand_off(req)
             add_committed(out, req, (token,), reason, result, prompt_lp, 0)
 
     def _fail(self, req: Request, result: StepResult, out: StepEvents) -> None:

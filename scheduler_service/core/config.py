@@ -9,6 +9,7 @@ from enum import Enum
 from stepahead import config as cfg
 from stepahead.knobs import DEFAULT_BLOCK_SIZE, StepBudgetConfig
 from stepahead.logprobs import MAX_LOGPROBS
+from stepahead.plan import WorkerRole
 from stepahead.speculative import MAX_SPECULATIVE_TOKENS
 
 
@@ -86,6 +87,9 @@ class SchedulerConfig(SchedulingConfig):
     # host blocks set aside for the prefix cache's host tier (the hello's; 0: off): evicted cached
     # blocks are offloaded there and loaded back on a hit (`KVCacheManager`; needs prefix caching)
     num_offload_blocks: int = 0
+    # the replica's part in disaggregated prefill/decode (the hello's `role`): a PREFILL core
+    # hands each request off after its first token (`Scheduler.take_handoffs`)
+    role: WorkerRole = WorkerRole.BOTH
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

@@ -46,6 +46,11 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
             _require((req.num_slid_blocks + len(req.host_block_ids)) * block_size >= req.num_computed_tokens, req,
                      "host copy too short")
             _require(req.num_scheduled_tokens == req.num_computed_tokens, req, "swapped with work in flight")
+        case RequestStatus.LOADING:
+            _require(len(req.block_ids) >= cdiv(req.num_computed_tokens, block_size), req, "block table too short")
+            _require(not req.host_block_ids and req.num_output_placeholders == 0, req, "loading with host blocks")
+            _require(req.num_scheduled_tokens == req.num_computed_tokens == req.num_prompt_tokens, req,
+                     "loading with work beyond its prompt")
         case RequestStatus.WAITING | RequestStatus.PREEMPTED:
             _require(not req.block_ids and not req.host_block_ids and not req.num_slid_blocks, req,
                      "waiting but holds blocks")
@@ -56,13 +61,14 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
 
 def check_queues(
     requests: Mapping[str, Request], running: Sequence[Request], swapped: Sequence[Request],
-    waiting: Sequence[Request], waiting_len: int,
+    waiting: Sequence[Request], waiting_len: int, loading: Sequence[Request] = (),
 ) -> None:
     """Every tracked request is in exactly the queue its status says; running is sorted."""
     groups = (
         (running, {RequestStatus.RUNNING}),
         (swapped, {RequestStatus.SWAPPED}),
         (waiting, {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
+        (loading, {RequestStatus.LOADING}),
     )
     listed = 0
     for members, statuses in groups:
@@ -77,9 +83,12 @@ def check_queues(
 
 
 def check_core(config, requests: Mapping[str, Request], running, swapped, waiting, kv, in_flight: list[int],
-               next_step_id: int) -> None:
-    """A scheduler core's whole state: requests, pools vs owners, queues, plan order."""
+               next_step_id: int, loading: Sequence[Request] = (), held: Sequence[Sequence[int]] = ()) -> None:
+    """A scheduler core's whole state: requests, pools vs owners, queues, plan order.
+    `held`: block lists the core holds for no live request (disaggregation's handed-off KV)."""
     refs, host_refs = Counter(), Counter()
+    for blocks in held:
+        refs.update(blocks)
     for req in requests.values():
         check_request(req, config.block_size, config.max_model_len, len(in_flight), config.num_speculative_tokens,
                       config.sliding_window)
@@ -87,7 +96,7 @@ def check_core(config, requests: Mapping[str, Request], running, swapped, waitin
         host_refs.update(req.host_block_ids)
     kv.device.check_integrity(refs)
     kv.host.check_integrity(host_refs)
-    check_queues(requests, running, swapped, waiting.requests(), len(waiting))
+    check_queues(requests, running, swapped, waiting.requests(), len(waiting), loading)
     running.check()
     if in_flight != list(range(next_step_id - len(in_flight), next_step_id)):
         raise AssertionError(f"in-flight plans out of order: {in_flight}")

@@ -230,6 +230,9 @@ def make_policy(config: SchedulerConfig) -> QueuePolicy:
     raise ValueError(f"unknown scheduling policy {config.scheduling_policy!r}")
 
 
+_QUEUE_TOKENS = itertools.count()  # every queue entry's token, unique in the process
+
+
 class WaitingQueue:
     """Heaps with lazy removal (an entry is live while its token is its request's
     `queue_token`). Every request waits in a heap on the policy's static key, except, with a
@@ -247,7 +250,8 @@ class WaitingQueue:
         self._urgent: list[tuple] = []  # by the urgent key
         self._to_late: list[tuple] = []  # requests in `_urgent`, by arrival
         self._late: list[tuple] = []  # by the late key
-        self._tokens = itertools.count()
+        self._tokens = _QUEUE_TOKENS  # shared: a request that moved between cores (a hand-off,
+        # a lost replica) leaves stale entries in its old queue, which must never read as live
         self._live: dict[str, Request] = {}
         self.by_priority: Counter = Counter()  # waiting requests of each priority
 

@@ -21,7 +21,9 @@ same values whether the request runs or not.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import Enum
 from operator import attrgetter
 
@@ -42,6 +44,7 @@ class RequestStatus(Enum):
     RUNNING = "running"
     PREEMPTED = "preempted"  # recompute: back in the waiting queue without KV
     SWAPPED = "swapped"  # KV in the host pool
+    LOADING = "loading"  # moved here from a prefill replica: holds blocks its KV is being loaded into
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
@@ -66,6 +69,18 @@ FINISHED_STATUS = {
     FinishReason.ABORT: RequestStatus.FINISHED_ABORTED,
     FinishReason.ERROR: RequestStatus.FINISHED_ERROR,
 }
+
+
+NEVER = sys.maxsize  # `Request.handoff_at` of a request that never leaves its core
+
+
+@dataclass(frozen=True)
+class KVSource:
+    """Where a request moved from a prefill replica has its prompt's KV (disaggregation)."""
+
+    address: str  # the source worker's KV transfer service (host:port)
+    block_ids: tuple[int, ...]  # its device blocks there, in sequence order (held until released)
+    transfer_id: int  # the engine's id of the move
 
 
 # Counters kept in the running set's columns while the request runs (same names there).
@@ -121,6 +136,8 @@ class Request:
         "num_draft_tokens",
         "num_accepted_tokens",
         "num_spec_steps",
+        "handoff_at",
+        "kv_source",
         "_columns",  # the running set's columns while running, else None
         "_row",  # ... and the row there
         *("_" + name for name in COLUMN_COUNTERS),
@@ -188,6 +205,11 @@ class Request:
         self.num_draft_tokens = 0  # speculative decoding: drafts the worker proposed and verified
         self.num_accepted_tokens = 0  # ... and accepted (committed or not)
         self.num_spec_steps = 0  # steps that verified at least one of its drafts
+        # Disaggregation. On a prefill replica's core: the known tokens at which the request
+        # leaves it (one sampled token after it came), never scheduled past them; NEVER elsewhere.
+        self.handoff_at = NEVER
+        # On a decode replica's core, until its KV is loaded (or given up): where that KV is.
+        self.kv_source: KVSource | None = None
 
     @property
     def block_ids(self) -> list[int]:

@@ -30,7 +30,7 @@ import numpy as np
 
 from scheduler_service.core.request import COLUMN_COUNTERS, Request
 from scheduler_service.core.logprob_events import plain_from
-from scheduler_service.core.token_rules import may_stop_at, token_limit
+from scheduler_service.core.token_rules import may_stop_at, schedule_limit
 
 _run_key = attrgetter("run_key")  # the policy's order of running requests
 _row_of = attrgetter("_row")
@@ -48,7 +48,7 @@ class RunningColumns:
             setattr(self, name, array("q", bytes(8 * capacity)))
         self.view = SimpleNamespace(**{n: np.frombuffer(getattr(self, n), dtype=np.int64) for n in COLUMN_COUNTERS})
         self.block_end = np.zeros(capacity, np.int64)  # len(block_ids) * block_size: the tokens its blocks hold
-        self.token_limit = np.zeros(capacity, np.int64)  # token_rules.token_limit: known tokens stay below it
+        self.token_limit = np.zeros(capacity, np.int64)  # token_rules.schedule_limit: known tokens stay below it
         # token_rules.may_stop_at: from there a committed token may end it; an EOS id is checked
         # apart, where `eos_stops`
         self.stop_at = np.zeros(capacity, np.int64)
@@ -73,7 +73,7 @@ class RunningColumns:
             getattr(self, name)[row] = getattr(req, name)
         sp = req.sampling
         self.block_end[row] = len(req.block_ids) * self.block_size
-        self.token_limit[row] = token_limit(req, self.max_model_len)
+        self.token_limit[row] = schedule_limit(req, self.max_model_len)
         self.stop_at[row] = may_stop_at(req, self.max_model_len)
         self.eos_stops[row] = not sp.ignore_eos
         self.plain_from[row] = plain_from(req)

@@ -8,6 +8,17 @@ in-flight samples counted as placeholders, results committed in plan order (`com
 results for requests preempted / finished / aborted since are stale. Per-request token rules
 (tokens per step, when a token ends a request): `token_rules.py`.
 
+Disaggregation (`config.role`, docs/disaggregation.md): a PREFILL core schedules a request
+only until it samples a token (`Request.handoff_at`); when that token commits and does not
+end the request, the request is *handed off* (`take_handoffs`): it leaves this core, whose
+blocks keep its KV until the engine says the decode side is done with them
+(`release_handoff`). A decode core takes it with `add_transferred`: it queues like a
+readmitted request; admitted, it gets blocks (its local prefix-cache hit needs no copy) and
+its plan orders a `KVLoad` of the rest from the source worker; it then holds its blocks
+without running (LOADING) until the worker reports the load (`kv_loaded`), and resumes with
+its prompt computed; a failed load computes it again here. `take_released_sources` lists the
+transfers whose source blocks this core no longer needs (loaded, failed, or never started).
+
 Progress: a waiting request preempts running work only for what preemption frees for good
 (a sequence slot, KV blocks), never for this step's token budget (that hands one step's
 tokens from a running request to a new one and throws the victim's work away). And the core
@@ -22,6 +33,7 @@ import bisect
 import time
 from collections import Counter, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from enum import Enum, auto
 from operator import attrgetter
 
@@ -40,16 +52,26 @@ from scheduler_service.core.preemption import PreemptionRule
 from scheduler_service.core.running_set import RunningSet
 from scheduler_service.core.speculation import draft_allowance
 from scheduler_service.core.result_checks import check_result
-from scheduler_service.core.request import FINISHED_STATUS, FinishReason, QueueFull, Request, RequestRejected, RequestStatus
+from scheduler_service.core.request import (
+    FINISHED_STATUS, NEVER, FinishReason, KVSource, QueueFull, Request, RequestRejected, RequestStatus,
+)
 from scheduler_service.core.stats import SchedulerStats, build_stats, count_result
 from scheduler_service.core.step_builder import InFlightPlan, StepBuilder
 from scheduler_service.core.token_rules import num_new_tokens
-from stepahead.plan import StepPlan, StepResult
+from stepahead.plan import KVLoad, KVLoaded, StepPlan, StepResult, WorkerRole
 
-__all__ = ["FinishReason", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats", "StepEvents"]
+__all__ = ["FinishReason", "Handoff", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats", "StepEvents"]
 
 
 _run_key = attrgetter("run_key")  # the policy's order of running / swapped requests
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """A request a prefill core finished with: it moves to a decode core with its KV."""
+
+    request: Request  # its first output token committed; no longer this core's
+    block_ids: tuple[int, ...]  # this core's blocks holding its KV, held until `release_handoff`
 
 
 class _Admission(Enum):
@@ -80,7 +102,7 @@ class Scheduler:
         # plain decodes in bulk (`decodes.py`); a speculating decode is decided alone (the tests'
         # lockstep oracle, tests/unit/per_request_scheduler.py, turns the bulk path off)
         self._bulk = not config.num_speculative_tokens
-        self._committer = StepCommitter(config, self._kv, self._finish, self._requests)
+        self._committer = StepCommitter(config, self._kv, self._finish, self._requests, self._hand_off)
         self._swapped: list[Request] = []
         self._in_flight: deque[InFlightPlan] = deque()
         self._next_step_id = 0
@@ -91,6 +113,14 @@ class Scheduler:
         self._stall_limit = stall_limit(config)
         self._steps_without_token = 0  # committed steps in a row that gave no request a token or an end
         self._preemptions_at_progress = self._counts["num_preemptions"]
+        # disaggregation (the module doc)
+        self._hands_off = config.role is WorkerRole.PREFILL
+        self._handoffs: list[Handoff] = []  # handed off since `take_handoffs`
+        self._held: dict[str, tuple[list[int], int]] = {}  # handed-off id -> (its blocks, newest plan)
+        self._loading: dict[str, Request] = {}  # LOADING requests by id (loads in flight, and done)
+        self._loads: dict[int, Request] = {}  # transfer id -> request whose load is in flight
+        self._loaded: list[Request] = []  # LOADING requests whose KV is in, to resume (oldest first)
+        self._released_sources: list[int] = []  # transfers whose source blocks this core is done with
 
     def counters(self) -> Counter:
         """A copy of the monotonic counters (steps, finishes, preemptions, prefix tokens)."""
@@ -109,6 +139,7 @@ class Scheduler:
         if request.arrival_time is None:
             request.arrival_time = now
         request.queued_time = now
+        request.handoff_at = request.num_tokens + 1 if self._hands_off else NEVER
         self._requests[rid] = request
         self._waiting.push(request)
 
@@ -136,14 +167,79 @@ class Scheduler:
         request.in_worker, request.last_step_id, request.queue_token, request.run_key = False, -1, None, ()
         request.status = RequestStatus.PREEMPTED
         request.queued_time = self._clock()
+        request.handoff_at = request.num_tokens + 1 if self._hands_off else NEVER
+        request.kv_source = None
         self._requests[rid] = request
         self._waiting.push(request)
+
+    def add_transferred(self, request: Request, source: str, block_ids: tuple[int, ...], transfer_id: int) -> None:
+        """Take over a request a prefill core handed off (`Handoff`): queued like a readmitted
+        request; admitted, its prompt's KV is loaded from `source` (the prefill worker's
+        transfer address), where `block_ids` hold it, instead of computed."""
+        assert not self._hands_off, "a prefill core takes no transferred request"
+        self.adopt(request)
+        request.kv_source = KVSource(source, tuple(block_ids), transfer_id)
+
+    def source_lost(self, transfer_id: int) -> None:
+        """The source of a transfer is gone: a request still waiting for it is computed here
+        instead (one whose load is in flight learns it from the failed load)."""
+        for req in self._waiting.requests():
+            if req.kv_source is not None and req.kv_source.transfer_id == transfer_id:
+                req.kv_source = None
+                self._released_sources.append(transfer_id)
+                return
+
+    def kv_loaded(self, loaded: KVLoaded) -> None:
+        """The worker reports a load it was ordered: the request resumes with its KV (next
+        plan), or on an error is computed again here. ValueError for a transfer this core
+        never ordered or already heard of."""
+        req = self._loads.pop(loaded.transfer_id, None)
+        if req is None:
+            raise ValueError(f"kv_loaded: transfer {loaded.transfer_id} is not a load in flight on this replica")
+        self._released_sources.append(loaded.transfer_id)
+        if req.status is not RequestStatus.LOADING:  # finished (aborted) while loading: its blocks are free now
+            self._kv.free(req)
+            return
+        if loaded.error:
+            self._counts["num_failed_loads"] += 1
+            del self._loading[req.request_id]
+            self._kv.free(req)
+            req.num_computed_tokens = req.num_scheduled_tokens = 0
+            req.status = RequestStatus.PREEMPTED
+            req.queued_time = self._clock()
+            self._waiting.push(req)
+            return
+        self._counts["num_loaded_blocks"] += cdiv(req.num_computed_tokens, self.config.block_size)
+        self._kv.register_computed(req)  # the loaded prompt's full blocks serve later hits here
+        self._loaded.append(req)
+
+    def take_handoffs(self) -> list[Handoff]:
+        """The requests handed off since the last call (prefill core), oldest first."""
+        handoffs, self._handoffs = self._handoffs, []
+        return handoffs
+
+    def release_handoff(self, request_id: str) -> None:
+        """A handed-off request's decode side no longer needs its blocks here: free them."""
+        held = self._held.pop(request_id, None)
+        if held is not None:
+            blocks, last_step = held
+            self._kv.device.free(reversed(blocks), last_step)
+
+    def take_released_sources(self) -> list[int]:
+        """Transfers whose source blocks this core no longer needs, since the last call."""
+        released, self._released_sources = self._released_sources, []
+        return released
 
     def release(self) -> list[Request]:
         """Every request this core still holds, oldest arrival first, to move elsewhere
         (`adopt`): the core is being dropped and must not be used afterwards."""
         for req in list(self._running):
             self._running.remove(req)  # its counters back on the request
+        for req in self._requests.values():  # each moves as recompute: its sources are done with
+            if req.kv_source is not None:
+                self._released_sources.append(req.kv_source.transfer_id)
+            req.kv_source = None
+        self._released_sources.extend(self._loads)
         return sorted(self._requests.values(), key=lambda r: (r.arrival_time or 0.0, r.request_id))
 
     # ---- the step ----------------------------------------------------------------------------
@@ -174,6 +270,8 @@ class Scheduler:
         cfg = self.config
         b = StepBuilder(self._next_step_id, cfg.max_num_batched_tokens, cfg.max_num_seqs)
         deferred = self._schedule_running(b, now)
+        if self._loaded:
+            self._schedule_loaded(b, now)
         if not b.preempted and not deferred and not self._schedule_swapped(b, now):
             self._schedule_waiting(b, now)
         if self._kv.host_tier:  # before anything computes, the plan copies what allocation evicted
@@ -287,6 +385,15 @@ class Scheduler:
             self._swap_in(req, n, b, now)
         return False
 
+    def _schedule_loaded(self, b: StepBuilder, now: float) -> None:
+        """Resume the requests whose KV was loaded, oldest first: each decodes its first output
+        token, sent in full with its prompt computed."""
+        while self._loaded and b.token_budget > 0 and b.seq_budget > 0:
+            req = self._loaded.pop(0)  # its first decode's slot came with its admission
+            del self._loading[req.request_id]
+            self._add_running(req, now)
+            b.add(req, 1, True, 0)
+
     def _outranked_by_waiting(self, req: Request, now: float) -> bool:
         """Would the head of the waiting queue preempt this request anyway? Then it goes
         first (swapping in a request only to preempt it again would livelock)."""
@@ -313,8 +420,10 @@ class Scheduler:
                 self._preempt(victim, b)
 
     def _try_admit(self, req: Request, b: StepBuilder, now: float) -> _Admission:
-        if len(self._running) >= self.config.max_num_seqs or b.seq_budget == 0:
+        if len(self._running) + len(self._loading) >= self.config.max_num_seqs or b.seq_budget == 0:
             return _Admission.NO_SEQ
+        if req.kv_source is not None:
+            return self._try_load(req, b, now)
         hit = self._kv.find_prefix_hit(req)
         computed = hit.num_blocks * self.config.block_size
         n = num_new_tokens(self.config, req, req.num_tokens - computed, b.token_budget)
@@ -324,6 +433,48 @@ class Scheduler:
         if need > self._kv.device.num_free:
             return _Admission.WAIT_FENCE if self._kv.could_allocate_later(need) else _Admission.NO_BLOCKS
         self._admit(req, hit, n, b, now)
+        return _Admission.OK
+
+    def _try_load(self, req: Request, b: StepBuilder, now: float) -> _Admission:
+        """Admit a transferred request: blocks for its prompt, the ones its local prefix-cache
+        hit lacks loaded from the source (a `KVLoad` in this plan). It preempts nobody: it
+        waits for free blocks (its source holds the KV meanwhile)."""
+        bs, source = self.config.block_size, req.kv_source
+        if b.token_budget == 0:
+            return _Admission.NO_BUDGET
+        hit = self._kv.find_prefix_hit(req)
+        hit = PrefixHit(hit.block_ids, hit.pids, hit.num_free_hits)  # the device part: the rest comes from the source
+        num_prompt_blocks = cdiv(req.num_prompt_tokens, bs)
+        if num_prompt_blocks > len(source.block_ids) or req.num_tokens != req.num_prompt_tokens + 1:
+            req.kv_source = None  # not a prefill's hand-off: computed here
+            self._released_sources.append(source.transfer_id)
+            return self._try_admit(req, b, now)
+        # blocks for the prompt and its first decode: a loaded request can always resume (one
+        # holding a prompt's blocks that cannot take a step could wait for ever)
+        need = cdiv(req.num_prompt_tokens + 1, bs) - hit.num_device_blocks + hit.num_free_hits
+        if need > self._kv.device.num_free:
+            return _Admission.WAIT_FENCE
+        self._waiting.remove(req)
+        self._expected_wait.admitted(now, len(self._waiting))
+        self._kv.take_hit(req, hit)
+        ok = self._kv.allocate_slots(req, req.num_prompt_tokens + 1)
+        assert ok, "admission checked the free blocks"
+        req.num_computed_tokens = req.num_scheduled_tokens = req.num_prompt_tokens
+        req.kv_source = None
+        self._counts["prefix_query_tokens"] += req.num_prompt_tokens
+        self._counts["prefix_hit_tokens"] += hit.num_device_blocks * bs
+        first = hit.num_device_blocks
+        if first == num_prompt_blocks:  # all of it cached here: nothing to load, it runs now
+            self._released_sources.append(source.transfer_id)
+            self._add_running(req, now)
+            b.add(req, 1, True, 0)
+            return _Admission.OK
+        req.status = RequestStatus.LOADING
+        self._loading[req.request_id] = req
+        req.last_step_id = b.step_id  # the blocks are this plan's until the load is reported
+        b.kv_loads.append(KVLoad(source.transfer_id, source.address, source.block_ids[first:num_prompt_blocks],
+                                 tuple(req.block_ids[first:num_prompt_blocks])))
+        self._loads[source.transfer_id] = req
         return _Admission.OK
 
     def _policy_victim(self, candidate: Request, b: StepBuilder, now: float) -> Request | None:
@@ -406,6 +557,20 @@ class Scheduler:
         victim.queued_time = self._clock()
         self._waiting.push(victim)
 
+    def _hand_off(self, req: Request) -> None:
+        """A prefill core's request sampled its token: it leaves, its blocks stay (`Handoff`)."""
+        self._running.remove(req)
+        blocks = list(req.owned_block_ids)
+        self._held[req.request_id] = (blocks, req.last_step_id)
+        req.epoch += 1
+        if req.in_worker:  # the worker forgets it; its blocks keep the KV
+            self._pending_finished.append(req.request_id)
+            req.in_worker = False
+        del self._requests[req.request_id]
+        self._handoffs.append(Handoff(req, tuple(blocks)))
+        self._progressed()
+        self._counts["num_handoffs"] += 1
+
     def _finish(self, req: Request, reason: FinishReason) -> None:
         match req.status:
             case RequestStatus.RUNNING:
@@ -414,7 +579,15 @@ class Scheduler:
                 self._swapped.remove(req)
             case RequestStatus.WAITING | RequestStatus.PREEMPTED:
                 self._waiting.remove(req)
-        self._kv.free(req)
+                if req.kv_source is not None:  # never loaded: its source blocks can go
+                    self._released_sources.append(req.kv_source.transfer_id)
+                    req.kv_source = None
+            case RequestStatus.LOADING:
+                del self._loading[req.request_id]
+                if req in self._loaded:
+                    self._loaded.remove(req)
+        if req.status is not RequestStatus.LOADING or req not in self._loads.values():
+            self._kv.free(req)  # a load in flight writes its blocks: freed once it is reported
         req.status = FINISHED_STATUS[reason]
         req.epoch += 1
         req.num_output_placeholders = 0
@@ -482,12 +655,16 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return build_stats(self._kv, self._counts, len(self._running), len(self._waiting), len(self._swapped),
-                           len(self._in_flight))
+                           len(self._in_flight), len(self._loading))
 
     def check_integrity(self) -> None:
         """Pool accounting, ref counts vs owners, queue membership, per-request counters."""
+        held = [blocks for blocks, _ in self._held.values()]  # handed off: still this core's blocks
+        held += [req.owned_block_ids for req in self._loads.values() if req.is_finished]  # aborted while loading
         check_core(self.config, self._requests, self._running, self._swapped, self._waiting, self._kv,
-                   [p.step_id for p in self._in_flight], self._next_step_id)
+                   [p.step_id for p in self._in_flight], self._next_step_id, list(self._loading.values()), held)
+        if any(req.request_id not in self._loading for req in self._loaded):
+            raise AssertionError("a loaded request is not LOADING")
 
 
 def stall_limit(config: SchedulerConfig) -> int:

@@ -36,10 +36,14 @@ class SchedulerStats:
     prefix_host_hit_tokens: int = 0  # host tier: prompt tokens loaded from host blocks on a hit
     num_offloaded_blocks: int = 0  # ... evicted device blocks copied to host blocks
     num_host_evictions: int = 0  # ... cached host blocks dropped for room
+    num_handoffs: int = 0  # disaggregation: requests a prefill core handed off
+    num_loaded_blocks: int = 0  # ... KV blocks a decode core loaded from a prefill replica
+    num_failed_loads: int = 0  # ... loads that failed (computed again instead)
+    num_loading: int = 0  # ... requests holding blocks while their KV loads (a gauge)
 
 
 def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiting: int, num_swapped: int,
-                num_in_flight: int) -> SchedulerStats:
+                num_in_flight: int, num_loading: int = 0) -> SchedulerStats:
     device, host = kv.device, kv.host
     return SchedulerStats(
         num_running=num_running,
@@ -67,6 +71,10 @@ def build_stats(kv: KVCacheManager, counts: Counter, num_running: int, num_waiti
         prefix_host_hit_tokens=counts["prefix_host_hit_tokens"],
         num_offloaded_blocks=counts["num_offloaded_blocks"],
         num_host_evictions=counts["num_host_evictions"],
+        num_handoffs=counts["num_handoffs"],
+        num_loaded_blocks=counts["num_loaded_blocks"],
+        num_failed_loads=counts["num_failed_loads"],
+        num_loading=num_loading,
     )
 
 

@@ -5,7 +5,7 @@ request computes in a step (chunking, the budget, never past `max_tokens` /
 from __future__ import annotations
 
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.request import FinishReason, Request
+from scheduler_service.core.request import NEVER, FinishReason, Request
 
 
 def token_limit(req: Request, max_model_len: int) -> int:
@@ -15,12 +15,20 @@ def token_limit(req: Request, max_model_len: int) -> int:
     return min(req.num_prompt_tokens + req.sampling.max_tokens, max_model_len)
 
 
+def schedule_limit(req: Request, max_model_len: int) -> int:
+    """The known tokens a request may be scheduled to reach on its core: the length rule, or
+    sooner on a prefill replica (`Request.handoff_at`: it leaves with its first token)."""
+    return min(token_limit(req, max_model_len), req.handoff_at)
+
+
 def may_stop_at(req: Request, max_model_len: int) -> int:
     """`num_tokens` from which a committed token may end the request, EOS aside: its length
-    limit, or 0 when it has stop ids (then each token is looked at). Below it, only an EOS
-    id can end it, so `stop_reason` need not run (the running set's `stop_at` column holds
-    it for the bulk path)."""
-    return 0 if req.sampling.stop_token_ids else token_limit(req, max_model_len)
+    limit, or 0 when it has stop ids or leaves its core at a hand-off (then each token is
+    looked at). Below it, only an EOS id can end it, so `stop_reason` need not run (the
+    running set's `stop_at` column holds it for the bulk path)."""
+    if req.sampling.stop_token_ids or req.handoff_at != NEVER:  # each token is looked at (a hand-off too)
+        return 0
+    return token_limit(req, max_model_len)
 
 
 def placeholder_input(start, num_tokens):
@@ -55,7 +63,7 @@ def num_new_tokens(cfg: SchedulerConfig, req: Request, remaining: int, tokens_le
         if cfg.long_prefill_token_threshold:
             n = min(n, cfg.long_prefill_token_threshold)
     if n == remaining:  # the step samples: never past max_tokens / max_model_len
-        if req.num_tokens + req.num_output_placeholders >= token_limit(req, cfg.max_model_len):
+        if req.num_tokens + req.num_output_placeholders >= schedule_limit(req, cfg.max_model_len):
             return 0  # its pending placeholders may already complete it
     return n
 

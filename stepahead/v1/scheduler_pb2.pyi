@@ -135,7 +135,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class SchedulerStats(_message.Message):
-    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "device_busy_s", "num_sampled_tokens", "worker_attached", "spec_num_draft_tokens", "spec_num_accepted_tokens", "num_slid_blocks", "prefix_host_hit_tokens", "num_offloaded_blocks", "num_host_evictions", "replicas")
+    __slots__ = ("num_running", "num_waiting", "num_swapped", "num_total_blocks", "num_free_blocks", "kv_usage", "prefix_query_tokens", "prefix_hit_tokens", "num_preemptions", "num_steps", "num_finished", "num_in_flight", "num_fenced_blocks", "num_used_host_blocks", "num_aborted", "device_busy_s", "num_sampled_tokens", "worker_attached", "spec_num_draft_tokens", "spec_num_accepted_tokens", "num_slid_blocks", "prefix_host_hit_tokens", "num_offloaded_blocks", "num_host_evictions", "num_handoffs", "num_loaded_blocks", "num_failed_loads", "num_loading", "replicas")
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     NUM_SWAPPED_FIELD_NUMBER: _ClassVar[int]
@@ -160,6 +160,10 @@ class SchedulerStats(_message.Message):
     PREFIX_HOST_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_OFFLOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     NUM_HOST_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    NUM_HANDOFFS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NUM_FAILED_LOADS_FIELD_NUMBER: _ClassVar[int]
+    NUM_LOADING_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     num_running: int
     num_waiting: int
@@ -185,8 +189,12 @@ class SchedulerStats(_message.Message):
     prefix_host_hit_tokens: int
     num_offloaded_blocks: int
     num_host_evictions: int
+    num_handoffs: int
+    num_loaded_blocks: int
+    num_failed_loads: int
+    num_loading: int
     replicas: _containers.RepeatedCompositeFieldContainer[ReplicaStats]
-    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., device_busy_s: _Optional[float] = ..., num_sampled_tokens: _Optional[int] = ..., worker_attached: _Optional[bool] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., num_slid_blocks: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_host_evictions: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
+    def __init__(self, num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., num_swapped: _Optional[int] = ..., num_total_blocks: _Optional[int] = ..., num_free_blocks: _Optional[int] = ..., kv_usage: _Optional[float] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_finished: _Optional[int] = ..., num_in_flight: _Optional[int] = ..., num_fenced_blocks: _Optional[int] = ..., num_used_host_blocks: _Optional[int] = ..., num_aborted: _Optional[int] = ..., device_busy_s: _Optional[float] = ..., num_sampled_tokens: _Optional[int] = ..., worker_attached: _Optional[bool] = ..., spec_num_draft_tokens: _Optional[int] = ..., spec_num_accepted_tokens: _Optional[int] = ..., num_slid_blocks: _Optional[int] = ..., prefix_host_hit_tokens: _Optional[int] = ..., num_offloaded_blocks: _Optional[int] = ..., num_host_evictions: _Optional[int] = ..., num_handoffs: _Optional[int] = ..., num_loaded_blocks: _Optional[int] = ..., num_failed_loads: _Optional[int] = ..., num_loading: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStats, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStats(_message.Message):
     __slots__ = ("worker_id", "stats")

@@ -72,6 +72,11 @@ class FakeExecutor:
     # every layer's sliding window (0: none): a query at p reads the keys p - window < k <= p
     # only, so a block the window passed may be reused under another request
     window: int = 0
+    # disaggregation: the other fakes by transfer address, and this one's loads ordered but
+    # not yet reported (`finish_load` copies the source blocks then: a source block reused
+    # before the scheduler released it shows up as wrong KV here)
+    peers: dict[str, FakeExecutor] = field(default_factory=dict)
+    pending_loads: list = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.kv = [[None] * self.block_size for _ in range(self.num_gpu_blocks)]
@@ -92,6 +97,12 @@ class FakeExecutor:
             self.host[host] = list(self.kv[dev])
         for host, dev in plan.swap_in:
             self.kv[dev] = list(self.host[host])
+        for load in plan.kv_loads:
+            assert load.source in self.peers, f"load from unknown source {load.source}"
+            assert len(load.src_block_ids) == len(load.dst_block_ids)
+            for dev in load.dst_block_ids:
+                self.kv[dev] = [None] * self.block_size  # garbage until the load is reported
+            self.pending_loads.append(load)
         scheduled: list[tuple[str, int, bool, int]] = []
         for nr in plan.new_requests:
             assert nr.request_id not in self.requests, f"{nr.request_id} registered twice"
@@ -169,6 +180,17 @@ class FakeExecutor:
         req.sampled_by.append(step_id)
         return token
 
+    def finish_load(self, load, error: str = ""):
+        """End a pending load: copy its blocks from the source now (unless it fails)."""
+        from stepahead.plan import KVLoaded
+
+        self.pending_loads.remove(load)
+        if not error:
+            peer = self.peers[load.source]
+            for src, dst in zip(load.src_block_ids, load.dst_block_ids):
+                self.kv[dst] = list(peer.kv[src])
+        return KVLoaded(load.transfer_id, error)
+
     def _check_fences(self, plan: StepPlan) -> None:
         """Blocks handed out fresh must not be touched by a plan still in flight."""
         bs = self.block_size
@@ -177,6 +199,8 @@ class FakeExecutor:
             fresh.update(nr.block_ids[nr.num_computed_tokens // bs :])
         for rr in plan.running:
             fresh.update(rr.new_block_ids)
+        for load in plan.kv_loads:
+            fresh.update(load.dst_block_ids)
         fresh_host = {host for _, host in plan.swap_out}
         for step, (device, host) in self._touched.items():
             assert not fresh & device, f"plan {plan.step_id} reuses blocks {fresh & device} of in-flight plan {step}"
