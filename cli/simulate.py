@@ -146,8 +146,6 @@ def build_cluster(config: SimulateConfig, sched_flags) -> tuple[VirtualCluster, 
         replicas.append((name, runner, sched_config, role))
         infos.append(info)
     disaggregated = WorkerRole.PREFILL in roles
-    if disaggregated and getattr(replicas[0][2], "role", None) is not WorkerRole.PREFILL:
-        raise SystemExit("stepahead simulate: this scheduler core has no prefill/decode roles (its hand-off API)")
     try:
         link = load_link_profile(config.kv_link) if disaggregated else None
     except ValueError as exc:
@@ -216,6 +214,7 @@ def transfer_stats(system: VirtualCluster) -> dict:
 
     done = [t for t in system.transfers if t.end is not None]
     return {"num_transfers": len(system.transfers), "num_completed": len(done), "link": system.link.name,
+            "num_without_load": sum(t.ready is None for t in system.transfers),  # all in the destination's cache
             "bytes": sum(t.nbytes for t in done), "blocks": sum(t.num_blocks for t in done),
             **latency_stats("link", [(t.end - t.start) * 1e3 for t in done]),
             **latency_stats("link_wait", [(t.start - t.ready) * 1e3 for t in done])}

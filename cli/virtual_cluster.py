@@ -17,8 +17,10 @@ whose first token just committed) go to the least-loaded DECODE replica
 when the plan starts on its device; the transfer takes `LinkProfile.transfer_seconds` of the
 blocks' bytes on the replica's inbound link (one transfer at a time per destination, in the
 order their plans started; the link is not the device, so it overlaps the replica's steps),
-and its end is reported `ControlPlane.result` later: `kv_loaded` on the decode core,
-`release_handoff` on the prefill core.
+and its end is reported `ControlPlane.result` later (`kv_loaded` on the decode core). Once a
+decode core no longer needs a transfer's source blocks (`Scheduler.take_released_sources`:
+loaded, all in its prefix cache, or the request ended), `release_handoff` frees them on the
+prefill core, as the engine does (`scheduler_service/transfers.py`).
 
 Every run ends: when no replica can plan anything while requests remain, or when a core's
 committed steps stop giving any request a token (`Scheduler.stall`), the run stops with
@@ -171,6 +173,8 @@ class VirtualCluster:
                 self._loaded(heapq.heappop(self._reports)[1])
             for replica in self.replicas:
                 self._pump(replica)
+            for source in self._release_sources():  # freed blocks there: it may admit more now
+                self._pump(source)
             times = [r.next_result for r in self.replicas if r.device]
             times += [q[0][0] for q in (pending, self._reports) if q]
             if not times:
@@ -258,9 +262,21 @@ class VirtualCluster:
         heapq.heappush(self._reports, (transfer.end + self.control.result, transfer.transfer_id))
 
     def _loaded(self, transfer_id: int) -> None:
-        transfer, source, destination = self._open.pop(transfer_id)
+        _, _, destination = self._open[transfer_id]
         destination.scheduler.kv_loaded(KVLoaded(transfer_id))
-        source.scheduler.release_handoff(transfer.request_id)
+
+    def _release_sources(self) -> list[VirtualReplica]:
+        """The engine's move: the transfers whose source blocks a decode core no longer needs
+        (loaded, or all in its prefix cache, or the request ended) free them on their prefill
+        core. The prefill replicas that freed blocks."""
+        sources = []
+        for destination in self.decoders:
+            for transfer_id in destination.scheduler.take_released_sources():
+                transfer, source, _ = self._open.pop(transfer_id)
+                source.scheduler.release_handoff(transfer.request_id)
+                if source not in sources:
+                    sources.append(source)
+        return sources
 
     def _arrive(self, t: float, request, log: SimRequestLog) -> None:
         heapq.heappush(self._pending, (t + self.control.ingress, next(self._arrivals), request, log))
