@@ -8,8 +8,10 @@ Goodput (DistServe's): the highest request rate at which at least `--attainment`
 requests meet both TTFT <= `--ttft-slo` and TPOT <= `--tpot-slo` (a request of one output
 token has no TPOT: it meets it). Found per setup by bisection over the rate: the rate doubles
 until the SLO attainment fails, then the bracket halves until it is within `--tolerance`.
-Each run replays the same `--num-requests` requests (long prompts, short outputs: Azure-code-
-like, `cli.datasets.long_prompt_trace`, one seed), Poisson arrivals at the rate tried.
+Each run of a setup replays the same `--requests-per-replica` x replicas requests (long
+prompts, short outputs: Azure-code-like, `cli.datasets.long_prompt_trace`, one seed), Poisson
+arrivals at the rate tried. A fixed count for every setup would make the runs of big clusters
+short in time, and the TTFT bound would then hide a growing queue.
 
 Setups: `N` is N aggregated replicas (prefill and decode on each), `P:D` is P prefill replicas
 handing their requests' KV over `--kv-link` to D decode replicas; every one has the same model,
@@ -32,7 +34,7 @@ from cli.datasets import long_prompt_trace, write_jsonl_trace
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead import config as cfg
 
-DEFAULT_SETUPS = ("4", "2:2", "1:3", "3:1", "8", "4:4", "2:6", "3:5", "5:3", "6:2")
+DEFAULT_SETUPS = ("4", "2:2", "1:3", "3:1", "8", "4:4", "2:6", "6:2")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -41,7 +43,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--sim-profile", default="h200")
     p.add_argument("--kv-link", default="ib")
     p.add_argument("--setups", nargs="+", default=list(DEFAULT_SETUPS), help="N (aggregated) or P:D")
-    p.add_argument("--num-requests", type=int, default=500)
+    p.add_argument("--requests-per-replica", type=int, default=250,
+                   help="requests per run: this many per replica of the setup (a run's length in time then "
+                        "depends on the per-replica rate, not on the cluster's size)")
+    p.add_argument("--num-requests", type=int, default=None, help="a fixed number of requests per run instead")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds")
@@ -61,8 +66,12 @@ def setup_flags(setup: str) -> tuple[list[str], int]:
     return ["--replicas", setup], int(setup)
 
 
+def num_requests(args, setup: str) -> int:
+    return args.num_requests or args.requests_per_replica * setup_flags(setup)[1]
+
+
 def run_sim(args, setup: str, rate: float, work: Path) -> dict:
-    trace = long_prompt_trace(args.num_requests, rate, args.seed)
+    trace = long_prompt_trace(num_requests(args, setup), rate, args.seed)
     path = write_jsonl_trace(work / f"trace-{rate:.6g}.jsonl", trace)
     flags, _ = setup_flags(setup)
     parser = argparse.ArgumentParser()
@@ -133,7 +142,7 @@ def goodput(args, setup: str, work: Path) -> dict:
         else:
             hi = mid
     by_rate = {r["rate"]: r for r in runs}
-    return {"setup": setup, "replicas": replicas, "goodput_req_s": lo, "goodput_per_replica": lo / replicas,
+    return {"setup": setup, "replicas": replicas, "num_requests": num_requests(args, setup), "goodput_req_s": lo, "goodput_per_replica": lo / replicas,
             "at_goodput": by_rate.get(lo), "first_miss": by_rate[hi], "runs": sorted(runs, key=lambda r: r["rate"])}
 
 
