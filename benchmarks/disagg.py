@@ -52,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds")
     p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests meeting both SLOs")
     p.add_argument("--start-rate", type=float, default=4.0, help="requests/s per replica the search starts at")
-    p.add_argument("--tolerance", type=float, default=0.02, help="relative width of the final bracket")
+    p.add_argument("--tolerance", type=float, default=0.03, help="relative width of the final bracket")
     p.add_argument("--extra", nargs="*", default=[], help="more `stepahead simulate` flags for every run")
     p.add_argument("--out", default="")
     return p.parse_args(argv)
