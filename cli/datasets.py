@@ -135,3 +135,34 @@ def trace_prompts(trace: list[TraceRequest], vocab_size: int, seed: int) -> list
         head = prefixes.get(r.prefix_group, []) if r.prefix_group is not None else []
         prompts.append(head + [rng.randrange(FIRST_TOKEN_ID, vocab_size) for _ in range(r.prompt_len - len(head))])
     return prompts
+
+
+def long_prompt_trace(n: int, rate: float, seed: int = 0, max_model_len: int = 8192, prompt_median: int = 2048,
+                      prompt_sigma: float = 0.35, output_median: int = 24, output_sigma: float = 0.7,
+                      max_output: int = 256) -> list[TraceRequest]:
+    """`n` requests shaped like the Azure LLM inference trace's code service: long prompts
+    (log-normal around `prompt_median` tokens) and short outputs (log-normal around
+    `output_median`, at most `max_output`), prompt + output within `max_model_len`; Poisson
+    arrivals at `rate` per second (`inf`: all at 0). The lengths depend on `seed` only and the
+    arrivals are the same draws divided by `rate`, so traces of one seed at two rates differ
+    only in their time scale."""
+    if n < 1 or not rate > 0:
+        raise ValueError(f"long_prompt_trace needs n >= 1 and rate > 0, got {n}, {rate}")
+    lengths, gaps = random.Random(seed), random.Random(seed + 1)
+    out, t = [], 0.0
+    for _ in range(n):
+        output = min(max_output, max(1, round(lengths.lognormvariate(math.log(output_median), output_sigma))))
+        prompt = max(1, round(lengths.lognormvariate(math.log(prompt_median), prompt_sigma)))
+        out.append(TraceRequest(t, min(prompt, max_model_len - output), output))
+        t += gaps.expovariate(1.0) / rate
+    return out
+
+
+def write_jsonl_trace(path: Path | str, trace: list[TraceRequest]) -> Path:
+    """`trace` as a JSONL trace file (`load_trace` reads it back)."""
+    path = Path(path)
+    rows = [{"arrival_s": r.arrival_s, "prompt_len": r.prompt_len, "output_len": r.output_len,
+             **({"priority": r.priority} if r.priority else {}),
+             **({"prefix_group": r.prefix_group} if r.prefix_group is not None else {})} for r in trace]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path

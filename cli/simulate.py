@@ -25,37 +25,19 @@ cycle), the run stops with `SimulationStalled` naming the reason, instead of spi
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
-import heapq
-import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
+from cli.virtual_cluster import (ControlPlane, SimRequestLog, SimulationStalled, VirtualCluster,  # noqa: F401
+                                 VirtualReplica)
 from scheduler_service.core.config import SchedulingConfig
 from stepahead import config as cfg
 from stepahead.knobs import KVCacheConfig, SimDeviceConfig, SpeculativeFlag
+from stepahead.plan import WorkerRole
 
 SIMULATED_GROUPS = (SchedulingConfig, SpeculativeFlag)
-
-
-class SimulationStalled(RuntimeError):
-    """The simulated scheduler stopped making progress; the message says why."""
-
-
-@dataclass
-class SimRequestLog:
-    index: int
-    arrival: float
-    prompt_len: int
-    priority: int
-    max_tokens: int
-    token_times: list[float] = field(default_factory=list)
-    first_scheduled: float | None = None
-    finish: float | None = None
-    finish_reason: str = ""
-    num_preemptions: int = 0
 
 
 @dataclass(frozen=True)
@@ -73,10 +55,29 @@ class SimulateConfig(SimDeviceConfig, KVCacheConfig):
     sim_result_latency_ms: float = cfg.field(0.0, "step end on the device -> its result committed")
     sim_egress_latency_ms: float = cfg.field(0.0, "commit -> the token reaches its client")
     result_filename: str = cfg.field("", "write the JSON result here")
+    replicas: int = cfg.field(1, "replicas serving both prefill and decode (data parallel), each with its own "
+                                 "scheduler core, KV pool and device")
+    prefill_replicas: int = cfg.field(0, "disaggregated: replicas that prefill new prompts (with --decode-replicas)")
+    decode_replicas: int = cfg.field(0, "disaggregated: replicas that decode what the prefill replicas handed off")
+    kv_link: str = cfg.field("ib", "the link KV blocks cross from a prefill to a decode replica: nvlink, ib, "
+                                   "pcie or a JSON file (name, bandwidth in bytes/s, latency_s)")
+
+    def roles(self) -> list[WorkerRole]:
+        """Every replica's role: `replicas` BOTH, or the prefill then the decode replicas."""
+        p, d = self.prefill_replicas, self.decode_replicas
+        if p or d:
+            if p < 1 or d < 1 or self.replicas != 1:
+                raise SystemExit("stepahead simulate: --prefill-replicas and --decode-replicas go together (each "
+                                 f">= 1) and replace --replicas; got {p}, {d} and --replicas {self.replicas}")
+            return [WorkerRole.PREFILL] * p + [WorkerRole.DECODE] * d
+        if self.replicas < 1:
+            raise SystemExit(f"stepahead simulate: --replicas must be >= 1, got {self.replicas}")
+        return [WorkerRole.BOTH] * self.replicas
 
 
-def build(config: SimulateConfig, sched_flags):
-    """(runner, scheduler config) from the simulator's and the scheduler daemon's flags."""
+def build(config: SimulateConfig, sched_flags, role: WorkerRole = WorkerRole.BOTH, worker_id: str = "simulate"):
+    """(runner, scheduler config, worker info) of one replica, from the simulator's and the
+    scheduler daemon's flags."""
     from model_zoo.builtin_models import resolve_model
     from stepahead.plan import WorkerInfo
     from worker_service.sim.build import checkpoint_dtype
@@ -89,32 +90,15 @@ def build(config: SimulateConfig, sched_flags):
                        num_blocks=config.num_gpu_blocks_override, memory_utilization=config.gpu_memory_utilization,
                        swap_space_bytes=config.swap_space * 2**30,
                        offload_space_bytes=config.kv_offloading_size * 2**30, eos_probability=0.0)
-    info = WorkerInfo("simulate", model_dir.name, runner.model_type, runner.dtype, runner.device, runner.block_size,
+    info = WorkerInfo(worker_id, model_dir.name, runner.model_type, runner.dtype, runner.device, runner.block_size,
                       runner.num_blocks, runner.num_host_blocks, runner.max_model_len, runner.vocab_size,
-                      tuple(runner.eos_token_ids), num_offload_blocks=runner.num_offload_blocks)
+                      tuple(runner.eos_token_ids), num_offload_blocks=runner.num_offload_blocks, role=role)
     return runner, sched_flags.core_config(info), info
 
 
-@dataclass(frozen=True)
-class ControlPlane:
-    """The real daemons' latencies, in seconds (all 0: a free control plane)."""
-
-    ingress: float = 0.0  # client send -> visible to the scheduler
-    plan: float = 0.0  # plan made -> the device may start it
-    result: float = 0.0  # step end -> result committed (the window frees, the next plan is made)
-    egress: float = 0.0  # commit -> client
-
-    @classmethod
-    def of(cls, config: SimulateConfig) -> ControlPlane:
-        values = (config.sim_ingress_latency_ms, config.sim_plan_latency_ms, config.sim_result_latency_ms,
-                  config.sim_egress_latency_ms)
-        if not all(v >= 0 for v in values):  # also refuses NaN
-            raise SystemExit(f"--sim-*-latency-ms must be >= 0, got {values}")
-        return cls(*(v / 1e3 for v in values))
-
-
-class VirtualSystem:
-    """Scheduler core + sim runner on one virtual clock: arrivals, plans, device steps.
+class VirtualSystem(VirtualCluster):
+    """One replica (`VirtualCluster` with one BOTH replica): scheduler core + sim runner on a
+    virtual clock: arrivals, plans, device steps.
 
     The window is the daemon's own: a `StepLoop` plans while it has room (on a commit, or
     when work arrives) and commits results in plan order, judging each step's lateness from
@@ -124,93 +108,49 @@ class VirtualSystem:
     """
 
     def __init__(self, runner, sched_config, control: ControlPlane = ControlPlane()) -> None:
-        from scheduler_service.core.scheduler import Scheduler
-        from scheduler_service.step_loop import StepLoop
+        super().__init__([("simulate", runner, sched_config, WorkerRole.BOTH)], control)
 
-        self.control = control
-        self.now = 0.0
-        self.runner = runner
-        self.scheduler = Scheduler(sched_config, clock=lambda: self.now)
-        self.loop = StepLoop(self.scheduler)
-        self._after_commit = False  # the next pump follows a commit (the window's lateness signal)
-        self.device: collections.deque = collections.deque()  # (result, when it reaches the scheduler), in plan order
-        self.device_free = 0.0
-        self.busy = 0.0
-        self.num_steps = 0
-        self.logs: dict[str, SimRequestLog] = {}  # request id -> its log, once admitted
-        self.requests: dict[str, object] = {}  # request id -> the Request, once admitted
-        self._follow_up = None
-        self._pending: list = []  # heap of (arrival at the scheduler, sequence number, Request, log)
-        self._arrivals = itertools.count()  # the sequence numbers: equal times keep their order
+    @property
+    def replica(self) -> VirtualReplica:
+        return self.replicas[0]
 
-    def run(self, arrivals: list[tuple[float, object, SimRequestLog]], follow_up=None) -> None:
-        """arrivals: (time, Request, log); fills each log. `follow_up(request, log)`, called as
-        a request finishes (closed loop: a conversation's next turn), returns the next
-        (time, Request, log) to arrive, or None."""
-        from scheduler_service.core.scheduler import RequestRejected
+    @property
+    def scheduler(self):
+        return self.replica.scheduler
 
-        logs, pending, self._follow_up = self.logs, self._pending, follow_up
-        for t, request, log in arrivals:
-            self._arrive(t, request, log)
-        while pending or self.device or self.scheduler.has_unfinished_requests():
-            while pending and pending[0][0] <= self.now:
-                _, _, request, log = heapq.heappop(pending)
-                try:
-                    self.scheduler.add_request(request)
-                except RequestRejected as exc:  # e.g. longer than the model or the KV pool
-                    log.finish, log.finish_reason = self.now, f"REJECTED: {exc}"
-                    continue
-                logs[request.request_id] = log
-                self.requests[request.request_id] = request
-            self._pump()
-            times = ([self.device[0][1]] if self.device else []) + ([pending[0][0]] if pending else [])
-            if not times:
-                if not self.scheduler.has_unfinished_requests():
-                    return  # the last arrivals were rejected
-                raise SimulationStalled(f"simulation stuck at t={self.now}: nothing to plan, "
-                                        f"{self.scheduler.stats()}")
-            self.now = max(self.now, min(times))
-            if self.device and self.device[0][1] <= self.now:
-                self._commit()
-                stall = self.scheduler.stall()
-                if stall is not None:
-                    raise SimulationStalled(f"simulation livelocked at t={self.now:.3f} s: {stall}")
+    @property
+    def runner(self):
+        return self.replica.runner
 
-    def _pump(self) -> None:
-        from stepahead.plan import StepResult, WorkerTiming
+    @property
+    def loop(self):
+        return self.replica.loop
 
-        on_commit, self._after_commit = self._after_commit, False
-        while (plan := self.loop.plan_next(on_commit)) is not None:
-            for r in plan.new_requests:  # the queue wait ends when a plan first takes the request
-                log = self.logs[r.request_id]
-                log.first_scheduled = self.now if log.first_scheduled is None else log.first_scheduled
-            sampled, seconds, failed = self.runner.apply(plan)
-            start = max(self.now + self.control.plan, self.device_free)
-            self.device_free = start + seconds
-            self.busy += seconds
-            result = StepResult(plan.step_id, sampled, failed=failed, speculation=self.runner.last_speculation,
-                                timing=WorkerTiming(forward_start=start, forward_end=self.device_free))
-            self.device.append((result, self.device_free + self.control.result))
-        for request_id, refusal in self.scheduler.take_shed():  # admission control refused it in the queue
-            log = self.logs[request_id]
-            log.finish, log.finish_reason = self.now + self.control.egress, f"REJECTED: {refusal}"
 
-    def _commit(self) -> None:
-        result, _ = self.device.popleft()
-        _, events = self.loop.commit(result)
-        self._after_commit = True
-        self.num_steps += 1
-        for event in events:
-            log, seen = self.logs[event.request_id], self.now + self.control.egress
-            log.token_times += [seen] * len(event.new_token_ids)
-            if event.finish_reason is not None:
-                log.finish, log.finish_reason = seen, event.finish_reason.name
-                nxt = self._follow_up and self._follow_up(self.requests[event.request_id], log)
-                if nxt:
-                    self._arrive(*nxt)
+def build_cluster(config: SimulateConfig, sched_flags) -> tuple[VirtualCluster, object]:
+    """The virtual cluster of `config.roles()` (one replica: a `VirtualSystem`), and the first
+    replica's worker info."""
+    roles = config.roles()
+    control = ControlPlane.of(config)
+    if roles == [WorkerRole.BOTH]:
+        runner, sched_config, info = build(config, sched_flags)
+        return VirtualSystem(runner, sched_config, control), info
+    from worker_service.sim.profiles import load_link_profile
 
-    def _arrive(self, t: float, request, log: SimRequestLog) -> None:
-        heapq.heappush(self._pending, (t + self.control.ingress, next(self._arrivals), request, log))
+    replicas, infos = [], []
+    counts = {role: 0 for role in WorkerRole}
+    for role in roles:
+        name = f"{role.value}-{counts[role]}"
+        counts[role] += 1
+        runner, sched_config, info = build(config, sched_flags, role, worker_id=name)
+        replicas.append((name, runner, sched_config, role))
+        infos.append(info)
+    disaggregated = WorkerRole.PREFILL in roles
+    try:
+        link = load_link_profile(config.kv_link) if disaggregated else None
+    except ValueError as exc:
+        raise SystemExit(f"stepahead simulate: --kv-link: {exc}") from None
+    return VirtualCluster(replicas, control, link, replicas[0][1].kv_bytes_per_block), infos[0]
 
 
 def simulate(config: SimulateConfig, sched_flags) -> dict:
@@ -218,7 +158,8 @@ def simulate(config: SimulateConfig, sched_flags) -> dict:
     from cli.datasets import load_trace, trace_prompts
     from stepahead.plan import SamplingParams
 
-    runner, sched_config, info = build(config, sched_flags)
+    system, info = build_cluster(config, sched_flags)
+    runner = system.replicas[0].runner
     trace = load_trace(config.dataset_path, config.num_prompts, config.trace_speedup)
     prompts = trace_prompts(trace, runner.vocab_size, config.seed)
     arrivals = []
@@ -226,15 +167,15 @@ def simulate(config: SimulateConfig, sched_flags) -> dict:
         sampling = SamplingParams(temperature=0.0, max_tokens=r.output_len, ignore_eos=True)
         log = SimRequestLog(i, r.arrival_s, r.prompt_len, r.priority, r.output_len)
         arrivals.append((r.arrival_s, Request(f"req-{i}", prompt, sampling, priority=r.priority), log))
-    system = VirtualSystem(runner, sched_config, ControlPlane.of(config))
     system.run(arrivals)
     for _, request, log in arrivals:
-        log.num_preemptions = request.num_preemptions
+        log.num_preemptions = system.requests.get(request.request_id, request).num_preemptions  # the last core's
     logs = [log for _, _, log in arrivals]
     return summarize(logs, system, info, config)
 
 
-def summarize(logs: list[SimRequestLog], system: VirtualSystem, info, config: SimulateConfig) -> dict:
+def summarize(logs: list[SimRequestLog], system: VirtualCluster, info, config: SimulateConfig) -> dict:
+    """The run's metrics; `device_utilization` is the replicas' mean, `replicas` each one's."""
     failed = [log for log in logs if log.finish_reason.startswith("REJECTED")]
     logs = [log for log in logs if not log.finish_reason.startswith("REJECTED")]
     duration = max(log.finish for log in logs) - min(log.arrival for log in logs) if logs else 0.0
@@ -247,15 +188,36 @@ def summarize(logs: list[SimRequestLog], system: VirtualSystem, info, config: Si
         "request_throughput": len(logs) / duration, "output_throughput": out / duration,
         "total_token_throughput": (out + sum(log.prompt_len for log in logs)) / duration,
         **request_latencies(logs),
-        "device_utilization": system.busy / duration, "device_busy_s": system.busy, "num_steps": system.num_steps,
-        "num_preemptions": system.scheduler.stats().num_preemptions,
+        "device_utilization": system.busy / duration / len(system.replicas), "device_busy_s": system.busy,
+        "num_steps": system.num_steps,
+        "num_preemptions": sum(r.scheduler.stats().num_preemptions for r in system.replicas),
         "max_preemptions_per_request": max((log.num_preemptions for log in logs), default=0),
         "by_priority": {str(p): request_latencies([log for log in logs if log.priority == p])
                         for p in sorted({log.priority for log in logs})},
         "config": dataclasses.asdict(config),
     }
+    if len(system.replicas) > 1:
+        result["replicas"] = [{"name": r.name, "role": r.role.value, "device_utilization": r.busy / duration,
+                               "num_steps": r.num_steps, "num_preemptions": r.scheduler.stats().num_preemptions,
+                               "num_requests": sum(log.replica == r.name for log in logs),
+                               "num_handed_in": sum(log.decode_replica == r.name for log in logs)}
+                              for r in system.replicas]
+    if system.transfers:
+        result["kv_transfers"] = transfer_stats(system)
     result["requests"] = [dataclasses.asdict(log) for log in sorted([*logs, *failed], key=lambda g: g.index)]
     return result
+
+
+def transfer_stats(system: VirtualCluster) -> dict:
+    """The hand-offs' KV transfers: how many, their bytes, and their time on the link and waiting for it."""
+    from cli.bench import latency_stats
+
+    done = [t for t in system.transfers if t.end is not None]
+    return {"num_transfers": len(system.transfers), "num_completed": len(done), "link": system.link.name,
+            "num_without_load": sum(t.ready is None for t in system.transfers),  # all in the destination's cache
+            "bytes": sum(t.nbytes for t in done), "blocks": sum(t.num_blocks for t in done),
+            **latency_stats("link", [(t.end - t.start) * 1e3 for t in done]),
+            **latency_stats("link_wait", [(t.start - t.ready) * 1e3 for t in done])}
 
 
 def request_latencies(logs: list[SimRequestLog]) -> dict:

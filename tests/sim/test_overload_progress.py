@@ -61,12 +61,12 @@ def bounded_run(monkeypatch, sim_model_dir, trace: str, policy: str, max_steps: 
             seen.extend(request for _, request, _ in arrivals)
             super().run(arrivals)
 
-        def _commit(self):
+        def _commit(self, replica):
             if self.num_steps >= max_steps:
                 raise StepCap(f"{policy}: not finished after {max_steps} steps at t={self.now:.2f} s "
                               f"({self.scheduler.num_unfinished} requests unfinished, "
                               f"{self.scheduler.stats().num_preemptions} preemptions)")
-            super()._commit()
+            super()._commit(replica)
 
     monkeypatch.setattr(simulate, "VirtualSystem", Bounded)
     parser = argparse.ArgumentParser()
