@@ -14,6 +14,7 @@ threads and closes the channels.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +27,10 @@ from worker_service.kv_transfer import max_message_bytes
 
 LOAD_THREADS = 4  # loads that run at once; more wait in the pool's queue
 MAX_ERROR_CHARS = 1000  # a KVLoaded error's length at most
+# Test-only: seconds each load waits before it reads, so a service test can act while loads
+# are in flight (kill their source); read once at import. Never set it in production.
+TEST_HOLD_ENV = "STEPAHEAD_TEST_KV_LOAD_HOLD_S"
+_TEST_HOLD_S = float(os.environ.get(TEST_HOLD_ENV) or 0.0)
 
 
 class LoadError(Exception):
@@ -69,6 +74,8 @@ class KVLoader:
     # -- one load -----------------------------------------------------------------------------
 
     def _run(self, load: KVLoad) -> None:
+        if _TEST_HOLD_S and self._closed.wait(_TEST_HOLD_S):
+            return  # the session ended while held
         started = time.monotonic()
         try:
             self._load(load, started)
