@@ -43,14 +43,16 @@ from testing.processes import spawn_gateway
 from cli.trace import fetch_records
 from stepahead.flight_recorder import StepRecord
 
-# py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up)
+# py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up);
+# py-spy names a frame "function (path:line)", so a method is matched by its name and file
 CATEGORIES = {
     "plan encode": ("plan_to_proto",),
     "result decode": ("result_from_proto", "_read_results"),
-    "event fan-out": ("event_batches", "add_event", "_dispatch", "GatewaySession", "Connect"),
-    "stats/metrics": ("Scheduler.stats", "build_stats", "SchedulerMetrics", "Engine._record", "prometheus"),
+    "event fan-out": ("event_batches", "add_event", "_dispatch", "GatewaySession", "Connect", "batches (scheduler_service/links.py"),
+    "stats/metrics": ("stats (scheduler_service/core/scheduler.py", "build_stats", "SchedulerMetrics", "scheduler_service/metrics.py",
+                      "_record (scheduler_service/replica.py", "prometheus"),
     "update": ("update_from_output",),
-    "schedule": ("Scheduler.schedule",),
+    "schedule": ("schedule (scheduler_service/core/scheduler.py",),
 }
 
 

@@ -46,7 +46,7 @@ from scheduler_service.links import (
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.core.events import PlainTokens, split_plain
+from scheduler_service.core.events import PlainTokens, StepEvents, split_plain
 from scheduler_service.core.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.core.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
@@ -242,9 +242,19 @@ class Engine:
             raise
 
     async def _rounds(self) -> None:
-        next_round = self._inbox.next_round
+        next_round, sleep = self._inbox.next_round, asyncio.sleep
         while True:
             for item in await next_round(self._next_deadline()):  # what came before planning
+                if type(item) is WorkerResult:  # the hot path: commit, plan the next step, ...
+                    replica = self._replicas.get(self._assembly.owner(item.handle))
+                    if replica is None:  # late results of a dropped replica mean nothing
+                        continue
+                    events = self._commit(replica, item.result)
+                    if events is not None:
+                        await sleep(0)  # ... let the worker's writer send that plan, then serve clients
+                        if self._replicas.get(replica.handle) is replica:
+                            self._after_commit(replica, events)
+                    continue
                 if type(item) is Stop:
                     return
                 self._handle(item)
@@ -266,7 +276,9 @@ class Engine:
             case WorkerResult(handle, result):
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:  # late results of a dropped replica mean nothing
-                    self._commit(replica, result)
+                    events = self._commit(replica, result)
+                    if events is not None:
+                        self._after_commit(replica, events)
             case WorkerKVLoaded(handle, loaded):
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:
@@ -377,14 +389,19 @@ class Engine:
             self.metrics.forget(request_id)
             self._dispatch([RequestEvent(request_id, (), FinishReason.ABORT, request.num_prompt_tokens, 0)])
 
-    def _commit(self, replica: Replica, result) -> None:
-        """A result that does not fit the oldest plan drops that replica (its requests move)."""
+    def _commit(self, replica: Replica, result) -> StepEvents | None:
+        """Commit a result and plan the replica's next step (sent to its outbox); the step's
+        events for `_after_commit`. A result that does not fit the oldest plan drops that
+        replica (its requests move): None."""
         try:
-            events = replica.commit(result, self.metrics)
+            return replica.commit(result, self.metrics)
         except ValueError as exc:
             reason = f"invalid step result: {exc}"
             self._lose(replica, reason, WorkerRefused(WorkerRefused.Kind.INVALID, reason))
-            return
+            return None
+
+    def _after_commit(self, replica: Replica, events: StepEvents) -> None:
+        """A committed step's events to their clients and metrics, hand-offs moved."""
         self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
         if replica.handle.info.role is WorkerRole.PREFILL:

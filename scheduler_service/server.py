@@ -39,7 +39,7 @@ from scheduler_service.core.scheduler import RequestRejected
 from stepahead.knobs import SpeculativeFlag, fields_of
 from stepahead.speculative import num_speculative_tokens
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
-from stepahead.undecodable import AioUndecodableGuard
+from stepahead.undecodable import AioUndecodableGuard, Undecodable, reads_undecodable
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo, WorkerRole
@@ -159,11 +159,21 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     reader hands the engine what it reads (the engine's inbox, on the same loop) and its
     writer awaits what the engine hands it (`LoopOutbox`, `GatewaySession.batches`)."""
 
-    def __init__(self, engine: Engine, log) -> None:
+    def __init__(self, engine: Engine, log, guard: AioUndecodableGuard | None = None) -> None:
         self.engine = engine
         self.log = log
+        self.guard = guard  # the server's: the stream readers hand it what does not decode
         self._sessions = itertools.count(1)
 
+    def _undecodable(self, method: str, msg, context) -> bool:
+        """True (and the call will end INVALID_ARGUMENT) when `msg` did not decode."""
+        if type(msg) is not Undecodable:
+            return False
+        if self.guard is not None and context is not None:
+            self.guard.end_stream(f"/{SERVICE_NAME}/{method}", msg, context)
+        return True
+
+    @reads_undecodable
     async def Connect(self, request_iterator, context):
         session = GatewaySession()
         scope = f"{next(self._sessions):x}/"  # this stream's request-id namespace
@@ -174,13 +184,15 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # the gateway went away before its first message  # noqa: BLE001
             self.log.info("gateway_disconnected", error=repr(exc)[:200])
             return
+        if first is not None and self._undecodable("Connect", first, context):
+            return
         if first is not None and first.HasField("options"):
             try:
                 session.plain_token_steps = limits.check_plain_token_steps(first.options.plain_token_steps)
             except limits.LimitError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             first = None
-        reader = asyncio.get_running_loop().create_task(self._read_gateway(requests, session, scope, first))
+        reader = asyncio.get_running_loop().create_task(self._read_gateway(requests, session, scope, first, context))
         try:
             cut = len(scope)
             async for events in session.batches():
@@ -190,7 +202,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not reader.done():
                 reader.cancel()  # its end closes the session in the engine
 
-    async def _read_gateway(self, requests, session: GatewaySession, scope: str, first=None) -> None:
+    async def _read_gateway(self, requests, session: GatewaySession, scope: str, first=None, context=None) -> None:
         engine = self.engine
         try:
             msg = first
@@ -202,6 +214,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                         break
                     except Exception as exc:  # the gateway went away: its requests are aborted below  # noqa: BLE001
                         self.log.info("gateway_disconnected", error=repr(exc)[:200])
+                        break
+                    if type(msg) is Undecodable:
+                        self._undecodable("Connect", msg, context)
                         break
                 kind = msg.WhichOneof("kind")
                 if kind == "submit":
@@ -252,6 +267,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             steps=[codec.step_record_to_proto(r) for _, records in lanes for r in records],
         )
 
+    @reads_undecodable
     async def AttachWorker(self, request_iterator, context):
         requests = request_iterator.__aiter__()
         try:
@@ -259,6 +275,8 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except Exception as exc:  # the worker went away before its hello  # noqa: BLE001
             self.log.info("worker_stream_closed", error=repr(exc)[:200])
             return
+        if first is not None and self._undecodable("AttachWorker", first, context):
+            first = None
         if first is None or not first.HasField("hello"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
         try:
@@ -269,7 +287,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         outbox = LoopOutbox()
         context.add_done_callback(lambda _: outbox.close())  # call over: end the writer
         handle = self.engine.attach_worker(info, outbox)
-        reader = asyncio.get_running_loop().create_task(self._read_results(requests, handle))
+        reader = asyncio.get_running_loop().create_task(self._read_results(requests, handle, context))
         try:
             accepted = outbox.ACCEPTED
             async for plan in outbox:
@@ -324,7 +342,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             group_id=assignment.group_id, rank=assignment.rank, world_size=assignment.world_size,
             master_addr=assignment.master_addr, master_port=assignment.master_port)
 
-    async def _read_results(self, requests, handle: WorkerHandle) -> None:
+    async def _read_results(self, requests, handle: WorkerHandle, context=None) -> None:
         """Results up to the engine; a stream that the worker ends with a `detach` message is a
         worker leaving (info), anything else a loss (a warning; a killed worker's stream can
         end without an error here, and a reader cancelled at the call's end reports a loss)."""
@@ -340,6 +358,10 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     break
                 except Exception as exc:  # noqa: BLE001  the stream failed (reset, cancelled, ...)
                     reason = f"attach stream failed: {exc!r}"
+                    break
+                if type(msg) is Undecodable:
+                    self._undecodable("AttachWorker", msg, context)
+                    reason = "the worker sent a message that does not decode"
                     break
                 kind = msg.WhichOneof("kind")
                 if kind == "result":
@@ -392,13 +414,14 @@ async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None
                                  "internal_call_refused")
     interceptors = ([security.AioCredentialInterceptor(security.cluster_interceptor(config.cluster_token, refusals))]
                     if config.cluster_token else [])
-    interceptors.append(AioUndecodableGuard(log))  # innermost: a refused credential never reads a message
+    guard = AioUndecodableGuard(log)
+    interceptors.append(guard)  # innermost: a refused credential never reads a message
     server = grpc.aio.server(interceptors=interceptors)
     health = daemon.AioHealth(server, [SERVICE_NAME], loop, reflect=config.enable_reflection)
     await health.set_async(False)
     options = replace(config.engine_options(), freeze_heap_on_attach=freeze_heap)
     engine = Engine(config.core_config, log, health.set, options, on_fatal, metrics)  # serving: a worker
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log, guard), server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     port = security.add_port(server, f"{config.host}:{config.port}", tls)
     return server, engine, port

@@ -106,6 +106,14 @@ class UndecodableGuard(grpc.ServerInterceptor):
         return rebuilt(handler, guarded)
 
 
+def reads_undecodable(method):
+    """Marks a request-streaming aio servicer method that checks each message itself (a hot
+    stream: no wrapper per message). It gets an `Undecodable` where a message did not decode
+    and must hand it to `AioUndecodableGuard.end_stream` and stop reading."""
+    method.reads_undecodable = True
+    return method
+
+
 class AioUndecodableGuard(grpc.aio.ServerInterceptor):
     """The guard of a grpc.aio server (the scheduler's). Put it last among the interceptors
     (innermost). A method's behaviour keeps its kind (coroutine or async generator, a request
@@ -128,8 +136,17 @@ class AioUndecodableGuard(grpc.aio.ServerInterceptor):
         self._on_undecodable(method)
         self._limited.note(peer=context.peer(), method=method, error=type(request.error).__name__)
 
+    def end_stream(self, method: str, request: Undecodable, context) -> None:
+        """A `reads_undecodable` method read `request`: counted, logged, and the call ends
+        INVALID_ARGUMENT once the servicer returns (it stops reading)."""
+        self._note(method, request, context)
+        context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+        context.set_details(DETAILS)
+
     def _guarded(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
         behavior, note = behaviour(handler), self._note
+        if handler.request_streaming and getattr(behavior, "reads_undecodable", False):
+            return rebuilt(handler, behavior)
 
         async def checked(requests, context):
             async for request in requests:
