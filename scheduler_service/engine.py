@@ -567,12 +567,15 @@ class Engine:
             deadline = replica.step_deadline(timeout)
             if deadline is not None and deadline <= now:
                 self._lose(replica, f"no step result for {timeout:g} s (--worker-step-timeout)")
+        if not self._parked:
+            return
         expired = [rid for rid, (_, deadline) in self._parked.items() if deadline <= now]
         for rid in expired:
             del self._parked[rid]
             self.metrics.forget(rid)
-        self._dispatch([Rejected(rid, f"no worker attached for {self.options.worker_wait_timeout_s:g} s "
-                                      "(--worker-wait-timeout)", RejectCode.UNAVAILABLE) for rid in expired])
+        if expired:
+            self._dispatch([Rejected(rid, f"no worker attached for {self.options.worker_wait_timeout_s:g} s "
+                                          "(--worker-wait-timeout)", RejectCode.UNAVAILABLE) for rid in expired])
 
     def _next_deadline(self) -> float | None:
         """The earliest deadline (monotonic clock: the loop's), None when there is none."""
