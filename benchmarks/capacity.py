@@ -121,7 +121,7 @@ def phase_utilization(records: list[StepRecord], streams: int, since: float = 0.
 def split_profile(path: Path) -> dict[str, float]:
     """Fraction of GIL-holding samples per category."""
     counts: collections.Counter = collections.Counter()
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
         frames = stack.split(";")[::-1]
         counts[next((c for f in frames for c, keys in CATEGORIES.items() if any(k in f for k in keys)),
@@ -215,7 +215,7 @@ def scheduler_threads(pid: int, before: dict[int, tuple[str, float]], steps: int
 def top_frames(path: Path, n: int = 12) -> dict[str, float]:
     """Fraction of GIL-holding samples per leaf frame (function and file), the n largest."""
     counts: collections.Counter = collections.Counter()
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         stack, _, k = line.rpartition(" ")
         counts[stack.split(";")[-1]] += int(k)
     total = sum(counts.values()) or 1
