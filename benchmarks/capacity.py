@@ -123,6 +123,8 @@ def split_profile(path: Path) -> dict[str, float]:
     counts: collections.Counter = collections.Counter()
     for line in path.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
+        if not n.isdigit():  # a line py-spy garbled (it read the process while it changed)
+            continue
         frames = stack.split(";")[::-1]
         counts[next((c for f in frames for c, keys in CATEGORIES.items() if any(k in f for k in keys)),
                     "gRPC, threads, other")] += int(n)
@@ -217,7 +219,8 @@ def top_frames(path: Path, n: int = 12) -> dict[str, float]:
     counts: collections.Counter = collections.Counter()
     for line in path.read_text(errors="replace").splitlines():
         stack, _, k = line.rpartition(" ")
-        counts[stack.split(";")[-1]] += int(k)
+        if k.isdigit():
+            counts[stack.split(";")[-1]] += int(k)
     total = sum(counts.values()) or 1
     return {frame: c / total for frame, c in counts.most_common(n)}
 
