@@ -286,10 +286,11 @@ class GatewaySession:
     def handled(self) -> None:
         """The engine took one submission (added or refused): room for the next (engine loop)."""
         self._room.release()
-        if self._room_waiters:
+        while self._room_waiters:  # wake one reader still waiting (a cancelled one's wake would be lost)
             waiter = self._room_waiters.popleft()
             if not waiter.done():
                 waiter.set_result(None)
+                break
 
     def _wake(self) -> None:
         waiter = self._waiter
