@@ -43,14 +43,16 @@ from testing.processes import spawn_gateway
 from cli.trace import fetch_records
 from stepahead.flight_recorder import StepRecord
 
-# py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up)
+# py-spy frame name fragments -> category of the scheduler's CPU (first match from the leaf up);
+# py-spy names a frame "function (path:line)", so a method is matched by its name and file
 CATEGORIES = {
     "plan encode": ("plan_to_proto",),
     "result decode": ("result_from_proto", "_read_results"),
-    "event fan-out": ("event_batches", "add_event", "_dispatch", "GatewaySession", "Connect"),
-    "stats/metrics": ("Scheduler.stats", "build_stats", "SchedulerMetrics", "Engine._record", "prometheus"),
+    "event fan-out": ("event_batches", "add_event", "_dispatch", "GatewaySession", "Connect", "batches (scheduler_service/links.py"),
+    "stats/metrics": ("stats (scheduler_service/core/scheduler.py", "build_stats", "SchedulerMetrics", "scheduler_service/metrics.py",
+                      "_record (scheduler_service/replica.py", "prometheus"),
     "update": ("update_from_output",),
-    "schedule": ("Scheduler.schedule",),
+    "schedule": ("schedule (scheduler_service/core/scheduler.py",),
 }
 
 
@@ -119,8 +121,10 @@ def phase_utilization(records: list[StepRecord], streams: int, since: float = 0.
 def split_profile(path: Path) -> dict[str, float]:
     """Fraction of GIL-holding samples per category."""
     counts: collections.Counter = collections.Counter()
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         stack, _, n = line.rpartition(" ")
+        if not n.isdigit():  # a line py-spy garbled (it read the process while it changed)
+            continue
         frames = stack.split(";")[::-1]
         counts[next((c for f in frames for c, keys in CATEGORIES.items() if any(k in f for k in keys)),
                     "gRPC, threads, other")] += int(n)
@@ -213,9 +217,10 @@ def scheduler_threads(pid: int, before: dict[int, tuple[str, float]], steps: int
 def top_frames(path: Path, n: int = 12) -> dict[str, float]:
     """Fraction of GIL-holding samples per leaf frame (function and file), the n largest."""
     counts: collections.Counter = collections.Counter()
-    for line in path.read_text().splitlines():
+    for line in path.read_text(errors="replace").splitlines():
         stack, _, k = line.rpartition(" ")
-        counts[stack.split(";")[-1]] += int(k)
+        if k.isdigit():
+            counts[stack.split(";")[-1]] += int(k)
     total = sum(counts.values()) or 1
     return {frame: c / total for frame, c in counts.most_common(n)}
 

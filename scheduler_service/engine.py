@@ -1,9 +1,12 @@
 """The scheduler daemon's engine: routes requests to data-parallel replicas and drives them.
 
 Pure domain code (no grpc): the servicer hands it submissions, aborts, workers' hellos and
-step results; it hands plans to each worker's outbox and events to gateway sessions. One
-engine thread owns every replica (`replica.py`: a scheduler core + a `StepLoop` each);
-other threads talk to it through its inbox (`inbox.py`), so nothing needs a lock.
+step results; it hands plans to each worker's outbox and events to gateway sessions. The
+engine is one coroutine on an asyncio event loop (the daemon's, which owns every gRPC stream
+too; or a loop of its own on a thread, `start()` with no loop). It owns every replica
+(`replica.py`: a scheduler core + a `StepLoop` each) and takes what the streams hand it
+through its inbox (`inbox.py`); other threads call in through `loop.call_soon_threadsafe`
+(`_call`, `submit`, `abort`, ...), so nothing needs a lock.
 
 Every worker that attaches becomes a replica and takes requests at once. A new request is
 placed on one replica by the router (`router.py`) and stays there: each replica has its
@@ -23,7 +26,9 @@ no replica that decodes, a handed-off request waits like one with no replica at 
 
 from __future__ import annotations
 
+import asyncio
 import collections
+import concurrent.futures
 import dataclasses
 import queue
 import threading
@@ -41,7 +46,7 @@ from scheduler_service.links import (
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
-from scheduler_service.core.events import PlainTokens, split_plain
+from scheduler_service.core.events import PlainTokens, StepEvents, split_plain
 from scheduler_service.core.request import Request
 from scheduler_service.router import Candidate, Router, RouterConfig
 from scheduler_service.core.scheduler import FinishReason, RequestEvent, RequestRejected, Scheduler
@@ -97,16 +102,55 @@ class Engine:
         self._earlier_counts: dict[str, collections.Counter] = {}  # ... by replica name (for /metrics)
         self.groups = GroupFormer()  # JoinGroup callers (servicer threads) -> tensor-parallel groups
         self._assembly = GroupAssembly(self.groups.formed, options.group_attach_timeout_s)  # one replica per group
-        self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None  # the loop's, when the engine runs its own
+        self._task: asyncio.Task | None = None
         self.metrics.watch_replicas(self._metrics_snapshot)
 
     # ---- thread-safe entry points -------------------------------------------------
-    def start(self) -> None:
+    def start(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
+        """Run the engine on `loop` (call this on that loop's thread, e.g. the daemon's), or
+        with no loop on a fresh one in a thread of its own."""
+        if loop is not None:
+            self._begin(loop)
+            return
+        loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=loop.run_forever, name="engine", daemon=True)
         self._thread.start()
+        started = concurrent.futures.Future()
+        loop.call_soon_threadsafe(lambda: started.set_result(self._begin(loop)))
+        started.result(30)
+
+    def _begin(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._inbox.bind(loop)
+        self._task = loop.create_task(self._run(), name="engine")
 
     def stop(self) -> None:
+        """End the engine (from another thread: returns once it ended, within 5 s; on the
+        loop: returns at once, `stopped()` awaits the end)."""
         self._inbox.put(Stop())
-        self._thread.join(timeout=5)
+        if self._thread is not None:
+            try:
+                asyncio.run_coroutine_threadsafe(self.stopped(), self._loop).result(5)
+            except (concurrent.futures.TimeoutError, concurrent.futures.CancelledError, RuntimeError):
+                pass
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(timeout=5)
+        elif self._task is not None and not self._inbox.on_loop():
+            try:
+                asyncio.run_coroutine_threadsafe(self.stopped(), self._loop).result(5)
+            except (concurrent.futures.TimeoutError, RuntimeError):
+                pass
+
+    async def stopped(self) -> None:
+        """Wait until the engine's coroutine ended (stopped or crashed)."""
+        if self._task is not None:
+            await asyncio.wait([self._task])
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
 
     @property
     def worker(self) -> WorkerInfo | None:
@@ -116,8 +160,18 @@ class Engine:
     def submit(self, request: Request, session: GatewaySession) -> None:
         """Queue a request whose events go to `session`, in order with this thread's aborts (no
         round trip; blocks only while the session has its most queued, `reserve`). A refused
-        request gets one `Rejected` event on `session` (QUEUE_FULL, INVALID or UNAVAILABLE)."""
-        session.reserve()
+        request gets one `Rejected` event on `session` (QUEUE_FULL, INVALID or UNAVAILABLE).
+        On the engine's loop it never blocks: a reader there awaits `submit_async`."""
+        if self._inbox.on_loop():
+            if not session.reserve(blocking=False):
+                raise RuntimeError("the session has no room: on the engine's loop, await submit_async")
+        else:
+            session.reserve()
+        self._inbox.put(Submit(request, session))
+
+    async def submit_async(self, request: Request, session: GatewaySession) -> None:
+        """`submit` for a reader on the engine's loop: awaits room in the session."""
+        await session.reserve_async()
         self._inbox.put(Submit(request, session))
 
     def close_session(self, session: GatewaySession) -> None:
@@ -150,7 +204,7 @@ class Engine:
     def _metrics_snapshot(self):
         """Every replica's stats and the earlier cores' counters by name, for a /metrics scrape
         (nothing when the engine does not answer within 5 s: a scrape never hangs)."""
-        if self.crashed or not self._thread.is_alive():
+        if self.crashed or not self.alive:
             return {}, {}
         try:
             return self._call(lambda: ({r.name: r.scheduler.stats() for r in self._replicas.values()},
@@ -163,29 +217,45 @@ class Engine:
         return self._call(lambda: [(r.name, r.recorder.snapshot()) for r in self._replicas.values()])
 
     def _call(self, fn: Callable[[], object], timeout: float | None = None) -> object:
-        """Run fn on the engine thread and return its result (or raise its exception);
-        queue.Empty when `timeout` passes first."""
-        reply: queue.SimpleQueue = queue.SimpleQueue()
+        """Run fn on the engine's loop, between rounds, and return its result (or raise its
+        exception); queue.Empty when `timeout` passes first. On the loop itself (the
+        servicer's calls) fn runs at once: nothing else runs there meanwhile."""
+        if self._inbox.on_loop():
+            return fn()
+        reply: concurrent.futures.Future = concurrent.futures.Future()
         self._inbox.put(Call(fn, reply))
-        ok, value = reply.get(timeout=timeout)
-        if not ok:
-            raise value
-        return value
-
-    # ---- engine thread -------------------------------------------------------------
-    def _run(self) -> None:
         try:
-            self._loop()
+            return reply.result(timeout=timeout)
+        except concurrent.futures.TimeoutError:
+            raise queue.Empty from None
+
+    # ---- engine loop ---------------------------------------------------------------
+    async def _run(self) -> None:
+        try:
+            await self._rounds()
+        except asyncio.CancelledError:
+            raise
         except BaseException:
             self.crashed = True
             self._log.exception("engine_crashed")
             self._on_fatal()
             raise
 
-    def _loop(self) -> None:
+    async def _rounds(self) -> None:
+        next_round, sleep = self._inbox.next_round, asyncio.sleep
         while True:
-            for item in self._inbox.next_round(self._time_to_next_deadline()):  # what came before planning
-                if isinstance(item, Stop):
+            for item in await next_round(self._next_deadline()):  # what came before planning
+                if type(item) is WorkerResult:  # the hot path: commit, plan the next step, ...
+                    replica = self._replicas.get(self._assembly.owner(item.handle))
+                    if replica is None:  # late results of a dropped replica mean nothing
+                        continue
+                    events = self._commit(replica, item.result)
+                    if events is not None:
+                        await sleep(0)  # ... let the worker's writer send that plan, then serve clients
+                        if self._replicas.get(replica.handle) is replica:
+                            self._after_commit(replica, events)
+                    continue
+                if type(item) is Stop:
                     return
                 self._handle(item)
             self._enforce_deadlines()
@@ -206,7 +276,9 @@ class Engine:
             case WorkerResult(handle, result):
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:  # late results of a dropped replica mean nothing
-                    self._commit(replica, result)
+                    events = self._commit(replica, result)
+                    if events is not None:
+                        self._after_commit(replica, events)
             case WorkerKVLoaded(handle, loaded):
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:
@@ -230,9 +302,9 @@ class Engine:
                 session.close()
             case Call(fn, reply):
                 try:
-                    reply.put((True, fn()))
+                    reply.set_result(fn())
                 except Exception as exc:  # handed to the caller, never swallowed
-                    reply.put((False, exc))
+                    reply.set_exception(exc)
             case _:
                 raise AssertionError(f"unknown inbox item {item!r}")
 
@@ -274,7 +346,7 @@ class Engine:
             session.put_many([rejection(request.request_id, exc)])
 
     def _add(self, request: Request, stream: GatewaySession) -> None:
-        """Runs on the engine thread; raises RequestRejected (QueueFull) or NoWorker."""
+        """Runs on the engine loop; raises RequestRejected (QueueFull) or NoWorker."""
         if self._model is None:
             raise NoWorker("no worker attached yet")
         if request.arrival_time is None:  # every policy key reads it, parked or placed
@@ -317,14 +389,19 @@ class Engine:
             self.metrics.forget(request_id)
             self._dispatch([RequestEvent(request_id, (), FinishReason.ABORT, request.num_prompt_tokens, 0)])
 
-    def _commit(self, replica: Replica, result) -> None:
-        """A result that does not fit the oldest plan drops that replica (its requests move)."""
+    def _commit(self, replica: Replica, result) -> StepEvents | None:
+        """Commit a result and plan the replica's next step (sent to its outbox); the step's
+        events for `_after_commit`. A result that does not fit the oldest plan drops that
+        replica (its requests move): None."""
         try:
-            events = replica.commit(result, self.metrics)
+            return replica.commit(result, self.metrics)
         except ValueError as exc:
             reason = f"invalid step result: {exc}"
             self._lose(replica, reason, WorkerRefused(WorkerRefused.Kind.INVALID, reason))
-            return
+            return None
+
+    def _after_commit(self, replica: Replica, events: StepEvents) -> None:
+        """A committed step's events to their clients and metrics, hand-offs moved."""
         self.metrics.on_step_events(events)
         self._dispatch(events.events, events.plain)
         if replica.handle.info.role is WorkerRole.PREFILL:
@@ -490,19 +567,25 @@ class Engine:
             deadline = replica.step_deadline(timeout)
             if deadline is not None and deadline <= now:
                 self._lose(replica, f"no step result for {timeout:g} s (--worker-step-timeout)")
+        if not self._parked:
+            return
         expired = [rid for rid, (_, deadline) in self._parked.items() if deadline <= now]
         for rid in expired:
             del self._parked[rid]
             self.metrics.forget(rid)
-        self._dispatch([Rejected(rid, f"no worker attached for {self.options.worker_wait_timeout_s:g} s "
-                                      "(--worker-wait-timeout)", RejectCode.UNAVAILABLE) for rid in expired])
+        if expired:
+            self._dispatch([Rejected(rid, f"no worker attached for {self.options.worker_wait_timeout_s:g} s "
+                                          "(--worker-wait-timeout)", RejectCode.UNAVAILABLE) for rid in expired])
 
-    def _time_to_next_deadline(self) -> float | None:
+    def _next_deadline(self) -> float | None:
+        """The earliest deadline (monotonic clock: the loop's), None when there is none."""
         timeout = self.options.worker_step_timeout_s
         deadlines = [d for r in self._replicas.values() if (d := r.step_deadline(timeout)) is not None]
-        deadlines += [d for _, d in self._parked.values()]
-        deadlines += [d for d in (self._assembly.next_deadline(),) if d is not None]
-        return max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
+        if self._parked:
+            deadlines += [d for _, d in self._parked.values()]
+        if (d := self._assembly.next_deadline()) is not None:
+            deadlines.append(d)
+        return min(deadlines) if deadlines else None
 
 
 def _candidates(replicas: dict[WorkerHandle, Replica], avoid: WorkerRole, fallback: bool = True) -> list[Candidate]:

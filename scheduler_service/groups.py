@@ -5,7 +5,7 @@ A group of k workers is one replica. It forms in two phases:
 1. `GroupFormer` (the JoinGroup call): workers asking with the same k are grouped in the
    order they asked; when the k-th arrives, each learns its rank and rank 0's rendezvous
    address. A caller that goes away before its group is complete is removed.
-2. `GroupAssembly` (the engine thread): after their rendezvous and loading, the ranks open
+2. `GroupAssembly` (the engine's loop): after their rendezvous and loading, the ranks open
    AttachWorker with the group in their hello. When all k have attached, the assembly
    hands the engine one `GroupHandle`, which the engine treats like a single worker:
    each plan goes to every rank (`FanOutbox`), results come from rank 0 only, and the
@@ -19,6 +19,7 @@ import itertools
 import secrets
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from scheduler_service.links import PlanOutbox, WorkerHandle, WorkerRefused
@@ -42,6 +43,7 @@ class Joiner:
     port: int
     assignment: Assignment | None = None
     done: threading.Event = dataclasses.field(default_factory=threading.Event)
+    notify: Callable[[], None] = lambda: None  # called once done is set (on the thread that set it)
 
 
 class GroupFormer:
@@ -56,13 +58,18 @@ class GroupFormer:
 
     def join(self, joiner: Joiner) -> Assignment | None:
         """Blocks until the joiner's group is complete (its assignment) or it is cancelled (None)."""
+        self.enqueue(joiner)
+        joiner.done.wait()
+        return joiner.assignment
+
+    def enqueue(self, joiner: Joiner) -> None:
+        """`join` without the wait: `joiner.done` is set (and `joiner.notify` called) once its
+        group is complete or it is cancelled (the daemon's event loop awaits that)."""
         with self._lock:
             queue = self._waiting.setdefault(joiner.size, [])
             queue.append(joiner)
             if len(queue) == joiner.size:
                 self._form(self._waiting.pop(joiner.size))
-        joiner.done.wait()
-        return joiner.assignment
 
     def cancel(self, joiner: Joiner) -> None:
         """The caller went away: out of the queue if its group has not formed yet."""
@@ -70,7 +77,9 @@ class GroupFormer:
             queue = self._waiting.get(joiner.size, [])
             if joiner in queue:
                 queue.remove(joiner)
-        joiner.done.set()
+        if not joiner.done.is_set():
+            joiner.done.set()
+            joiner.notify()
 
     def _form(self, members: list[Joiner]) -> None:
         group_id, master = f"tp{next(self._ids)}-{self._life}", members[0]
@@ -78,10 +87,12 @@ class GroupFormer:
         for rank, m in enumerate(members):
             m.assignment = Assignment(group_id, rank, len(members), master.host, master.port)
             m.done.set()
+            m.notify()
 
 
 class FanOutbox:
-    """One plan to every rank's outbox; returns once each wrote it (or its handoff timeout)."""
+    """One plan to every rank's outbox (a `PlanOutbox` or a `LoopOutbox`); returns once each
+    wrote it (or its handoff timeout; at once for the loop's outboxes)."""
 
     def __init__(self, outboxes: list[PlanOutbox]) -> None:
         self.outboxes = outboxes
@@ -115,7 +126,7 @@ _SAME_IN_GROUP = ("model_name", "model_type", "dtype", "block_size", "num_device
 
 
 class GroupAssembly:
-    """Ranks that attached, per group, until the group is complete (engine thread only)."""
+    """Ranks that attached, per group, until the group is complete (engine loop only)."""
 
     def __init__(self, formed: dict[str, int], timeout_s: float) -> None:
         self._formed, self._timeout = formed, timeout_s

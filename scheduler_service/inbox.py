@@ -1,14 +1,19 @@
-"""The engine's inbox: what other threads hand the engine thread, and the order it takes it in.
+"""The engine's inbox: what reaches the engine, and the order it takes it in.
 
-Every thread that talks to the engine (a gateway stream's reader, a worker stream's reader,
-the servicer's calls) puts one item here; only the engine thread takes from it, so the
-engine's state needs no lock. Worker results and losses come as `links.WorkerResult` and
-`links.WorkerLost`; the rest are the items below.
+The engine runs on one asyncio event loop (the daemon's, which also owns every gRPC
+stream). Code on that loop (a gateway stream's reader, a worker stream's reader, the
+servicer's calls) puts items here directly: no thread hand-off, no lock. Another thread
+(a test, the /metrics endpoint) puts them through `loop.call_soon_threadsafe`, so the
+engine's state still has one owner. Worker results and losses come as `links.WorkerResult`
+and `links.WorkerLost`; the rest are the items below.
 """
 
 from __future__ import annotations
 
-import queue
+import asyncio
+import collections
+import concurrent.futures
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,7 +40,7 @@ class Attach:
 @dataclass(frozen=True)
 class Call:
     fn: Callable[[], object]
-    reply: queue.SimpleQueue
+    reply: concurrent.futures.Future
 
 
 @dataclass(frozen=True)
@@ -48,19 +53,66 @@ class Stop:
 
 
 class Inbox:
-    """A C-level `queue.SimpleQueue` (no Python Condition per hand-off) with the engine's rule
-    for taking from it: each round, what it held when the engine woke, not what arrives
-    meanwhile, so a flood of submissions never keeps a device with room from its next plan."""
+    """A deque the engine's coroutine takes from, with the engine's rule for taking: each
+    round, what it held when the engine woke, not what arrives meanwhile, so a flood of
+    submissions never keeps a device with room from its next plan.
+
+    Before `bind` (the engine has not started) any thread may `put`; the items wait."""
 
     def __init__(self) -> None:
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self.put = self._queue.put
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: int | None = None
+        self._timer: asyncio.TimerHandle | None = None
 
-    def next_round(self, timeout: float | None) -> list:
-        """Wait up to `timeout` for an item; then it and every item queued behind it now (only
-        the engine thread takes, so the counted backlog is there to take). [] on timeout."""
-        try:
-            first = self._queue.get(timeout=timeout)
-        except queue.Empty:
-            return []
-        return [first, *(self._queue.get_nowait() for _ in range(self._queue.qsize()))]
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The engine's loop takes from now on (called on that loop's thread)."""
+        self._loop, self._thread = loop, threading.get_ident()
+
+    def on_loop(self) -> bool:
+        """True on the engine loop's thread."""
+        return threading.get_ident() == self._thread
+
+    def put(self, item) -> None:
+        """Queue `item` (any thread)."""
+        if self._thread is None or threading.get_ident() == self._thread:
+            self._put_here(item)
+        else:
+            self._loop.call_soon_threadsafe(self._put_here, item)
+
+    def _put_here(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def _wake(self) -> None:
+        self._timer = None
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def next_round(self, deadline: float | None) -> list:
+        """Wait for an item (or until `deadline`, on the loop's clock); then it and every item
+        queued behind it now. [] when the deadline came first. Yields to the loop at least
+        once, so the writers woken by the last round run before the next one."""
+        items = self._items
+        if items:
+            await asyncio.sleep(0)
+        else:
+            loop = self._loop
+            if deadline is not None:  # one timer, at or before the earliest deadline (an early wake is harmless)
+                timer = self._timer
+                if timer is None or timer.when() > deadline:
+                    if timer is not None:
+                        timer.cancel()
+                    self._timer = loop.call_at(deadline, self._wake)
+            self._waiter = loop.create_future()
+            await self._waiter
+        n = len(items)
+        return [items.popleft() for _ in range(n)]

@@ -2,11 +2,17 @@
 handle of one attached worker, one gateway's session, and what the engine refuses.
 
 The servicer owns the streams; these objects carry plans down, results and losses up (to
-the engine's inbox), and event batches to a gateway's writer.
+the engine's inbox), and event batches to a gateway's writer. In the daemon every stream
+and the engine run on one asyncio event loop: a `LoopOutbox` and a session's `batches()`
+are read by coroutines on that loop and woken by the engine with no thread hand-off. A
+`PlanOutbox` and a session's plain iteration serve a reader on another thread (tests,
+benchmarks that drive the engine without gRPC).
 """
 
 from __future__ import annotations
 
+import asyncio
+import collections
 import enum
 import queue
 import threading
@@ -55,7 +61,8 @@ class Handoff:
 
 
 class PlanOutbox:
-    """Plans from the engine thread to the thread that writes the worker's stream.
+    """Plans from the engine to a thread that writes the worker's stream (tests, benchmarks;
+    the daemon's writer is a coroutine on the engine's loop: `LoopOutbox`).
 
     `send` returns once the stream asked for the message after the plan (i.e. the plan was
     written), or after `handoff_timeout_s`: the engine serves clients only after the
@@ -98,6 +105,77 @@ class PlanOutbox:
             plan, written = item
             yield plan
             written.set()  # the consumer came back for the next one: this one is out
+
+
+class _Written:
+    """`post`'s answer for a plan that is written by a coroutine on the engine's own loop:
+    nothing to wait for (the loop runs the writer as soon as the engine's round yields)."""
+
+    __slots__ = ()
+
+    @staticmethod
+    def wait(timeout: float) -> bool:
+        return True
+
+
+WRITTEN = _Written()
+
+
+class LoopOutbox:
+    """Plans from the engine to the coroutine that writes the worker's stream, both on the
+    engine's event loop: `send` queues the plan and wakes the writer, which runs as soon as
+    the engine's round yields (before the gateway writers the same round woke: the loop
+    runs ready callbacks in order, and the plan is sent before clients are served).
+
+    The writer iterates `async for item in outbox`: `ACCEPTED` once the engine made the
+    worker a replica (the servicer tells the worker), then plans; the iteration ends at
+    `close(error)`, whose `error` (a `WorkerRefused`) is what the writer reports."""
+
+    ACCEPTED = PlanOutbox._ACCEPTED
+    handoff_timeout_s = 0.0  # a group's FanOutbox reads it; nothing waits here
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+        self.error: WorkerRefused | None = None
+
+    def _push(self, item) -> None:
+        self._items.append(item)
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def accept(self) -> None:
+        self._push(self.ACCEPTED)
+
+    def send(self, plan: StepPlan) -> None:
+        self._push(plan)
+
+    def post(self, plan: StepPlan) -> _Written:
+        self._push(plan)
+        return WRITTEN
+
+    def close(self, error: WorkerRefused | None = None) -> None:
+        """End the writer (on the loop: the engine, or the call's end)."""
+        if error is not None and self.error is None:
+            self.error = error
+        self._push(None)
+
+    def __aiter__(self):
+        return self._iterate()
+
+    async def _iterate(self):
+        items = self._items
+        while True:
+            while not items:
+                self._waiter = asyncio.get_running_loop().create_future()
+                await self._waiter
+            item = items.popleft()
+            if item is None:
+                return
+            yield item
 
 
 class WorkerHandle:
@@ -166,35 +244,68 @@ class GatewaySession:
     (and `event_batches` encodes a merged list, split where a request's order needs it).
 
     At most `max_unhandled` of its submissions wait in the engine's inbox at once: the
-    stream's reader blocks on the next one (`Engine.submit`), so gRPC's flow control pushes
-    back on a peer that submits faster than the engine takes them, and a flood holds no
-    more memory than that."""
+    stream's reader waits for room before the next one (`Engine.submit_async` on the loop,
+    `Engine.submit` blocking another thread), so gRPC's flow control pushes back on a peer
+    that submits faster than the engine takes them, and a flood holds no more memory than
+    that.
+
+    The daemon's writer is a coroutine on the engine's loop (`batches()`, woken by
+    `put_many`); a thread may read it instead by plain iteration (tests)."""
 
     MAX_UNHANDLED = 4096
 
     def __init__(self, max_unhandled: int = MAX_UNHANDLED) -> None:
         self._batches: queue.SimpleQueue[list | None] = queue.SimpleQueue()
         self._room = threading.Semaphore(max_unhandled)
+        self._room_waiters: collections.deque[asyncio.Future] = collections.deque()  # loop readers awaiting room
+        self._waiter: asyncio.Future | None = None  # the loop writer, waiting for a batch
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop writer's (close() from another thread)
         # The gateway's SessionOptions.plain_token_steps: set by the stream's reader before its
-        # first submission (so before the engine sees the session), read by the engine thread.
+        # first submission (so before the engine sees the session), read by the engine.
         self.plain_token_steps = 1
-        self._held: list = []  # plain tokens of up to plain_token_steps steps (engine thread)
+        self._held: list = []  # plain tokens of up to plain_token_steps steps (engine loop)
         self._held_steps = 0
 
-    def reserve(self) -> None:
+    def reserve(self, blocking: bool = True) -> bool:
         """A submission is on its way to the engine: blocks while `max_unhandled` are (so
-        never call it on the engine's own thread)."""
-        self._room.acquire()
+        never call it blocking on the engine's own thread); False when not `blocking` and
+        there is no room."""
+        return self._room.acquire(blocking)
+
+    async def reserve_async(self) -> None:
+        """`reserve` for a reader on the engine's loop: awaits room."""
+        while not self._room.acquire(False):
+            waiter = asyncio.get_running_loop().create_future()
+            self._room_waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._room_waiters:
+                    self._room_waiters.remove(waiter)
 
     def handled(self) -> None:
-        """The engine took one submission (added or refused)."""
+        """The engine took one submission (added or refused): room for the next (engine loop)."""
         self._room.release()
+        while self._room_waiters:  # wake one reader still waiting (a cancelled one's wake would be lost)
+            waiter = self._room_waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                break
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def put_many(self, events: list) -> None:
-        """Send `events` now, after any plain tokens held (engine thread)."""
+        """Send `events` now, after any plain tokens held (engine loop)."""
         if self._held:
             events, self._held, self._held_steps = self._held + list(events), [], 0
         self._batches.put(list(events))
+        if self._waiter is not None:
+            self._wake()
 
     def hold_plain(self, parts: list) -> bool:
         """One step's plain tokens for this session (`events.PlainTokens` parts): held until
@@ -207,13 +318,42 @@ class GatewaySession:
         return bool(self._held)
 
     def flush(self) -> None:
-        """Send the plain tokens held, if any (engine thread)."""
+        """Send the plain tokens held, if any (engine loop)."""
         if self._held:
             self.put_many([])
 
     def close(self) -> None:
         """End the writer (any thread: the call's end closes it too; the engine flushes first)."""
         self._batches.put(None)
+        loop = self._loop
+        if loop is not None:
+            try:
+                running = asyncio.get_running_loop()
+            except RuntimeError:
+                running = None
+            if running is loop:
+                self._wake()
+            elif not loop.is_closed():
+                loop.call_soon_threadsafe(self._wake)
+
+    async def batches(self):
+        """The writer on the engine's loop: lists of events, those queued meanwhile merged."""
+        self._loop = asyncio.get_running_loop()
+        batches = self._batches
+        while True:
+            while batches.empty():
+                self._waiter = self._loop.create_future()
+                await self._waiter
+            batch = batches.get_nowait()
+            if batch is None:
+                return
+            while not batches.empty():
+                more = batches.get_nowait()
+                if more is None:
+                    yield batch
+                    return
+                batch += more
+            yield batch
 
     def __iter__(self):
         while (batch := self._batches.get()) is not None:

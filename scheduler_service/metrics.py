@@ -4,7 +4,7 @@ Names follow vLLM's `vllm:*` set under `stepahead:` where the concept is the sam
 carry no `_total`. Per-replica gauges and counters carry a `replica` label (the worker id):
 `sum(stepahead:prefix_cache_hits_total)` is the scheduler's total, one series a replica's
 own. The per-replica gauges and counters are read when /metrics is scraped, never per step
-(`ReplicaStatsCollector`: one snapshot of every replica core, taken on the engine thread);
+(`ReplicaStatsCollector`: one snapshot of every replica core, taken on the engine's loop);
 counters come from each core's monotonic counters plus those of earlier cores under the same
 replica name (a lost replica's gauges go, its counter series stay: totals never go back).
 The engine calls the hooks below from its own thread; prometheus_client is thread-safe.

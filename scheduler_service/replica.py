@@ -3,7 +3,7 @@
 A replica has its own scheduler core (waiting queue, KV block accounting, prefix cache),
 its own `StepLoop` (the in-flight window, so a slow replica never holds another's steps)
 and its own flight-recorder lane. The engine owns the replicas and runs them all on its
-one thread; nothing here locks.
+one event loop; nothing here locks.
 """
 
 from __future__ import annotations

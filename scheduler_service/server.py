@@ -3,16 +3,18 @@
     stepahead scheduler --port 50051 [--max-num-seqs ...]
 
 Gateways open one Connect stream each (plus GetStats/GetModel); workers open AttachWorker. Protos become domain
-objects here and nowhere else in scheduler_service.
+objects here and nowhere else in scheduler_service. One asyncio event loop runs the grpc.aio
+server, every stream's reader and writer, and the engine (no thread per stream, no engine
+thread: a step's result, commit, next plan and events never cross a thread).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import os
-import threading
-from concurrent import futures
+import signal
 from dataclasses import dataclass, replace
 
 import grpc
@@ -24,8 +26,8 @@ from scheduler_service.event_batches import event_batches
 from scheduler_service.groups import Joiner
 from scheduler_service.links import (
     GatewaySession,
+    LoopOutbox,
     NoWorker,
-    PlanOutbox,
     WorkerHandle,
     WorkerRefused,
     rejection,
@@ -37,7 +39,7 @@ from scheduler_service.core.scheduler import RequestRejected
 from stepahead.knobs import SpeculativeFlag, fields_of
 from stepahead.speculative import num_speculative_tokens
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
-from stepahead.undecodable import UndecodableGuard
+from stepahead.undecodable import AioUndecodableGuard, Undecodable, reads_undecodable
 from stepahead import codec, daemon, limits, logs, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo, WorkerRole
@@ -52,7 +54,6 @@ class SchedulerListenConfig:
 
     host: str = cfg.field("127.0.0.1", "address to listen on")
     port: int = cfg.field(50051, "port to listen on (0 picks a free one)")
-    max_workers: int = cfg.field(512, "gRPC server threads (one per open stream)")
     cluster_token: str | None = cfg.field(None, "shared secret every internal call must carry (required off "
                                                 "loopback unless --insecure)")
     insecure: bool = cfg.field(False, "allow listening off loopback without a cluster token")
@@ -154,47 +155,82 @@ def stats_to_proto(stats) -> scheduler_pb2.SchedulerStats:
 
 
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
-    def __init__(self, engine: Engine, log) -> None:
+    """Async methods on the daemon's one event loop, which runs the engine too: a stream's
+    reader hands the engine what it reads (the engine's inbox, on the same loop) and its
+    writer awaits what the engine hands it (`LoopOutbox`, `GatewaySession.batches`)."""
+
+    def __init__(self, engine: Engine, log, guard: AioUndecodableGuard | None = None) -> None:
         self.engine = engine
         self.log = log
+        self.guard = guard  # the server's: the stream readers hand it what does not decode
         self._sessions = itertools.count(1)
 
-    def Connect(self, request_iterator, context):
+    def _undecodable(self, method: str, msg, context) -> bool:
+        """True (and the call will end INVALID_ARGUMENT) when `msg` did not decode."""
+        if type(msg) is not Undecodable:
+            return False
+        if self.guard is not None and context is not None:
+            self.guard.end_stream(f"/{SERVICE_NAME}/{method}", msg, context)
+        return True
+
+    @reads_undecodable
+    async def Connect(self, request_iterator, context):
         session = GatewaySession()
         scope = f"{next(self._sessions):x}/"  # this stream's request-id namespace
-        context.add_callback(session.close)  # call over (client gone, server stopping): end the writer
+        context.add_done_callback(lambda _: session.close())  # call over (client gone, server stopping): end the writer
+        requests = request_iterator.__aiter__()
         try:
-            first = next(request_iterator, None)  # SessionOptions, if any, come first
-        except grpc.RpcError as exc:  # the gateway went away before its first message
+            first = await anext(requests, None)  # SessionOptions, if any, come first
+        except Exception as exc:  # the gateway went away before its first message  # noqa: BLE001
             self.log.info("gateway_disconnected", error=repr(exc)[:200])
+            return
+        if first is not None and self._undecodable("Connect", first, context):
             return
         if first is not None and first.HasField("options"):
             try:
                 session.plain_token_steps = limits.check_plain_token_steps(first.options.plain_token_steps)
             except limits.LimitError as exc:
-                context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             first = None
-        threading.Thread(target=self._read_gateway, args=(request_iterator, session, scope, first),
-                         daemon=True).start()
-        for events in session:
-            yield from event_batches(events, len(scope))
-
-    def _read_gateway(self, request_iterator, session: GatewaySession, scope: str, first=None) -> None:
+        reader = asyncio.get_running_loop().create_task(self._read_gateway(requests, session, scope, first, context))
         try:
-            for msg in itertools.chain((first,) if first is not None else (), request_iterator):
-                if msg.HasField("submit"):
-                    self._submit_on(session, msg.submit, scope)
-                elif msg.HasField("abort"):
-                    self.engine.abort(scope + msg.abort.request_id)  # only this stream's requests
-                elif msg.HasField("options"):  # only as the first message: the stream ends
+            cut = len(scope)
+            async for events in session.batches():
+                for msg in event_batches(events, cut):
+                    yield msg
+        finally:
+            if not reader.done():
+                reader.cancel()  # its end closes the session in the engine
+
+    async def _read_gateway(self, requests, session: GatewaySession, scope: str, first=None, context=None) -> None:
+        engine = self.engine
+        try:
+            msg = first
+            while True:
+                if msg is None:
+                    try:
+                        msg = await anext(requests)
+                    except StopAsyncIteration:
+                        break
+                    except Exception as exc:  # the gateway went away: its requests are aborted below  # noqa: BLE001
+                        self.log.info("gateway_disconnected", error=repr(exc)[:200])
+                        break
+                    if type(msg) is Undecodable:
+                        self._undecodable("Connect", msg, context)
+                        break
+                kind = msg.WhichOneof("kind")
+                if kind == "submit":
+                    await self._submit_on(session, msg.submit, scope)
+                elif kind == "abort":
+                    engine.abort(scope + msg.abort.request_id)  # only this stream's requests
+                elif kind == "options":  # only as the first message: the stream ends
                     self.log.warning("gateway_protocol_error", error="options after the stream's first message")
                     break
-        except grpc.RpcError as exc:  # the gateway went away: its requests are aborted below
-            self.log.info("gateway_disconnected", error=repr(exc)[:200])
+                msg = None
         finally:
-            self.engine.close_session(session)
+            engine.close_session(session)
 
-    def _submit_on(self, session: GatewaySession, msg: scheduler_pb2.SubmitRequest, scope: str) -> None:
+    async def _submit_on(self, session: GatewaySession, msg: scheduler_pb2.SubmitRequest, scope: str) -> None:
         """Submit one request; whatever is wrong with it is answered to it alone (the engine
         answers what it refuses on the session itself)."""
         info = self.engine.worker
@@ -205,9 +241,9 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         except (RequestRejected, NoWorker) as exc:  # the scheduler's own check of the shared limits
             session.put_many([rejection(scope + msg.request_id, exc)])
         else:
-            self.engine.submit(request, session)
+            await self.engine.submit_async(request, session)
 
-    def GetStats(self, request, context):
+    async def GetStats(self, request, context):
         stats, per_replica = self.engine.stats()
         if stats is None:
             fields = scheduler_pb2.SchedulerStats.DESCRIPTOR.fields_by_name
@@ -218,42 +254,62 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                             for name, s in per_replica.items())
         return msg
 
-    def GetModel(self, request, context):
+    async def GetModel(self, request, context):
         info = self.engine.worker
         if info is None:
-            context.abort(grpc.StatusCode.UNAVAILABLE, "no worker attached yet")
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "no worker attached yet")
         return codec.worker_info_to_proto(info)
 
-    def GetFlightRecord(self, request, context):
+    async def GetFlightRecord(self, request, context):
         lanes = self.engine.flight_records()
         return scheduler_pb2.FlightRecord(
             worker_id=",".join(name for name, _ in lanes),
             steps=[codec.step_record_to_proto(r) for _, records in lanes for r in records],
         )
 
-    def AttachWorker(self, request_iterator, context):
-        first = next(request_iterator, None)
+    @reads_undecodable
+    async def AttachWorker(self, request_iterator, context):
+        requests = request_iterator.__aiter__()
+        try:
+            first = await anext(requests, None)
+        except Exception as exc:  # the worker went away before its hello  # noqa: BLE001
+            self.log.info("worker_stream_closed", error=repr(exc)[:200])
+            return
+        if first is not None and self._undecodable("AttachWorker", first, context):
+            first = None
         if first is None or not first.HasField("hello"):
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "the first message must be a hello")
         try:
             info = codec.worker_info_from_proto(first.hello)
             limits.check_worker_info(info)
         except (ValueError, limits.LimitError) as exc:  # a LimitError is a ValueError
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
-        outbox = PlanOutbox(on_accept=lambda: context.send_initial_metadata((daemon.ATTACH_ACCEPTED,)))
-        context.add_callback(outbox.close)  # call over: end the writer
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
+        outbox = LoopOutbox()
+        context.add_done_callback(lambda _: outbox.close())  # call over: end the writer
         handle = self.engine.attach_worker(info, outbox)
-        threading.Thread(target=self._read_results, args=(request_iterator, handle), daemon=True).start()
-        for plan in outbox:
-            msg = scheduler_pb2.SchedulerMessage()
-            codec.plan_to_proto(plan, msg.plan)  # in place: no copy of a finished plan message
-            yield msg
+        reader = asyncio.get_running_loop().create_task(self._read_results(requests, handle, context))
+        try:
+            accepted = outbox.ACCEPTED
+            async for plan in outbox:
+                if plan is accepted:  # the engine made the worker a replica: tell it, before any plan
+                    await context.send_initial_metadata((daemon.ATTACH_ACCEPTED,))
+                    continue
+                msg = scheduler_pb2.SchedulerMessage()
+                codec.plan_to_proto(plan, msg.plan)  # in place: no copy of a finished plan message
+                yield msg
+        except asyncio.CancelledError:  # the call ended: let the reader take what the worker sent last (a detach)
+            if not reader.done():
+                await asyncio.wait([reader], timeout=1.0)
+            raise
+        finally:
+            if not reader.done():
+                reader.cancel()  # its end reports the loss to the engine
         if outbox.error is not None:  # refused or dropped: the worker learns why
             self.log.warning("worker_stream_closed", worker_id=info.worker_id, error=str(outbox.error))
-            context.abort(REFUSAL_STATUS[outbox.error.kind], str(outbox.error))
+            await context.abort(REFUSAL_STATUS[outbox.error.kind], str(outbox.error))
 
-    def JoinGroup(self, request, context):
-        """Blocks until the caller's tensor-parallel group is complete (see scheduler.proto)."""
+    async def JoinGroup(self, request, context):
+        """Waits until the caller's tensor-parallel group is complete (see scheduler.proto)."""
         try:
             limits.check_group_place(request.tensor_parallel_size, 0)
             limits.check_id("worker_id", request.worker_id)
@@ -263,53 +319,81 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             if not 0 < request.rendezvous_port < 65536:
                 raise limits.LimitError("rendezvous_port", f"must be in [1, 65535], got {request.rendezvous_port}")
         except limits.LimitError as exc:
-            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
         joiner = Joiner(request.worker_id, request.tensor_parallel_size,
-                        request.rendezvous_host or peer_host(context.peer()), request.rendezvous_port)
-        context.add_callback(lambda: self.engine.groups.cancel(joiner))  # caller gone: out of the queue
-        assignment = self.engine.groups.join(joiner)
+                        request.rendezvous_host or peer_host(context.peer()), request.rendezvous_port,
+                        notify=lambda: loop.call_soon_threadsafe(_settle, done))
+        groups = self.engine.groups
+        context.add_done_callback(lambda _: groups.cancel(joiner))  # caller gone: out of the queue
+        groups.enqueue(joiner)
+        try:
+            await done
+        finally:
+            if joiner.assignment is None:
+                groups.cancel(joiner)
+        assignment = joiner.assignment
         if assignment is None:
-            context.abort(grpc.StatusCode.CANCELLED, "the call ended before its group was complete")
+            await context.abort(grpc.StatusCode.CANCELLED, "the call ended before its group was complete")
         self.log.info("group_joined", worker_id=request.worker_id, group_id=assignment.group_id,
                       rank=assignment.rank, world_size=assignment.world_size)
         return scheduler_pb2.GroupAssignment(
             group_id=assignment.group_id, rank=assignment.rank, world_size=assignment.world_size,
             master_addr=assignment.master_addr, master_port=assignment.master_port)
 
-    def _read_results(self, request_iterator, handle: WorkerHandle) -> None:
+    async def _read_results(self, requests, handle: WorkerHandle, context=None) -> None:
         """Results up to the engine; a stream that the worker ends with a `detach` message is a
         worker leaving (info), anything else a loss (a warning; a killed worker's stream can
-        end without an error here)."""
+        end without an error here, and a reader cancelled at the call's end reports a loss)."""
         reason, error, clean = "the attach stream ended without a detach (the worker died or its connection broke)", \
             None, False
+        on_result, tp_rank = handle.on_result, handle.info.tp_rank
+        result_from_proto = codec.result_from_proto
         try:
-            for msg in request_iterator:
-                if msg.HasField("fatal_error"):
+            while True:
+                try:
+                    msg = await anext(requests)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001  the stream failed (reset, cancelled, ...)
+                    reason = f"attach stream failed: {exc!r}"
+                    break
+                if type(msg) is Undecodable:
+                    self._undecodable("AttachWorker", msg, context)
+                    reason = "the worker sent a message that does not decode"
+                    break
+                kind = msg.WhichOneof("kind")
+                if kind == "result":
+                    if tp_rank:
+                        reason = "a tensor-parallel rank other than 0 sent a result (only rank 0 reports)"
+                        error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
+                        break
+                    try:
+                        result = result_from_proto(msg.result)
+                    except ValueError as exc:  # columns that do not line up, an id twice, ...
+                        error = WorkerRefused(WorkerRefused.Kind.INVALID, reason := f"invalid step result: {exc}")
+                        break
+                    on_result(result)
+                elif kind == "kv_loaded":
+                    handle.on_kv_loaded(codec.kv_loaded_from_proto(msg.kv_loaded))
+                elif kind == "fatal_error":
                     reason = f"the worker failed: {msg.fatal_error[:1000]}"
                     break
-                if msg.HasField("detach"):
+                elif kind == "detach":
                     reason, clean = f"the worker detached: {msg.detach[:200]}", True
                     break
-                if msg.HasField("kv_loaded"):
-                    handle.on_kv_loaded(codec.kv_loaded_from_proto(msg.kv_loaded))
-                    continue
-                if not msg.HasField("result"):
+                else:
                     reason = "the worker sent something other than a result after its hello"
                     error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
                     break
-                if handle.info.tp_rank:
-                    reason = "a tensor-parallel rank other than 0 sent a result (only rank 0 reports)"
-                    error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
-                    break
-                try:
-                    result = codec.result_from_proto(msg.result)
-                except ValueError as exc:  # columns that do not line up, an id twice, ...
-                    error = WorkerRefused(WorkerRefused.Kind.INVALID, reason := f"invalid step result: {exc}")
-                    break
-                handle.on_result(result)
-        except grpc.RpcError as exc:  # the server side raises a bare RpcError (no code) on reset
-            reason = f"attach stream failed: {exc!r}"
-        handle.on_lost(reason, error, clean)
+        finally:
+            handle.on_lost(reason, error, clean)
+
+
+def _settle(future: asyncio.Future) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 def peer_host(peer: str) -> str:
@@ -318,20 +402,26 @@ def peer_host(peer: str) -> str:
     return address.rsplit(":", 1)[0].strip("[]")
 
 
-def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None, freeze_heap: bool = False
-                 ) -> tuple[grpc.Server, Engine, int]:  # freeze_heap: the process is the daemon's own (run)
+async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None, freeze_heap: bool = False
+                       ) -> tuple[grpc.aio.Server, Engine, int]:  # freeze_heap: the process is the daemon's own (run)
+    """The grpc.aio server and the engine, on the running loop (the engine starts with
+    `engine.start(loop)`, the server with `await server.start()`)."""
     config.check_exposure()
     num_speculative_tokens(config.speculative_config)  # a bad --speculative-config fails here, named
+    loop = asyncio.get_running_loop()
     metrics = SchedulerMetrics(REGISTRY)
     refusals = security.Refusals(log, lambda method: metrics.internal_auth_refused.labels("scheduler", method).inc(),
                                  "internal_call_refused")
-    interceptors = [security.cluster_interceptor(config.cluster_token, refusals)] if config.cluster_token else []
-    interceptors.append(UndecodableGuard(log))  # innermost: a refused credential never reads a message
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.max_workers), interceptors=interceptors)
-    health = daemon.Health(server, [SERVICE_NAME], reflect=config.enable_reflection)
+    interceptors = ([security.AioCredentialInterceptor(security.cluster_interceptor(config.cluster_token, refusals))]
+                    if config.cluster_token else [])
+    guard = AioUndecodableGuard(log)
+    interceptors.append(guard)  # innermost: a refused credential never reads a message
+    server = grpc.aio.server(interceptors=interceptors)
+    health = daemon.AioHealth(server, [SERVICE_NAME], loop, reflect=config.enable_reflection)
+    await health.set_async(False)
     options = replace(config.engine_options(), freeze_heap_on_attach=freeze_heap)
     engine = Engine(config.core_config, log, health.set, options, on_fatal, metrics)  # serving: a worker
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log), server)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log, guard), server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     port = security.add_port(server, f"{config.host}:{config.port}", tls)
     return server, engine, port
@@ -344,20 +434,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = cfg.from_args(SchedulerDaemonConfig, args)
     log = logs.configure("scheduler", config.log_level)
-    daemon.tune_gil()
-    stop = daemon.install_stop_handlers()
+    daemon.tune_gil()  # the loop and grpc's poller thread hand each message over
+    return asyncio.run(_serve(config, log))
+
+
+async def _serve(config: SchedulerDaemonConfig, log, grace_s: float = 2.0) -> int:
+    """The daemon on one event loop: the gRPC server, every stream and the engine."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
     try:
-        server, engine, port = build_server(config, log, stop.set, freeze_heap=True)  # a dead engine ends the daemon
+        server, engine, port = await build_server(config, log, stop.set, freeze_heap=True)  # a dead engine ends it
         GcPauses(REGISTRY, "stepahead:gc_pause_seconds", log, config.gc_warning_threshold_secs)
     except (cfg.ConfigError, ValueError) as exc:
         log.error("bad_configuration", error=str(exc))
         return 2
     freeze_heap()
-    engine.start()
-    server.start()
+    engine.start(loop)
+    await server.start()
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=REGISTRY)
     log.info("scheduler_listening", address=f"{config.host}:{port}", pid=os.getpid())
-    daemon.serve_until_stopped(server, stop)
+    await stop.wait()
+    await server.stop(grace_s)
     engine.stop()
+    try:
+        await asyncio.wait_for(engine.stopped(), 5)
+    except asyncio.TimeoutError:
+        pass
     return 1 if engine.crashed else 0

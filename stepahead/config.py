@@ -76,7 +76,7 @@ RANGES: dict[str, Range] = {
     "long_prefill_token_threshold": Range(int, 0), "max_concurrent_batches": _POSITIVE,
     "max_queued_requests": _POSITIVE, "max_logprobs": Range(int, 0), "preemption_min_progress": Range(int, 0),
     # processes and threads
-    "num_threads": _POSITIVE, "max_workers": _POSITIVE, "data_parallel_size": _POSITIVE,
+    "num_threads": _POSITIVE, "data_parallel_size": _POSITIVE,
     "prefill_replicas": Range(int, 0), "decode_replicas": Range(int, 0),
     "tensor_parallel_size": Range(int, 1, 1024), "sim_num_devices": _POSITIVE, "max_restarts": Range(int, 0),
     "structured_outputs_cache_size": _POSITIVE, "flight_recorder_steps": Range(int, 0),

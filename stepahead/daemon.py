@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import sys
 import threading
@@ -9,6 +10,7 @@ from collections.abc import Iterable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1._async import HealthServicer as _AioHealthServicerBase
 from grpc_reflection.v1alpha import reflection
 
 HEALTH_SERVICE = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
@@ -43,6 +45,52 @@ class Health:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for name in self.services:
             self.servicer.set(name, status)
+
+
+class _AioHealthServicer(_AioHealthServicerBase):
+    """grpcio-health's asyncio servicer with `List` (see `_HealthServicer`)."""
+
+    async def List(self, request: health_pb2.HealthListRequest, context) -> health_pb2.HealthListResponse:
+        return health_pb2.HealthListResponse(statuses={
+            name: health_pb2.HealthCheckResponse(status=status) for name, status in self._server_status.items()})
+
+
+class AioHealth:
+    """`Health` on a grpc.aio server whose loop is `loop`: `set` from that loop (it queues
+    the change as a task there, in call order) or from any other thread (it waits for it).
+    Call `await set_async(False)` before the server starts."""
+
+    def __init__(self, server: grpc.aio.Server, services: Iterable[str], loop: asyncio.AbstractEventLoop,
+                 reflect: bool = True) -> None:
+        self.servicer = _AioHealthServicer()
+        self.services = ("", *services)
+        self.loop = loop
+        self._changes: list = []  # queued on the loop, applied in order by one task at a time
+        health_pb2_grpc.add_HealthServicer_to_server(self.servicer, server)
+        if reflect:
+            reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+
+    async def set_async(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in self.services:
+            await self.servicer.set(name, status)
+
+    def set(self, serving: bool, timeout_s: float = 5.0) -> None:
+        try:
+            on_loop = asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            on_loop = False
+        if not on_loop:
+            asyncio.run_coroutine_threadsafe(self.set_async(serving), self.loop).result(timeout_s)
+            return
+        self._changes.append(serving)
+        if len(self._changes) == 1:
+            self.loop.create_task(self._apply())
+
+    async def _apply(self) -> None:
+        while self._changes:
+            await self.set_async(self._changes[0])
+            self._changes.pop(0)
 
 
 def tune_gil(switch_interval_s: float = 0.0005) -> None:

@@ -5,13 +5,14 @@ deserializing message!"), a log any client that reaches the port can flood, the
 unauthenticated health service of an internal daemon included. A guard wraps each method's
 request deserializer to hand back an `Undecodable` instead of raising, and the method's
 behaviour to refuse one before the servicer sees it: counted (`on_undecodable(method)`) and
-logged at most once per interval. `UndecodableGuard` is the threaded servers' (scheduler,
-worker health); the gateway's grpc.aio server has its own over the same two pieces
-(`gateway.server.UndecodableGuard`).
+logged at most once per interval. `UndecodableGuard` is the threaded servers' (worker
+health), `AioUndecodableGuard` the scheduler's grpc.aio server's; the gateway's grpc.aio
+server has its own over the same two pieces (`gateway.server.UndecodableGuard`).
 """
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import grpc
@@ -102,4 +103,80 @@ class UndecodableGuard(grpc.ServerInterceptor):
                 if isinstance(request, Undecodable):
                     refuse(method, request, context)
                 return inner(request, context)
+        return rebuilt(handler, guarded)
+
+
+def reads_undecodable(method):
+    """Marks a request-streaming aio servicer method that checks each message itself (a hot
+    stream: no wrapper per message). It gets an `Undecodable` where a message did not decode
+    and must hand it to `AioUndecodableGuard.end_stream` and stop reading."""
+    method.reads_undecodable = True
+    return method
+
+
+class AioUndecodableGuard(grpc.aio.ServerInterceptor):
+    """The guard of a grpc.aio server (the scheduler's). Put it last among the interceptors
+    (innermost). A method's behaviour keeps its kind (coroutine or async generator, a request
+    or a request stream). A request stream may be read by a task of the servicer's own,
+    where an abort would end only that task: the stream ends there instead, and the call
+    ends with INVALID_ARGUMENT when the servicer returns."""
+
+    def __init__(self, log, on_undecodable: Callable[[str], None] = lambda method: None,
+                 interval_s: float = 10.0) -> None:
+        self._limited = RateLimitedLog(log, EVENT, interval_s)
+        self._on_undecodable = on_undecodable
+
+    async def intercept_service(self, continuation, handler_call_details):
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        return self._guarded(handler, handler_call_details.method)
+
+    def _note(self, method: str, request: Undecodable, context) -> None:
+        self._on_undecodable(method)
+        self._limited.note(peer=context.peer(), method=method, error=type(request.error).__name__)
+
+    def end_stream(self, method: str, request: Undecodable, context) -> None:
+        """A `reads_undecodable` method read `request`: counted, logged, and the call ends
+        INVALID_ARGUMENT once the servicer returns (it stops reading)."""
+        self._note(method, request, context)
+        context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+        context.set_details(DETAILS)
+
+    def _guarded(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+        behavior, note = behaviour(handler), self._note
+        if handler.request_streaming and getattr(behavior, "reads_undecodable", False):
+            return rebuilt(handler, behavior)
+
+        async def checked(requests, context):
+            async for request in requests:
+                if isinstance(request, Undecodable):
+                    note(method, request, context)
+                    context.set_code(grpc.StatusCode.INVALID_ARGUMENT)
+                    context.set_details(DETAILS)
+                    return
+                yield request
+
+        if handler.request_streaming:
+            if inspect.isasyncgenfunction(behavior):
+                async def guarded(requests, context):
+                    async for response in behavior(checked(requests, context), context):
+                        yield response
+            else:
+                async def guarded(requests, context):
+                    return await behavior(checked(requests, context), context)
+        elif inspect.isasyncgenfunction(behavior):
+            async def guarded(request, context):
+                if isinstance(request, Undecodable):
+                    note(method, request, context)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
+                async for response in behavior(request, context):
+                    yield response
+        else:
+            async def guarded(request, context):
+                if isinstance(request, Undecodable):
+                    note(method, request, context)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, DETAILS)
+                result = behavior(request, context)  # a servicer method may be sync
+                return await result if inspect.isawaitable(result) else result
         return rebuilt(handler, guarded)

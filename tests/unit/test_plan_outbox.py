@@ -37,3 +37,28 @@ def test_send_returns_after_the_handoff_timeout_when_no_writer_reads():
     outbox.send(StepPlan(step_id=0))  # returns: a stalled stream never blocks the engine for long
     outbox.close()
     assert [p.step_id for p in outbox] == [0]
+
+
+def test_a_loop_outbox_yields_the_acceptance_then_plans_in_order_and_ends_at_close():
+    import asyncio
+
+    from scheduler_service.links import LoopOutbox, WorkerRefused
+
+    async def main():
+        outbox, got = LoopOutbox(), []
+
+        async def writer():
+            async for item in outbox:
+                got.append(item if item is LoopOutbox.ACCEPTED else item.step_id)
+
+        task = asyncio.ensure_future(writer())
+        await asyncio.sleep(0)  # the writer waits
+        outbox.accept()
+        outbox.send(StepPlan(step_id=0))
+        assert outbox.post(StepPlan(step_id=1)).wait(0)  # nothing to wait for on the loop
+        await asyncio.sleep(0)
+        outbox.close(WorkerRefused(WorkerRefused.Kind.INVALID, "bad"))
+        await asyncio.wait_for(task, 5)
+        assert got == [LoopOutbox.ACCEPTED, 0, 1] and str(outbox.error) == "bad"
+
+    asyncio.run(main())

@@ -4,6 +4,8 @@ loss is logged as one and counted in stepahead:workers_lost_total."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from scheduler_service.server import SchedulerServicer
@@ -33,6 +35,11 @@ class Handle:
 ])
 def test_only_a_detach_message_makes_the_end_clean(messages, clean, reason):
     handle = Handle()
-    SchedulerServicer(engine=None, log=None)._read_results(iter(messages), handle)
+
+    async def stream():
+        for msg in messages:
+            yield msg
+
+    asyncio.run(SchedulerServicer(engine=None, log=None)._read_results(stream(), handle))
     [(got_reason, error, got_clean)] = handle.lost
     assert got_clean is clean and reason in got_reason and error is None
