@@ -426,8 +426,9 @@ class Engine:
                 self._park(request)
                 continue
             transfer_id = self._transfers.start(source.handle, rid)
-            target.scheduler.add_transferred(request, source.handle.info.kv_transfer_address, handoff.block_ids,
-                                             transfer_id)
+            info = source.handle.info
+            target.scheduler.add_transferred(request, info.kv_transfer_address, handoff.block_ids, transfer_id,
+                                             info.kv_transfer_instance)
             self._owner[rid] = target
 
     def _kv_loaded(self, replica: Replica, loaded) -> None:

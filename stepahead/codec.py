@@ -178,7 +178,8 @@ def plan_to_proto(plan: StepPlan, out: scheduler_pb2.StepPlan | None = None) -> 
         _running_to_proto(plan.running, msg.running)
     if plan.kv_loads:
         msg.kv_loads.extend(scheduler_pb2.KVLoad(transfer_id=x.transfer_id, source=x.source,
-                                                 src_block_ids=x.src_block_ids, dst_block_ids=x.dst_block_ids)
+                                                 src_block_ids=x.src_block_ids, dst_block_ids=x.dst_block_ids,
+                                                 source_instance=x.source_instance)
                             for x in plan.kv_loads)
     return msg
 
@@ -225,7 +226,8 @@ def _kv_load_from_proto(msg: scheduler_pb2.KVLoad) -> KVLoad:
     if len(msg.src_block_ids) != len(msg.dst_block_ids):
         raise ValueError(f"kv_loads: transfer {msg.transfer_id} has {len(msg.src_block_ids)} src_block_ids "
                          f"but {len(msg.dst_block_ids)} dst_block_ids")
-    return KVLoad(msg.transfer_id, msg.source, tuple(msg.src_block_ids), tuple(msg.dst_block_ids))
+    return KVLoad(msg.transfer_id, msg.source, tuple(msg.src_block_ids), tuple(msg.dst_block_ids),
+                  msg.source_instance)
 
 
 def kv_loaded_to_proto(loaded: KVLoaded) -> scheduler_pb2.KVLoaded:
@@ -368,6 +370,7 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         num_offload_blocks=info.num_offload_blocks,
         role=_ROLE_TO_PROTO[info.role],
         kv_transfer_address=info.kv_transfer_address,
+        kv_transfer_instance=info.kv_transfer_instance,
     )
 
 
@@ -394,4 +397,5 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         num_offload_blocks=msg.num_offload_blocks,
         role=_role_from_proto(msg.role),
         kv_transfer_address=msg.kv_transfer_address,
+        kv_transfer_instance=msg.kv_transfer_instance,
     )

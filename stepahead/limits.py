@@ -446,6 +446,7 @@ def check_worker_info(info) -> None:
     if (info.tp_size > 1) != bool(info.group_id):
         raise LimitError("group_id", "must be set exactly when tensor_parallel_size > 1")
     check_id("kv_transfer_address", info.kv_transfer_address)
+    check_id("kv_transfer_instance", info.kv_transfer_instance)
     if info.role.value != "both" and info.tp_size > 1:
         raise LimitError("role", "disaggregation (a prefill or decode role) needs tensor_parallel_size 1")
     if info.role.value == "prefill" and not info.kv_transfer_address:

@@ -248,6 +248,7 @@ class KVLoad:
     source: str  # host:port of the source worker's KV transfer service
     src_block_ids: tuple[int, ...]  # device blocks on the source, in sequence order
     dst_block_ids: tuple[int, ...]  # this worker's device blocks, one per source block
+    source_instance: str = ""  # the source's `WorkerInfo.kv_transfer_instance`: no other serves it
 
 
 @dataclass(frozen=True)
@@ -369,3 +370,6 @@ class WorkerInfo:
     # host:port of this worker's KV transfer service, where decode replicas read the blocks
     # of prompts it prefilled ("" : none; a prefill-role worker always has one)
     kv_transfer_address: str = ""
+    # a random id its KVTransfer service drew at start: a restarted worker at the same address
+    # is another instance, and refuses reads meant for the one that held the blocks
+    kv_transfer_instance: str = ""

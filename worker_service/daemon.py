@@ -47,7 +47,8 @@ def serve(config: WorkerConfig, stop: threading.Event, log, health: WorkerHealth
     info = worker_info(config, runner, model_dir)
     if kv_server is not None:
         kv_server.serve(runner)
-        info = dataclasses.replace(info, kv_transfer_address=kv_server.address)
+        info = dataclasses.replace(info, kv_transfer_address=kv_server.address,
+                                   kv_transfer_instance=kv_server.instance)
     log.info("model_loaded", **{k: v.value if isinstance(v, enum.Enum) else v for k, v in info.__dict__.items()
                                 if k != "eos_token_ids"})
     log_kv_capacity(log, info)

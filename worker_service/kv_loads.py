@@ -102,7 +102,8 @@ class KVLoader:
 
         stub = scheduler_pb2_grpc.KVTransferStub(self._channel(load.source))
         call = stub.ReadBlocks(scheduler_pb2.ReadBlocksRequest(transfer_id=load.transfer_id,
-                                                               block_ids=load.src_block_ids),
+                                                               block_ids=load.src_block_ids,
+                                                               instance=load.source_instance),
                                timeout=self._timeout_s)
         with self._lock:
             if self._closed.is_set():

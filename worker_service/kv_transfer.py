@@ -14,6 +14,7 @@ requests refused quietly. Block ids a peer names are checked against the pool
 
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 from concurrent import futures
@@ -64,6 +65,7 @@ class KVTransferServicer:
     def __init__(self, log) -> None:
         self.runner = None
         self.log = log
+        self.instance = secrets.token_hex(8)  # this process's service: `WorkerInfo.kv_transfer_instance`
 
     def ReadBlocks(self, request, context):
         from stepahead.v1 import scheduler_pb2
@@ -71,6 +73,10 @@ class KVTransferServicer:
         runner = self.runner
         if runner is None:
             context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is still loading its model")
+        if request.instance != self.instance:  # meant for a worker that was here before: its KV is gone
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"instance: this KV transfer service is {self.instance!r}, not {request.instance!r} "
+                          "(the worker that held those blocks is gone)")
         try:
             limits.check_kv_blocks("block_ids", request.block_ids, runner.num_blocks)
         except limits.LimitError as exc:
@@ -110,6 +116,7 @@ class KVTransferServer:
         except (OSError, ValueError) as exc:  # unreadable or incomplete TLS files
             raise cfg.ConfigError(f"--kv-transfer-ssl-*: {exc}") from None
         self.address = host_port(config.kv_transfer_advertise_host or config.kv_transfer_host, self.port)
+        self.instance = self.servicer.instance
         self._server.start()
         self._closed = threading.Event()
 

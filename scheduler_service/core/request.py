@@ -81,6 +81,7 @@ class KVSource:
     address: str  # the source worker's KV transfer service (host:port)
     block_ids: tuple[int, ...]  # its device blocks there, in sequence order (held until released)
     transfer_id: int  # the engine's id of the move
+    instance: str = ""  # the source's KV transfer instance (no restarted worker serves it)
 
 
 # Counters kept in the running set's columns while the request runs (same names there).

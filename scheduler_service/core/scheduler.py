@@ -172,13 +172,14 @@ class Scheduler:
         self._requests[rid] = request
         self._waiting.push(request)
 
-    def add_transferred(self, request: Request, source: str, block_ids: tuple[int, ...], transfer_id: int) -> None:
+    def add_transferred(self, request: Request, source: str, block_ids: tuple[int, ...], transfer_id: int,
+                        source_instance: str = "") -> None:
         """Take over a request a prefill core handed off (`Handoff`): queued like a readmitted
         request; admitted, its prompt's KV is loaded from `source` (the prefill worker's
-        transfer address), where `block_ids` hold it, instead of computed."""
+        transfer address and instance), where `block_ids` hold it, instead of computed."""
         assert not self._hands_off, "a prefill core takes no transferred request"
         self.adopt(request)
-        request.kv_source = KVSource(source, tuple(block_ids), transfer_id)
+        request.kv_source = KVSource(source, tuple(block_ids), transfer_id, source_instance)
 
     def source_lost(self, transfer_id: int) -> None:
         """The source of a transfer is gone: a request still waiting for it is computed here
@@ -474,7 +475,7 @@ class Scheduler:
         self._loading[req.request_id] = req
         req.last_step_id = b.step_id  # the blocks are this plan's until the load is reported
         b.kv_loads.append(KVLoad(source.transfer_id, source.address, source.block_ids[first:num_prompt_blocks],
-                                 tuple(req.block_ids[first:num_prompt_blocks])))
+                                 tuple(req.block_ids[first:num_prompt_blocks]), source.instance))
         self._loads[source.transfer_id] = req
         return _Admission.OK
 

@@ -209,7 +209,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs", "group_id", "tensor_parallel_rank", "tensor_parallel_size", "no_logprobs", "no_structured_outputs", "sliding_window", "num_offload_blocks", "role", "kv_transfer_address")
+    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs", "group_id", "tensor_parallel_rank", "tensor_parallel_size", "no_logprobs", "no_structured_outputs", "sliding_window", "num_offload_blocks", "role", "kv_transfer_address", "kv_transfer_instance")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +231,7 @@ class WorkerHello(_message.Message):
     NUM_OFFLOAD_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_name: str
     model_type: str
@@ -252,7 +253,8 @@ class WorkerHello(_message.Message):
     num_offload_blocks: int
     role: WorkerRole
     kv_transfer_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., no_logprobs: _Optional[bool] = ..., no_structured_outputs: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_transfer_address: _Optional[str] = ...) -> None: ...
+    kv_transfer_instance: str
+    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., no_logprobs: _Optional[bool] = ..., no_structured_outputs: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_transfer_address: _Optional[str] = ..., kv_transfer_instance: _Optional[str] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
     __slots__ = ("hello", "result", "fatal_error", "detach", "kv_loaded")
@@ -277,16 +279,18 @@ class KVLoaded(_message.Message):
     def __init__(self, transfer_id: _Optional[int] = ..., error: _Optional[str] = ...) -> None: ...
 
 class KVLoad(_message.Message):
-    __slots__ = ("transfer_id", "source", "src_block_ids", "dst_block_ids")
+    __slots__ = ("transfer_id", "source", "src_block_ids", "dst_block_ids", "source_instance")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     SRC_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     DST_BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_INSTANCE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     source: str
     src_block_ids: _containers.RepeatedScalarFieldContainer[int]
     dst_block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[int] = ..., source: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    source_instance: str
+    def __init__(self, transfer_id: _Optional[int] = ..., source: _Optional[str] = ..., src_block_ids: _Optional[_Iterable[int]] = ..., dst_block_ids: _Optional[_Iterable[int]] = ..., source_instance: _Optional[str] = ...) -> None: ...
 
 class SchedulerMessage(_message.Message):
     __slots__ = ("plan",)
@@ -481,12 +485,14 @@ class StepRecord(_message.Message):
     def __init__(self, step_id: _Optional[int] = ..., schedule_start: _Optional[float] = ..., schedule_end: _Optional[float] = ..., plan_sent: _Optional[float] = ..., commit_start: _Optional[float] = ..., result_committed: _Optional[float] = ..., num_requests: _Optional[int] = ..., num_tokens: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., worker: _Optional[_Union[WorkerTiming, _Mapping]] = ..., replica: _Optional[str] = ...) -> None: ...
 
 class ReadBlocksRequest(_message.Message):
-    __slots__ = ("transfer_id", "block_ids")
+    __slots__ = ("transfer_id", "block_ids", "instance")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
+    INSTANCE_FIELD_NUMBER: _ClassVar[int]
     transfer_id: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, transfer_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    instance: str
+    def __init__(self, transfer_id: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class KVChunk(_message.Message):
     __slots__ = ("num_blocks", "bytes_per_block", "data")

@@ -84,7 +84,8 @@ def test_loaded_blocks_equal_the_source_and_decode_on_as_there(source, destinati
     token = first.sampled_token_ids["r"]
     session = Session(destination)
     try:
-        destination.execute(StepPlan(1, kv_loads=(KVLoad(7, server.address, SRC_BLOCKS, DST_BLOCKS),)))
+        load = KVLoad(7, server.address, SRC_BLOCKS, DST_BLOCKS, server.instance)
+        destination.execute(StepPlan(1, kv_loads=(load,)))
         report = session.report()
     finally:
         session.close()
@@ -120,7 +121,7 @@ def test_a_load_between_runners_of_another_device_or_dtype(tiny_model_dir, devic
         first = src.execute(StepPlan(1, new_requests=(NewRequest("r", PROMPT, GREEDY, SRC_BLOCKS, 0, len(PROMPT)),)))
         # the source decodes on while the destination reads the prompt's blocks (the decode writes block 7 only)
         decode = src.launch(StepPlan(2, running=(RunningRequest("r", (7,), 1),)))
-        dst.execute(StepPlan(1, kv_loads=(KVLoad(8, server.address, SRC_BLOCKS, DST_BLOCKS),)))
+        dst.execute(StepPlan(1, kv_loads=(KVLoad(8, server.address, SRC_BLOCKS, DST_BLOCKS, server.instance),)))
         report = session.report()
         assert report.error == ""
         assert src.read_kv_blocks(list(SRC_BLOCKS)) == dst.read_kv_blocks(list(DST_BLOCKS))
@@ -138,9 +139,23 @@ def test_a_block_outside_the_pool_is_invalid_argument_naming_block_ids(source) -
     with _config().scheduler_channel(server.address) as channel:
         stub = scheduler_pb2_grpc.KVTransferStub(channel)
         with pytest.raises(grpc.RpcError) as refused:
-            list(stub.ReadBlocks(scheduler_pb2.ReadBlocksRequest(transfer_id=1, block_ids=[0, 16]), timeout=30))
+            request = scheduler_pb2.ReadBlocksRequest(transfer_id=1, block_ids=[0, 16], instance=server.instance)
+            list(stub.ReadBlocks(request, timeout=30))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "block_ids" in refused.value.details() and "16" in refused.value.details()
+
+
+def test_a_read_meant_for_another_instance_is_refused_naming_it(source) -> None:
+    """A worker restarted on the same address holds other KV: a read meant for the one that
+    held the blocks (its hello's instance) must fail, not return whatever is there now."""
+    _, server = source
+    with _config().scheduler_channel(server.address) as channel:
+        stub = scheduler_pb2_grpc.KVTransferStub(channel)
+        with pytest.raises(grpc.RpcError) as refused:
+            list(stub.ReadBlocks(scheduler_pb2.ReadBlocksRequest(transfer_id=1, block_ids=[0], instance="gone"),
+                                 timeout=30))
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "instance" in refused.value.details()
 
 
 def test_a_call_without_the_cluster_token_is_unauthenticated(source) -> None:
@@ -156,7 +171,7 @@ def test_chunks_are_whole_blocks_each_with_the_block_size(source) -> None:
     src, server = source
     with _config().scheduler_channel(server.address) as channel:
         chunks = list(scheduler_pb2_grpc.KVTransferStub(channel).ReadBlocks(
-            scheduler_pb2.ReadBlocksRequest(transfer_id=1, block_ids=[4, 0, 4]), timeout=30))
+            scheduler_pb2.ReadBlocksRequest(transfer_id=1, block_ids=[4, 0, 4], instance=server.instance), timeout=30))
     assert sum(c.num_blocks for c in chunks) == 3
     assert all(c.bytes_per_block == src.kv_bytes_per_block and len(c.data) == c.num_blocks * c.bytes_per_block
                for c in chunks)
@@ -266,7 +281,7 @@ def test_a_sim_load_reports_no_earlier_than_the_link_takes(tiny_model_dir) -> No
     blocks = tuple(range(8))
     try:
         started = time.monotonic()
-        dst.execute(StepPlan(1, kv_loads=(KVLoad(21, server.address, blocks, blocks[::-1]),)))
+        dst.execute(StepPlan(1, kv_loads=(KVLoad(21, server.address, blocks, blocks[::-1], server.instance),)))
         report = session.report()
         elapsed = time.monotonic() - started
     finally:
@@ -306,11 +321,11 @@ def test_over_mtls_the_loader_presents_the_workers_scheduler_credentials(tmp_pat
                      scheduler_ssl_keyfile=str(certs.client_key))
     session = Session(destination, config=client)
     try:
-        destination.execute(StepPlan(1, kv_loads=(KVLoad(31, server.address, (0, 1), (2, 3)),)))
+        destination.execute(StepPlan(1, kv_loads=(KVLoad(31, server.address, (0, 1), (2, 3), server.instance),)))
         assert session.report().error == ""
         plain = Session(destination)  # no client certificate, no CA: the handshake fails
         try:
-            destination.execute(StepPlan(2, kv_loads=(KVLoad(32, server.address, (0,), (4,)),)))
+            destination.execute(StepPlan(2, kv_loads=(KVLoad(32, server.address, (0,), (4,), server.instance),)))
             failed = plain.report()
         finally:
             plain.close()
