@@ -48,6 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "depends on the per-replica rate, not on the cluster's size)")
     p.add_argument("--num-requests", type=int, default=None, help="a fixed number of requests per run instead")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--output-median", type=int, default=24, help="output tokens: the log-normal's median")
+    p.add_argument("--max-output", type=int, default=256, help="output tokens at most")
     p.add_argument("--ttft-slo", type=float, default=2.0, help="seconds")
     p.add_argument("--tpot-slo", type=float, default=0.05, help="seconds")
     p.add_argument("--attainment", type=float, default=0.9, help="fraction of requests meeting both SLOs")
@@ -71,7 +73,8 @@ def num_requests(args, setup: str) -> int:
 
 
 def run_sim(args, setup: str, rate: float, work: Path) -> dict:
-    trace = long_prompt_trace(num_requests(args, setup), rate, args.seed)
+    trace = long_prompt_trace(num_requests(args, setup), rate, args.seed, output_median=args.output_median,
+                              max_output=args.max_output)
     path = write_jsonl_trace(work / f"trace-{rate:.6g}.jsonl", trace)
     flags, _ = setup_flags(setup)
     parser = argparse.ArgumentParser()
