@@ -21,10 +21,10 @@ import pytest
 
 from stepahead.plan import SamplingParams
 from stepahead.ports import free_port
-from stepahead.v1 import common_pb2, generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
+from stepahead.v1 import generation_pb2_grpc, scheduler_pb2, scheduler_pb2_grpc
 from testing.processes import spawn
 from tests.service.streams import wait_health
-from tests.sim.test_sim_chaos import EOS_P, SEED, reference_rule, request
+from tests.sim.test_sim_chaos import EOS_P, SEED, check_reference_outputs, reference_rule, request
 
 ROLES = ("prefill", "prefill", "decode", "decode")
 
@@ -72,8 +72,6 @@ class DisaggCluster:
 
 @pytest.mark.parametrize("num_requests", [300, pytest.param(1000, marks=pytest.mark.slow)], ids=["300", "1000"])
 def test_killing_prefill_and_decode_workers_loses_no_request(sim_model_dir, fast_profile, num_requests):
-    from worker_service.sim.tokens import reference_output
-
     runner = reference_rule(sim_model_dir)
     rng = random.Random(num_requests)
     work = []
@@ -114,11 +112,7 @@ def test_killing_prefill_and_decode_workers_loses_no_request(sim_model_dir, fast
             results = list(pool.map(run, range(num_requests)))
         chaos_thread.join(timeout=60)
         assert chaos_done.is_set(), "the chaos did not happen while requests streamed"
-        for i, ((prompt, s), (tokens, reason)) in enumerate(zip(work, results)):
-            want = reference_output(runner.rule, prompt, s, runner.max_model_len)
-            assert tokens == want, f"request {i}: {len(tokens)} tokens, want {len(want)}; first diff at " \
-                f"{next((k for k, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))}"
-            assert reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), (i, reason)
+        check_reference_outputs(runner, work, results)
         channel.close()
         deadline = time.monotonic() + 10
         while True:  # steps in flight settle

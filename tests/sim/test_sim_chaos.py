@@ -91,6 +91,17 @@ def reference_rule(model_dir):
     return SimRunner(model_dir, load_profile("h200"), seed=SEED, eos_probability=EOS_P, num_blocks=64)
 
 
+def check_reference_outputs(runner, work: list, results: list) -> None:
+    """Each request's streamed tokens are the sim's reference tokens, and it ended normally."""
+    from worker_service.sim.tokens import reference_output
+
+    for i, ((prompt, s), (tokens, reason)) in enumerate(zip(work, results)):
+        want = reference_output(runner.rule, prompt, s, runner.max_model_len)
+        assert tokens == want, f"request {i}: {len(tokens)} tokens, want {len(want)}; first diff at " \
+            f"{next((k for k, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))}"
+        assert reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), (i, reason)
+
+
 def request(prompt: list[int], s: SamplingParams) -> generation_pb2.GenerateRequest:
     sampling = common_pb2.SamplingParams(temperature=1.0, max_tokens=s.max_tokens, seed=s.seed)
     return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sampling)
@@ -102,8 +113,6 @@ def request(prompt: list[int], s: SamplingParams) -> generation_pb2.GenerateRequ
 def test_killing_workers_and_a_scheduler_loses_no_request(sim_model_dir, fast_profile, num_requests,
                                                           workers_per_scheduler, num_gateways):
     pytest.importorskip("worker_service.sim.tokens")
-    from worker_service.sim.tokens import reference_output
-
     runner = reference_rule(sim_model_dir)
     rng = random.Random(num_requests)
     work = []
@@ -146,11 +155,7 @@ def test_killing_workers_and_a_scheduler_loses_no_request(sim_model_dir, fast_pr
             results = list(pool.map(run, range(num_requests)))
         chaos_thread.join(timeout=60)
         assert chaos_done.is_set(), "the chaos did not happen while requests streamed"
-        for i, ((prompt, s), (tokens, reason)) in enumerate(zip(work, results)):
-            want = reference_output(runner.rule, prompt, s, runner.max_model_len)
-            assert tokens == want, f"request {i}: {len(tokens)} tokens, want {len(want)}; first diff at " \
-                f"{next((k for k, (a, b) in enumerate(zip(tokens, want)) if a != b), min(len(tokens), len(want)))}"
-            assert reason in (common_pb2.FINISH_REASON_STOP, common_pb2.FINISH_REASON_LENGTH), (i, reason)
+        check_reference_outputs(runner, work, results)
         for ch in channels:
             ch.close()
         for i in range(NUM_SCHEDULERS):
