@@ -64,26 +64,32 @@ BUILTIN_PROFILES: dict[str, AcceleratorProfile] = {
 
 def load_profile(spec: str) -> AcceleratorProfile:
     """A built-in profile name, or the path of a JSON file with AcceleratorProfile's keys."""
-    if spec in BUILTIN_PROFILES:
-        return BUILTIN_PROFILES[spec]
+    return _load("sim profile", AcceleratorProfile, BUILTIN_PROFILES, spec)
+
+
+def _load(what: str, cls, builtins: dict, spec: str):
+    """`builtins[spec]`, or an instance of the dataclass `cls` from the JSON file at `spec`
+    (its keys, `name` defaulting to the file's stem); ValueError naming what is wrong."""
+    if spec in builtins:
+        return builtins[spec]
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"sim profile {spec!r} is neither a built-in ({', '.join(BUILTIN_PROFILES)}) nor a file")
+        raise ValueError(f"{what} {spec!r} is neither a built-in ({', '.join(builtins)}) nor a file")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"sim profile {path}: not JSON: {exc}") from None
+        raise ValueError(f"{what} {path}: not JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"sim profile {path}: expected a JSON object")
-    known = {f.name for f in dataclasses.fields(AcceleratorProfile)}
+        raise ValueError(f"{what} {path}: expected a JSON object")
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"sim profile {path}: unknown keys {unknown}; known: {sorted(known)}")
+        raise ValueError(f"{what} {path}: unknown keys {unknown}; known: {sorted(known)}")
     raw.setdefault("name", path.stem)
     try:
-        return AcceleratorProfile(**raw)
+        return cls(**raw)
     except TypeError as exc:  # a required key is missing
-        raise ValueError(f"sim profile {path}: {exc}") from None
+        raise ValueError(f"{what} {path}: {exc}") from None
 
 
 # ---- links between replicas (KV transfers of disaggregated prefill/decode) --------------------
@@ -130,23 +136,4 @@ def load_link_profile(spec: str) -> LinkProfile:
     """A built-in link name (nvlink, ib, pcie), or the path of a JSON file with LinkProfile's
     keys (`bandwidth`, `latency_s`; `name` defaults to the file's stem). The offline
     simulator and the sim worker (`--sim-kv-link`) both read links through this."""
-    if spec in BUILTIN_LINKS:
-        return BUILTIN_LINKS[spec]
-    path = Path(spec)
-    if not path.is_file():
-        raise ValueError(f"sim link {spec!r} is neither a built-in ({', '.join(BUILTIN_LINKS)}) nor a file")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"sim link {path}: not JSON: {exc}") from None
-    if not isinstance(raw, dict):
-        raise ValueError(f"sim link {path}: expected a JSON object")
-    known = {f.name for f in dataclasses.fields(LinkProfile)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"sim link {path}: unknown keys {unknown}; known: {sorted(known)}")
-    raw.setdefault("name", path.stem)
-    try:
-        return LinkProfile(**raw)
-    except TypeError as exc:  # a required key is missing
-        raise ValueError(f"sim link {path}: {exc}") from None
+    return _load("sim link", LinkProfile, BUILTIN_LINKS, spec)
