@@ -60,7 +60,8 @@ from scheduler_service.core.step_builder import InFlightPlan, StepBuilder
 from scheduler_service.core.token_rules import num_new_tokens
 from stepahead.plan import KVLoad, KVLoaded, StepPlan, StepResult, WorkerRole
 
-__all__ = ["FinishReason", "Handoff", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats", "StepEvents"]
+__all__ = ["FinishReason", "Handoff", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats",
+           "StepEvents"]
 
 
 _run_key = attrgetter("run_key")  # the policy's order of running / swapped requests
@@ -119,6 +120,7 @@ class Scheduler:
         self._held: dict[str, tuple[list[int], int]] = {}  # handed-off id -> (its blocks, newest plan)
         self._loading: dict[str, Request] = {}  # LOADING requests by id (loads in flight, and done)
         self._loads: dict[int, Request] = {}  # transfer id -> request whose load is in flight
+        self._load_sizes: dict[int, int] = {}  # transfer id -> blocks it loads
         self._loaded: list[Request] = []  # LOADING requests whose KV is in, to resume (oldest first)
         self._released_sources: list[int] = []  # transfers whose source blocks this core is done with
 
@@ -197,6 +199,7 @@ class Scheduler:
         req = self._loads.pop(loaded.transfer_id, None)
         if req is None:
             raise ValueError(f"kv_loaded: transfer {loaded.transfer_id} is not a load in flight on this replica")
+        size = self._load_sizes.pop(loaded.transfer_id)
         self._released_sources.append(loaded.transfer_id)
         if req.status is not RequestStatus.LOADING:  # finished (aborted) while loading: its blocks are free now
             self._kv.free(req)
@@ -210,7 +213,7 @@ class Scheduler:
             req.queued_time = self._clock()
             self._waiting.push(req)
             return
-        self._counts["num_loaded_blocks"] += cdiv(req.num_computed_tokens, self.config.block_size)
+        self._counts["num_loaded_blocks"] += size
         self._kv.register_computed(req)  # the loaded prompt's full blocks serve later hits here
         self._loaded.append(req)
 
@@ -438,8 +441,8 @@ class Scheduler:
 
     def _try_load(self, req: Request, b: StepBuilder, now: float) -> _Admission:
         """Admit a transferred request: blocks for its prompt, the ones its local prefix-cache
-        hit (device, then host tier) lacks loaded from the source (a `KVLoad` in this plan). It preempts nobody: it
-        waits for free blocks (its source holds the KV meanwhile)."""
+        hit (device, then host tier) lacks loaded from the source (a `KVLoad` in this plan).
+        It preempts nobody: it waits for free blocks (its source holds the KV meanwhile)."""
         bs, source = self.config.block_size, req.kv_source
         if b.token_budget == 0:
             return _Admission.NO_BUDGET
@@ -477,6 +480,7 @@ class Scheduler:
         b.kv_loads.append(KVLoad(source.transfer_id, source.address, source.block_ids[first:num_prompt_blocks],
                                  tuple(req.block_ids[first:num_prompt_blocks]), source.instance))
         self._loads[source.transfer_id] = req
+        self._load_sizes[source.transfer_id] = num_prompt_blocks - first
         return _Admission.OK
 
     def _policy_victim(self, candidate: Request, b: StepBuilder, now: float) -> Request | None:
