@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler_service.links import GatewaySession, WorkerHandle
+from scheduler_service.links import GatewaySession, Wakeup, WorkerHandle
 from scheduler_service.core.request import Request
 
 
@@ -61,7 +61,7 @@ class Inbox:
 
     def __init__(self) -> None:
         self._items: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
+        self._wakeup = Wakeup()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: int | None = None
         self._timer: asyncio.TimerHandle | None = None
@@ -83,19 +83,11 @@ class Inbox:
 
     def _put_here(self, item) -> None:
         self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wakeup.set()
 
     def _wake(self) -> None:
         self._timer = None
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wakeup.set()
 
     async def next_round(self, deadline: float | None) -> list:
         """Wait for an item (or until `deadline`, on the loop's clock); then it and every item
@@ -112,7 +104,6 @@ class Inbox:
                     if timer is not None:
                         timer.cancel()
                     self._timer = loop.call_at(deadline, self._wake)
-            self._waiter = loop.create_future()
-            await self._waiter
+            await self._wakeup.wait(loop)
         n = len(items)
         return [items.popleft() for _ in range(n)]

@@ -121,6 +121,31 @@ class _Written:
 WRITTEN = _Written()
 
 
+class Wakeup:
+    """The one coroutine of an asyncio loop that waits for more work (a stream's writer, the
+    engine): `wait` parks it until `set`, which the loop's other code calls after adding work."""
+
+    __slots__ = ("_future",)
+
+    def __init__(self) -> None:
+        self._future: asyncio.Future | None = None
+
+    @property
+    def waiting(self) -> bool:
+        return self._future is not None
+
+    def set(self) -> None:
+        future = self._future
+        if future is not None:
+            self._future = None
+            if not future.done():
+                future.set_result(None)
+
+    async def wait(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._future = loop.create_future()
+        await self._future
+
+
 class LoopOutbox:
     """Plans from the engine to the coroutine that writes the worker's stream, both on the
     engine's event loop: `send` queues the plan and wakes the writer, which runs as soon as
@@ -136,16 +161,12 @@ class LoopOutbox:
 
     def __init__(self) -> None:
         self._items: collections.deque = collections.deque()
-        self._waiter: asyncio.Future | None = None
+        self._wakeup = Wakeup()
         self.error: WorkerRefused | None = None
 
     def _push(self, item) -> None:
         self._items.append(item)
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._wakeup.set()
 
     def accept(self) -> None:
         self._push(self.ACCEPTED)
@@ -170,8 +191,7 @@ class LoopOutbox:
         items = self._items
         while True:
             while not items:
-                self._waiter = asyncio.get_running_loop().create_future()
-                await self._waiter
+                await self._wakeup.wait(asyncio.get_running_loop())
             item = items.popleft()
             if item is None:
                 return
@@ -258,7 +278,7 @@ class GatewaySession:
         self._batches: queue.SimpleQueue[list | None] = queue.SimpleQueue()
         self._room = threading.Semaphore(max_unhandled)
         self._room_waiters: collections.deque[asyncio.Future] = collections.deque()  # loop readers awaiting room
-        self._waiter: asyncio.Future | None = None  # the loop writer, waiting for a batch
+        self._wakeup = Wakeup()  # the loop writer, waiting for a batch
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop writer's (close() from another thread)
         # The gateway's SessionOptions.plain_token_steps: set by the stream's reader before its
         # first submission (so before the engine sees the session), read by the engine.
@@ -292,20 +312,13 @@ class GatewaySession:
                 waiter.set_result(None)
                 break
 
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
     def put_many(self, events: list) -> None:
         """Send `events` now, after any plain tokens held (engine loop)."""
         if self._held:
             events, self._held, self._held_steps = self._held + list(events), [], 0
         self._batches.put(list(events))
-        if self._waiter is not None:
-            self._wake()
+        if self._wakeup.waiting:
+            self._wakeup.set()
 
     def hold_plain(self, parts: list) -> bool:
         """One step's plain tokens for this session (`events.PlainTokens` parts): held until
@@ -332,9 +345,9 @@ class GatewaySession:
             except RuntimeError:
                 running = None
             if running is loop:
-                self._wake()
+                self._wakeup.set()
             elif not loop.is_closed():
-                loop.call_soon_threadsafe(self._wake)
+                loop.call_soon_threadsafe(self._wakeup.set)
 
     async def batches(self):
         """The writer on the engine's loop: lists of events, those queued meanwhile merged."""
@@ -342,8 +355,7 @@ class GatewaySession:
         batches = self._batches
         while True:
             while batches.empty():
-                self._waiter = self._loop.create_future()
-                await self._waiter
+                await self._wakeup.wait(self._loop)
             batch = batches.get_nowait()
             if batch is None:
                 return
