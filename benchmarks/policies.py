@@ -3,17 +3,18 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/policies.py --out benchmarks/results/policies.json
 
-Traces (`--traces conv code`). With `--azure-csv conv=PATH code=PATH` a downloaded Azure LLM
-inference trace (2023; `TIMESTAMP,ContextTokens,GeneratedTokens`, parsed by `cli.datasets`) is
-replayed as it is: its first `--num-requests` rows, their real lengths and their real
-inter-arrival times, only rescaled to each load. No real trace ships in this repository, so by
-default each trace is *generated from its published shape* (`SHAPES`, `bursty_rows`): bursts
-(Gamma inter-arrival times of coefficient of variation `--burst-cv`, the rate switching between
-busy and calm phases `--burst-ratio` times apart, at the same mean rate) and log-normal lengths
-of the service's median and spread (conversation: prompts of median 1,020 tokens, outputs of
-median 150; code: prompts of median 1,500, outputs of median 13). It is a stand-in of that
-shape, not the trace. Priority classes are drawn per request: 10 % priority 0, 30 % priority 1,
-60 % priority 2.
+Traces (`--traces conv code`): the Azure LLM inference trace 2023 (conversation and code
+services), replayed as it is: its first `--num-requests` rows, with their real prompt and
+output lengths and their real inter-arrival times (burstiness kept), only rescaled to each
+load. The repository ships the first 5,147 conversation rows and the first 3,000 code rows
+(`benchmarks/data/azure_llm_2023/`, CC-BY 4.0); `--azure-csv conv=PATH` replays a whole
+downloaded file (`TIMESTAMP,ContextTokens,GeneratedTokens`, parsed by `cli.datasets`).
+`--generated` replaces each trace by a stand-in generated from its published shape (`SHAPES`,
+`bursty_rows`): bursts (Gamma inter-arrival times of coefficient of variation `--burst-cv`, the
+rate switching between busy and calm phases `--burst-ratio` times apart, at the same mean rate)
+and log-normal lengths of the service's median and spread (conversation: prompts of median
+1,020 tokens, outputs of median 150; code: prompts of median 1,500, outputs of median 13).
+Priority classes are drawn per request: 10 % priority 0, 30 % priority 1, 60 % priority 2.
 
 Per trace the profile's capacity (requests/s: fcfs's steady finish rate when every request
 arrives at once) is measured first (`--capacity conv=R`: given), then the trace runs at 0.5x,
@@ -40,22 +41,10 @@ import tempfile
 from pathlib import Path
 
 from testing.overload import (  # noqa: F401 (POLICIES, TTFT_SLO_S, run_sim: benchmarks/policies_realtime.py)
-    POLICIES, SHAPES, TTFT_SLO_S, _priority, bursty_rows, quality, run_sim, write_trace,
+    AZURE_TRACES, POLICIES, SHAPES, TTFT_SLO_S, _priority, azure_rows, bursty_rows, quality, run_sim, write_trace,
 )
 
 LOADS = (0.5, 1.0, 1.5)
-
-
-def azure_rows(path: Path, n: int, rate: float, seed: int) -> list[dict]:
-    """The first `n` requests of an Azure trace CSV, their inter-arrival times scaled to mean
-    `rate` (inf: all at once), a priority class drawn per request."""
-    from cli.datasets import load_trace
-
-    trace, rng = load_trace(path, n), random.Random(seed)
-    span = trace[-1].arrival_s
-    scale = 0.0 if rate == float("inf") or span == 0 else (len(trace) - 1) / rate / span
-    return [{"arrival_s": r.arrival_s * scale, "prompt_len": r.prompt_len, "output_len": r.output_len,
-             "priority": _priority(rng)} for r in trace]
 
 
 def poisson_trace(path: Path, n: int, rate: float, seed: int, prompt: tuple[int, int],
@@ -119,8 +108,8 @@ def goals(rows: list[dict]) -> list[tuple[str, bool]]:
 
 
 def rows_for(args, trace: str, rate: float) -> list[dict]:
-    if trace in args.azure_csv:
-        return azure_rows(Path(args.azure_csv[trace]), args.num_requests, rate, args.seed)
+    if not args.generated:
+        return azure_rows(Path(args.azure_csv.get(trace, AZURE_TRACES[trace])), args.num_requests, rate, args.seed)
     return bursty_rows(random.Random(args.seed), args.num_requests, rate, SHAPES[trace], args.burst_cv,
                        args.burst_ratio, args.burst_phase_s)
 
@@ -157,7 +146,10 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--traces", nargs="+", choices=sorted(SHAPES), default=["conv", "code"])
     p.add_argument("--azure-csv", nargs="*", default=[], metavar="TRACE=PATH",
-                   help="replay a downloaded Azure trace CSV instead of the generated shape")
+                   help="replay this Azure trace CSV (a whole downloaded file) instead of the rows that ship in "
+                   "benchmarks/data/azure_llm_2023/")
+    p.add_argument("--generated", action="store_true",
+                   help="generate each trace from its published shape (bursty_rows) instead of replaying the real one")
     p.add_argument("--sim-profile", default="h200")
     p.add_argument("--model", default="llama3-8b-sim")
     p.add_argument("--num-requests", type=int, default=1500)
@@ -192,7 +184,9 @@ def main() -> None:
     args.out.write_text(json.dumps({
         "capacity_req_s": capacities, "rows": rows,
         "goals": [{"goal": text, "holds": ok} for text, ok in verdicts],
-        "trace_source": {t: args.azure_csv.get(t, "generated from the published shape") for t in args.traces},
+        "trace_source": {t: ("generated from the published shape" if args.generated
+                             else str(args.azure_csv.get(t, AZURE_TRACES[t].relative_to(AZURE_TRACES[t].parents[3]))))
+                         for t in args.traces},
         "args": {k: str(v) for k, v in vars(args).items()}}, indent=2))
 
 

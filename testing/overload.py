@@ -1,8 +1,10 @@
 """Overload traces and their quality measures, shared by `benchmarks/policies.py` (which
 documents them) and the sim tests of its goals (`tests/sim/test_overload_goals.py`): the
-Azure LLM inference trace's two services as generated shapes (`SHAPES`, `bursty_rows`),
-priority classes, `stepahead simulate` runs under a policy (`run_sim`), and one run's row
-(`quality`: per-class TTFT / TPOT tails, waits past the aging bound, shed requests, goodput)."""
+Azure LLM inference trace's two services, replayed from the rows that ship in
+`benchmarks/data/azure_llm_2023/` (`AZURE_TRACES`, `azure_rows`) or generated from their
+published shapes (`SHAPES`, `bursty_rows`), priority classes, `stepahead simulate` runs under a
+policy (`run_sim`), and one run's row (`quality`: per-class TTFT / TPOT tails, waits past the
+aging bound, shed requests, goodput)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,11 @@ from stepahead import config as cfg
 CLASSES = ((0, 0.1), (1, 0.3), (2, 0.6))
 POLICIES = ("fcfs", "priority", "score")
 TTFT_SLO_S, TPOT_SLO_S = 2.0, 0.1
+
+# The first rows of the Azure LLM inference trace 2023 (CC-BY 4.0; README beside them).
+_DATA = Path(__file__).resolve().parent.parent / "benchmarks" / "data" / "azure_llm_2023"
+AZURE_TRACES = {"conv": _DATA / "AzureLLMInferenceTrace_conv_head.csv",
+                "code": _DATA / "AzureLLMInferenceTrace_code_head.csv"}
 
 
 @dataclass(frozen=True)
@@ -57,6 +64,21 @@ def bursty_rows(rng: random.Random, n: int, rate: float, shape: Shape, cv: float
         o = min(shape.max_output, max(1, int(rng.lognormvariate(math.log(shape.output_median), shape.output_sigma))))
         rows.append({"arrival_s": t, "prompt_len": p, "output_len": o, "priority": _priority(rng)})
     return rows
+
+
+def azure_rows(path: Path, n: int, rate: float, seed: int) -> list[dict]:
+    """The first `n` requests of an Azure trace CSV with their real lengths and their real
+    inter-arrival times, scaled to mean `rate` (inf: all at once); a priority class drawn per
+    request."""
+    from cli.datasets import load_trace
+
+    trace, rng = load_trace(path, n), random.Random(seed)
+    if len(trace) < n:
+        raise ValueError(f"{path} holds {len(trace)} requests, {n} asked for")
+    span = trace[-1].arrival_s
+    scale = 0.0 if rate == float("inf") or span == 0 else (len(trace) - 1) / rate / span
+    return [{"arrival_s": r.arrival_s * scale, "prompt_len": r.prompt_len, "output_len": r.output_len,
+             "priority": _priority(rng)} for r in trace]
 
 
 def _priority(rng: random.Random) -> int:
