@@ -24,6 +24,13 @@ file the built-in model is converted from, and an F16 copy of it (`--llamacpp-f1
 once with llama.cpp's own quantize tool, requantizing allowed). Its requests are
 OpenAI-compatible streaming completions of the same prompt text, greedy, with the
 end-of-generation tokens biased away so that every request gives its full output length.
+
+llama.cpp's own server (`llama-server`: parallel slots, continuous batching) is the stronger
+peer. `--llama-server PATH` (default: `$LLAMA_SERVER`, else `llama-server` on the PATH) runs it
+on an F32 copy of the same GGUF (made once with the `llama-quantize` beside it), with one slot
+per request in flight, and `--llama-server-q4` on the Q4_1 file too. llama.cpp is never a
+dependency: build its server from the source that `llama-cpp-python`'s sdist vendors
+(docs/benchmarks.md says how).
 """
 
 from __future__ import annotations
@@ -400,12 +407,72 @@ def llamacpp_server(gguf: Path, threads: int, n_ctx: int):
         log.close()
 
 
-def _llamacpp_one(url: str, text: str, max_tokens: int, bias: dict) -> bench.RequestMetrics:
+def llama_server_binary(args) -> Path | None:
+    import shutil
+
+    found = args.llama_server or os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def llamacpp_f32(gguf: Path, cache: Path, server: Path) -> Path:
+    """An F32 copy of `gguf` (the Q4_1 blocks dequantized), made once with the `llama-quantize`
+    next to `server`: the same weights the built-in model is converted to."""
+    import subprocess
+
+    out = cache / (gguf.stem.replace("Q4_1", "F32") + ".gguf")
+    if out.exists():
+        return out
+    quantize = server.with_name("llama-quantize")
+    if not quantize.exists():
+        raise RuntimeError(f"{quantize} not found (build the llama-quantize target beside llama-server)")
+    cache.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    subprocess.run([str(quantize), "--allow-requantize", str(gguf), str(tmp), "F32", "2"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    tmp.rename(out)
+    return out
+
+
+@contextlib.contextmanager
+def llama_server(binary: Path, gguf: Path, threads: int, n_ctx: int, slots: int):
+    """llama.cpp's `llama-server` with `slots` parallel sequences (continuous batching, its
+    default), `n_ctx` tokens of context each."""
+    import subprocess
+    import urllib.request
+
+    from cli.serve import free_port
+
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama_server_{port}.log", "w")
+    cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+           "-tb", str(threads), "-np", str(slots), "-c", str(n_ctx * slots), "-b", "2048", "-ub", "512",
+           "--no-webui"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        for _ in range(600):
+            if proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited {proc.returncode}: see {log.name}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
+                break
+            except Exception:
+                time.sleep(0.5)
+        yield f"http://127.0.0.1:{port}", cmd
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except Exception:
+            proc.kill()
+        log.close()
+
+
+def _llamacpp_one(url: str, text: str, max_tokens: int, bias: dict, extra: dict | None = None) -> bench.RequestMetrics:
     import urllib.request
 
     m = bench.RequestMetrics(prompt_len=0)
     body = json.dumps({"prompt": text, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-                       "logit_bias": bias, "stop": []}).encode()
+                       "logit_bias": bias, "stop": [], **(extra or {})}).encode()
     req = urllib.request.Request(f"{url}/v1/completions", data=body, headers={"Content-Type": "application/json"})
     m.start = time.perf_counter()
     try:
@@ -414,7 +481,10 @@ def _llamacpp_one(url: str, text: str, max_tokens: int, bias: dict) -> bench.Req
                 line = raw.decode().strip()
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
-                choices = json.loads(line[6:]).get("choices") or [{}]
+                chunk = json.loads(line[6:])
+                if chunk.get("usage") and not chunk.get("choices"):
+                    continue  # llama-server's usage chunk, after the last token
+                choices = chunk.get("choices") or [{}]
                 if choices[0].get("finish_reason") is not None and not choices[0].get("text"):
                     continue  # the closing chunk carries no token
                 now = time.perf_counter()
@@ -450,6 +520,25 @@ def run_llamacpp(args, label: str, gguf: Path, texts: list[str], c: int) -> dict
             "requests_short_of_output_len": short, **s}
 
 
+def run_llama_server(args, label: str, binary: Path, gguf: Path, texts: list[str], c: int) -> dict:
+    """`llama-server` with `c` slots, `c` client threads each streaming one request at a time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bias = {str(t): -100.0 for t in args.eog_ids}
+    extra = {"ignore_eos": True}  # llama-server's own switch; the bias keeps the same meaning elsewhere
+    with llama_server(binary, gguf, args.llamacpp_threads, args.llamacpp_ctx, c) as (url, cmd):
+        with client_off_device_cores():
+            _llamacpp_one(url, texts[0], 2, bias, extra)  # warm-up, not measured
+            with ThreadPoolExecutor(c) as pool:
+                t0 = time.perf_counter()
+                results = list(pool.map(lambda t: _llamacpp_one(url, t, args.output_len, bias, extra), texts))
+                elapsed = time.perf_counter() - t0
+    s = bench.summarize(results, elapsed)
+    short = sum(1 for r in results if not r.error and r.output_len < args.output_len)
+    return {"label": f"{label}@{c}", "concurrency": c, "gguf": gguf.name, "server_command": " ".join(cmd[1:]),
+            "requests_short_of_output_len": short, **s}
+
+
 def table(rows: list[dict]) -> str:
     head = f"{'system':<34}{'tok/s':>9}{'TTFT p50':>10}{'TTFT p99':>10}{'TPOT p50':>10}{'TPOT p99':>10}{'idle':>7}"
     lines = [head, "-" * len(head)]
@@ -474,6 +563,10 @@ def main() -> None:
     parser.add_argument("--skip-llamacpp", action="store_true", help="leave out llama.cpp even when installed")
     parser.add_argument("--llamacpp-f16", action=argparse.BooleanOptionalAction, default=True,
                         help="also serve an F16 copy of the GGUF with llama.cpp")
+    parser.add_argument("--llama-server", type=Path, default=None,
+                        help="llama.cpp's llama-server binary (default: $LLAMA_SERVER, else on the PATH)")
+    parser.add_argument("--llama-server-q4", action="store_true",
+                        help="also run llama-server on the Q4_1 file (default: the F32 copy only)")
     parser.add_argument("--llamacpp-threads", type=int, default=2)
     parser.add_argument("--llamacpp-ctx", type=int, default=2048)
     parser.add_argument("--dtype", default="float32")
@@ -553,32 +646,7 @@ def main_concurrency(args) -> None:
             if not args.skip_hf_continuous:
                 done(run_hf_continuous_capped(args, prompts, c))
             done(run_hf_static_padded(args, prompts, c))
-    if args.skip_llamacpp:
-        notes["llama.cpp"] = "left out (--skip-llamacpp)"
-    elif args.model != "smollm2-135m":
-        notes["llama.cpp"] = "only with --model smollm2-135m (needs the GGUF file)"
-    elif not llamacpp_available():
-        notes["llama.cpp"] = "not measured: llama-cpp-python[server] is not importable in this environment"
-    else:
-        from model_zoo.builtin_models import PACKAGED_MODELS
-
-        q = Path(PACKAGED_MODELS[args.model].path())
-        args.eog_ids = sorted({0, 2})  # <|endoftext|>, <|im_end|>: the model's end-of-generation tokens
-        texts = args.real_texts if args.dataset == "real" else None
-        if texts is None:
-            raise SystemExit("llama.cpp runs need --dataset real (they send text)")
-        ggufs = [("llamacpp_q4_1", q)]
-        if args.llamacpp_f16:
-            try:
-                ggufs.append(("llamacpp_f16", llamacpp_f16(q, args.model_dir.parent / "gguf")))
-            except Exception as exc:
-                notes["llama.cpp F16"] = f"not measured: {exc!r}"
-        for label, path in ggufs:
-            for c in args.concurrency:
-                try:
-                    done(run_llamacpp(args, label, path, texts, c))
-                except Exception as exc:
-                    notes[f"{label}@{c}"] = f"failed: {exc!r}"[:300]
+    run_llama_peers(args, done, notes)
     print()
     print(table(rows))
     for k, v in notes.items():
@@ -598,6 +666,57 @@ def main_concurrency(args) -> None:
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "rows": [{k: v for k, v in r.items() if k != "config"} for r in rows],
         "ratios": ratios, "notes": notes}, indent=2) + "\n")
+
+
+def run_llama_peers(args, done, notes: dict) -> None:
+    """llama.cpp at every `--concurrency`: its own `llama-server` (F32 copy, and the Q4_1 file
+    with `--llama-server-q4`) when a binary is found, llama-cpp-python's server when importable."""
+    if args.skip_llamacpp:
+        notes["llama.cpp"] = "left out (--skip-llamacpp)"
+        return
+    if args.model != "smollm2-135m":
+        notes["llama.cpp"] = "only with --model smollm2-135m (needs the GGUF file)"
+        return
+    from model_zoo.builtin_models import PACKAGED_MODELS
+
+    q = Path(PACKAGED_MODELS[args.model].path())
+    args.eog_ids = sorted({0, 2})  # <|endoftext|>, <|im_end|>: the model's end-of-generation tokens
+    texts = args.real_texts if args.dataset == "real" else None
+    if texts is None:
+        raise SystemExit("llama.cpp runs need --dataset real (they send text)")
+    cache = args.model_dir.parent / "gguf"
+    binary = llama_server_binary(args)
+    if binary is None:
+        notes["llama-server"] = "not measured: no llama-server binary (--llama-server, $LLAMA_SERVER or the PATH)"
+    else:
+        servers = []
+        try:
+            servers.append(("llama_server_f32", llamacpp_f32(q, cache, binary)))
+        except Exception as exc:
+            notes["llama-server F32"] = f"not measured: {exc!r}"[:300]
+        if args.llama_server_q4:
+            servers.append(("llama_server_q4_1", q))
+        for label, path in servers:
+            for c in args.concurrency:
+                try:
+                    done(run_llama_server(args, label, binary, path, texts, c))
+                except Exception as exc:
+                    notes[f"{label}@{c}"] = f"failed: {exc!r}"[:300]
+    if not llamacpp_available():
+        notes["llama-cpp-python"] = "not measured: llama-cpp-python[server] is not importable in this environment"
+        return
+    ggufs = [("llamacpp_q4_1", q)]
+    if args.llamacpp_f16:
+        try:
+            ggufs.append(("llamacpp_f16", llamacpp_f16(q, cache)))
+        except Exception as exc:
+            notes["llama.cpp F16"] = f"not measured: {exc!r}"
+    for label, path in ggufs:
+        for c in args.concurrency:
+            try:
+                done(run_llamacpp(args, label, path, texts, c))
+            except Exception as exc:
+                notes[f"{label}@{c}"] = f"failed: {exc!r}"[:300]
 
 
 if __name__ == "__main__":
