@@ -138,8 +138,26 @@ def real_workload(args) -> tuple[list[str], list[list[int]]]:
 
     tok = AutoTokenizer.from_pretrained(args.model_dir)
     texts = real_texts(args.model_dir, args.num_prompts)
+    if args.real_prompt_len:
+        texts = lengthen(tok, texts, args.real_prompt_len)
     # the chat template already starts with its own special tokens; the model adds no BOS
     return texts, [tok(t, add_special_tokens=False).input_ids for t in texts]
+
+
+def lengthen(tok, texts: list[str], length: int) -> list[str]:
+    """Each text followed by the next ones until it has `length` tokens, cut there and decoded:
+    real text of (within a token or two of re-tokenizing) `length` tokens, the same string for
+    every system, so the peers that take text (llama.cpp) read what stepahead and HF read."""
+    ids = [tok(t, add_special_tokens=False).input_ids for t in texts]
+    out = []
+    for i in range(len(texts)):
+        run: list[int] = []
+        j = i
+        while len(run) < length:
+            run += ids[j % len(ids)]
+            j += 1
+        out.append(tok.decode(run[:length]))
+    return out
 
 
 def workload(args) -> list[list[int]]:
@@ -573,6 +591,9 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=64)
     parser.add_argument("--input-len", type=int, default=128)
     parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--real-prompt-len", type=int, default=0,
+                        help="--dataset real: each prompt lengthened with the next ones to this many tokens "
+                        "(0: the prompts as written)")
     parser.add_argument("--static-batch-size", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--request-rate", type=float, default=float("inf"),

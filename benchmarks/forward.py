@@ -4,9 +4,10 @@ per request, batch 1/8/32/64. Prints a table and writes JSON.
 
     python benchmarks/forward.py [--models tiny 100m smollm2-135m] [--batches 1 8 32 64] [--steps 20]
                                  [--repeat 1] [--out benchmarks/forward.json] [--threads N] [--clock wall|cpu]
-                                 [--reference] [--compiled]
+                                 [--reference] [--compiled] [--unpacked]
 
-Contenders: `stepahead` (the runner as served by default), `hf`, `floor`; with `--reference`
+Contenders: `stepahead` (the runner as served by default), `hf`, `floor`, `floor_packed`; with
+`--unpacked` also `stepahead_unpacked` (`--no-cpu-prepack-weights`), with `--reference`
 also `stepahead_ref` (`--attention-backend torch`: gather the blocks, then SDPA), with
 `--compiled` also `stepahead_compiled` (`--no-enforce-eager`, compiled and warmed up before
 the timed rounds).
@@ -18,7 +19,9 @@ machine between rounds does not skew them.
 The runner's requests start as prefix hits (`num_computed_tokens = 256`): the KV content
 does not change the decode cost, and this skips a prefill that would dominate the run.
 The floor is the model's matrix multiplies alone (fused qkv, o, fused gate/up, down per
-layer, then lm_head) on a `[batch, hidden]` input, with preallocated outputs.
+layer, then lm_head) on a `[batch, hidden]` input: `floor` through `torch.mm` on the row-major
+weights, with preallocated outputs, `floor_packed` through oneDNN on the packed weights the
+runner holds by default (the faster of the two is the machine's floor).
 """
 
 from __future__ import annotations
@@ -81,9 +84,9 @@ def _time_round(step_fns: dict, warmup: int, steps: int) -> dict[str, float]:
 
 
 def runner_step(path: Path, batch: int, steps: int, *, compile: bool = False, with_runner: bool = False,
-                attention: str = "auto"):
+                attention: str = "auto", pack: bool = True):
     """A decode step of `batch` requests (`compile`: the runner's compiled forward, warmed up here;
-    `attention`: an `--attention-backend` name)."""
+    `attention`: an `--attention-backend` name; `pack`: `--cpu-prepack-weights`)."""
     import torch
 
     from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
@@ -96,7 +99,7 @@ def runner_step(path: Path, batch: int, steps: int, *, compile: bool = False, wi
     per_req = -(-total // block_size)
     backend = make_backend(AttentionBackendName(attention), torch.device("cpu"), torch.float32, block_size)
     runner = ModelRunner(path, block_size=block_size, num_blocks=batch * per_req, max_model_len=total + 1,
-                         enforce_eager=not compile, attention_backend=backend)
+                         enforce_eager=not compile, attention_backend=backend, pack_weights=pack)
     greedy = SamplingParams(temperature=0.0)
     prompt = tuple(range(1, KV_TOKENS + 2))  # KV_TOKENS cached + 1 to decode
     new = tuple(NewRequest(f"r{i}", prompt, greedy, tuple(range(i * per_req, (i + 1) * per_req)), KV_TOKENS, 1)
@@ -134,7 +137,9 @@ def hf_step(path: Path, batch: int):
     return step
 
 
-def floor_step(path: Path, batch: int):
+def floor_step(path: Path, batch: int, packed: bool = False):
+    """The model's matmuls alone: `torch.mm` on the row-major weights, or (`packed`) oneDNN's
+    matmul on the weights packed as the runner holds them (`layers/packed_linear.py`)."""
     import torch
 
     from worker_service.loader import load_model
@@ -146,6 +151,16 @@ def floor_step(path: Path, batch: int):
                     layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
     weights.append(model.lm_head.weight)
     x = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
+    if packed:
+        packs = [torch.ops.mkldnn._reorder_linear_weight(w.detach()) for w in weights]
+        ins = [x[w.shape[1]] for w in weights]
+
+        @torch.inference_mode()
+        def packed_step():
+            for p, i in zip(packs, ins):
+                torch.ops.mkldnn._linear_pointwise(i, p, None, "none", [], "")
+
+        return packed_step
     outs = [torch.empty(batch, w.shape[0]) for w in weights]
 
     @torch.inference_mode()
@@ -156,11 +171,11 @@ def floor_step(path: Path, batch: int):
     return step
 
 
-STEPAHEAD = ("stepahead", "stepahead_ref", "stepahead_compiled")
+STEPAHEAD = ("stepahead", "stepahead_unpacked", "stepahead_ref", "stepahead_compiled")
 
 
 def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = False,
-            compiled: bool = False, done=lambda rows: None) -> list[dict]:
+            compiled: bool = False, unpacked: bool = False, done=lambda rows: None) -> list[dict]:
     """One row per (model, batch): per-step medians, and ratios as medians over `repeat` rounds
     (`done(rows)` after each row: a cut run keeps what it measured)."""
     rows = []
@@ -169,6 +184,8 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
         path = model_dir(name)
         for batch in batches:
             fns = {"stepahead": runner_step(path, batch, n)}
+            if unpacked:
+                fns["stepahead_unpacked"] = runner_step(path, batch, n, pack=False)
             if reference:
                 fns["stepahead_ref"] = runner_step(path, batch, n, attention="torch")
             if compiled:
@@ -176,7 +193,8 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
                 fns["stepahead_compiled"] = runner_step(path, batch, n, compile=True)
                 print(f"  ({name} batch {batch}: compiled runner built and warmed up in "
                       f"{time.perf_counter() - start:.1f} s)", flush=True)
-            fns |= {"hf": hf_step(path, batch), "floor": floor_step(path, batch)}
+            fns |= {"hf": hf_step(path, batch), "floor": floor_step(path, batch),
+                    "floor_packed": floor_step(path, batch, packed=True)}
             rounds = [_time_round(fns, warmup, steps) for _ in range(repeat)]
             row = {"model": name, "batch": batch, "kv_tokens": KV_TOKENS, "rounds": repeat}
             for key in fns:
@@ -185,6 +203,7 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
                 suffix = key.removeprefix("stepahead")
                 row[f"vs_hf{suffix}"] = statistics.median(t[key] / t["hf"] for t in rounds)
                 row[f"vs_floor{suffix}"] = statistics.median(t[key] / t["floor"] for t in rounds)
+                row[f"vs_floor_packed{suffix}"] = statistics.median(t[key] / t["floor_packed"] for t in rounds)
             print(_fmt(row), flush=True)
             rows.append(row)
             done(rows)
@@ -193,13 +212,14 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
 
 def _fmt(row: dict) -> str:
     cells = [f"{row['model']:>12} {row['batch']:>5}"]
-    for key in (*STEPAHEAD, "hf", "floor"):
+    for key in (*STEPAHEAD, "hf", "floor", "floor_packed"):
         if f"{key}_ms" in row:
             cells.append(f"{key}={row[f'{key}_ms']:.2f}ms")
     for key in STEPAHEAD:
         suffix = key.removeprefix("stepahead")
         if f"vs_hf{suffix}" in row:
-            cells.append(f"{key}: {row[f'vs_hf{suffix}']:.2f}x hf {row[f'vs_floor{suffix}']:.2f}x floor")
+            cells.append(f"{key}: {row[f'vs_hf{suffix}']:.2f}x hf {row[f'vs_floor{suffix}']:.2f}x floor "
+                         f"{row[f'vs_floor_packed{suffix}']:.2f}x packed floor")
     return "  ".join(cells)
 
 
@@ -215,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="cpu: process CPU time, steadier on a shared machine (use with --threads 1)")
     parser.add_argument("--reference", action="store_true", help="also the torch reference attention backend")
     parser.add_argument("--compiled", action="store_true", help="also the compiled forward (--no-enforce-eager)")
+    parser.add_argument("--unpacked", action="store_true",
+                        help="also the runner with plain F.linear weights (--no-cpu-prepack-weights)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/forward.json"))
     args = parser.parse_args(argv)
 
@@ -233,7 +255,8 @@ def main(argv: list[str] | None = None) -> int:
                 "cpus": os.cpu_count(), "load_avg_after": os.getloadavg(), "argv": sys.argv[1:]}
         args.out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
-    run_all(args.models, args.batches, args.warmup, args.steps, args.repeat, args.reference, args.compiled, write)
+    run_all(args.models, args.batches, args.warmup, args.steps, args.repeat, args.reference, args.compiled,
+            args.unpacked, write)
     print(f"wrote {args.out}")
     return 0
 

@@ -58,6 +58,10 @@ class WorkerEngineConfig:
         True, "run the model's forward eagerly, no torch.compile (on CPU compiling does not pay end to end: "
         "docs/benchmarks.md; --no-enforce-eager compiles it with inductor, warmed up at start-up, its cache in "
         "$STEPAHEAD_CACHE_DIR/inductor)")
+    cpu_prepack_weights: bool = cfg.field(
+        True, "CPU, float32 or bfloat16, eager: hold every linear layer's weight in oneDNN's packed layout, "
+        "blocked once at load for its matmul kernels (faster steps at every batch size: docs/benchmarks.md, "
+        "'Real models on CPU'); --no-cpu-prepack-weights runs plain F.linear")
     seed: int = cfg.field(0, "seed of unseeded sampling")
     structured_outputs_cache_size: int = cfg.field(
         256, "compiled grammars (structured outputs) kept per worker, least recently used evicted")

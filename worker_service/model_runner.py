@@ -33,6 +33,7 @@ from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, cpu_kv_cache_bytes, plan_num_blocks
 from worker_service.layers.attention import ForwardContext
+from worker_service.layers.packed_linear import pack_linears, packing_supported
 from worker_service.layers.rotary import RotaryTable
 from worker_service.loader import load_model, parse_dtype
 from worker_service.logits_processing import LogitsProcessing, mask_stops_before_min_tokens
@@ -93,7 +94,8 @@ class ModelRunner:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
                  speculative_config: SpeculativeConfig | None = None,
-                 structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE, enforce_eager: bool = True):
+                 structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE, enforce_eager: bool = True,
+                 pack_weights: bool = True):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -103,6 +105,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model, cfg = self._load_model(model_dir)  # model.config: the KV geometry (a shard's under TP)
         self.config = cfg
+        # eager on a CPU: the linears' weights in oneDNN's packed layout (layers/packed_linear.py)
+        self.packed_linears = (pack_linears(self.model) if pack_weights and enforce_eager
+                               and packing_supported(self.device, self.dtype) else 0)
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
         self.max_model_len = resolve_max_model_len(cfg, max_model_len)
         self.sliding_window = cfg.kv_window or 0  # announced in the hello (`WorkerInfo.sliding_window`)

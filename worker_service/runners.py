@@ -122,6 +122,7 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
         speculative_config=parse_speculative_config(config.speculative_config),
         structured_outputs_cache_size=config.structured_outputs_cache_size,
         enforce_eager=resolve_enforce_eager(config, group is not None),
+        pack_weights=config.cpu_prepack_weights,
     )
     return runner, model_dir
 

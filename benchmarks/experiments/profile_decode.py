@@ -4,7 +4,7 @@
     PYTHONPATH=. .venv/bin/python benchmarks/experiments/profile_decode.py --model smollm2-135m --batch 64 \
         [--threads 1] [--steps 8] [--rounds 2] [--out benchmarks/results/profile_decode_smollm2-135m.json]
 
-Three setups, profiled in turn for `--rounds` rounds (each setup's round with the least profiled
+The setups, profiled in turn for `--rounds` rounds (each setup's round with the least profiled
 time is reported, the others being the shared machine's noise): `reference` (`--attention-backend
 torch`: gather the blocks, then SDPA), `default` (the CPU paged-decode kernel) and `compiled`
 (`--no-enforce-eager` beside the kernel).
@@ -92,7 +92,8 @@ def profile_steps(step, runner, steps: int) -> dict:
             "top_ops_ms": {k: v / steps / 1e3 for k, v in top}}
 
 
-SETUPS = {"reference": dict(attention="torch"), "default": {}, "compiled": dict(compile=True)}
+SETUPS = {"reference": dict(attention="torch"), "default": {}, "unpacked": dict(pack=False),
+          "compiled": dict(compile=True)}
 
 
 def main() -> None:

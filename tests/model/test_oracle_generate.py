@@ -32,6 +32,7 @@ def run_workload(runner, prompts, max_new: int = MAX_NEW, **driver_kwargs) -> To
 def test_mixed_batches_match_hf_generate(checkpoint):
     name, path, prompts, expected = checkpoint
     runner = ModelRunner(path, num_blocks=420, block_size=16)
+    assert runner.packed_linears > 0  # the default CPU layout: oneDNN-packed linears (the HF oracle's tie rule)
     sched = run_workload(runner, prompts, chunk=32, token_budget=96, max_running=12)
     # the workload really mixed prompt chunks with decodes, and requests left before others joined
     assert sched.stats.mixed_steps > 0 and sched.stats.placeholder_decodes > 0

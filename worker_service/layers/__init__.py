@@ -17,4 +17,6 @@ n tokens, H query heads, KVH key/value heads, d head_dim, E experts, I an expert
   soft-capping, attention sinks) and `paged_attention` (write K/V, attend) for a family that
   projects its own q/k/v
 - `moe.py`: stacked experts run batched per expert, the router + experts block
+- `packed_linear.py`: CPU linears with their weights packed for oneDNN's matmul (the runner
+  swaps them in at load on CPU, eager)
 """
