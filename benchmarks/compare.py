@@ -392,9 +392,7 @@ def llamacpp_f16(gguf: Path, cache: Path) -> Path:
 def llamacpp_server(gguf: Path, threads: int, n_ctx: int):
     """llama-cpp-python's server runs one completion at a time (a lock around its one
     context): requests beyond the first wait, which is what its numbers measure."""
-    import subprocess
     import sys
-    import urllib.request
 
     from cli.serve import free_port
 
@@ -405,17 +403,28 @@ def llamacpp_server(gguf: Path, threads: int, n_ctx: int):
            "--n_batch", "512", "--verbose", "False",
            # its default cuts a streaming request short as soon as another one waits
            "--interrupt_requests", "False"]
+    with _server_process("llama_cpp.server", cmd, log, f"http://127.0.0.1:{port}", "/v1/models") as url:
+        yield url, cmd
+
+
+@contextlib.contextmanager
+def _server_process(name: str, cmd: list[str], log, url: str, ready_path: str):
+    """Server `name` started as `cmd`, its output to `log`, until `url + ready_path` answers;
+    stopped on exit."""
+    import subprocess
+    import urllib.request
+
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     try:
         for _ in range(600):
             if proc.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server exited {proc.returncode}: see {log.name}")
+                raise RuntimeError(f"{name} exited {proc.returncode}: see {log.name}")
             try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=1).read()
+                urllib.request.urlopen(url + ready_path, timeout=1).read()
                 break
             except Exception:
                 time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}", cmd
+        yield url
     finally:
         proc.terminate()
         try:
@@ -455,9 +464,6 @@ def llamacpp_f32(gguf: Path, cache: Path, server: Path) -> Path:
 def llama_server(binary: Path, gguf: Path, threads: int, n_ctx: int, slots: int):
     """llama.cpp's `llama-server` with `slots` parallel sequences (continuous batching, its
     default), `n_ctx` tokens of context each."""
-    import subprocess
-    import urllib.request
-
     from cli.serve import free_port
 
     port = free_port()
@@ -465,24 +471,8 @@ def llama_server(binary: Path, gguf: Path, threads: int, n_ctx: int, slots: int)
     cmd = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
            "-tb", str(threads), "-np", str(slots), "-c", str(n_ctx * slots), "-b", "2048", "-ub", "512",
            "--no-webui"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    try:
-        for _ in range(600):
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited {proc.returncode}: see {log.name}")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1).read()
-                break
-            except Exception:
-                time.sleep(0.5)
-        yield f"http://127.0.0.1:{port}", cmd
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except Exception:
-            proc.kill()
-        log.close()
+    with _server_process("llama-server", cmd, log, f"http://127.0.0.1:{port}", "/health") as url:
+        yield url, cmd
 
 
 def _llamacpp_one(url: str, text: str, max_tokens: int, bias: dict, extra: dict | None = None) -> bench.RequestMetrics:
