@@ -145,20 +145,21 @@ def floor_step(path: Path, batch: int, packed: bool = False):
     from worker_service.loader import load_model
 
     model, _ = load_model(path, torch.float32, torch.device("cpu"))
-    weights = []
+    linears = []
     for layer in model.model.layers:
-        weights += [layer.self_attn.qkv_proj.weight, layer.self_attn.o_proj.weight,
-                    layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight]
-    weights.append(model.lm_head.weight)
+        linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
+    linears.append(model.lm_head)
+    weights = [m.weight for m in linears]
     x = {w.shape[1]: torch.randn(batch, w.shape[1]) for w in weights}
     if packed:
-        packs = [torch.ops.mkldnn._reorder_linear_weight(w.detach()) for w in weights]
-        ins = [x[w.shape[1]] for w in weights]
+        from worker_service.layers.packed_linear import PackedLinear
+
+        packs = [(PackedLinear(m), x[m.in_features]) for m in linears]
 
         @torch.inference_mode()
         def packed_step():
-            for p, i in zip(packs, ins):
-                torch.ops.mkldnn._linear_pointwise(i, p, None, "none", [], "")
+            for p, i in packs:
+                p(i)
 
         return packed_step
     outs = [torch.empty(batch, w.shape[0]) for w in weights]
