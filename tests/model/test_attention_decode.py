@@ -17,9 +17,9 @@ from worker_service.paged_attention import CpuDecodeBackend
 BLOCK = 4
 
 
-def _decode_meta(seq_lens: list[int], num_blocks: int, gen: torch.Generator) -> AttentionMetadata:
+def _decode_meta(seq_lens: list[int], num_blocks: int, gen: torch.Generator, block: int = BLOCK) -> AttentionMetadata:
     """Decode-only metadata with each request's blocks drawn at random from the pool."""
-    per_req = [-(-n // BLOCK) for n in seq_lens]
+    per_req = [-(-n // block) for n in seq_lens]
     width = max(per_req)
     perm = torch.randperm(num_blocks, generator=gen)
     tables = torch.zeros(len(seq_lens), width, dtype=torch.int64)
@@ -29,7 +29,7 @@ def _decode_meta(seq_lens: list[int], num_blocks: int, gen: torch.Generator) -> 
         used += nb
     lens = torch.tensor(seq_lens, dtype=torch.int64)
     positions = lens - 1
-    slots = tables[torch.arange(len(seq_lens)), positions // BLOCK] * BLOCK + positions % BLOCK
+    slots = tables[torch.arange(len(seq_lens)), positions // block] * block + positions % block
     empty = torch.zeros(0, dtype=torch.int64)
     return AttentionMetadata(
         slot_mapping=slots, positions=positions, block_tables=tables, seq_lens=lens,
@@ -41,10 +41,10 @@ def _decode_meta(seq_lens: list[int], num_blocks: int, gen: torch.Generator) -> 
 def _reference(q, k_cache, v_cache, meta, scale):
     """Per request, per head: softmax(q k^T * scale) v over the request's first seq_len keys."""
     out = torch.empty_like(q)  # [reqs, heads, d]
-    group = q.shape[1] // k_cache.shape[2]
+    group, block = q.shape[1] // k_cache.shape[2], k_cache.shape[1]
     for r, n in enumerate(meta.seq_lens.tolist()):
         pos = torch.arange(n)
-        slots = meta.block_tables[r, pos // BLOCK] * BLOCK + pos % BLOCK
+        slots = meta.block_tables[r, pos // block] * block + pos % block
         k = k_cache.flatten(0, 1)[slots].double()  # [n, kvh, d]
         v = v_cache.flatten(0, 1)[slots].double()
         for h in range(q.shape[1]):
@@ -70,17 +70,20 @@ def test_decode_matches_reference(lens, heads, kv_heads, chunk_reqs):
 
 
 @pytest.mark.parametrize("lens", [[37] * 9, [1, 5, 16, 17, 40, 3, 29, 8, 33]], ids=["uniform", "ragged"])
-@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1)])
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (6, 2), (8, 1), (9, 3)])
 @pytest.mark.parametrize("width", [0, 3], ids=["tables-fit", "tables-wider"])
-def test_cpu_kernel_decode_matches_reference(lens, heads, kv_heads, width):
+@pytest.mark.parametrize("d,block", [(16, 4), (64, 4), (64, 32), (128, 16), (80, 16)],
+                         ids=["d16", "d64", "d64-block32", "d128", "d80"])
+def test_cpu_kernel_decode_matches_reference(lens, heads, kv_heads, width, d, block):
     """The C++ kernel reads the blocks in place; tables wider than a request's blocks (padded
-    with block 0, as bucketed tables are) must not change what it reads."""
+    with block 0, as bucketed tables are) must not change what it reads. Head dims 64 and 128
+    take its paths specialised for that dim, 16 and 80 the generic one; block sizes 4 to 32."""
     gen = torch.Generator().manual_seed(len(lens) * 100 + heads * 10 + kv_heads)
-    d, num_blocks = 16, 128
-    meta = _decode_meta(lens, num_blocks, gen)
+    num_blocks = 128
+    meta = _decode_meta(lens, num_blocks, gen, block)
     meta.block_tables = torch.cat((meta.block_tables, torch.zeros(len(lens), width, dtype=torch.int64)), dim=1)
-    k_cache = torch.randn(num_blocks, BLOCK, kv_heads, d, generator=gen)
-    v_cache = torch.randn(num_blocks, BLOCK, kv_heads, d, generator=gen)
+    k_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
     q = torch.randn(len(lens), heads, d, generator=gen)
     out = CpuDecodeBackend().attend(q, k_cache, v_cache, meta, scale=d**-0.5)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-5)
