@@ -108,6 +108,9 @@ class ModelRunner:
         # eager on a CPU: the linears' weights in oneDNN's packed layout (layers/packed_linear.py)
         self.packed_linears = (pack_linears(self.model) if pack_weights and enforce_eager
                                and packing_supported(self.device, self.dtype) else 0)
+        if self.packed_linears:
+            log.info("%d linear layers packed for oneDNN's CPU matmul (--no-cpu-prepack-weights: plain F.linear)",
+                     self.packed_linears)
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
         self.max_model_len = resolve_max_model_len(cfg, max_model_len)
         self.sliding_window = cfg.kv_window or 0  # announced in the hello (`WorkerInfo.sliding_window`)
