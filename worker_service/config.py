@@ -60,8 +60,8 @@ class WorkerEngineConfig:
         "$STEPAHEAD_CACHE_DIR/inductor)")
     cpu_prepack_weights: bool = cfg.field(
         True, "CPU, float32 or bfloat16, eager: hold every linear layer's weight in oneDNN's packed layout, "
-        "blocked once at load for its matmul kernels (faster steps at every batch size: docs/benchmarks.md, "
-        "'Real models on CPU'); --no-cpu-prepack-weights runs plain F.linear")
+        "blocked once at load for its matmul kernels (faster decode steps on models of real size: "
+        "docs/benchmarks.md, 'Real models on CPU'); --no-cpu-prepack-weights runs plain F.linear")
     seed: int = cfg.field(0, "seed of unseeded sampling")
     structured_outputs_cache_size: int = cfg.field(
         256, "compiled grammars (structured outputs) kept per worker, least recently used evicted")
