@@ -55,9 +55,9 @@ class WorkerEngineConfig:
         "cache, built once into $STEPAHEAD_CACHE_DIR; otherwise torch), torch (reference: gather, then SDPA) "
         "or paged (device-side decode metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
     enforce_eager: bool = cfg.field(
-        True, "run the model's forward eagerly, no torch.compile (on CPU compiling does not pay end to end: "
-        "docs/benchmarks.md; --no-enforce-eager compiles it with inductor, warmed up at start-up, its cache in "
-        "$STEPAHEAD_CACHE_DIR/inductor)")
+        True, "run the model's forward eagerly, no torch.compile (--no-enforce-eager compiles it with inductor, "
+        "warmed up at start-up, its cache in $STEPAHEAD_CACHE_DIR/inductor: faster steps on CPU for tens of "
+        "seconds more at every start, docs/benchmarks.md)")
     cpu_prepack_weights: bool = cfg.field(
         True, "CPU, float32 or bfloat16, eager: hold every linear layer's weight in oneDNN's packed layout, "
         "blocked once at load for its matmul kernels (faster decode steps on models of real size: "

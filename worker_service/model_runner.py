@@ -105,9 +105,9 @@ class ModelRunner:
         self.device = torch.device(device)
         self.model, cfg = self._load_model(model_dir)  # model.config: the KV geometry (a shard's under TP)
         self.config = cfg
-        # eager on a CPU: the linears' weights in oneDNN's packed layout (layers/packed_linear.py)
-        self.packed_linears = (pack_linears(self.model) if pack_weights and enforce_eager
-                               and packing_supported(self.device, self.dtype) else 0)
+        # on a CPU: the linears' weights in oneDNN's packed layout (layers/packed_linear.py)
+        self.packed_linears = (pack_linears(self.model) if pack_weights and packing_supported(self.device, self.dtype)
+                               else 0)
         if self.packed_linears:
             log.info("%d linear layers packed for oneDNN's CPU matmul (--no-cpu-prepack-weights: plain F.linear)",
                      self.packed_linears)

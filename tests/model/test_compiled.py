@@ -30,6 +30,7 @@ def _compiled_matches_hf(name: str, tmp_path) -> None:
     torch._dynamo.reset()
     runner = ModelRunner(tmp_path, num_blocks=160, block_size=16, enforce_eager=False)
     assert runner.warm_up_seconds > 0
+    assert runner.packed_linears > 0  # compiled around the packed linears' opaque ops
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     assert graphs >= 1, "the warm-up compiled nothing"
     sched = run_workload(runner, prompts, chunk=16, token_budget=48, max_running=6, max_new=24)

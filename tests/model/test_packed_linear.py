@@ -87,3 +87,26 @@ def test_runner_packs_by_default_and_not_when_told(tmp_path):
     assert packed.packed_linears > 0 and isinstance(packed.model.lm_head, PackedLinear)
     assert plain.packed_linears == 0
     assert not any(isinstance(m, PackedLinear) for m in plain.model.modules())
+
+
+def test_packed_linears_compile_as_opaque_ops_and_free_their_weights():
+    """Under torch.compile each packed linear is `stepahead::packed_linear` (inductor cannot trace
+    the packed tensor): the compiled module equals the eager one at every row count, and the
+    op's table of packed weights lets go of a dropped module's."""
+    import gc
+
+    from worker_service.layers import packed_linear
+
+    torch.manual_seed(0)
+    model = nn.Sequential(PackedLinear(nn.Linear(64, 48)), nn.SiLU(), PackedLinear(nn.Linear(48, 32, bias=False)))
+    slots = [model[0].slot, model[2].slot]
+    compiled = torch.compile(model, dynamic=True)
+    with torch.inference_mode():
+        for rows in (1, 5, 17):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-6, atol=1e-6)
+    assert all(s in packed_linear._packed for s in slots)
+    del model, compiled
+    torch._dynamo.reset()
+    gc.collect()
+    assert not any(s in packed_linear._packed for s in slots)

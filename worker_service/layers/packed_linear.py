@@ -12,13 +12,19 @@ The results are the same matmul summed in another order: equal to `F.linear` wit
 rounding, not bit for bit (the Hugging Face oracle's tie rule covers the near-ties this can
 flip). Only exact `nn.Linear` modules are packed: the tensor-parallel subclasses
 (`parallel/layers.py`) keep their own forward, and a tied head gets a packed copy while the
-embedding keeps the table it gathers from. The compiled forward (`--no-enforce-eager`) keeps
-plain `nn.Linear` modules: inductor traces those, not the opaque packed tensor.
+embedding keeps the table it gathers from.
+
+Under `torch.compile` (`--no-enforce-eager`) each packed linear is one opaque op,
+`stepahead::packed_linear`, naming its weight by slot in this process's table of packed
+weights (inductor cannot trace the packed tensor itself): the norms, rotary and activations
+between the matmuls compile and fuse, the matmuls run on the packed weights.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import weakref
 
 import torch
 from torch import nn
@@ -39,6 +45,12 @@ def packing_supported(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or bool(ops._is_mkldnn_bf16_supported())
 
 
+# every live PackedLinear's packed weight by slot, the compiled op's handle on it (weak: a
+# dropped model's weights go with it)
+_packed: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+_slots = itertools.count()
+
+
 class PackedLinear(nn.Module):
     """`y = x W^T + b` with `W` in oneDNN's blocked layout: an opaque tensor, not a parameter."""
 
@@ -48,10 +60,24 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()  # [out, in]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)  # [out, in], mkldnn layout
         self.bias = None if linear.bias is None else linear.bias.detach()  # [out]
+        self.slot = next(_slots)
+        _packed[self.slot] = self.packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
+        if torch.compiler.is_compiling():
+            return torch.ops.stepahead.packed_linear(x, self.bias, self.slot, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+@torch.library.custom_op("stepahead::packed_linear", mutates_args=())
+def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, slot: int, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _packed[slot], bias, "none", [], "")
+
+
+@_packed_linear_op.register_fake
+def _(x, bias, slot, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))  # [..., out]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
