@@ -5,7 +5,7 @@ CPU backend and inductor's weight prepacking do.
 every call, and at a decode step's few rows (n ≤ a few hundred) that GEMM runs far below the
 machine's memory bandwidth: the weight is re-blocked on the fly, once per call. oneDNN's
 packed layout is blocked once, at load time, for its AVX-512 / AMX micro-kernels; the same
-matmul then reads each weight byte once per call. `benchmarks/forward.py --packed` measures
+matmul then reads each weight byte once per call. `benchmarks/forward.py --unpacked` measures
 the step with and without it.
 
 The results are the same matmul summed in another order: equal to `F.linear` within float32
@@ -23,13 +23,10 @@ between the matmuls compile and fuse, the matmuls run on the packed weights.
 from __future__ import annotations
 
 import itertools
-import logging
 import weakref
 
 import torch
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 PACKABLE_DTYPES = (torch.float32, torch.bfloat16)
 
