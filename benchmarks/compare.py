@@ -506,41 +506,19 @@ def _llamacpp_one(url: str, text: str, max_tokens: int, bias: dict, extra: dict 
     return m
 
 
-def run_llamacpp(args, label: str, gguf: Path, texts: list[str], c: int) -> dict:
-    """`c` client threads, each one streaming request at a time (the client's cap)."""
+def run_llama_clients(args, label: str, server, gguf: Path, texts: list[str], c: int, extra: dict | None = None) -> dict:
+    """`c` client threads, each streaming one request at a time (the client's cap), against
+    `server` (a context manager giving its URL and command line) serving `gguf`; `extra`: more
+    request fields."""
     from concurrent.futures import ThreadPoolExecutor
 
     bias = {str(t): -100.0 for t in args.eog_ids}  # EOS ignored, as in every other run
-
-    def go(url):
-        _llamacpp_one(url, texts[0], 2, bias)  # warm-up, not measured
+    with server as (url, cmd), client_off_device_cores():
+        _llamacpp_one(url, texts[0], 2, bias, extra)  # warm-up, not measured
         with ThreadPoolExecutor(c) as pool:
             t0 = time.perf_counter()
-            results = list(pool.map(lambda t: _llamacpp_one(url, t, args.output_len, bias), texts))
-            return results, time.perf_counter() - t0
-
-    with llamacpp_server(gguf, args.llamacpp_threads, args.llamacpp_ctx) as (url, cmd):
-        with client_off_device_cores():
-            results, elapsed = go(url)
-    s = bench.summarize(results, elapsed)
-    short = sum(1 for r in results if not r.error and r.output_len < args.output_len)
-    return {"label": f"{label}@{c}", "concurrency": c, "gguf": gguf.name, "server_command": " ".join(cmd[1:]),
-            "requests_short_of_output_len": short, **s}
-
-
-def run_llama_server(args, label: str, binary: Path, gguf: Path, texts: list[str], c: int) -> dict:
-    """`llama-server` with `c` slots, `c` client threads each streaming one request at a time."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    bias = {str(t): -100.0 for t in args.eog_ids}
-    extra = {"ignore_eos": True}  # llama-server's own switch; the bias keeps the same meaning elsewhere
-    with llama_server(binary, gguf, args.llamacpp_threads, args.llamacpp_ctx, c) as (url, cmd):
-        with client_off_device_cores():
-            _llamacpp_one(url, texts[0], 2, bias, extra)  # warm-up, not measured
-            with ThreadPoolExecutor(c) as pool:
-                t0 = time.perf_counter()
-                results = list(pool.map(lambda t: _llamacpp_one(url, t, args.output_len, bias, extra), texts))
-                elapsed = time.perf_counter() - t0
+            results = list(pool.map(lambda t: _llamacpp_one(url, t, args.output_len, bias, extra), texts))
+            elapsed = time.perf_counter() - t0
     s = bench.summarize(results, elapsed)
     short = sum(1 for r in results if not r.error and r.output_len < args.output_len)
     return {"label": f"{label}@{c}", "concurrency": c, "gguf": gguf.name, "server_command": " ".join(cmd[1:]),
@@ -710,7 +688,9 @@ def run_llama_peers(args, done, notes: dict) -> None:
         for label, path in servers:
             for c in args.concurrency:
                 try:
-                    done(run_llama_server(args, label, binary, path, texts, c))
+                    server = llama_server(binary, path, args.llamacpp_threads, args.llamacpp_ctx, c)
+                    # llama-server's own ignore_eos beside the bias
+                    done(run_llama_clients(args, label, server, path, texts, c, {"ignore_eos": True}))
                 except Exception as exc:
                     notes[f"{label}@{c}"] = f"failed: {exc!r}"[:300]
     if not llamacpp_available():
@@ -725,7 +705,8 @@ def run_llama_peers(args, done, notes: dict) -> None:
     for label, path in ggufs:
         for c in args.concurrency:
             try:
-                done(run_llamacpp(args, label, path, texts, c))
+                server = llamacpp_server(path, args.llamacpp_threads, args.llamacpp_ctx)
+                done(run_llama_clients(args, label, server, path, texts, c))
             except Exception as exc:
                 notes[f"{label}@{c}"] = f"failed: {exc!r}"[:300]
 
