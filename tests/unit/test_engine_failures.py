@@ -23,7 +23,7 @@ from scheduler_service.core.request import Request
 from scheduler_service.server import SchedulerDaemonConfig
 from stepahead.plan import SamplingParams, WorkerInfo
 
-from tests.unit.test_engine_inbox import started_engine
+from tests.unit.test_engine_inbox import Gate, started_engine
 
 WAIT_S = 30  # room to fail only: every wait below returns as soon as its event happens
 
@@ -138,8 +138,14 @@ def test_a_request_its_core_sheds_after_queueing_is_answered_queue_full():
     core.take_shed = take_shed
     waiting, other = GatewaySession(), GatewaySession()
     pending.append("shed")
+    # both queued before the first schedule: this worker never answers a plan, so once the
+    # window is full of steps for "shed" alone a later "other" could never be planned
+    gate = Gate()
+    engine.submit(Request("gate", [5000], SamplingParams(max_tokens=2)), gate)  # refused: id 5000 >= vocab
+    assert gate.entered.wait(WAIT_S)  # the engine thread is held; both submissions queue behind it
     engine.submit(Request("shed", [5, 6, 7], SamplingParams(max_tokens=2)), waiting)
     engine.submit(Request("other", [5, 6, 8], SamplingParams(max_tokens=2)), other)
+    gate.release.set()
     [answer] = rejections(waiting, 1)
     assert answer.request_id == "shed" and answer.code is RejectCode.QUEUE_FULL
     assert "max-wait-time" in answer.message
