@@ -1,7 +1,11 @@
 """Hand-written CPU kernels (C++, built once per machine with torch's extension builder).
 
 `paged_decode` (`csrc/paged_decode_cpu.cpp`): float32 decode attention straight over the
-paged KV cache, one task per request on torch's intra-op threads. The reference path
+paged KV cache, one task per request on torch's intra-op threads. Where the build has AVX-512
+(and the head dim is 64 or 128) it runs a loop written for those registers, which also
+prefetches each request's next block (blocks lie anywhere in the cache, where no hardware
+prefetcher follows); elsewhere a portable loop the compiler vectorizes.
+`benchmarks/experiments/decode_kernel.py` times one layer of each. The reference path
 (`attention.TorchAttentionBackend`) gathers each request's blocks into a buffer and runs SDPA
 over it, which on a CPU costs a write and a re-read of every K/V byte besides the read the
 attention itself needs; the kernel reads each byte once. It supports what the reference
@@ -86,11 +90,12 @@ def usable(device: torch.device, dtype: torch.dtype) -> bool:
 
 def paged_decode(module: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float, window: int | None,
-                 softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+                 softcap: float | None, sinks: torch.Tensor | None, *, vectorized: bool = True) -> torch.Tensor:
     """q `[n, H, d]`, caches `[blocks, block_size, KVH, d]`, block_tables `[n, W]` and seq_lens `[n]`
     int64 -> `[n, H, d]`: each query (position seq_len - 1) over its request's first seq_len keys
-    (the last `window` of them), scores soft-capped, sinks `[H]` in the softmax's denominator."""
+    (the last `window` of them), scores soft-capped, sinks `[H]` in the softmax's denominator.
+    `vectorized=False` takes the portable loop where the AVX-512 one would run (tests compare them)."""
     empty = q.new_empty(0)
     with torch.profiler.record_function("stepahead::paged_decode_cpu"):  # named in profiles (a pybind call)
         return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0,
-                                   softcap or 0.0, empty if sinks is None else sinks.detach())
+                                   softcap or 0.0, empty if sinks is None else sinks.detach(), vectorized)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from worker_service import cpu_kernels
 from worker_service.attention import AttentionMetadata, TorchAttentionBackend
 from worker_service.paged_attention import CpuDecodeBackend
 
@@ -74,10 +75,13 @@ def test_decode_matches_reference(lens, heads, kv_heads, chunk_reqs):
 @pytest.mark.parametrize("width", [0, 3], ids=["tables-fit", "tables-wider"])
 @pytest.mark.parametrize("d,block", [(16, 4), (64, 4), (64, 32), (128, 16), (80, 16)],
                          ids=["d16", "d64", "d64-block32", "d128", "d80"])
-def test_cpu_kernel_decode_matches_reference(lens, heads, kv_heads, width, d, block):
+@pytest.mark.parametrize("vectorized", [True, False], ids=["vectorized", "portable"])
+def test_cpu_kernel_decode_matches_reference(lens, heads, kv_heads, width, d, block, vectorized):
     """The C++ kernel reads the blocks in place; tables wider than a request's blocks (padded
     with block 0, as bucketed tables are) must not change what it reads. Head dims 64 and 128
-    take its paths specialised for that dim, 16 and 80 the generic one; block sizes 4 to 32."""
+    take its paths specialised for that dim (on an AVX-512 build, its AVX-512 loop unless
+    `vectorized=False`), 16 and 80 the generic one; block sizes 4 to 32 (a 32-key block is
+    two of the AVX-512 loop's 16-key steps)."""
     gen = torch.Generator().manual_seed(len(lens) * 100 + heads * 10 + kv_heads)
     num_blocks = 128
     meta = _decode_meta(lens, num_blocks, gen, block)
@@ -85,8 +89,32 @@ def test_cpu_kernel_decode_matches_reference(lens, heads, kv_heads, width, d, bl
     k_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
     v_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
     q = torch.randn(len(lens), heads, d, generator=gen)
-    out = CpuDecodeBackend().attend(q, k_cache, v_cache, meta, scale=d**-0.5)
+    if vectorized:
+        out = CpuDecodeBackend().attend(q, k_cache, v_cache, meta, scale=d**-0.5)
+    else:
+        out = cpu_kernels.paged_decode(cpu_kernels.load(), q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                       d**-0.5, None, None, None, vectorized=False)
     torch.testing.assert_close(out, _reference(q, k_cache, v_cache, meta, d**-0.5), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("window,softcap,sinks", [(5, None, False), (None, 20.0, False), (None, None, True),
+                                                  (7, 30.0, True)], ids=["window", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("vectorized", [True, False], ids=["vectorized", "portable"])
+def test_cpu_kernel_window_softcap_sinks_match_the_torch_backend(d, window, softcap, sinks, vectorized):
+    """Sliding window (a first block entered part way), soft-capped scores and attention sinks:
+    both loops of the kernel equal the torch backend, on ragged lengths over 16-key blocks."""
+    gen = torch.Generator().manual_seed(d + (window or 0) + int(sinks))
+    lens, kv_heads, heads, num_blocks, block = [1, 5, 16, 17, 40, 3, 29, 8, 33], 2, 6, 64, 16
+    meta = _decode_meta(lens, num_blocks, gen, block)
+    k_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    sink = torch.randn(heads, generator=gen) if sinks else None
+    expected = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, d**-0.5, window, softcap, sinks=sink)
+    out = cpu_kernels.paged_decode(cpu_kernels.load(), q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                   d**-0.5, window, softcap, sink, vectorized=vectorized)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("max_len", [3 * BLOCK, 3 * BLOCK - 1], ids=["whole-blocks", "rounded-up"])
