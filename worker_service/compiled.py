@@ -1,6 +1,16 @@
-"""The compiled forward (`--no-enforce-eager`): the model's `forward(input_ids, ctx)` through
-`torch.compile` (inductor: C++/OpenMP kernels on CPU, Triton on CUDA) with dynamic shapes, so
-one graph serves every token count above one and a second one single-token steps.
+"""The compiled forward (`--no-enforce-eager`): each decoder layer through `torch.compile`
+(inductor: C++/OpenMP kernels on CPU, Triton on CUDA) with dynamic shapes, so one graph serves
+every token count above one and a second one single-token steps.
+
+Regional compilation, as PyTorch's recipe for repeated blocks: the layers of a model are one
+class run once per layer, and their graph inputs are their weights and their per-layer keys (the
+layer's index and its packed weights' slots are 0-d host tensors, not int constants:
+`layers/attention.py`, `layers/packed_linear.py`), so dynamo traces one layer, not the whole
+stack, and every layer runs the same compiled code. Compiling the whole forward instead costs
+dynamo a trace of every layer at every start (inductor's caches keep compiled kernels across
+restarts, not dynamo's trace) for the fusions across a layer boundary; `benchmarks/startup.py`
+and `benchmarks/compare.py` measure both ways. The embedding, the final norm and the head run
+eagerly.
 
 The paged attention of each layer stays an opaque op (`layers/attention.py`,
 `stepahead::paged_attention`); everything between (norms, rotary, activations, residuals,
@@ -18,6 +28,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from worker_service.layers.attention import ForwardContext, current_context
 
@@ -34,14 +45,25 @@ def use_stepahead_cache() -> None:
         os.environ[INDUCTOR_CACHE_ENV] = str(cache_dir() / "inductor")
 
 
-def compile_forward(model: torch.nn.Module) -> Callable[[torch.Tensor, ForwardContext], torch.Tensor]:
-    """`forward(input_ids [n], ctx) -> hidden [n, hidden]` compiled, run with `ctx` current."""
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the members of every `nn.ModuleList` of one class."""
+    return [layer for module in model.modules() if isinstance(module, nn.ModuleList) and len(module) > 0
+            and len({type(member) for member in module}) == 1 for layer in module]
+
+
+def compile_forward(model: nn.Module) -> Callable[[torch.Tensor, ForwardContext], torch.Tensor]:
+    """`forward(input_ids [n], ctx) -> hidden [n, hidden]` with its decoder layers compiled
+    (each in place), run with `ctx` current."""
     use_stepahead_cache()
-    compiled = torch.compile(model.forward, dynamic=True)
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__}: no decoder layers (an nn.ModuleList of one class) to compile")
+    for layer in layers:
+        layer.compile(dynamic=True)
 
     def forward(input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         with current_context(ctx):
-            return compiled(input_ids, ctx)
+            return model(input_ids, ctx)
 
     return forward
 

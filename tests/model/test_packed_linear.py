@@ -99,7 +99,7 @@ def test_packed_linears_compile_as_opaque_ops_and_free_their_weights():
 
     torch.manual_seed(0)
     model = nn.Sequential(PackedLinear(nn.Linear(64, 48)), nn.SiLU(), PackedLinear(nn.Linear(48, 32, bias=False)))
-    slots = [model[0].slot, model[2].slot]
+    slots = [int(model[0].slot), int(model[2].slot)]
     compiled = torch.compile(model, dynamic=True)
     with torch.inference_mode():
         for rows in (1, 5, 17):

@@ -16,6 +16,9 @@ family that projects q/k/v itself (GPT-2's `c_attn`). Under `torch.compile` it i
 op, `torch.ops.stepahead.paged_attention`, that finds the step's context where the compiled
 forward put it (`current_context`): the layers' dense parts compile, the paged attention
 (host scalars, per-step metadata, a C++ kernel) runs as it does eagerly (vLLM's piecewise split).
+It is given its layer as a 0-d host tensor (`layer_key`), a graph input rather than an int
+constant, so the decoder layers, identical but for their weights and their index, share one
+compiled graph (`worker_service/compiled.py`).
 """
 
 from __future__ import annotations
@@ -61,30 +64,37 @@ def current_context(ctx: ForwardContext) -> Iterator[None]:
         _current.pop()
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer_idx: int,
+def layer_key(layer_idx: int) -> torch.Tensor:
+    """Layer `layer_idx` as `paged_attention` is told it: a 0-d int64 tensor on the host (a
+    module's plain attribute, so it stays there when the model is on a device)."""
+    return torch.tensor(layer_idx, dtype=torch.int64, device="cpu")
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ctx: ForwardContext, layer: torch.Tensor,
                     scale: float, window: int | None = None, softcap: float | None = None,
                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q `[n, H, d]`, k and v `[n, KVH, d]` (rotated already) -> `[n, H, d]`: this step's K/V
-    written into layer `layer_idx`'s cache, then each query attends over its request's keys
-    (`window`: the last `window` positions only; `softcap`: scores soft-capped; `sinks` `[H]`)."""
+    written into the cache of layer `layer` (`layer_key`), then each query attends over its
+    request's keys (`window`: the last `window` positions only; `softcap`: scores soft-capped;
+    `sinks` `[H]`)."""
     if torch.compiler.is_compiling():  # traced: one opaque op; `ctx` is the one current_context holds
-        return torch.ops.stepahead.paged_attention(q, k, v, layer_idx, scale, window, softcap, sinks)
-    k_cache, v_cache = ctx.kv_caches[layer_idx]
+        return torch.ops.stepahead.paged_attention(q, k, v, layer, scale, window, softcap, sinks)
+    k_cache, v_cache = ctx.kv_caches[int(layer)]
     ctx.backend.write_kv(k, v, k_cache, v_cache, ctx.meta)
     return ctx.backend.attend(q, k_cache, v_cache, ctx.meta, scale, window, softcap, sinks=sinks)
 
 
 @torch.library.custom_op("stepahead::paged_attention", mutates_args=())
-def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int, scale: float,
+def _paged_attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, scale: float,
                         window: int | None, softcap: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
     # writes the layer's KV cache, which is no input of the graph (the caches live in the context)
     if not _current:
         raise RuntimeError("stepahead::paged_attention ran outside current_context()")
-    return paged_attention(q, k, v, _current[0], layer_idx, scale, window, softcap, sinks)
+    return paged_attention(q, k, v, _current[0], layer, scale, window, softcap, sinks)
 
 
 @_paged_attention_op.register_fake
-def _(q, k, v, layer_idx, scale, window, softcap, sinks):
+def _(q, k, v, layer, scale, window, softcap, sinks):
     return torch.empty_like(q)  # [n, H, d]
 
 
@@ -102,7 +112,7 @@ class Attention(nn.Module):
                  softcap: float | None = None, qk_norm: Callable[[int], nn.Module] | None = None,
                  qk_norm_per_head: bool = True, local_rope: bool = False, sinks: bool = False):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer = layer_key(layer_idx)  # [] int64, on the host
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.q_size, self.kv_size = num_heads * head_dim, num_kv_heads * head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
@@ -126,7 +136,7 @@ class Attention(nn.Module):
         if self.local_rope and ctx.local_cos is not None:
             cos, sin = ctx.local_cos, ctx.local_sin
         q, k = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation: [n, H, d], [n, KVH, d]
-        out = paged_attention(q, k, v, ctx, self.layer_idx, self.scale, self.window, self.softcap,
+        out = paged_attention(q, k, v, ctx, self.layer, self.scale, self.window, self.softcap,
                               self.sinks)  # [n, H, d]
         return self.o_proj(out.reshape(n, self.q_size))
 

@@ -17,7 +17,9 @@ embedding keeps the table it gathers from.
 Under `torch.compile` (`--no-enforce-eager`) each packed linear is one opaque op,
 `stepahead::packed_linear`, naming its weight by slot in this process's table of packed
 weights (inductor cannot trace the packed tensor itself): the norms, rotary and activations
-between the matmuls compile and fuse, the matmuls run on the packed weights.
+between the matmuls compile and fuse, the matmuls run on the packed weights. The slot is a 0-d
+host tensor, a graph input, not an int constant: the decoder layers, identical but for their
+weights, share one compiled graph (`worker_service/compiled.py`).
 """
 
 from __future__ import annotations
@@ -57,8 +59,9 @@ class PackedLinear(nn.Module):
         weight = linear.weight.detach()  # [out, in]
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)  # [out, in], mkldnn layout
         self.bias = None if linear.bias is None else linear.bias.detach()  # [out]
-        self.slot = next(_slots)
-        _packed[self.slot] = self.packed
+        slot = next(_slots)
+        _packed[slot] = self.packed
+        self.slot = torch.tensor(slot, dtype=torch.int64, device="cpu")  # a plain attribute: stays on the host
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x: [..., in] -> [..., out]
@@ -66,18 +69,18 @@ class PackedLinear(nn.Module):
             return torch.ops.stepahead.packed_linear(x, self.bias, self.slot, self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
+
 
 @torch.library.custom_op("stepahead::packed_linear", mutates_args=())
-def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, slot: int, out_features: int) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, _packed[slot], bias, "none", [], "")
+def _packed_linear_op(x: torch.Tensor, bias: torch.Tensor | None, slot: torch.Tensor, out_features: int) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, _packed[int(slot)], bias, "none", [], "")
 
 
 @_packed_linear_op.register_fake
 def _(x, bias, slot, out_features):
     return x.new_empty((*x.shape[:-1], out_features))  # [..., out]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}"
 
 
 def pack_linears(model: nn.Module) -> int:

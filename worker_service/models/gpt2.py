@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from worker_service.layers.activation import ACTIVATIONS
-from worker_service.layers.attention import ForwardContext, paged_attention
+from worker_service.layers.attention import ForwardContext, layer_key, paged_attention
 from worker_service.layers.mlp import MLP
 from worker_service.layers.norm import LayerNorm
 from worker_service.model_config import ModelConfig
@@ -21,7 +21,7 @@ from worker_service.models.gpt2_spec import GPT2, GPT2Family
 class GPT2Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.layer = layer_key(layer_idx)  # [] int64, on the host
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5  # scale_attn_weights (the only setting accepted)
@@ -36,7 +36,7 @@ class GPT2Attention(nn.Module):
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
-        out = paged_attention(q, k, v, ctx, self.layer_idx, self.scale)  # [n, heads, d]
+        out = paged_attention(q, k, v, ctx, self.layer, self.scale)  # [n, heads, d]
         return self.c_proj(out.reshape(n, self.q_size))
 
 
