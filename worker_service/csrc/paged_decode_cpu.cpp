@@ -127,12 +127,12 @@ void decode_rows(const float* qp, const float* kp, const float* vp, const int64_
 
 #ifdef __AVX512F__
 // The AVX-512 path (a build whose -march=native has AVX-512), for head dims that are a multiple of
-// 16. The same attention as decode_rows, restructured for the registers: a key block is taken 16
-// keys at a time; for each query head the 16 dot products accumulate in 16 vectors and one
-// transposing reduction (hsum16) turns them into the 16 scores, where decode_rows reduced each
-// (key, head) product on its own; the softmax's exp is vectorized; and p v accumulates in
-// registers across a block, one load and store of a head's accumulator per block, where
-// decode_rows loaded and stored it at every key.
+// 16: the same attention as decode_rows, in the same memory order (each block's key rows read
+// once, front to back, every head of a row before the next row: the order the cache streams
+// from DRAM fastest), with less work per key. Scores are taken 16 keys at a time: each (key,
+// head) product stays a vector in a small scratch, and one transposing reduction (hsum16) turns a
+// head's 16 vectors into its 16 scores, where decode_rows reduced each product on its own; the
+// softmax's exp is vectorized; and a K or V row is loaded once for the query heads of its KV group.
 
 // r[i] = the sum of v[i]'s 16 lanes, i < 16.
 inline __m512 hsum16(const __m512* v) {
@@ -143,7 +143,7 @@ inline __m512 hsum16(const __m512* v) {
     const __m512d a = _mm512_castps_pd(t[2 * i]), b = _mm512_castps_pd(t[2 * i + 1]);
     u[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
-  // lanes: pairs of u's lanes summed, then the pairs' sums; lane k of the result holds u[k]'s totals
+  // pairs of u's lanes summed, then the pairs' sums: lane k of the result holds u[k]'s totals
   const __m512 x01 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
   const __m512 x23 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
@@ -167,23 +167,18 @@ inline __m512 exp16_nonpositive(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
-// Asks for a block's cache lines ahead of its use: blocks lie anywhere in the cache, where no
-// hardware prefetcher follows.
-inline void prefetch_block(const float* block, int64_t floats) {
-  for (int64_t i = 0; i < floats; i += 16) _mm_prefetch(reinterpret_cast<const char*>(block + i), _MM_HINT_T0);
-}
-
 inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>((1u << k) - 1); }
 
 template <int64_t D>
 void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const int64_t* tab, const int64_t* lens,
                         const float* sink, float* op, int64_t n, const Geometry& g) {
   constexpr int64_t C = D / 16;  // vectors per head
-  const int64_t H = g.H, G = g.G, bs = g.bs, row_floats = g.kvh * D, max_len = g.W * bs;
+  const int64_t H = g.H, G = g.G, kvh = g.kvh, bs = g.bs, row_floats = kvh * D, max_len = g.W * bs;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [H, S]
     std::vector<float> accum(H * D);  // [H, D]
     std::vector<float> denom(H);
+    std::vector<__m512> dots(H * 16);  // [H, 16 keys] the products of a 16-key step, unreduced
     const __m512 scale = _mm512_set1_ps(g.scale);
     for (int64_t r = begin; r < end; ++r) {
       const int64_t len = std::min(lens[r], max_len);
@@ -198,30 +193,31 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
       }
       scores.resize(H * S);
       float* sc = scores.data();
-      for (int64_t b = start / bs; b * bs < len; ++b) {  // scores = q k^T * scale, 16 keys at a time
+      for (int64_t b = start / bs; b * bs < len; ++b) {  // scores = q k^T * scale
         const float* block = kp + table[b] * bs * row_floats;
         const int64_t lo = std::max(start, b * bs), hi = std::min(len, (b + 1) * bs);
-        if ((b + 1) * bs < len) prefetch_block(kp + table[b + 1] * bs * row_floats, bs * row_floats);
         for (int64_t j0 = lo; j0 < hi; j0 += 16) {
           const int64_t nk = std::min<int64_t>(16, hi - j0);
-          const float* keys = block + (j0 - b * bs) * row_floats;
-          for (int64_t qh = 0; qh < H; ++qh) {
-            const float* q = qr + qh * D;
-            const float* kh = keys + (qh / G) * D;
-            __m512 qv[C], dots[16];
-            for (int64_t c = 0; c < C; ++c) qv[c] = _mm512_loadu_ps(q + c * 16);
-            for (int64_t t = 0; t < 16; ++t) {
-              if (t >= nk) {
-                dots[t] = _mm512_setzero_ps();
-                continue;
-              }
-              const float* k = kh + t * row_floats;
-              __m512 acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(k));
-              for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(k + c * 16), acc);
-              dots[t] = acc;
+          for (int64_t t = 0; t < 16; ++t) {
+            if (t >= nk) {
+              for (int64_t qh = 0; qh < H; ++qh) dots[qh * 16 + t] = _mm512_setzero_ps();
+              continue;
             }
-            _mm512_mask_storeu_ps(sc + qh * S + (j0 - start), first_lanes(nk), _mm512_mul_ps(hsum16(dots), scale));
+            const float* row = block + (j0 + t - b * bs) * row_floats;
+            for (int64_t kv = 0; kv < kvh; ++kv) {
+              __m512 k[C];
+              for (int64_t c = 0; c < C; ++c) k[c] = _mm512_loadu_ps(row + kv * D + c * 16);
+              for (int64_t qh = kv * G; qh < (kv + 1) * G; ++qh) {
+                const float* q = qr + qh * D;
+                __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), k[0]);
+                for (int64_t c = 1; c < C; ++c) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + c * 16), k[c], acc);
+                dots[qh * 16 + t] = acc;
+              }
+            }
           }
+          for (int64_t qh = 0; qh < H; ++qh)
+            _mm512_mask_storeu_ps(sc + qh * S + (j0 - start), first_lanes(nk),
+                                  _mm512_mul_ps(hsum16(dots.data() + qh * 16), scale));
         }
       }
       if (g.cap > 0.0f) {  // soft-capped logits
@@ -230,9 +226,10 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
       for (int64_t qh = 0; qh < H; ++qh) {  // softmax over the keys (a sink joins the denominator)
         float* s = sc + qh * S;
         __m512 mv = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-        for (int64_t t = 0; t < S; t += 16)
-          mv = _mm512_mask_max_ps(mv, first_lanes(std::min<int64_t>(16, S - t)), mv,
-                                  _mm512_maskz_loadu_ps(first_lanes(std::min<int64_t>(16, S - t)), s + t));
+        for (int64_t t = 0; t < S; t += 16) {
+          const __mmask16 lanes = first_lanes(std::min<int64_t>(16, S - t));
+          mv = _mm512_mask_max_ps(mv, lanes, mv, _mm512_maskz_loadu_ps(lanes, s + t));
+        }
         float m = _mm512_reduce_max_ps(mv);
         if (sink != nullptr) m = std::max(m, sink[qh]);
         const __m512 mb = _mm512_set1_ps(m);
@@ -248,28 +245,28 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
         denom[qh] = total;
       }
       std::fill(accum.begin(), accum.end(), 0.0f);
-      for (int64_t b = start / bs; b * bs < len; ++b) {  // accum = p v, in registers across a block
+      float* a = accum.data();
+      for (int64_t b = start / bs; b * bs < len; ++b) {  // accum = p v
         const float* block = vp + table[b] * bs * row_floats;
         const int64_t lo = std::max(start, b * bs), hi = std::min(len, (b + 1) * bs);
-        if ((b + 1) * bs < len) prefetch_block(vp + table[b + 1] * bs * row_floats, bs * row_floats);
-        for (int64_t qh = 0; qh < H; ++qh) {
-          float* a = accum.data() + qh * D;
-          const float* p = sc + qh * S + (lo - start);
-          const float* vh = block + (lo - b * bs) * row_floats + (qh / G) * D;
-          __m512 o[C];
-          for (int64_t c = 0; c < C; ++c) o[c] = _mm512_loadu_ps(a + c * 16);
-          for (int64_t t = 0; t < hi - lo; ++t) {
-            const __m512 pt = _mm512_set1_ps(p[t]);
-            const float* v = vh + t * row_floats;
-            for (int64_t c = 0; c < C; ++c) o[c] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(v + c * 16), o[c]);
+        for (int64_t j = lo; j < hi; ++j) {
+          const float* row = block + (j - b * bs) * row_floats;
+          for (int64_t kv = 0; kv < kvh; ++kv) {
+            __m512 v[C];
+            for (int64_t c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + kv * D + c * 16);
+            for (int64_t qh = kv * G; qh < (kv + 1) * G; ++qh) {
+              const __m512 p = _mm512_set1_ps(sc[qh * S + (j - start)]);
+              float* o = a + qh * D;
+              for (int64_t c = 0; c < C; ++c)
+                _mm512_storeu_ps(o + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o + c * 16)));
+            }
           }
-          for (int64_t c = 0; c < C; ++c) _mm512_storeu_ps(a + c * 16, o[c]);
         }
       }
       for (int64_t qh = 0; qh < H; ++qh) {
         const __m512 inv = _mm512_set1_ps(1.0f / denom[qh]);
         for (int64_t c = 0; c < C; ++c)
-          _mm512_storeu_ps(orow + qh * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(accum.data() + qh * D + c * 16), inv));
+          _mm512_storeu_ps(orow + qh * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(a + qh * D + c * 16), inv));
       }
     }
   });
