@@ -84,9 +84,10 @@ def _time_round(step_fns: dict, warmup: int, steps: int) -> dict[str, float]:
 
 
 def runner_step(path: Path, batch: int, steps: int, *, compile: bool = False, with_runner: bool = False,
-                attention: str = "auto", pack: bool = True):
+                attention: str = "auto", pack: bool = True, layer_ops: bool = True):
     """A decode step of `batch` requests (`compile`: the runner's compiled forward, warmed up here;
-    `attention`: an `--attention-backend` name; `pack`: `--cpu-prepack-weights`)."""
+    `attention`: an `--attention-backend` name; `pack`: `--cpu-prepack-weights`; `layer_ops`: False
+    takes the CPU layer kernels back, torch's own ops for the norms, rotary and SiLU·mul)."""
     import torch
 
     from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
@@ -104,6 +105,10 @@ def runner_step(path: Path, batch: int, steps: int, *, compile: bool = False, wi
     prompt = tuple(range(1, KV_TOKENS + 2))  # KV_TOKENS cached + 1 to decode
     new = tuple(NewRequest(f"r{i}", prompt, greedy, tuple(range(i * per_req, (i + 1) * per_req)), KV_TOKENS, 1)
                 for i in range(batch))
+    if not layer_ops:
+        from worker_service.cpu_kernels import attach_layer_ops
+
+        attach_layer_ops(runner.model, None)
     runner.execute(StepPlan(0, new_requests=new))
     decode = tuple(RunningRequest(f"r{i}", (), 1, input_is_placeholder=True) for i in range(batch))
     step_id = iter(range(1, 1 << 30))

@@ -12,6 +12,14 @@ over it, which on a CPU costs a write and a re-read of every K/V byte besides th
 attention itself needs; the kernel reads each byte once. It supports what the reference
 decode does: GQA, a sliding window, logit soft-capping and attention sinks.
 
+`add_rms_norm`, `silu_and_mul`, `rotary_` (`csrc/layer_ops_cpu.cpp`): the elementwise parts of a
+decoder layer, each one pass where torch runs two to four ops with a temporary between each
+(the residual add and the RMSNorm after it; SiLU(gate) * up; the rotary embedding, in place).
+At a decode step's few rows these ops cost their calls more than their arithmetic. The runner
+hands them to the model's eligible modules (`attach_layer_ops`); each module takes the torch
+ops instead under `torch.compile` (inductor fuses them itself) and for anything but float32 on
+the CPU. The results equal the torch ops' within float32 rounding.
+
 The build (g++, ninja, `-O3 -march=native`) goes to `$STEPAHEAD_CACHE_DIR/torch_extensions/`
 under a name hashed from the source and the CPU's flags, so a restart loads the cached
 library and a cache shared between machines never loads code built for another CPU.
@@ -34,11 +42,12 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode_cpu.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("cpu_kernels.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp"))
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 
 _lock = threading.Lock()
-_loaded: dict[str, ModuleType | None] = {}  # "paged_decode" -> the module, or None where the build failed
+_loaded: dict[str, ModuleType | None] = {}  # "cpu_kernels" -> the module, or None where the build failed
 
 
 def _cpu_flags() -> str:
@@ -52,17 +61,17 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(CFLAGS).encode() + _cpu_flags().encode()
-                            + torch.__version__.encode()).hexdigest()[:16]
-    return f"stepahead_paged_decode_{digest}"
+    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(CFLAGS).encode()
+                            + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:16]
+    return f"stepahead_cpu_kernels_{digest}"
 
 
 def load() -> ModuleType | None:
     """The built kernel module (built on first use, then cached on disk), or None."""
     with _lock:
-        if "paged_decode" not in _loaded:
-            _loaded["paged_decode"] = _build()
-        return _loaded["paged_decode"]
+        if "cpu_kernels" not in _loaded:
+            _loaded["cpu_kernels"] = _build()
+        return _loaded["cpu_kernels"]
 
 
 def _build() -> ModuleType | None:
@@ -74,13 +83,13 @@ def _build() -> ModuleType | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        module = load_extension(name, [str(SOURCE)], extra_cflags=list(CFLAGS), extra_ldflags=["-fopenmp"],
-                                build_directory=str(build_dir), verbose=False)
-    except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja: the reference path serves
-        log.warning("CPU paged-decode kernel unavailable (%s: %s); decode attention takes the torch reference "
-                    "path", type(exc).__name__, str(exc)[:500])
+        module = load_extension(name, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja: the torch ops serve
+        log.warning("CPU kernels unavailable (%s: %s); decode attention takes the torch reference path, the "
+                    "layers torch's own ops", type(exc).__name__, str(exc)[:500])
         return None
-    log.info("CPU paged-decode kernel ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    log.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
     return module
 
 
@@ -100,3 +109,27 @@ def paged_decode(module: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_c
     with torch.profiler.record_function("stepahead::paged_decode_cpu"):  # named in profiles (a pybind call)
         return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0,
                                    softcap or 0.0, empty if sinks is None else sinks.detach(), vectorized)
+
+
+def attach_layer_ops(model: torch.nn.Module, module: ModuleType | None) -> int:
+    """Give the model's modules that take the layer kernels (`cpu_ops` declared on their class:
+    RMSNorm, the SiLU gated MLP, rotary attention) the built `module` (None: take them back, the
+    torch ops again); returns how many modules it set."""
+    taken = 0
+    for sub in model.modules():
+        accepts = getattr(sub, "accepts_cpu_ops", None)
+        if accepts is not None and accepts():
+            sub.cpu_ops = module
+            taken += 1
+    return taken
+
+
+def layer_ops(module: torch.nn.Module, x: torch.Tensor) -> ModuleType | None:
+    """`module`'s layer kernels when they take `x`: attached, float32 on the CPU, and not while
+    torch.compile traces (checked first, so dynamo sees a constant and never the kernels)."""
+    if torch.compiler.is_compiling():
+        return None
+    ops = module.cpu_ops
+    if ops is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    return ops

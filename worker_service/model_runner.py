@@ -33,6 +33,7 @@ from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, cpu_kv_cache_bytes, plan_num_blocks
 from worker_service.layers.attention import ForwardContext
+from worker_service import cpu_kernels
 from worker_service.layers.packed_linear import pack_linears, packing_supported
 from worker_service.layers.rotary import RotaryTable
 from worker_service.loader import load_model, parse_dtype
@@ -111,6 +112,9 @@ class ModelRunner:
         if self.packed_linears:
             log.info("%d linear layers packed for oneDNN's CPU matmul (--no-cpu-prepack-weights: plain F.linear)",
                      self.packed_linears)
+        # on a CPU, float32: norms, rotary and SiLU·mul as one-pass C++ kernels (cpu_kernels.py)
+        kernels = cpu_kernels.load() if cpu_kernels.usable(self.device, self.dtype) else None
+        self.cpu_layer_ops = cpu_kernels.attach_layer_ops(self.model, kernels) if kernels is not None else 0
         self.model_type, self.vocab_size, self.eos_token_ids = cfg.model_type, cfg.vocab_size, cfg.eos_token_ids
         self.max_model_len = resolve_max_model_len(cfg, max_model_len)
         self.sliding_window = cfg.kv_window or 0  # announced in the hello (`WorkerInfo.sliding_window`)

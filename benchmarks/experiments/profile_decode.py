@@ -6,8 +6,9 @@
 
 The setups, profiled in turn for `--rounds` rounds (each setup's round with the least profiled
 time is reported, the others being the shared machine's noise): `reference` (`--attention-backend
-torch`: gather the blocks, then SDPA), `default` (the CPU paged-decode kernel) and `compiled`
-(`--no-enforce-eager` beside the kernel).
+torch`: gather the blocks, then SDPA), `default` (the CPU paged-decode kernel and layer
+kernels), `unpacked` (`--no-cpu-prepack-weights`), `torch_layer_ops` (torch's own ops for the
+norms, rotary and SiLU·mul) and `compiled` (`--no-enforce-eager` beside the kernel).
 
 Classes (the self time of each aten op, on the calling thread): matmul (mm/addmm/bmm), attention
 (the paged KV write and gather, SDPA and its masks), norms/rope/activations (pointwise), sampling
@@ -28,6 +29,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from benchmarks.forward import model_dir, runner_step
+from worker_service import cpu_kernels
+from worker_service.cpu_kernels import attach_layer_ops
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_mkl_linear",
           "aten::_linear_pointwise", "mkldnn::_linear_pointwise", "mkl::_mkl_linear"}
@@ -39,13 +42,15 @@ POINTWISE = {"aten::rms_norm", "aten::_fused_rms_norm", "aten::roll", "aten::add
              "aten::add", "aten::add_", "aten::copy_", "aten::cat", "aten::embedding", "aten::pow", "aten::mean",
              "aten::rsqrt", "aten::neg", "aten::clone", "aten::_to_copy", "aten::to"}
 
+LAYER_KERNELS = {"stepahead::add_rms_norm", "stepahead::silu_and_mul", "stepahead::rotary_"}
+
 
 def classify(name: str) -> str:
     if name in MATMUL:
         return "matmul"
     if name in ATTENTION or name == "stepahead::paged_decode_cpu":
         return "attention"
-    if name in POINTWISE:
+    if name in POINTWISE or name in LAYER_KERNELS:
         return "norm_rope_act"
     if name.startswith("Torch-Compiled Region") or name.startswith("CompiledFunction") or "graph_" in name:
         return "compiled_region"
@@ -93,7 +98,24 @@ def profile_steps(step, runner, steps: int) -> dict:
 
 
 SETUPS = {"reference": dict(attention="torch"), "default": {}, "unpacked": dict(pack=False),
-          "compiled": dict(compile=True)}
+          "torch_layer_ops": dict(layer_ops=False), "compiled": dict(compile=True)}
+
+
+class NamedLayerOps:
+    """The CPU layer kernels with each call a profiler range (`stepahead::<kernel>`), so the profile
+    counts them as ops (a pybind call is no aten op)."""
+
+    def __init__(self, module):
+        self._module = module
+
+    def __getattr__(self, name):
+        fn = getattr(self._module, name)
+
+        def named(*args):
+            with record_function(f"stepahead::{name}"):
+                return fn(*args)
+
+        return named
 
 
 def main() -> None:
@@ -110,6 +132,9 @@ def main() -> None:
     path = model_dir(args.model)
     runners = {name: runner_step(path, args.batch, (args.steps + 2) * args.rounds + 2, with_runner=True,
                                  **SETUPS[name]) for name in args.setups}
+    for step, runner in runners.values():
+        if runner.cpu_layer_ops and any(getattr(m, "cpu_ops", None) is not None for m in runner.model.modules()):
+            attach_layer_ops(runner.model, NamedLayerOps(cpu_kernels.load()))
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for name, (step, runner) in runners.items():

@@ -328,9 +328,3 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   }
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL released while it runs, as torch's own ops do: the worker's gRPC threads go on meanwhile
-  m.def("paged_decode", &paged_decode, "paged decode attention (float32, CPU)",
-        py::call_guard<py::gil_scoped_release>());
-}

@@ -26,11 +26,13 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 from torch import nn
 
 from worker_service.attention import AttentionBackend, AttentionMetadata
+from worker_service.cpu_kernels import layer_ops
 from worker_service.layers.rotary import apply_rotary
 
 
@@ -100,12 +102,14 @@ def _(q, k, v, layer, scale, window, softcap, sinks):
 
 class Attention(nn.Module):
     """Rotary multi-head attention with grouped KV heads (H a multiple of KVH), `[n, hidden]` ->
-    `[n, hidden]`.
+    `[n, hidden]`. With the CPU layer kernels attached (`cpu_ops`), the rotation is one in-place pass.
 
     `qk_norm(dim)` builds the q and k norms: over each head (dim d) when `qk_norm_per_head`,
     else over the whole q `[n, H * d]` and k `[n, KVH * d]` projections (OLMo 2). `local_rope`:
     this layer rotates by the context's local table when there is one (Gemma 3's sliding layers).
     """
+
+    cpu_ops: ModuleType | None = None  # the CPU layer kernels, where the runner attached them (cpu_kernels.py)
 
     def __init__(self, layer_idx: int, hidden: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                  scale: float | None = None, qkv_bias: bool = False, o_bias: bool = False, window: int | None = None,
@@ -135,10 +139,18 @@ class Attention(nn.Module):
         cos, sin = ctx.cos, ctx.sin
         if self.local_rope and ctx.local_cos is not None:
             cos, sin = ctx.local_cos, ctx.local_sin
-        q, k = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation: [n, H, d], [n, KVH, d]
+        ops = layer_ops(self, qk)
+        if ops is not None and cos.shape[-1] == qk.shape[-1]:
+            ops.rotary_(qk, cos, sin)  # in place: qk is this step's own projection (or its norm)
+            q, k = qk.split((heads, kv_heads), dim=1)  # [n, H, d], [n, KVH, d]
+        else:
+            q, k = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation: [n, H, d], [n, KVH, d]
         out = paged_attention(q, k, v, ctx, self.layer, self.scale, self.window, self.softcap,
                               self.sinks)  # [n, H, d]
         return self.o_proj(out.reshape(n, self.q_size))
+
+    def accepts_cpu_ops(self) -> bool:
+        return True  # the rotary kernel (a partial rotary takes the torch ops)
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k `[n, H + KVH, d]` (q/k-normed, before rope) and v `[n, KVH, d]`."""

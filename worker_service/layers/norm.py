@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from worker_service.cpu_kernels import layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -14,6 +18,8 @@ class RMSNorm(nn.Module):
     `scale_in_float32` (OLMo 2's): scale the float32 values, then cast.
     `worker_service/parallel/layers.py` ShardedRMSNorm follows the same flag on a split width.
     """
+
+    cpu_ops: ModuleType | None = None  # the CPU layer kernels, where the runner attached them (cpu_kernels.py)
 
     def __init__(self, dim: int, eps: float, *, scale_in_float32: bool = False):
         super().__init__()
@@ -28,6 +34,19 @@ class RMSNorm(nn.Module):
         if self.scale_in_float32:
             return (self.weight * normed).to(x.dtype)
         return self.weight * normed.to(x.dtype)
+
+    def add_and_norm(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A residual add and this pre-norm after it: `(x + delta, norm(x + delta))`, x and delta
+        `[n, dim]`; one pass with the CPU layer kernels."""
+        ops = layer_ops(self, x)
+        if ops is not None and self.weight.dtype == torch.float32 and x.dim() == 2:
+            total, normed = ops.add_rms_norm(x, delta, self.weight, self.eps)
+            return total, normed
+        x = x + delta
+        return x, self(x)
+
+    def accepts_cpu_ops(self) -> bool:
+        return True
 
 
 class OffsetRMSNorm(nn.Module):

@@ -46,8 +46,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         # x: [num_tokens, hidden]; pre-norms, residuals
-        x = x + self.self_attn(self.input_layernorm(x), ctx)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_and_norm(x, self.self_attn(self.input_layernorm(x), ctx))
+        return x + self.mlp(h)
 
 
 class LlamaModel(nn.Module):
