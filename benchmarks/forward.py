@@ -21,7 +21,9 @@ does not change the decode cost, and this skips a prefill that would dominate th
 The floor is the model's matrix multiplies alone (fused qkv, o, fused gate/up, down per
 layer, then lm_head) on a `[batch, hidden]` input: `floor` through `torch.mm` on the row-major
 weights, with preallocated outputs, `floor_packed` through oneDNN on the packed weights the
-runner holds by default (the faster of the two is the machine's floor).
+runner holds by default (the faster of the two is the machine's floor), and `floor_kv` the
+packed matmuls plus one plain read of the K/V bytes the step's attention must read (float32
+K/V of ~256 tokens per request is as many bytes as the weights at batch 64 on SmolLM2).
 """
 
 from __future__ import annotations
@@ -142,14 +144,28 @@ def hf_step(path: Path, batch: int):
     return step
 
 
-def floor_step(path: Path, batch: int, packed: bool = False):
+def floor_step(path: Path, batch: int, packed: bool = False, kv: bool = False):
     """The model's matmuls alone: `torch.mm` on the row-major weights, or (`packed`) oneDNN's
-    matmul on the weights packed as the runner holds them (`layers/packed_linear.py`)."""
+    matmul on the weights packed as the runner holds them (`layers/packed_linear.py`); `kv`: the
+    packed matmuls plus one read of the K/V the step's attention must read (every layer's, for
+    `batch` requests of KV_TOKENS tokens, summed layer by layer as the step reads them)."""
     import torch
 
     from worker_service.loader import load_model
 
-    model, _ = load_model(path, torch.float32, torch.device("cpu"))
+    model, cfg = load_model(path, torch.float32, torch.device("cpu"))
+    if kv:
+        matmuls = floor_step(path, batch, packed=True)
+        caches = [torch.randn(2 * batch * KV_TOKENS * cfg.num_kv_heads * cfg.head_dim)
+                  for _ in range(cfg.num_layers)]
+
+        @torch.inference_mode()
+        def kv_step():
+            matmuls()
+            for cache in caches:
+                cache.sum()
+
+        return kv_step
     linears = []
     for layer in model.model.layers:
         linears += [layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj]
@@ -200,7 +216,8 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
                 print(f"  ({name} batch {batch}: compiled runner built and warmed up in "
                       f"{time.perf_counter() - start:.1f} s)", flush=True)
             fns |= {"hf": hf_step(path, batch), "floor": floor_step(path, batch),
-                    "floor_packed": floor_step(path, batch, packed=True)}
+                    "floor_packed": floor_step(path, batch, packed=True),
+                    "floor_kv": floor_step(path, batch, kv=True)}
             rounds = [_time_round(fns, warmup, steps) for _ in range(repeat)]
             row = {"model": name, "batch": batch, "kv_tokens": KV_TOKENS, "rounds": repeat}
             for key in fns:
@@ -210,6 +227,7 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
                 row[f"vs_hf{suffix}"] = statistics.median(t[key] / t["hf"] for t in rounds)
                 row[f"vs_floor{suffix}"] = statistics.median(t[key] / t["floor"] for t in rounds)
                 row[f"vs_floor_packed{suffix}"] = statistics.median(t[key] / t["floor_packed"] for t in rounds)
+                row[f"vs_floor_kv{suffix}"] = statistics.median(t[key] / t["floor_kv"] for t in rounds)
             print(_fmt(row), flush=True)
             rows.append(row)
             done(rows)
@@ -218,14 +236,15 @@ def run_all(models, batches, warmup, steps, repeat: int = 1, reference: bool = F
 
 def _fmt(row: dict) -> str:
     cells = [f"{row['model']:>12} {row['batch']:>5}"]
-    for key in (*STEPAHEAD, "hf", "floor", "floor_packed"):
+    for key in (*STEPAHEAD, "hf", "floor", "floor_packed", "floor_kv"):
         if f"{key}_ms" in row:
             cells.append(f"{key}={row[f'{key}_ms']:.2f}ms")
     for key in STEPAHEAD:
         suffix = key.removeprefix("stepahead")
         if f"vs_hf{suffix}" in row:
             cells.append(f"{key}: {row[f'vs_hf{suffix}']:.2f}x hf {row[f'vs_floor{suffix}']:.2f}x floor "
-                         f"{row[f'vs_floor_packed{suffix}']:.2f}x packed floor")
+                         f"{row[f'vs_floor_packed{suffix}']:.2f}x packed floor "
+                         f"{row[f'vs_floor_kv{suffix}']:.2f}x packed+kv floor")
     return "  ".join(cells)
 
 
