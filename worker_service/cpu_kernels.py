@@ -21,7 +21,7 @@ ops instead under `torch.compile` (inductor fuses them itself) and for anything 
 the CPU. The results equal the torch ops' within float32 rounding.
 
 The build (g++, ninja, `-O3 -march=native`) goes to `$STEPAHEAD_CACHE_DIR/torch_extensions/`
-under a name hashed from the source and the CPU's flags, so a restart loads the cached
+under a name hashed from the sources and the CPU's flags, so a restart loads the cached
 library and a cache shared between machines never loads code built for another CPU.
 `load()` builds or loads it once per process, logs the time it took, and returns None where
 it cannot (no compiler; the reason is logged as a warning), so the worker falls back to the
@@ -42,8 +42,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name
-                for name in ("cpu_kernels.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp"))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(CSRC / name for name in ("cpu_kernels.cpp", "paged_decode_cpu.cpp", "layer_ops_cpu.cpp"))
+HEADERS = (CSRC / "cpu_math.h",)  # included by the sources: in the build's name too
 CFLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno")
 
 _lock = threading.Lock()
@@ -61,7 +62,7 @@ def _cpu_flags() -> str:
 
 
 def _build_name() -> str:
-    digest = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + " ".join(CFLAGS).encode()
+    digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
                             + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:16]
     return f"stepahead_cpu_kernels_{digest}"
 

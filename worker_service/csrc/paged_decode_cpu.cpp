@@ -5,41 +5,37 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#ifdef __AVX512F__
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
+#include "cpu_math.h"
+
 namespace {
 
-// exp(x) for x <= 0 (scores minus their max): Cephes' expf, range reduction by ln 2, a degree-5
-// polynomial, 2^n through the exponent bits; plain float code, so the compiler vectorizes it.
-inline float exp_nonpositive(float x) {
-  x = x < -87.0f ? -87.0f : x;
-  const int32_t ni = static_cast<int32_t>(x * 1.44269504088896341f - 0.5f);  // round(x / ln 2)
-  const float n = static_cast<float>(ni);
-  float r = x - n * 0.693359375f;
-  r -= n * -2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  return y * __builtin_bit_cast(float, (ni + 127) << 23);
-}
+using stepahead::exp_clamped;
+#ifdef __AVX512F__
+using stepahead::exp16;
+using stepahead::first_lanes;
+#endif
 
 struct Geometry {
   int64_t H, kvh, G, bs, W;
   float scale, cap;  // cap <= 0: no soft-cap
   int64_t window;    // <= 0: none
 };
+
+// The keys [start, len) a query at position seq_len - 1 attends (its window's, if any), the
+// length bounded by the block table's width.
+struct KeyRange {
+  int64_t start, len;
+};
+inline KeyRange key_range(const Geometry& g, int64_t seq_len) {
+  const int64_t len = std::min(seq_len, g.W * g.bs);
+  return {g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0, len};
+}
 
 // Calls f(j, row) for the keys j in [start, len) of request r, row pointing at key j's
 // [kvh, d] in `cache`, walking the block table block by block.
@@ -58,7 +54,7 @@ template <int64_t D>
 void decode_rows(const float* qp, const float* kp, const float* vp, const int64_t* tab, const int64_t* lens,
                  const float* sink, float* op, int64_t n, int64_t d_runtime, const Geometry& g) {
   const int64_t d = D > 0 ? D : d_runtime;
-  const int64_t H = g.H, G = g.G, row_floats = g.kvh * d, max_len = g.W * g.bs;
+  const int64_t H = g.H, G = g.G, row_floats = g.kvh * d;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [H, S]
     std::vector<float> acc(H * d);  // [H, d]
@@ -66,9 +62,8 @@ void decode_rows(const float* qp, const float* kp, const float* vp, const int64_
     std::vector<int64_t> kv_offset(H);  // query head qh reads kv head qh / G: its offset in a key's row
     for (int64_t qh = 0; qh < H; ++qh) kv_offset[qh] = (qh / G) * d;
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = std::min(lens[r], max_len);
-      const int64_t start = g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0;
-      const int64_t S = len - start;
+      const KeyRange keys = key_range(g, lens[r]);
+      const int64_t start = keys.start, len = keys.len, S = len - start;
       const float* qr = qp + r * H * d;  // [H, d]; query head qh reads kv head qh / G
       float* orow = op + r * H * d;
       const int64_t* table = tab + r * g.W;
@@ -100,7 +95,7 @@ void decode_rows(const float* qp, const float* kp, const float* vp, const int64_
         float sum = 0.0f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < S; ++t) {
-          s[t] = exp_nonpositive(s[t] - m);
+          s[t] = exp_clamped(s[t] - m);
           sum += s[t];
         }
         if (sink != nullptr) sum += std::exp(sink[qh] - m);
@@ -149,31 +144,11 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
-// exp_nonpositive on 16 lanes.
-inline __m512 exp16_nonpositive(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512i ni = _mm512_cvttps_epi32(_mm512_fmsub_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f)));
-  const __m512 n = _mm512_cvtepi32_ps(ni);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.3981999507e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(8.3334519073e-3f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(4.1665795894e-2f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.6666665459e-1f));
-  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(5.0000001201e-1f));
-  y = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(y, r), r, r), _mm512_set1_ps(1.0f));
-  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(ni, _mm512_set1_epi32(127)), 23);
-  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
-}
-
-inline __mmask16 first_lanes(int64_t k) { return static_cast<__mmask16>((1u << k) - 1); }
-
 template <int64_t D>
 void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const int64_t* tab, const int64_t* lens,
                         const float* sink, float* op, int64_t n, const Geometry& g) {
   constexpr int64_t C = D / 16;  // vectors per head
-  const int64_t H = g.H, G = g.G, kvh = g.kvh, bs = g.bs, row_floats = kvh * D, max_len = g.W * bs;
+  const int64_t H = g.H, G = g.G, kvh = g.kvh, bs = g.bs, row_floats = kvh * D;
   at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;  // [H, S]
     std::vector<float> accum(H * D);  // [H, D]
@@ -181,9 +156,8 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
     std::vector<__m512> dots(H * 16);  // [H, 16 keys] the products of a 16-key step, unreduced
     const __m512 scale = _mm512_set1_ps(g.scale);
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t len = std::min(lens[r], max_len);
-      const int64_t start = g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0;
-      const int64_t S = len - start;
+      const KeyRange keys = key_range(g, lens[r]);
+      const int64_t start = keys.start, len = keys.len, S = len - start;
       const float* qr = qp + r * H * D;  // [H, D]
       float* orow = op + r * H * D;
       const int64_t* table = tab + r * g.W;
@@ -236,7 +210,7 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
         __m512 sum = _mm512_setzero_ps();
         for (int64_t t = 0; t < S; t += 16) {
           const __mmask16 lanes = first_lanes(std::min<int64_t>(16, S - t));
-          const __m512 e = exp16_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + t), mb));
+          const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(lanes, s + t), mb));
           _mm512_mask_storeu_ps(s + t, lanes, e);
           sum = _mm512_mask_add_ps(sum, lanes, sum, e);
         }
