@@ -9,6 +9,12 @@ two): the host prepares step t+1 while the device runs step t, so the step time 
 approach max(device time, host time). Both run the same placeholder decodes (~256 tokens
 of KV per request), side by side in one process; the table shows ms per step and the
 ratio sync / pipelined. Also runs on CPU (`--device cpu`) as a smoke test.
+
+`--compiled` adds each row again with the compiled forward (`--no-enforce-eager`: each decoder
+layer through torch.compile, warmed up before timing; its compile time is reported). The HBM
+roofline of a decode step is its weights plus its K/V read once at the device's memory
+bandwidth (`--hbm-gbps`, else looked up from the device's name: H100 SXM, H100 PCIe, H200, A100);
+`vs roofline` is the pipelined step over it.
 """
 
 from __future__ import annotations
@@ -27,7 +33,30 @@ BLOCK = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=1 << 20)
 
 
-def make_runner(model: str, device: str, backend: str, batch: int, dtype: str):
+HBM_GBPS = (("H100 PCIe", 2000.0), ("H100", 3350.0), ("H200", 4800.0), ("A100", 2039.0))  # by device name
+
+
+def hbm_gbps(device: str) -> float | None:
+    if device != "cuda":
+        return None
+    name = torch.cuda.get_device_name()
+    return next((gbps for key, gbps in HBM_GBPS if key in name), None)
+
+
+def step_bytes(runner, batch: int) -> int:
+    """A decode step's memory floor: every weight (a packed linear's too) and each request's
+    K/V of KV_TOKENS tokens, read once."""
+    from worker_service.layers.packed_linear import PackedLinear
+
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    weights += sum(m.in_features * m.out_features * runner.dtype.itemsize for m in runner.model.modules()
+                   if isinstance(m, PackedLinear))
+    cfg = runner.model.config
+    kv = cfg.num_layers * batch * KV_TOKENS * 2 * cfg.num_kv_heads * cfg.head_dim * runner.dtype.itemsize
+    return weights + kv
+
+
+def make_runner(model: str, device: str, backend: str, batch: int, dtype: str, compiled: bool = False):
     from model_zoo.builtin_models import resolve_model
     from worker_service.attention_names import AttentionBackendName
     from worker_service.loader import parse_dtype
@@ -38,7 +67,7 @@ def make_runner(model: str, device: str, backend: str, batch: int, dtype: str):
     return ModelRunner(resolve_model(model), device=device, dtype=dtype, block_size=BLOCK,
                        num_blocks=batch * per, max_num_seqs=batch, max_num_batched_tokens=max(2048, batch),
                        attention_backend=make_backend(AttentionBackendName(backend), torch.device(device),
-                                                      parse_dtype(dtype), BLOCK))
+                                                      parse_dtype(dtype), BLOCK), enforce_eager=not compiled)
 
 
 def prime(runner, batch: int) -> int:
@@ -85,22 +114,36 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["torch", "paged"])
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--out", default="benchmarks/results/cuda_steps.json")
+    ap.add_argument("--compiled", action="store_true", help="each row also with the compiled forward")
+    ap.add_argument("--hbm-gbps", type=float, default=None, help="memory bandwidth (default: by device name)")
     args = ap.parse_args()
+    gbps = args.hbm_gbps or hbm_gbps(args.device)
     rows = []
-    print(f"{'model':6} {'backend':8} {'batch':>5} {'sync ms':>9} {'pipelined ms':>13} {'ratio':>6}")
+    print(f"{'model':6} {'backend':8} {'mode':8} {'batch':>5} {'sync ms':>9} {'pipelined ms':>13} {'ratio':>6} "
+          f"{'roofline ms':>11} {'vs roofline':>11}")
     for model in args.models:
         for backend in args.backends:
             for batch in args.batches:
-                runner = make_runner(model, args.device, backend, batch, args.dtype)
-                run(runner, batch, 5, pipelined=True)  # warm-up
-                sync_ms = run(runner, batch, args.steps, pipelined=False)
-                pipe_ms = run(runner, batch, args.steps, pipelined=True)
-                rows.append(dict(model=model, backend=backend, batch=batch, sync_ms=sync_ms, pipelined_ms=pipe_ms))
-                print(f"{model:6} {backend:8} {batch:5d} {sync_ms:9.3f} {pipe_ms:13.3f} {sync_ms / pipe_ms:6.2f}")
-                del runner
+                for compiled in (False, True) if args.compiled else (False,):
+                    start = time.perf_counter()
+                    runner = make_runner(model, args.device, backend, batch, args.dtype, compiled)
+                    build_s = time.perf_counter() - start
+                    run(runner, batch, 5, pipelined=True)  # warm-up
+                    sync_ms = run(runner, batch, args.steps, pipelined=False)
+                    pipe_ms = run(runner, batch, args.steps, pipelined=True)
+                    floor_ms = step_bytes(runner, batch) / (gbps * 1e9) * 1e3 if gbps else None
+                    mode = "compiled" if compiled else "eager"
+                    rows.append(dict(model=model, backend=backend, mode=mode, batch=batch, sync_ms=sync_ms,
+                                     pipelined_ms=pipe_ms, roofline_ms=floor_ms, build_s=build_s,
+                                     warm_up_s=runner.warm_up_seconds))
+                    floor = f"{floor_ms:11.3f} {pipe_ms / floor_ms:11.2f}" if floor_ms else f"{'-':>11} {'-':>11}"
+                    print(f"{model:6} {backend:8} {mode:8} {batch:5d} {sync_ms:9.3f} {pipe_ms:13.3f} "
+                          f"{sync_ms / pipe_ms:6.2f} {floor}" + (f"  (compiled in {runner.warm_up_seconds:.1f} s)"
+                                                                  if compiled else ""))
+                    del runner
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(device=args.device, dtype=args.dtype, kv_tokens=KV_TOKENS,
-                                              steps=args.steps, rows=rows), indent=1))
+                                              steps=args.steps, hbm_gbps=gbps, rows=rows), indent=1))
     print(f"wrote {args.out}")
 
 
