@@ -2,8 +2,8 @@
 
 `paged_decode` (`csrc/paged_decode_cpu.cpp`): float32 decode attention straight over the
 paged KV cache, one task per request on torch's intra-op threads. Where the build has AVX-512
-(and the head dim is 64 or 128) it runs a loop written for those registers; elsewhere a
-portable loop the compiler vectorizes. Both read the cache in the same order, each block's rows
+(and a head dim of 16, 32, 64, 80, 96, 128 or 256) it runs a loop written for those registers;
+elsewhere a portable loop the compiler vectorizes. Both read the cache in the same order, each block's rows
 front to back, and a decode step at a large batch reads float32 K/V near the machine's memory
 bandwidth (`benchmarks/experiments/profile_decode.py`).
 `benchmarks/experiments/decode_kernel.py` times one layer of each. The reference path

@@ -78,10 +78,10 @@ def test_decode_matches_reference(lens, heads, kv_heads, chunk_reqs):
 @pytest.mark.parametrize("vectorized", [True, False], ids=["vectorized", "portable"])
 def test_cpu_kernel_decode_matches_reference(lens, heads, kv_heads, width, d, block, vectorized):
     """The C++ kernel reads the blocks in place; tables wider than a request's blocks (padded
-    with block 0, as bucketed tables are) must not change what it reads. Head dims 64 and 128
-    take its paths specialised for that dim (on an AVX-512 build, its AVX-512 loop unless
-    `vectorized=False`), 16 and 80 the generic one; block sizes 4 to 32 (a 32-key block is
-    two of the AVX-512 loop's 16-key steps)."""
+    with block 0, as bucketed tables are) must not change what it reads. On an AVX-512 build
+    every dim here takes its AVX-512 loop unless `vectorized=False`; then 64 and 128 take the
+    portable loop specialised for that dim, 16 and 80 the generic one. Block sizes 4 to 32 (a
+    32-key block is two of the AVX-512 loop's 16-key steps)."""
     gen = torch.Generator().manual_seed(len(lens) * 100 + heads * 10 + kv_heads)
     num_blocks = 128
     meta = _decode_meta(lens, num_blocks, gen, block)

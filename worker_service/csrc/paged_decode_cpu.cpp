@@ -252,7 +252,8 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
 // q [n, H, d]; k_cache, v_cache [blocks, block_size, kvh, d]; tables [n, W] int64;
 // seq_lens [n] int64 (keys in the cache, this step's included); window <= 0: none;
 // softcap <= 0: none; sinks: [H] or an empty tensor; vectorized: the AVX-512 path where it was
-// built and d is 64 or 128 (false: the portable loop, for tests). Returns [n, H, d].
+// built and d is one of 16, 32, 64, 80, 96, 128, 256 (false: the portable loop, for tests).
+// Returns [n, H, d].
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor tables,
                            torch::Tensor seq_lens, double scale, int64_t window, double softcap,
                            torch::Tensor sinks, bool vectorized) {
@@ -289,8 +290,13 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
              tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), sink, out.data_ptr<float>(), n, g);
     };
     switch (d) {
+      case 16: run_avx(decode_rows_avx512<16>); return out;
+      case 32: run_avx(decode_rows_avx512<32>); return out;
       case 64: run_avx(decode_rows_avx512<64>); return out;
+      case 80: run_avx(decode_rows_avx512<80>); return out;
+      case 96: run_avx(decode_rows_avx512<96>); return out;
       case 128: run_avx(decode_rows_avx512<128>); return out;
+      case 256: run_avx(decode_rows_avx512<256>); return out;
       default: break;
     }
   }
