@@ -15,15 +15,22 @@ from worker_service.layers.mlp import GatedMLP
 from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import apply_rotary
 
-kernels = cpu_kernels.load()
-pytestmark = pytest.mark.skipif(kernels is None, reason="the CPU kernels could not be built here (no compiler)")
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """The built CPU kernels (built on first use, not at collection)."""
+    module = cpu_kernels.load()
+    if module is None:
+        pytest.skip("the CPU kernels could not be built here (no compiler)")
+    return module
 
 ROWS = [1, 7, 64]
 
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("width", [576, 37])
-def test_add_rms_norm_equals_the_add_then_the_norm(rows, width):
+def test_add_rms_norm_equals_the_add_then_the_norm(kernels, rows, width):
     gen = torch.Generator().manual_seed(rows * width)
     x = torch.randn(rows, width + 5, generator=gen)[:, :width]  # strided rows
     delta = torch.randn(rows, width, generator=gen) * 3
@@ -35,7 +42,7 @@ def test_add_rms_norm_equals_the_add_then_the_norm(rows, width):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("inter", [1536, 45])
-def test_silu_and_mul_equals_silu_times_up(rows, inter):
+def test_silu_and_mul_equals_silu_times_up(kernels, rows, inter):
     gen = torch.Generator().manual_seed(rows + inter)
     gate_up = torch.randn(rows, 2 * inter + 3, generator=gen)[:, : 2 * inter] * 8  # strided rows, wide range
     gate_up[0, :4] = torch.tensor([-200.0, -88.0, 0.0, 200.0])  # the exp's clamps
@@ -45,7 +52,7 @@ def test_silu_and_mul_equals_silu_times_up(rows, inter):
 
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("head_dim", [64, 24])
-def test_rotary_in_place_equals_apply_rotary(rows, head_dim):
+def test_rotary_in_place_equals_apply_rotary(kernels, rows, head_dim):
     gen = torch.Generator().manual_seed(rows * head_dim)
     qkv = torch.randn(rows, 5 * head_dim, generator=gen)
     qk = qkv[:, : 4 * head_dim].view(rows, 4, head_dim)  # q and k heads of a fused projection: strided
@@ -58,7 +65,7 @@ def test_rotary_in_place_equals_apply_rotary(rows, head_dim):
     assert torch.equal(qkv[:, 4 * head_dim :], v_before), "the rotation wrote past the q/k heads"
 
 
-def test_bad_inputs_are_refused_not_read_out_of_bounds():
+def test_bad_inputs_are_refused_not_read_out_of_bounds(kernels):
     with pytest.raises(RuntimeError, match="add_rms_norm"):
         kernels.add_rms_norm(torch.randn(3, 8), torch.randn(3, 9), torch.randn(8), 1e-5)
     with pytest.raises(RuntimeError, match="float32"):
@@ -67,7 +74,7 @@ def test_bad_inputs_are_refused_not_read_out_of_bounds():
         kernels.rotary_(torch.randn(3, 2, 8), torch.randn(3, 1, 6), torch.randn(3, 1, 6))
 
 
-def test_layers_with_the_kernels_equal_themselves_without():
+def test_layers_with_the_kernels_equal_themselves_without(kernels):
     """RMSNorm.add_and_norm, the SiLU gated MLP and rotary attention's rotation take the kernels
     once attached, and give what the torch ops give; a GeGLU MLP does not take them."""
     torch.manual_seed(0)

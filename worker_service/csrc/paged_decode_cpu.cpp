@@ -27,14 +27,22 @@ struct Geometry {
   int64_t window;    // <= 0: none
 };
 
-// The keys [start, len) a query at position seq_len - 1 attends (its window's, if any), the
-// length bounded by the block table's width.
-struct KeyRange {
-  int64_t start, len;
-};
-inline KeyRange key_range(const Geometry& g, int64_t seq_len) {
-  const int64_t len = std::min(seq_len, g.W * g.bs);
-  return {g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0, len};
+// Calls f(r, start, len) for each request r in [begin, end) that attends keys: [start, len), a
+// query at position seq_len - 1 over its window's keys (all earlier ones without a window), the
+// length bounded by the block table's width. A request with none gets zeros for its output rows
+// (`out_floats` of `op` each).
+template <typename F>
+inline void for_requests(int64_t begin, int64_t end, const Geometry& g, const int64_t* lens, float* op,
+                         int64_t out_floats, F&& f) {
+  for (int64_t r = begin; r < end; ++r) {
+    const int64_t len = std::min(lens[r], g.W * g.bs);
+    const int64_t start = g.window > 0 ? std::max<int64_t>(0, len - g.window) : 0;
+    if (len <= start) {
+      std::fill(op + r * out_floats, op + (r + 1) * out_floats, 0.0f);
+      continue;
+    }
+    f(r, start, len);
+  }
 }
 
 // Calls f(j, row) for the keys j in [start, len) of request r, row pointing at key j's
@@ -61,16 +69,11 @@ void decode_rows(const float* qp, const float* kp, const float* vp, const int64_
     std::vector<float> denom(H);
     std::vector<int64_t> kv_offset(H);  // query head qh reads kv head qh / G: its offset in a key's row
     for (int64_t qh = 0; qh < H; ++qh) kv_offset[qh] = (qh / G) * d;
-    for (int64_t r = begin; r < end; ++r) {
-      const KeyRange keys = key_range(g, lens[r]);
-      const int64_t start = keys.start, len = keys.len, S = len - start;
+    for_requests(begin, end, g, lens, op, H * d, [&](int64_t r, int64_t start, int64_t len) {
+      const int64_t S = len - start;
       const float* qr = qp + r * H * d;  // [H, d]; query head qh reads kv head qh / G
       float* orow = op + r * H * d;
       const int64_t* table = tab + r * g.W;
-      if (S <= 0) {
-        std::fill(orow, orow + H * d, 0.0f);
-        continue;
-      }
       scores.resize(H * S);
       float* sc = scores.data();
       for_keys<D>(kp, table, start, len, g.bs, row_floats, [&](int64_t j, const float* krow) {
@@ -116,7 +119,7 @@ void decode_rows(const float* qp, const float* kp, const float* vp, const int64_
         const float inv = 1.0f / denom[qh];
         for (int64_t i = 0; i < d; ++i) orow[qh * d + i] = a[qh * d + i] * inv;
       }
-    }
+    });
   });
 }
 
@@ -155,16 +158,11 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
     std::vector<float> denom(H);
     std::vector<__m512> dots(H * 16);  // [H, 16 keys] the products of a 16-key step, unreduced
     const __m512 scale = _mm512_set1_ps(g.scale);
-    for (int64_t r = begin; r < end; ++r) {
-      const KeyRange keys = key_range(g, lens[r]);
-      const int64_t start = keys.start, len = keys.len, S = len - start;
+    for_requests(begin, end, g, lens, op, H * D, [&](int64_t r, int64_t start, int64_t len) {
+      const int64_t S = len - start;
       const float* qr = qp + r * H * D;  // [H, D]
       float* orow = op + r * H * D;
       const int64_t* table = tab + r * g.W;
-      if (S <= 0) {
-        std::fill(orow, orow + H * D, 0.0f);
-        continue;
-      }
       scores.resize(H * S);
       float* sc = scores.data();
       for (int64_t b = start / bs; b * bs < len; ++b) {  // scores = q k^T * scale
@@ -220,29 +218,24 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
       }
       std::fill(accum.begin(), accum.end(), 0.0f);
       float* a = accum.data();
-      for (int64_t b = start / bs; b * bs < len; ++b) {  // accum = p v
-        const float* block = vp + table[b] * bs * row_floats;
-        const int64_t lo = std::max(start, b * bs), hi = std::min(len, (b + 1) * bs);
-        for (int64_t j = lo; j < hi; ++j) {
-          const float* row = block + (j - b * bs) * row_floats;
-          for (int64_t kv = 0; kv < kvh; ++kv) {
-            __m512 v[C];
-            for (int64_t c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + kv * D + c * 16);
-            for (int64_t qh = kv * G; qh < (kv + 1) * G; ++qh) {
-              const __m512 p = _mm512_set1_ps(sc[qh * S + (j - start)]);
-              float* o = a + qh * D;
-              for (int64_t c = 0; c < C; ++c)
-                _mm512_storeu_ps(o + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o + c * 16)));
-            }
+      for_keys<D>(vp, table, start, len, bs, row_floats, [&](int64_t j, const float* row) {  // accum = p v
+        for (int64_t kv = 0; kv < kvh; ++kv) {
+          __m512 v[C];
+          for (int64_t c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + kv * D + c * 16);
+          for (int64_t qh = kv * G; qh < (kv + 1) * G; ++qh) {
+            const __m512 p = _mm512_set1_ps(sc[qh * S + (j - start)]);
+            float* o = a + qh * D;
+            for (int64_t c = 0; c < C; ++c)
+              _mm512_storeu_ps(o + c * 16, _mm512_fmadd_ps(p, v[c], _mm512_loadu_ps(o + c * 16)));
           }
         }
-      }
+      });
       for (int64_t qh = 0; qh < H; ++qh) {
         const __m512 inv = _mm512_set1_ps(1.0f / denom[qh]);
         for (int64_t c = 0; c < C; ++c)
           _mm512_storeu_ps(orow + qh * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(a + qh * D + c * 16), inv));
       }
-    }
+    });
   });
 }
 #endif
