@@ -147,6 +147,12 @@ def check_streams(hf: HFGreedy, streams: list[Stream]) -> None:
         assert_matches_hf(s.tokens, want, gaps, f"stream {i}")
 
 
+def assert_running_on_both(cluster: Cluster) -> None:
+    m = cluster.metrics()
+    running = {k: v for k, v in m.items() if k.startswith("stepahead:num_requests_running{")}
+    assert len(running) == 2 and all(v > 0 for v in running.values()), f"not spread over both: {running}"
+
+
 def check_no_leaks(cluster: Cluster) -> None:
     stats = cluster.stats()
     assert stats.num_running == stats.num_waiting == 0, stats
@@ -158,9 +164,7 @@ def test_requests_spread_over_replicas_and_survive_a_killed_worker(cluster, hf, 
     before = cluster.metrics()
 
     def kill_one_worker() -> None:
-        m = cluster.metrics()
-        running = {k: v for k, v in m.items() if k.startswith("stepahead:num_requests_running{")}
-        assert len(running) == 2 and all(v > 0 for v in running.values()), f"not spread over both: {running}"
+        assert_running_on_both(cluster)
         cluster.expected = [WORKER_GONE]
         cluster.procs["worker0"].send_signal(signal.SIGKILL)
 
@@ -178,9 +182,12 @@ def test_requests_spread_over_replicas_and_survive_a_killed_worker(cluster, hf, 
     migrated = cluster.metrics()["stepahead:requests_migrated_total"]
 
     def drain_worker1() -> None:  # SIGTERM under load: its requests move, none is lost
+        assert_running_on_both(cluster)  # worker1 has requests to move
         cluster.procs["worker1"].send_signal(signal.SIGTERM)
 
-    check_streams(hf, run_streams(cluster, prompts[:8], 32, during=drain_worker1))
+    # outputs long enough that worker1's requests are still decoding when its drain begins (at 32
+    # tokens the tiny model could finish them all between the streams' first tokens and the signal)
+    check_streams(hf, run_streams(cluster, prompts[:8], 160, during=drain_worker1))
     assert cluster.procs["worker1"].wait(timeout=60) == 0
     assert cluster.metrics()["stepahead:requests_migrated_total"] > migrated
     check_no_leaks(cluster)
