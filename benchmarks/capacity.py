@@ -29,13 +29,15 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import re
 import subprocess
 from pathlib import Path
 
-from benchmarks.machine import CpuSampler, cpu_seconds, python_speed_ms, python_thread_names, thread_cpu_seconds
+from benchmarks.machine import (CpuSampler, cpu_seconds, py_spy, python_speed_ms, python_thread_names,
+                                thread_cpu_seconds)
 from cli import bench
 from model_zoo.builtin_models import resolve_model
 from testing.launcher import ServeProcess
@@ -54,6 +56,15 @@ CATEGORIES = {
     "update": ("update_from_output",),
     "schedule": ("schedule (scheduler_service/core/scheduler.py",),
 }
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 def daemon_pids(serve: ServeProcess) -> dict[str, int]:
@@ -145,14 +156,14 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
     flags = ["--device", "sim", "--sim-profile", profile, "--sim-num-devices", devices or "1",
              "--max-num-seqs", str(max(streams, 1)), *loop, "--stream-interval", str(args.stream_interval)]
     speed = python_speed_ms()
-    extra: list = []  # the gateways past serve's own (--gateways)
-    with ServeProcess(model, *flags) as serve:
+    with contextlib.ExitStack() as stack:
+        serve = stack.enter_context(ServeProcess(model, *flags))
         pids = daemon_pids(serve)
         targets = [serve.gateway_addr]
-        for i in range(1, args.gateways):
+        for i in range(1, args.gateways):  # the gateways past serve's own, stopped however the run ends
             proc, address = spawn_gateway(serve.scheduler_addr, str(resolve_model(model)), serve.cluster_token,
                                           "--stream-interval", str(args.stream_interval))
-            extra.append(proc)
+            stack.callback(_stop, proc)
             pids[f"gateway{i}"], targets = proc.pid, [*targets, address]
         steps0 = serve.stats().num_steps
         cpu0 = {k: cpu_seconds(p) for k, p in pids.items()}
@@ -161,7 +172,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
         if args.profile_cpu:
             for name in ("scheduler", "gateway"):
                 out = args.out.parent / f"capacity_profile_{label}{'' if name == 'scheduler' else '_gateway'}.txt"
-                spies[name] = subprocess.Popen(["py-spy", "record", "-p", str(pids[name]), "-o", str(out), "-f",
+                spies[name] = subprocess.Popen([str(py_spy()), "record", "-p", str(pids[name]), "-o", str(out), "-f",
                                                 "raw", "--gil", "--nonblocking", "-r", "250"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         sampler = CpuSampler(pids["scheduler"])
@@ -174,9 +185,6 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
         for spy in spies.values():
             spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
             spy.wait(60)
-        for proc in extra:
-            proc.terminate()
-            proc.wait(30)
     row = {k: summary.get(k) for k in (
         "label", "completed", "failed", "duration", "total_output_tokens", "output_throughput",
         "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "p99_itl_ms",
@@ -310,11 +318,13 @@ def main() -> None:
     parser.add_argument("--adaptive-concurrent-batches", action=argparse.BooleanOptionalAction, default=True,
                         help="one step ahead, deeper only while the device waits (the scheduler's default); "
                              "--no-adaptive-concurrent-batches: always --max-concurrent-batches")
-    parser.add_argument("--profile-cpu", action="store_true", help="py-spy the scheduler (needs py-spy on PATH)")
+    parser.add_argument("--profile-cpu", action="store_true", help="py-spy the scheduler (needs py-spy in the venv)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/capacity.json"))
     args = parser.parse_args()
     if args.gateways < 1:
         parser.error(f"--gateways must be >= 1, got {args.gateways}")
+    if args.profile_cpu and py_spy() is None:
+        parser.error("--profile-cpu needs py-spy beside this interpreter: pip install py-spy into the venv")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     rows = []
     for setup_model in args.setups:

@@ -44,11 +44,17 @@ def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
     return out
 
 
+def py_spy() -> Path | None:
+    """The py-spy beside this interpreter (`pip install py-spy` into the venv), or None."""
+    spy = Path(sys.executable).with_name("py-spy")
+    return spy if spy.exists() else None
+
+
 def python_thread_names(pid: int) -> dict[int, str]:
     """OS thread id -> Python thread name, from one `py-spy dump` (Python 3.11 does not name
     OS threads); {} when py-spy is not there."""
-    spy = Path(sys.executable).with_name("py-spy")
-    if not spy.exists():
+    spy = py_spy()
+    if spy is None:
         return {}
     dump = subprocess.run([str(spy), "dump", "-p", str(pid)], capture_output=True, text=True, timeout=60).stdout
     return {int(m.group(1)): m.group(2) for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"', dump, re.M)}
