@@ -106,10 +106,12 @@ def paged_decode(module: ModuleType, q: torch.Tensor, k_cache: torch.Tensor, v_c
     int64 -> `[n, H, d]`: each query (position seq_len - 1) over its request's first seq_len keys
     (the last `window` of them), scores soft-capped, sinks `[H]` in the softmax's denominator.
     `vectorized=False` takes the portable loop where the AVX-512 one would run (tests compare them)."""
-    empty = q.new_empty(0)
+    args = (q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0, softcap or 0.0,
+            q.new_empty(0) if sinks is None else sinks.detach(), vectorized)
+    if not torch.autograd.profiler._is_profiler_enabled:  # the range costs more than a small step's kernel
+        return module.paged_decode(*args)
     with torch.profiler.record_function("stepahead::paged_decode_cpu"):  # named in profiles (a pybind call)
-        return module.paged_decode(q, k_cache, v_cache, block_tables, seq_lens, scale, window or 0,
-                                   softcap or 0.0, empty if sinks is None else sinks.detach(), vectorized)
+        return module.paged_decode(*args)
 
 
 def attach_layer_ops(model: torch.nn.Module, module: ModuleType | None) -> int:

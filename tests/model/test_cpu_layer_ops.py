@@ -1,4 +1,4 @@
-"""The CPU layer kernels (`worker_service/cpu_kernels.py`: residual add + RMSNorm, SiLU·mul, rotary
+"""The CPU layer kernels (`worker_service/cpu_kernels.py`: residual add + RMSNorm, RMSNorm, SiLU·mul, rotary
 in place) against the torch ops they replace, on the shapes a step gives them: one row to a
 batch, widths that are no multiple of the vector width, strided rows (views into a fused
 projection); and the layers that take them equal to themselves with the torch ops."""
@@ -41,6 +41,16 @@ def test_add_rms_norm_equals_the_add_then_the_norm(kernels, rows, width):
 
 
 @pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("width", [576, 37])
+def test_rms_norm_equals_torchs(kernels, rows, width):
+    gen = torch.Generator().manual_seed(rows * width + 1)
+    x = torch.randn(rows, width + 5, generator=gen)[:, :width] * 3  # strided rows
+    weight = torch.randn(width, generator=gen)
+    torch.testing.assert_close(kernels.rms_norm(x, weight, 1e-6), F.rms_norm(x, (width,), weight, 1e-6),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("inter", [1536, 45])
 def test_silu_and_mul_equals_silu_times_up(kernels, rows, inter):
     gen = torch.Generator().manual_seed(rows + inter)
@@ -68,6 +78,8 @@ def test_rotary_in_place_equals_apply_rotary(kernels, rows, head_dim):
 def test_bad_inputs_are_refused_not_read_out_of_bounds(kernels):
     with pytest.raises(RuntimeError, match="add_rms_norm"):
         kernels.add_rms_norm(torch.randn(3, 8), torch.randn(3, 9), torch.randn(8), 1e-5)
+    with pytest.raises(RuntimeError, match="rms_norm"):
+        kernels.rms_norm(torch.randn(3, 8), torch.randn(9), 1e-5)
     with pytest.raises(RuntimeError, match="float32"):
         kernels.silu_and_mul(torch.randn(3, 8, dtype=torch.float64))
     with pytest.raises(RuntimeError, match="rotary_"):
@@ -75,7 +87,7 @@ def test_bad_inputs_are_refused_not_read_out_of_bounds(kernels):
 
 
 def test_layers_with_the_kernels_equal_themselves_without(kernels):
-    """RMSNorm.add_and_norm, the SiLU gated MLP and rotary attention's rotation take the kernels
+    """RMSNorm (and its add_and_norm), the SiLU gated MLP and rotary attention's rotation take the kernels
     once attached, and give what the torch ops give; a GeGLU MLP does not take them."""
     torch.manual_seed(0)
     norm = RMSNorm(48, 1e-6)
@@ -84,12 +96,13 @@ def test_layers_with_the_kernels_equal_themselves_without(kernels):
     geglu = GatedMLP(48, 40, lambda x: F.gelu(x, approximate="tanh"))
     x, delta = torch.randn(5, 48), torch.randn(5, 48)
     with torch.inference_mode():
-        plain = (norm.add_and_norm(x, delta), mlp(x))
+        plain = (norm.add_and_norm(x, delta), mlp(x), norm(x))
         model = torch.nn.ModuleList([norm, mlp, geglu, Attention(0, 48, 4, 2, 12)])
         assert cpu_kernels.attach_layer_ops(model, kernels) == 3  # norm, SiLU MLP, attention
         assert geglu.cpu_ops is None and mlp.cpu_ops is kernels
-        fused = (norm.add_and_norm(x, delta), mlp(x))
+        fused = (norm.add_and_norm(x, delta), mlp(x), norm(x))
     torch.testing.assert_close(fused[0][0], plain[0][0], rtol=0, atol=0)
     torch.testing.assert_close(fused[0][1], plain[0][1], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fused[1], plain[1], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused[2], plain[2], rtol=1e-5, atol=1e-5)
     assert cpu_kernels.attach_layer_ops(model, None) == 3 and mlp.cpu_ops is None

@@ -8,6 +8,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
                            torch::Tensor seq_lens, double scale, int64_t window, double softcap,
                            torch::Tensor sinks, bool vectorized);
 std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, torch::Tensor weight, double eps);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
 torch::Tensor silu_and_mul(torch::Tensor gate_up);
 void rotary_(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
@@ -16,6 +17,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("paged_decode", &paged_decode, "paged decode attention (float32, CPU)", nogil);
   m.def("add_rms_norm", &add_rms_norm, "(x + delta, rms_norm(x + delta) * weight) (float32, CPU)", nogil);
+  m.def("rms_norm", &rms_norm, "rms_norm(x) * weight (float32, CPU)", nogil);
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up of [gate | up] (float32, CPU)", nogil);
   m.def("rotary_", &rotary_, "rotate-half rotary embedding in place (float32, CPU)", nogil);
 }

@@ -1,6 +1,6 @@
 // The elementwise parts of a decoder layer on CPU, float32, each one pass over its rows where torch
 // runs two to four ops (with a temporary between each): the residual add and the RMSNorm after
-// it, SiLU(gate) * up, and the rotary embedding applied in place. See worker_service/cpu_kernels.py
+// it (and the RMSNorm alone), SiLU(gate) * up, and the rotary embedding applied in place. See worker_service/cpu_kernels.py
 // and worker_service/layers/fused.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -30,6 +30,12 @@ inline void silu_mul_row(const float* gate, const float* up, float* o, int64_t c
   }
 #endif
   for (; i < count; ++i) o[i] = gate[i] / (1.0f + exp_clamped(-gate[i])) * up[i];
+}
+
+// o[i] = s[i] * inv * w[i], i < h: an RMSNorm's scaling, `inv` the row's 1 / rms.
+inline void scale_row(const float* s, const float* w, float* o, int64_t h, float inv) {
+#pragma omp simd
+  for (int64_t i = 0; i < h; ++i) o[i] = s[i] * inv * w[i];
 }
 
 constexpr int64_t kRowsGrain = 16;  // rows per task: small batches stay on the calling thread
@@ -71,13 +77,35 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor delta, to
         s[i] = a[i] + b[i];
         sq += s[i] * s[i];
       }
-      const float inv = 1.0f / std::sqrt(sq / static_cast<float>(h) + e);
-      float* o = np_ + r * h;
-#pragma omp simd
-      for (int64_t i = 0; i < h; ++i) o[i] = s[i] * inv * wp[i];
+      scale_row(s, wp, np_ + r * h, h, 1.0f / std::sqrt(sq / static_cast<float>(h) + e));
     }
   });
   return {sum, normed};
+}
+
+// x [n, h] (rows may be strided); weight [h]. Returns rms_norm(x) * weight [n, h] contiguous (the
+// normalisation of add_rms_norm without the add: a layer's first pre-norm, the final norm).
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+  check_rows(x, "x");
+  check_rows(weight, "weight");
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 1 && weight.size(0) == x.size(1), "rms_norm: x [n, h], weight [h]");
+  weight = weight.contiguous();
+  const int64_t n = x.size(0), h = x.size(1), xs = x.stride(0);
+  auto normed = torch::empty({n, h}, x.options());
+  const float* xp = x.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* np_ = normed.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, n, kRowsGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const float* a = xp + r * xs;
+      float sq = 0.0f;
+#pragma omp simd reduction(+ : sq)
+      for (int64_t i = 0; i < h; ++i) sq += a[i] * a[i];
+      scale_row(a, wp, np_ + r * h, h, 1.0f / std::sqrt(sq / static_cast<float>(h) + e));
+    }
+  });
+  return normed;
 }
 
 // gate_up [n, 2 * inter] (gate | up; rows may be strided) -> [n, inter]: silu(gate) * up.

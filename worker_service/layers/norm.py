@@ -29,6 +29,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            ops = layer_ops(self, x)
+            if ops is not None and x.dim() == 2:
+                return ops.rms_norm(x, self.weight, self.eps)  # one pass
             return F.rms_norm(x, (x.shape[-1],), self.weight, eps=self.eps)  # same math, fewer ops
         normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps)  # [..., dim] float32
         if self.scale_in_float32:
