@@ -123,9 +123,9 @@ class TorchAttentionBackend:
     def write_kv(self, k, v, k_cache, v_cache, meta):
         # k, v: [num_tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]
         # 2-D views: index_copy_/index_select take a row-memcpy fast path on 2-D tensors
-        n = k.shape[0]
-        k_cache.view(-1, k_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, k.reshape(n, -1))
-        v_cache.view(-1, v_cache[0, 0].numel()).index_copy_(0, meta.slot_mapping, v.reshape(n, -1))
+        n, row = k.shape[0], k_cache.shape[2] * k_cache.shape[3]
+        k_cache.view(-1, row).index_copy_(0, meta.slot_mapping, k.reshape(n, row))
+        v_cache.view(-1, row).index_copy_(0, meta.slot_mapping, v.reshape(n, row))
 
     def attend(self, q, k_cache, v_cache, meta, scale, window=None, softcap=None, *, sinks=None):
         # q: [num_tokens, heads, head_dim] -> out [num_tokens, heads, head_dim]; sinks: [heads] or None

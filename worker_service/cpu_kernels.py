@@ -11,8 +11,10 @@ bandwidth (`benchmarks/experiments/profile_decode.py`).
 over it, which on a CPU costs a write and a re-read of every K/V byte besides the read the
 attention itself needs; the kernel reads each byte once. It supports what the reference
 decode does: GQA, a sliding window, logit soft-capping and attention sinks.
+`write_kv` (same file) writes a step's K/V rows into their cache slots in one call, where torch
+takes two `index_copy_` and their views.
 
-`add_rms_norm`, `silu_and_mul`, `rotary_` (`csrc/layer_ops_cpu.cpp`): the elementwise parts of a
+`add_rms_norm`, `rms_norm`, `silu_and_mul`, `rotary_` (`csrc/layer_ops_cpu.cpp`): the elementwise parts of a
 decoder layer, each one pass where torch runs two to four ops with a temporary between each
 (the residual add and the RMSNorm after it; SiLU(gate) * up; the rotary embedding, in place).
 At a decode step's few rows these ops cost their calls more than their arithmetic. The runner
@@ -133,6 +135,6 @@ def layer_ops(module: torch.nn.Module, x: torch.Tensor) -> ModuleType | None:
     if torch.compiler.is_compiling():
         return None
     ops = module.cpu_ops
-    if ops is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    if ops is None or x.dtype != torch.float32 or not x.is_cpu:  # is_cpu: no device object per call
         return None
     return ops

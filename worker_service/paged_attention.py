@@ -69,7 +69,8 @@ class PagedDecodeBackend(TorchAttentionBackend):
 
 
 class CpuDecodeBackend(TorchAttentionBackend):
-    """Decodes with the CPU paged-decode kernel (one pass over each request's blocks, no gather)."""
+    """Decodes with the CPU paged-decode kernel (one pass over each request's blocks, no gather), and
+    writes each step's K/V with the kernels' `write_kv`."""
 
     def __init__(self, kernel=None):
         super().__init__()
@@ -78,6 +79,10 @@ class CpuDecodeBackend(TorchAttentionBackend):
             if kernel is None:
                 raise RuntimeError("the CPU paged-decode kernel could not be built (the warning above says why)")
         self._kernel = kernel  # the module `cpu_kernels.load()` returned
+
+    def write_kv(self, k, v, k_cache, v_cache, meta):
+        # k, v: [num_tokens, kv_heads, head_dim] -> their slots of the caches, one kernel call
+        self._kernel.write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, scale, window, softcap, sinks=None):
         # q: [nd, heads, d]; the first nd rows of block_tables [*, W] and seq_lens [*]

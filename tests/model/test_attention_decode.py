@@ -117,6 +117,34 @@ def test_cpu_kernel_window_softcap_sinks_match_the_torch_backend(d, window, soft
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("tokens", [1, 9])
+@pytest.mark.parametrize("strided", [True, False], ids=["qkv-views", "contiguous"])
+def test_cpu_kernel_write_kv_equals_the_torch_backend(tokens, strided):
+    """The kernel's K/V write puts every token's rows where the torch backend's index_copy_ does,
+    from views into a fused projection as from contiguous tensors, and touches nothing else; a slot
+    past the cache is refused before anything is written."""
+    gen = torch.Generator().manual_seed(tokens)
+    kv_heads, d, num_blocks, block = 2, 16, 16, 4
+    qkv = torch.randn(tokens, (3 + 2 * kv_heads) * d, generator=gen)
+    k = qkv[:, 3 * d:(3 + kv_heads) * d].view(tokens, kv_heads, d)  # row stride: the projection's width
+    v = qkv[:, (3 + kv_heads) * d:].view(tokens, kv_heads, d)
+    if not strided:
+        k, v = k.contiguous(), v.contiguous()
+    meta = _decode_meta([1] * tokens, num_blocks, gen, block)
+    meta.slot_mapping = torch.randperm(num_blocks * block, generator=gen)[:tokens]
+    caches = [torch.randn(num_blocks, block, kv_heads, d, generator=gen) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    TorchAttentionBackend().write_kv(k, v, *expected, meta)
+    CpuDecodeBackend().write_kv(k, v, *caches, meta)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+    before = [c.clone() for c in caches]
+    meta.slot_mapping = meta.slot_mapping.clone()
+    meta.slot_mapping[-1] = num_blocks * block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        CpuDecodeBackend().write_kv(k, v, *caches, meta)
+    assert torch.equal(caches[0], before[0]) and torch.equal(caches[1], before[1])
+
+
 @pytest.mark.parametrize("max_len", [3 * BLOCK, 3 * BLOCK - 1], ids=["whole-blocks", "rounded-up"])
 def test_chunks_follow_the_byte_budget(max_len):
     """Chunks of 3 requests when 3 requests' K+V fit the budget (lengths round up to blocks)."""

@@ -242,6 +242,36 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
 
 }  // namespace
 
+// k, v [n, kvh, d] (any token stride, each token's heads contiguous: views into a fused qkv
+// projection); k_cache, v_cache [blocks, block_size, kvh, d] contiguous; slots [n] int64: token t's
+// K/V go to slot slots[t] (block * block_size + offset), every slot checked against the cache first.
+// One pass where torch takes two index_copy_ and their views.
+void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor slots) {
+  TORCH_CHECK(k.dim() == 3 && v.sizes() == k.sizes() && k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes() &&
+              k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) && slots.dim() == 1 &&
+              slots.size(0) == k.size(0), "write_kv: k, v [n, kvh, d], caches [blocks, block_size, kvh, d], slots [n]");
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
+              v_cache.scalar_type() == at::kFloat && slots.scalar_type() == at::kLong, "write_kv: float32, int64 slots");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: contiguous caches");
+  const int64_t n = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.size(0) * k_cache.size(1);
+  const auto rows_contiguous = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
+  if (!rows_contiguous(k)) k = k.contiguous();
+  if (!rows_contiguous(v)) v = v.contiguous();
+  slots = slots.contiguous();
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n; ++t)
+    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "write_kv: slot ", sp[t], " outside the cache's ", num_slots);
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  const int64_t ks = k.stride(0), vs = v.stride(0);
+  for (int64_t t = 0; t < n; ++t) {
+    std::copy(kp + t * ks, kp + t * ks + row, kc + sp[t] * row);
+    std::copy(vp + t * vs, vp + t * vs + row, vc + sp[t] * row);
+  }
+}
+
 // q [n, H, d]; k_cache, v_cache [blocks, block_size, kvh, d]; tables [n, W] int64;
 // seq_lens [n] int64 (keys in the cache, this step's included); window <= 0: none;
 // softcap <= 0: none; sinks: [H] or an empty tensor; vectorized: the AVX-512 path where it was

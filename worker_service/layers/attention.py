@@ -142,7 +142,7 @@ class Attention(nn.Module):
         ops = layer_ops(self, qk)
         if ops is not None and cos.shape[-1] == qk.shape[-1]:
             ops.rotary_(qk, cos, sin)  # in place: qk is this step's own projection (or its norm)
-            q, k = qk.split((heads, kv_heads), dim=1)  # [n, H, d], [n, KVH, d]
+            q, k = qk.split_with_sizes((heads, kv_heads), 1)  # [n, H, d], [n, KVH, d]
         else:
             q, k = apply_rotary(qk, cos, sin).split((heads, kv_heads), dim=1)  # one rotation: [n, H, d], [n, KVH, d]
         out = paged_attention(q, k, v, ctx, self.layer, self.scale, self.window, self.softcap,
