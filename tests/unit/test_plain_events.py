@@ -9,8 +9,11 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import replace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from scheduler_service.core.config import SchedulerConfig
-from scheduler_service.core.events import PlainTokenEvent, RequestEvent
+from scheduler_service.core.events import PlainTokenEvent, PlainTokens, RequestEvent, split_plain
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import Scheduler
 from stepahead.logprobs import Logprobs
@@ -82,3 +85,26 @@ def test_logprobs_make_a_full_event_for_their_request_only():
         kinds.append({e.request_id: type(e) for e in sched.update_from_output(plan, result)})
     assert kinds[0] == {"a": RequestEvent, "b": RequestEvent}, "first tokens are full events"
     assert kinds[1:] == [{"a": RequestEvent, "b": PlainTokenEvent}] * 3
+
+
+@given(st.lists(st.tuples(st.sampled_from([None, *range(12)]), st.integers(0, 2**32 - 1)), max_size=80))
+@settings(max_examples=300, deadline=None)
+def test_split_plain_gives_each_sink_its_tokens_in_order(rows):
+    """One share per sink that listens, in the order the sinks first appear, holding exactly that
+    sink's tokens in step order, whether the step has one sink or many; nobody's (None) tokens go
+    nowhere."""
+    plain = PlainTokens()
+    sink_of = {}
+    for i, (sink, token) in enumerate(rows):
+        plain.add(f"r{i}", token)
+        sink_of[f"r{i}"] = sink
+    shares = split_plain(plain, sink_of.get)
+    expected: dict = {}
+    for i, (sink, token) in enumerate(rows):
+        if sink is not None:
+            expected.setdefault(sink, ([], []))
+            expected[sink][0].append(f"r{i}")
+            expected[sink][1].append(token)
+    assert [sink for sink, _ in shares] == list(expected)
+    for sink, share in shares:
+        assert (share.request_ids, share.token_ids) == expected[sink]
