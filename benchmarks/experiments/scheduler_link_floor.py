@@ -9,6 +9,7 @@ Two servers, run alternately in fresh processes (this VM's speed drifts):
   own thread into a `SimpleQueue`, an engine thread that answers each with `PlanOutbox.send`
   (the real outbox and hand-off), and the stream's generator on a pool thread writing plans.
 - `aio`: one `grpc.aio` event loop reads each result and writes the next plan itself.
+- `aio-unix`: the same over a Unix domain socket instead of loopback TCP.
 The client keeps two plans in flight (one step ahead), like a worker. Reported: the server
 process's CPU per round trip (one result in, one plan out) from /proc, and wall time per round
 trip. The difference is what a scheduler running its engine on one event loop would save per
@@ -23,6 +24,7 @@ import json
 import multiprocessing as mp
 import queue
 import statistics
+import tempfile
 import threading
 import time
 from concurrent import futures
@@ -84,13 +86,14 @@ def serve_threads(plan: bytes, port_out) -> None:
     daemon.tune_gil()  # as the daemons run
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
     server.add_generic_rpc_handlers((_handler(attach),))
-    port_out.put(server.add_insecure_port("127.0.0.1:0"))
+    port_out.put(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
     server.start()
     server.wait_for_termination()
 
 
-def serve_aio(plan: bytes, port_out) -> None:
-    """One event loop reads each result and writes the next plan."""
+def serve_aio(plan: bytes, port_out, unix_path: str | None = None) -> None:
+    """One event loop reads each result and writes the next plan (over TCP, or the Unix socket
+    `unix_path`)."""
     async def attach(request_iterator, context):
         for _ in range(IN_FLIGHT):
             await context.write(plan)
@@ -100,14 +103,23 @@ def serve_aio(plan: bytes, port_out) -> None:
     async def main() -> None:
         server = grpc.aio.server()
         server.add_generic_rpc_handlers((_handler(attach),))
-        port_out.put(server.add_insecure_port("127.0.0.1:0"))
+        if unix_path is None:
+            port_out.put(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        else:
+            server.add_insecure_port(f"unix:{unix_path}")
+            port_out.put(f"unix:{unix_path}")
         await server.start()
         await server.wait_for_termination()
 
     asyncio.run(main())
 
 
-SERVERS = {"threads": serve_threads, "aio": serve_aio}
+def serve_aio_unix(plan: bytes, port_out) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        serve_aio(plan, port_out, str(Path(tmp) / "link.sock"))
+
+
+SERVERS = {"threads": serve_threads, "aio": serve_aio, "aio-unix": serve_aio_unix}
 
 
 def run_once(kind: str, steps: int, num_running: int) -> dict:
@@ -116,7 +128,7 @@ def run_once(kind: str, steps: int, num_running: int) -> dict:
     server = mp.get_context("spawn").Process(target=SERVERS[kind], args=(plan, port_out), daemon=True)
     server.start()
     try:
-        channel = grpc.insecure_channel(f"127.0.0.1:{port_out.get(timeout=30)}")
+        channel = grpc.insecure_channel(port_out.get(timeout=30))
         grpc.channel_ready_future(channel).result(timeout=30)
         call = channel.stream_stream(f"/{SERVICE}/{METHOD}", request_serializer=_identity,
                                      response_deserializer=_identity)
