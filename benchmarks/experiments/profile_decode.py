@@ -31,13 +31,14 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from benchmarks.forward import model_dir, runner_step
 from worker_service import cpu_kernels
 from worker_service.cpu_kernels import attach_layer_ops
+from worker_service.paged_attention import CpuDecodeBackend
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::_mkl_linear",
           "aten::_linear_pointwise", "mkldnn::_linear_pointwise", "mkl::_mkl_linear"}
 ATTENTION = {"aten::index_copy_", "aten::index_select", "aten::scaled_dot_product_attention",
              "aten::_scaled_dot_product_flash_attention_for_cpu", "aten::_scaled_dot_product_attention_math",
              "aten::arange", "aten::lt", "aten::ge", "aten::__and__", "aten::bitwise_and", "aten::softmax",
-             "aten::_softmax", "aten::masked_fill"}
+             "aten::_softmax", "aten::masked_fill", "stepahead::write_kv", "stepahead::paged_decode"}
 POINTWISE = {"aten::rms_norm", "aten::_fused_rms_norm", "aten::roll", "aten::addcmul", "aten::mul", "aten::silu",
              "aten::add", "aten::add_", "aten::copy_", "aten::cat", "aten::embedding", "aten::pow", "aten::mean",
              "aten::rsqrt", "aten::neg", "aten::clone", "aten::_to_copy", "aten::to"}
@@ -135,6 +136,8 @@ def main() -> None:
     for step, runner in runners.values():
         if runner.cpu_layer_ops and any(getattr(m, "cpu_ops", None) is not None for m in runner.model.modules()):
             attach_layer_ops(runner.model, NamedLayerOps(cpu_kernels.load()))
+        if isinstance(runner.backend, CpuDecodeBackend):  # its K/V write is a pybind call too
+            runner.backend._kernel = NamedLayerOps(runner.backend._kernel)
     best: dict[str, dict] = {}
     for _ in range(args.rounds):
         for name, (step, runner) in runners.items():
