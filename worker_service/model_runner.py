@@ -452,6 +452,8 @@ class ModelRunner:
         parts, failed = isolate(lambda rows: self._sample_rows(logits[rows], reqs[rows]), reqs, "sampling")
         good = [r for rows, _ in parts for r in reqs[rows]]
         ids = [sampled for _, sampled in parts]  # [len(rows)] each
+        if len(ids) == 1:  # the batched pass: no copy
+            return ids[0], good, failed
         return (torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=self.device)), good, failed
 
     def _sample_rows(self, logits: torch.Tensor, reqs: list[CachedRequest]) -> torch.Tensor:
