@@ -65,6 +65,25 @@ def test_prefix_hit_skips_cached_blocks_and_is_reported():
     assert (stats.prefix_query_tokens, stats.prefix_hit_tokens) == (22, 8)
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_blocks_filled_by_decoding_are_cached_for_the_next_turn(async_scheduling):
+    """A conversation's next turn (the prompt, the answer, a new message) reuses the blocks the
+    answer filled while it was decoded, not only the prompt's: each filled block is registered
+    as the decode commits it (`register_filled`)."""
+    d = driver(replace(BASE, async_scheduling=async_scheduling))
+    prompt = list(range(1, 7))  # 6 tokens: one full block from the prefill
+    d.scheduler.add_request(Request("a", prompt, greedy(12)))
+    d.run_until_done()
+    answer = d.outputs["a"]
+    assert len(answer) == 12  # 18 tokens known, 17 with their KV computed: 4 full blocks
+    d.scheduler.add_request(Request("b", prompt + answer + [999], greedy(2)))
+    assert d.step()
+    [new] = d.plans[-1].new_requests
+    assert new.num_computed_tokens == 16  # block 0 from the prompt, blocks 1-3 filled by decoding
+    d.run_until_done()
+    assert d.outputs["b"] == run_alone(BASE, RequestSpec("b", tuple(prompt + answer + [999]), greedy(2)), TOKENS)[0]
+
+
 @pytest.mark.parametrize(
     ("sampling", "eos_len", "want_len", "reason"),
     [
