@@ -84,7 +84,8 @@ class StepCommitter:
             for rid in result.failed.keys() & set(run.fresh_ids()):
                 self._fail(self._requests[rid], result, out)
         done = commit_decodes(run, result, tokens, self._eos, self.config.enable_prefix_caching)
-        self._kv.register_filled(done.registrations, done.filled_blocks)
+        for req in done.registrations:
+            self._kv.register_computed(req)
         out.plain.request_ids += done.plain_ids
         out.plain.token_ids += done.plain_tokens
         for req, token, may_stop in done.special:

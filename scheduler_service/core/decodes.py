@@ -135,14 +135,12 @@ class DecodeCommit:
     whose event is plain for sure and their tokens. `special`: (request, token, may stop) of
     the others, which need their own look: its token may end it (EOS, a stop id, a length
     limit), or it is its first token, or has logprobs or prompt logprobs. `registrations`: the
-    requests that just filled a block with committed tokens (the prefix cache), and
-    `filled_blocks` the index of the block each filled."""
+    requests that just filled a block with committed tokens (the prefix cache)."""
 
     plain_ids: list[str]
     plain_tokens: list[int]
     special: list[tuple[Request, int, bool]]
     registrations: list[Request]
-    filled_blocks: list[int]
 
 
 def commit_decodes(run: DecodeRun, result: StepResult, tokens: list[int] | None, eos: frozenset[int],
@@ -172,15 +170,13 @@ def commit_decodes(run: DecodeRun, result: StepResult, tokens: list[int] | None,
     for extra in (result.logprobs, result.prompt_logprobs):
         if extra:
             plain &= np.fromiter(map(extra.__contains__, ids), bool, len(ids)) == 0
-    registrations, filled = [], []
+    registrations = []
     if caching:  # a plain decode commits one token: a block fills when the committed count hits a multiple
         committed = np.minimum(v.num_computed_tokens[rows], num_tokens)
-        full = committed % c.block_size == 0
-        registrations = c.requests[rows[full]].tolist()
-        filled = (committed[full] // c.block_size - 1).tolist()
+        registrations = c.requests[rows[committed % c.block_size == 0]].tolist()
     special = np.flatnonzero(~plain).tolist()
     if not special:
-        return DecodeCommit(ids, tokens, [], registrations, filled)
+        return DecodeCommit(ids, tokens, [], registrations)
     is_plain = plain.tolist()
     return DecodeCommit(list(compress(ids, is_plain)), list(compress(tokens, is_plain)),
-                        [(c.requests[rows[i]], tokens[i], bool(stops[i])) for i in special], registrations, filled)
+                        [(c.requests[rows[i]], tokens[i], bool(stops[i])) for i in special], registrations)

@@ -149,31 +149,15 @@ class KVCacheManager:
         window left (a request swapped in after its window passed blocks): nothing after it is cached."""
         if not self.enable_caching or len(request.prefix_ids) < request.num_slid_blocks:
             return
-        for i in range(len(request.prefix_ids), request.num_committed_tokens // self.block_size):
-            self._register_block(request, i)
-
-    def register_filled(self, requests: list[Request], blocks: list[int]) -> None:
-        """`register_computed` of a decode run's requests that each filled one block this step,
-        `blocks[k]` the index of `requests[k]`'s, in one pass: a request whose cached chain
-        reaches that block registers it alone; any other takes `register_computed`'s way."""
-        if not self.enable_caching:
-            return
-        for request, i in zip(requests, blocks):
-            if len(request.prefix_ids) == i and i >= request.num_slid_blocks:
-                self._register_block(request, i)
-            else:
-                self.register_computed(request)
-
-    def _register_block(self, request: Request, i: int) -> None:
-        """Cache the request's full block `i`, the one after its cached chain."""
         bs, prefix, hashes, salt = self.block_size, request.prefix_ids, request.block_hashes, request.cache_salt
-        tokens = request.token_ids_range(i * bs, (i + 1) * bs)
-        if i == len(hashes):  # hashes run from block 0 on, at least as far as the cached prefix
-            hashes.append(self._hash_fn(hashes[-1] if hashes else None, tokens, salt))
-        parent = prefix[-1] if prefix else 0
-        known = self.host.lookup(hashes[i], tokens, salt, parent) if self.host_tier else None
-        pid = None if known is None else self.host.pid_of(known)  # the host tier's identity for it
-        prefix.append(self.device.register(request.block_ids[i], hashes[i], tokens, salt, parent, pid))
+        for i in range(len(prefix), request.num_committed_tokens // bs):
+            tokens = request.token_ids_range(i * bs, (i + 1) * bs)
+            if i == len(hashes):  # hashes run from block 0 on, at least as far as the cached prefix
+                hashes.append(self._hash_fn(hashes[-1] if hashes else None, tokens, salt))
+            parent = prefix[-1] if prefix else 0
+            known = self.host.lookup(hashes[i], tokens, salt, parent) if self.host_tier else None
+            pid = None if known is None else self.host.pid_of(known)  # the host tier's identity for it
+            prefix.append(self.device.register(request.block_ids[i], hashes[i], tokens, salt, parent, pid))
 
     # ---- slots ---------------------------------------------------------------------------
     def blocks_needed(self, request: Request, num_tokens: int) -> int:
