@@ -26,6 +26,7 @@ import torch
 from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
+from worker_service import cpu_kernels
 from worker_service.attention import AttentionBackend
 from worker_service.attention_names import AttentionBackendName
 from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
@@ -33,7 +34,6 @@ from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable
                                         StepInputs, build_inputs)
 from worker_service.kv_cache import KVCache, cpu_kv_cache_bytes, plan_num_blocks
 from worker_service.layers.attention import ForwardContext
-from worker_service import cpu_kernels
 from worker_service.layers.packed_linear import pack_linears, packing_supported
 from worker_service.layers.rotary import RotaryTable
 from worker_service.loader import load_model, parse_dtype

@@ -43,7 +43,7 @@ POINTWISE = {"aten::rms_norm", "aten::_fused_rms_norm", "aten::roll", "aten::add
              "aten::add", "aten::add_", "aten::copy_", "aten::cat", "aten::embedding", "aten::pow", "aten::mean",
              "aten::rsqrt", "aten::neg", "aten::clone", "aten::_to_copy", "aten::to"}
 
-LAYER_KERNELS = {"stepahead::add_rms_norm", "stepahead::silu_and_mul", "stepahead::rotary_"}
+LAYER_KERNELS = {"stepahead::add_rms_norm", "stepahead::rms_norm", "stepahead::silu_and_mul", "stepahead::rotary_"}
 
 
 def classify(name: str) -> str:

@@ -1,7 +1,8 @@
 // The elementwise parts of a decoder layer on CPU, float32, each one pass over its rows where torch
 // runs two to four ops (with a temporary between each): the residual add and the RMSNorm after
-// it (and the RMSNorm alone), SiLU(gate) * up, and the rotary embedding applied in place. See worker_service/cpu_kernels.py
-// and worker_service/layers/fused.py.
+// it (and the RMSNorm alone), SiLU(gate) * up, and the rotary embedding applied in place. See
+// worker_service/cpu_kernels.py and the modules that take them: worker_service/layers/norm.py,
+// mlp.py and attention.py.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
