@@ -82,13 +82,19 @@ class Cluster:
         return self.scheduler.GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
 
     def close(self) -> None:
+        """Gateways first, then the rest, as `serve` stops its daemons (cli/serve.py `shutdown`):
+        a scheduler stopped while a gateway's Connect stream is still open aborts that stream
+        after its grace period, and grpc logs the abort as a warning."""
         for ch in self.channels:
             ch.close()
-        for p in self.procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in self.procs.values():
-            p.wait(timeout=30)
+        gateways = [p for name, p in self.procs.items() if name.startswith("gateway")]
+        rest = [p for name, p in self.procs.items() if not name.startswith("gateway")]
+        for group in (gateways, rest):
+            for p in group:
+                if p.poll() is None:
+                    p.terminate()
+            for p in group:
+                p.wait(timeout=30)
 
     def check_logs(self) -> None:
         problems = self.logs.problems(self.expected)
