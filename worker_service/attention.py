@@ -111,6 +111,8 @@ class TorchAttentionBackend:
     length axis, so SDPA sees `[reqs, kv_heads, q_len * group, head_dim]` queries.
     """
 
+    graph_safe = False  # its decode shapes follow host scalars of the step (decode_graphs.py needs True)
+
     def __init__(self, cpu_decode_chunk_bytes: int = CPU_DECODE_CHUNK_BYTES):
         if cpu_decode_chunk_bytes < 1:
             raise ValueError(f"cpu_decode_chunk_bytes must be positive, got {cpu_decode_chunk_bytes}")

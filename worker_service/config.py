@@ -57,7 +57,14 @@ class WorkerEngineConfig:
     enforce_eager: bool = cfg.field(
         True, "run the model's forward eagerly, no torch.compile (--no-enforce-eager compiles it with inductor, "
         "warmed up at start-up, its cache in $STEPAHEAD_CACHE_DIR/inductor: faster steps on CPU for tens of "
-        "seconds more at every start, docs/benchmarks.md)")
+        "seconds more at every start, docs/benchmarks.md; on CUDA it also replays decode steps from CUDA graphs)")
+    cuda_graph_sizes: tuple[str, ...] = cfg.field(
+        (), "CUDA, --no-enforce-eager: the decode batch sizes replayed from captured CUDA graphs, each a size "
+        "decode-only steps are padded to (1, 2, 4, 8, then multiples of 8); a graph per size and block-table "
+        "width, captured on its first step (default: every such size up to --max-cuda-graph-batch-size)")
+    max_cuda_graph_batch_size: int = cfg.field(
+        512, "CUDA, --no-enforce-eager: the largest decode batch replayed from a CUDA graph (0: none, the compiled "
+        "forward alone)")
     cpu_prepack_weights: bool = cfg.field(
         True, "CPU, float32 or bfloat16, eager: hold every linear layer's weight in oneDNN's packed layout, "
         "blocked once at load for its matmul kernels (faster decode steps on models of real size: "

@@ -27,8 +27,9 @@ from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service import cpu_kernels
-from worker_service.attention import AttentionBackend
+from worker_service.attention import AttentionBackend, AttentionMetadata
 from worker_service.attention_names import AttentionBackendName
+from worker_service.decode_graphs import DecodeGraphs, GraphSettings
 from worker_service.grammar import DEFAULT_CACHE_SIZE, GrammarCache, GrammarMasks, split_bad_grammars
 from worker_service.input_batch import (BuildConfig, CachedRequest, RequestTable, ScheduledBatch, StepBuffers,
                                         StepInputs, build_inputs)
@@ -96,7 +97,7 @@ class ModelRunner:
                  pad_decode_batches: bool | None = None, max_logprobs: int = MAX_LOGPROBS,
                  speculative_config: SpeculativeConfig | None = None,
                  structured_outputs_cache_size: int = DEFAULT_CACHE_SIZE, enforce_eager: bool = True,
-                 pack_weights: bool = True):
+                 pack_weights: bool = True, decode_graphs: GraphSettings | None = None):
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if max_num_seqs < 1 or max_num_batched_tokens < 1:
@@ -187,6 +188,15 @@ class ModelRunner:
             from worker_service.compiled import warm_up
 
             self.warm_up_seconds = warm_up(self)
+        # decode-only steps of these batch sizes replayed from captured graphs (decode_graphs.py)
+        self.graphs: DecodeGraphs | None = None
+        if decode_graphs is not None and decode_graphs.sizes:
+            if not getattr(self.backend, "graph_safe", False):
+                raise ValueError(f"decode graphs need a graph-safe attention backend (--attention-backend paged), "
+                                 f"not {type(self.backend).__name__}")
+            if not self.pad_decode_batches:
+                raise ValueError("decode graphs need decode batches padded to their buckets")
+            self.graphs = DecodeGraphs(decode_graphs, self._hidden, self.buffers[0], block_size)
 
     def _load_model(self, model_dir):
         return load_model(model_dir, self.dtype, self.device)
@@ -266,7 +276,7 @@ class ModelRunner:
         """Forward + sampling on the compute stream; returns the slot's sampled ids `[n]` and
         the n requests that sampled (a request whose sampling fails alone is added to `failed`)."""
         self._fill_placeholders(inputs)
-        logits = self._forward(inputs)  # [num_sampling (+ drafts), vocab] float32
+        logits = self._forward(inputs, self.buffers[slot])  # [num_sampling (+ drafts), vocab] float32
         spec = self.speculator.batch if self.speculator is not None else None
         if spec is not None:  # sampled: [len(reqs)] the last token of each run; the runs go to the host
             sampled, reqs, sample_failed = self._verify(logits, inputs.sampling_reqs)
@@ -427,15 +437,23 @@ class ModelRunner:
             tokens = self._prev_sampled.index_select(0, inputs.placeholder_src)
             inputs.input_ids.index_copy_(0, inputs.placeholder_dst, tokens)
 
-    def _forward(self, inputs: StepInputs) -> torch.Tensor:
-        positions = inputs.meta.positions
-        cos, sin = self.rotary.lookup(positions) if self.rotary is not None else (None, None)
-        local_cos, local_sin = self.local_rotary.lookup(positions) if self.local_rotary is not None else (None, None)
-        ctx = ForwardContext(inputs.meta, self.backend, self.kv_cache.layers, cos, sin, local_cos, local_sin)
-        hidden = self._run_model(inputs.input_ids, ctx)  # [num_tokens, hidden]
+    def _forward(self, inputs: StepInputs, arena: StepBuffers | None = None) -> torch.Tensor:
+        """Logits `[num_sampling, vocab]` of a step whose inputs are in `arena` (a decode-only step of a
+        captured size replays its graph)."""
+        hidden = self.graphs.run(inputs, arena) if self.graphs is not None and arena is not None else None
+        if hidden is None:
+            hidden = self._hidden(inputs.input_ids, inputs.meta)  # [num_tokens, hidden]
         if self._step_lp is not None:
             self._step_lp.prompt(hidden, self.model.compute_logits)
         return self.model.compute_logits(hidden.index_select(0, inputs.logits_indices))
+
+    def _hidden(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model's forward without the head: input_ids `[n]` -> hidden states `[n, hidden]`."""
+        positions = meta.positions
+        cos, sin = self.rotary.lookup(positions) if self.rotary is not None else (None, None)
+        local_cos, local_sin = self.local_rotary.lookup(positions) if self.local_rotary is not None else (None, None)
+        ctx = ForwardContext(meta, self.backend, self.kv_cache.layers, cos, sin, local_cos, local_sin)
+        return self._run_model(input_ids, ctx)
 
     def _sample(self, logits: torch.Tensor, reqs: list[CachedRequest]
                 ) -> tuple[torch.Tensor, list[CachedRequest], dict[str, str]]:

@@ -38,6 +38,8 @@ FLASH_ATTN_PAGE_MULTIPLE = 256
 class PagedDecodeBackend(TorchAttentionBackend):
     """Decode from `block_tables` and `seq_lens` on the device (see the module docstring)."""
 
+    graph_safe = True  # a decode step's kernels depend on its rows and table width only (decode_graphs.py)
+
     def __init__(self, use_flash_attn: bool = False):
         super().__init__()
         self._flash = None

@@ -11,11 +11,14 @@ from __future__ import annotations
 import os
 import socket
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from stepahead.plan import StepPlan, StepResult, WorkerInfo
 from stepahead.speculative import parse_speculative_config
 from worker_service.config import WorkerConfig
+
+if TYPE_CHECKING:
+    from worker_service.decode_graphs import GraphSettings
 
 
 class PendingStep(Protocol):
@@ -81,6 +84,7 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
     import torch
 
     from model_zoo.builtin_models import resolve_model
+    from worker_service.attention_names import AttentionBackendName
     from worker_service.kv_cache import block_bytes
     from worker_service.loader import parse_dtype
     from worker_service.model_config import ModelConfig
@@ -94,6 +98,11 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
     dtype = config.dtype or "float32"
     check_weights_fit(model_dir, model_cfg, config, parse_dtype(dtype).itemsize)
     host_blocks, offload_blocks = config.host_blocks(block_bytes(model_cfg, config.block_size, parse_dtype(dtype)))
+    enforce_eager = resolve_enforce_eager(config, group is not None)
+    graphs = resolve_decode_graphs(config, enforce_eager)
+    attention = config.attention_backend
+    if graphs is not None and attention is AttentionBackendName.AUTO:
+        attention = AttentionBackendName.PAGED  # the graph-safe one
     runner_class = ModelRunner
     if group is not None:
         from functools import partial
@@ -117,12 +126,12 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_logprobs=config.max_logprobs,
-        attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
-                                       config.block_size),
+        attention_backend=make_backend(attention, torch.device(config.device), parse_dtype(dtype), config.block_size),
         speculative_config=parse_speculative_config(config.speculative_config),
         structured_outputs_cache_size=config.structured_outputs_cache_size,
-        enforce_eager=resolve_enforce_eager(config, group is not None),
+        enforce_eager=enforce_eager,
         pack_weights=config.cpu_prepack_weights,
+        decode_graphs=graphs,
     )
     return runner, model_dir
 
@@ -133,6 +142,21 @@ def resolve_enforce_eager(config: WorkerConfig, tensor_parallel: bool) -> bool:
     if tensor_parallel and not config.enforce_eager:
         raise ValueError("--no-enforce-eager: the compiled forward does not run tensor-parallel")
     return config.enforce_eager
+
+
+def resolve_decode_graphs(config: WorkerConfig, enforce_eager: bool) -> GraphSettings | None:
+    """The decode CUDA graphs of a compiled forward on CUDA (`worker_service/decode_graphs.py`), else None."""
+    if config.max_cuda_graph_batch_size < 0:
+        raise ValueError(f"--max-cuda-graph-batch-size must be >= 0, got {config.max_cuda_graph_batch_size}")
+    try:
+        sizes = tuple(int(size) for size in config.cuda_graph_sizes)
+    except ValueError:
+        raise ValueError(f"--cuda-graph-sizes: integers, got {','.join(config.cuda_graph_sizes)!r}") from None
+    if enforce_eager or not config.device.startswith("cuda") or config.max_cuda_graph_batch_size == 0:
+        return None
+    from worker_service.decode_graphs import GraphSettings, graph_sizes
+
+    return GraphSettings(graph_sizes(sizes, config.max_cuda_graph_batch_size, config.max_num_seqs))
 
 
 def check_weights_fit(model_dir, model_cfg, config: WorkerConfig, bytes_per_param: int) -> None:

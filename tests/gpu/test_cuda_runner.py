@@ -50,6 +50,7 @@ import torch
 from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
 from testing.checkpoints import build_checkpoint
 from worker_service import model_runner as model_runner_module
+from worker_service.decode_graphs import GraphSettings, graph_sizes
 from worker_service.kv_cache import KVCache, block_bytes
 from worker_service.model_runner import ModelRunner
 from worker_service.paged_attention import PagedDecodeBackend, flash_attn_usable
@@ -183,7 +184,8 @@ def test_steps_run_on_the_dedicated_stream_from_any_thread(model_dir, reference)
     runner = runner_for(model_dir)
     streams_seen = []
     forward = runner._forward
-    runner._forward = lambda inputs: (streams_seen.append(torch.cuda.current_stream()), forward(inputs))[1]
+    runner._forward = lambda inputs, arena=None: (streams_seen.append(torch.cuda.current_stream()),
+                                                  forward(inputs, arena))[1]
     plan = plans(outputs)
     launched: queue.Queue = queue.Queue()
 
@@ -284,7 +286,7 @@ def test_padding_rows_write_only_the_dummy_block(model_dir, reference):
     runner = runner_for(model_dir)
     padded = []
     orig = runner._forward
-    runner._forward = lambda inputs: (padded.append(inputs.num_padding), orig(inputs))[1]
+    runner._forward = lambda inputs, arena=None: (padded.append(inputs.num_padding), orig(inputs, arena))[1]
     plan = plans(outputs)
     used = set()
     for t in range(STEPS):
@@ -335,3 +337,54 @@ def test_each_wait_is_needed(model_dir, wait):
     out = proc.stdout + proc.stderr
     assert "control: equal" in out, f"the scenario fails even with every wait in place:\n{out[-3000:]}"
     assert proc.returncode != 0 or "mutant: diverged" in out, f"{wait} removed, nothing broke:\n{out[-3000:]}"
+
+
+def graphed_runner(model_dir) -> ModelRunner:
+    """Decode steps replayed from CUDA graphs (every padded decode size), over the paged backend."""
+    return runner_for(model_dir, attention_backend=PagedDecodeBackend(),
+                      decode_graphs=GraphSettings(graph_sizes((), 512, 256)))
+
+
+@pytest.fixture(scope="module")
+def paged_reference(model_dir, reference):
+    """The workload's per-step ids and logits on the eager paged backend (the graphs' kernels)."""
+    _, outputs = reference
+    runner = runner_for(model_dir, attention_backend=PagedDecodeBackend())
+    plan = plans(outputs)
+    steps = []
+    for t in range(STEPS):
+        ids = runner.execute(plan(t)).sampled_token_ids
+        steps.append((ids, runner.last_logits.clone() if runner.last_logits_ids else None))
+    return steps
+
+
+def test_graphed_decode_steps_equal_eager(model_dir, reference, paged_reference):
+    """Every decode-only step replays a CUDA graph (captured on its shape's first step); each step's
+    ids equal the eager forward's and its logits too, within float32 rounding (the same kernels on the
+    same inputs; a stale input is off by far more)."""
+    _, outputs = reference
+    runner = graphed_runner(model_dir)
+    plan = plans(outputs)
+    for t in range(STEPS):
+        ids = runner.execute(plan(t)).sampled_token_ids
+        want_ids, want_logits = paged_reference[t]
+        assert ids == want_ids, f"step {t}"
+        if want_logits is not None:
+            torch.testing.assert_close(runner.last_logits, want_logits, rtol=1e-5, atol=1e-5, msg=f"step {t}")
+    assert runner.graphs.num_captured >= 2 and runner.graphs.num_replays >= 8
+
+
+@pytest.mark.parametrize("slow_stream", ["none", "compute", "copy", "output"])
+def test_graphed_back_to_back_equals_synchronous(model_dir, reference, paged_reference, slow_stream):
+    """Replays launched back to back with one stream slowed: a replay must read its own step's inputs
+    (the copy into the graphs' arena ordered after the step's H2D and before the replay)."""
+    _, outputs = reference
+    runner = graphed_runner(model_dir)
+    stream = None if slow_stream == "none" else getattr(runner.streams, slow_stream)
+    plan = plans(outputs)
+    pending = []
+    for t in range(STEPS):
+        delay(stream)
+        pending.append(runner.launch(plan(t)))
+    assert [p.wait().sampled_token_ids for p in pending] == [ids for ids, _ in paged_reference]
+    assert runner.graphs.num_replays >= 8

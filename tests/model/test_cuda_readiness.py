@@ -77,9 +77,9 @@ def test_step_inputs_are_contiguous_views_of_a_persistent_arena(checkpoint):
     seen = []
     orig = runner._forward
 
-    def spy(inputs):
+    def spy(inputs, arena=None):
         seen.append(inputs)
-        return orig(inputs)
+        return orig(inputs, arena)
 
     runner._forward = spy
     runner.execute(_prefill(prompts[:3]))
@@ -122,7 +122,7 @@ def test_padded_decode_batches_match_hf(checkpoint, backend):
                          attention_backend=PagedDecodeBackend() if backend == "paged" else None)
     padded = []
     orig = runner._forward
-    runner._forward = lambda inputs: (padded.append(inputs.num_padding), orig(inputs))[1]
+    runner._forward = lambda inputs, arena=None: (padded.append(inputs.num_padding), orig(inputs, arena))[1]
     sched = ToyScheduler(runner, chunk=16, token_budget=48, max_running=5)
     for i, p in enumerate(prompts):
         sched.add(ToyRequest(f"r{i}", p, MAX_NEW, arrival_step=2 * i))

@@ -28,6 +28,8 @@ BAD_FLAGS = [
     ("scheduler", ["--port", "-1"], "--port"),
     ("worker", ["--num-threads", "0"], "--num-threads"),
     ("worker", ["--enable-expert-parallel"], "--enable-expert-parallel"),  # needs --tensor-parallel-size >= 2
+    ("worker", ["--cuda-graph-sizes", "8,x"], "--cuda-graph-sizes"),
+    ("worker", ["--max-cuda-graph-batch-size", "-1"], "--max-cuda-graph-batch-size"),
     ("serve", ["--startup-timeout-s", "0"], "--startup-timeout-s"),
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout"),
 ]
@@ -94,6 +96,16 @@ def test_a_flag_out_of_range_exits_2_with_one_line(command, flags, named, tiny_m
         else _run(command, *flags)
     assert proc.returncode == 2, proc.stderr
     assert len(lines) == 1 and named in lines[0], lines
+
+
+def test_a_cuda_device_torch_cannot_see_exits_2_with_one_line(tiny_model_dir) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device")
+    proc, lines = _run("worker", "--model", str(tiny_model_dir), "--device", "cuda")
+    assert proc.returncode == 2, proc.stderr
+    assert len(lines) == 1 and "--device cuda" in lines[0] and "no CUDA device" in lines[0], lines
 
 
 CASES = [(name, command) for name, (_, _, commands) in BAD_CHECKPOINTS.items() for command in commands]
