@@ -184,12 +184,12 @@ class ModelRunner:
         self.last_logits_ids: tuple[str, ...] = ()
         self.streams.wait_for_constructor()  # W0
         self.warm_up_seconds = 0.0  # compiling the forward at start-up (0 when eager)
+        self.graphs: DecodeGraphs | None = None  # set below, after the warm-up
         if not enforce_eager:
             from worker_service.compiled import warm_up
 
             self.warm_up_seconds = warm_up(self)
         # decode-only steps of these batch sizes replayed from captured graphs (decode_graphs.py)
-        self.graphs: DecodeGraphs | None = None
         if decode_graphs is not None and decode_graphs.sizes:
             if not getattr(self.backend, "graph_safe", False):
                 raise ValueError(f"decode graphs need a graph-safe attention backend (--attention-backend paged), "
