@@ -15,6 +15,7 @@ status=0
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
   $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.get_device_name())"
   $PY -c "import flash_attn; print('flash_attn', flash_attn.__version__)" 2>/dev/null || echo "flash_attn: not installed"
+  $PY -c "import flashinfer; print('flashinfer', flashinfer.__version__)" 2>/dev/null || echo "flashinfer: not installed"
 } > "$OUT_DIR/cuda_env.txt" 2>&1
 cat "$OUT_DIR/cuda_env.txt"
 
@@ -26,7 +27,8 @@ timeout 240 $PY -m pytest -q -p no:cacheprovider -rA -m gpu tests/gpu tests/mode
 # 2. decode steps on the device: synchronous vs pipelined launches, torch vs paged decode, eager vs
 #    compiled (each decoder layer through torch.compile: Triton) vs CUDA graphs, against the HBM roofline
 timeout 70 $PY benchmarks/cuda_steps.py --device cuda --dtype bfloat16 --models tiny 100m \
-    --batches 64 256 --steps 50 --out "$OUT_DIR/cuda_steps.json" 2>&1 | tee "$OUT_DIR/cuda_steps.txt" || status=1
+    --backends torch paged flashinfer --batches 64 256 --steps 50 --out "$OUT_DIR/cuda_steps.json" 2>&1 \
+    | tee "$OUT_DIR/cuda_steps.txt" || status=1
 timeout 180 $PY benchmarks/cuda_steps.py --device cuda --dtype bfloat16 --models 100m --backends paged \
     --batches 1 8 64 --steps 30 --modes eager graphs compiled compiled+graphs \
     --out "$OUT_DIR/cuda_steps_graphs.json" 2>&1 | tee "$OUT_DIR/cuda_steps_graphs.txt" || status=1

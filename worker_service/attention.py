@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -41,6 +42,18 @@ class AttentionMetadata:
     prefill_token_index: torch.Tensor  # [num_prefills, max_q] int64 into the flat tokens (padded)
     prefill_rows: torch.Tensor  # [num_prefill_tokens] int64: the unpadded entries of the flattened index
     max_prefill_kv: int  # max seq_len over the prefills (0 when none)
+    # the same step on the host, for a backend that plans its kernels there (FlashInfer); None: not built
+    host: HostMetadata | None = None
+
+
+@dataclass(frozen=True)
+class HostMetadata:
+    """A step's block tables, lengths and query offsets as host arrays (views of the pinned input
+    arena on CUDA: valid while the step is launched, rewritten two steps later)."""
+
+    block_tables: np.ndarray  # [num_reqs, W] int64
+    seq_lens: np.ndarray  # [num_reqs] int64: tokens in the cache after this step
+    query_start: np.ndarray  # [num_reqs + 1] int64: request r's tokens are [query_start[r], query_start[r + 1])
 
 
 class AttentionBackend(Protocol):

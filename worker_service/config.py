@@ -52,8 +52,9 @@ class WorkerEngineConfig:
     max_model_len: int | None = cfg.field(None, "maximum prompt + output tokens (default: the model's)")
     attention_backend: AttentionBackendName = cfg.field(
         AttentionBackendName.AUTO, "paged attention: auto (CPU float32: a C++ decode kernel over the paged "
-        "cache, built once into $STEPAHEAD_CACHE_DIR; otherwise torch), torch (reference: gather, then SDPA) "
-        "or paged (device-side decode metadata, bucketed shapes; flash-attn's paged KV kernel when installed)")
+        "cache, built once into $STEPAHEAD_CACHE_DIR; otherwise torch), torch (reference: gather, then SDPA), "
+        "paged (device-side decode metadata, bucketed shapes; flash-attn's paged KV kernel when installed) or "
+        "flashinfer (CUDA, float16/bfloat16, flashinfer-python installed: its paged decode and prefill kernels)")
     enforce_eager: bool = cfg.field(
         True, "run the model's forward eagerly, no torch.compile (--no-enforce-eager compiles it with inductor, "
         "warmed up at start-up, its cache in $STEPAHEAD_CACHE_DIR/inductor: faster steps on CPU for tens of "

@@ -30,7 +30,7 @@ from worker_service.health import NoHealth, WorkerHealth
 from worker_service.kv_loads import KVLoader
 from worker_service.kv_transfer import KVTransferServer
 from worker_service.metrics import WorkerMetrics
-from worker_service.runners import build_runner, log_kv_capacity, resolve_decode_graphs, worker_info
+from worker_service.runners import build_runner, check_device_flags, log_kv_capacity, worker_info
 
 __all__ = ["WorkerConfig", "add_arguments", "run", "serve"]
 
@@ -85,12 +85,7 @@ def run(args: argparse.Namespace) -> int:
         if config.enable_expert_parallel and config.tensor_parallel_size < 2:
             raise cfg.ConfigError("--enable-expert-parallel divides the experts over the tensor-parallel ranks: "
                                   "it needs --tensor-parallel-size >= 2")
-        if config.device.startswith("cuda"):
-            import torch
-
-            if not torch.cuda.is_available():
-                raise cfg.ConfigError(f"--device {config.device}: torch {torch.__version__} sees no CUDA device here")
-        resolve_decode_graphs(config, config.enforce_eager)
+        check_device_flags(config)
         if config.device == "sim":
             from worker_service.sim.profiles import load_link_profile
 

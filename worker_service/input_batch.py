@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from stepahead.plan import SamplingParams
-from worker_service.attention import AttentionMetadata
+from worker_service.attention import AttentionMetadata, HostMetadata
 
 
 @dataclass
@@ -262,6 +262,7 @@ def build_inputs(buf: StepBuffers, table: RequestTable, sched: ScheduledBatch, c
         max_prefill_kv=int(seq_lens[num_decodes:].max()) if num_decodes < num_rows else 0,
         prefill_token_index=buf.dev_tail(num_rows * width, *pf_shape),
         prefill_rows=buf.dev_seg("pf_rows", pf_rows),
+        host=HostMetadata(tables, seq_lens, cu),
     )
     return StepInputs(
         input_ids=buf.dev_seg("input_ids", num_tokens),

@@ -106,6 +106,14 @@ def make_backend(name: AttentionBackendName, device: torch.device, dtype: torch.
         return CpuDecodeBackend(kernel) if kernel is not None else TorchAttentionBackend()
     if name is AttentionBackendName.TORCH:
         return TorchAttentionBackend()
+    if name is AttentionBackendName.FLASHINFER:
+        from worker_service.flashinfer_attention import FlashInferBackend, flashinfer_usable
+
+        why = flashinfer_usable(device, dtype)
+        if why is not None:
+            raise ValueError(why)
+        log.info("attention backend flashinfer")
+        return FlashInferBackend(device)
     backend = PagedDecodeBackend(use_flash_attn=flash_attn_usable(device, dtype, block_size))
     log.info("attention backend paged, decode kernel %s", backend.kernel)
     return backend

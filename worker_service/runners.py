@@ -144,6 +144,31 @@ def resolve_enforce_eager(config: WorkerConfig, tensor_parallel: bool) -> bool:
     return config.enforce_eager
 
 
+def check_device_flags(config: WorkerConfig) -> None:
+    """Before the model loads: a device, attention backend or CUDA-graph flag this machine cannot honour
+    raises ValueError, one line naming the flag."""
+    resolve_decode_graphs(config, config.enforce_eager)
+    if config.device == "sim":
+        return
+    import torch
+
+    from worker_service.attention_names import AttentionBackendName
+    from worker_service.loader import parse_dtype
+
+    try:
+        device = torch.device(config.device)
+    except RuntimeError as exc:
+        raise ValueError(f"--device {config.device}: {exc}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {config.device}: torch {torch.__version__} sees no CUDA device here")
+    if config.attention_backend is AttentionBackendName.FLASHINFER:
+        from worker_service.flashinfer_attention import flashinfer_usable
+
+        why = flashinfer_usable(device, parse_dtype(config.dtype or "float32"))
+        if why is not None:
+            raise ValueError(why)
+
+
 def resolve_decode_graphs(config: WorkerConfig, enforce_eager: bool) -> GraphSettings | None:
     """The decode CUDA graphs of a compiled forward on CUDA (`worker_service/decode_graphs.py`), else None."""
     if config.max_cuda_graph_batch_size < 0:

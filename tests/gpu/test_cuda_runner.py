@@ -388,3 +388,24 @@ def test_graphed_back_to_back_equals_synchronous(model_dir, reference, paged_ref
         pending.append(runner.launch(plan(t)))
     assert [p.wait().sampled_token_ids for p in pending] == [ids for ids, _ in paged_reference]
     assert runner.graphs.num_replays >= 8
+
+
+def test_flashinfer_backend_matches_reference_backend(model_dir, reference):
+    """`--attention-backend flashinfer` (its paged decode and prefill kernels at block size 16) against
+    the torch backend, in bfloat16 (FlashInfer's dtypes), through the whole workload."""
+    import importlib.util
+
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer-python is not installed")
+    from worker_service.flashinfer_attention import FlashInferBackend
+
+    _, outputs = reference
+    ref = ModelRunner(model_dir, device="cuda", dtype="bfloat16", block_size=BLOCK, num_blocks=64, num_host_blocks=8)
+    fi = ModelRunner(model_dir, device="cuda", dtype="bfloat16", block_size=BLOCK, num_blocks=64, num_host_blocks=8,
+                     attention_backend=FlashInferBackend(torch.device("cuda")))
+    plan = plans(outputs)
+    for t in range(STEPS):
+        ref.execute(plan(t))
+        fi.execute(plan(t))
+        if ref.last_logits_ids:
+            torch.testing.assert_close(fi.last_logits, ref.last_logits, rtol=5e-2, atol=5e-2, msg=f"step {t}")

@@ -29,6 +29,8 @@ BAD_FLAGS = [
     ("worker", ["--num-threads", "0"], "--num-threads"),
     ("worker", ["--enable-expert-parallel"], "--enable-expert-parallel"),  # needs --tensor-parallel-size >= 2
     ("worker", ["--cuda-graph-sizes", "8,x"], "--cuda-graph-sizes"),
+    ("worker", ["--attention-backend", "flashinfer"], "--attention-backend flashinfer"),  # CUDA only
+    ("worker", ["--device", "gpu0"], "--device gpu0"),
     ("worker", ["--max-cuda-graph-batch-size", "-1"], "--max-cuda-graph-batch-size"),
     ("serve", ["--startup-timeout-s", "0"], "--startup-timeout-s"),
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout"),
