@@ -117,6 +117,27 @@ def test_cpu_kernel_window_softcap_sinks_match_the_torch_backend(d, window, soft
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [4, 16])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("vectorized", [True, False], ids=["vectorized", "portable"])
+def test_cpu_kernel_over_more_kv_than_the_caches_hold(block, window, vectorized):
+    """A call over more K/V than the kernel's prefetch threshold (`PREFETCH_MIN_BYTES`, 4 MiB) takes the
+    loops that ask for each pass's rows ahead (into the next block, at most to the last key): the same
+    attention, on ragged lengths over scattered blocks, blocks smaller and larger than that distance."""
+    gen = torch.Generator().manual_seed(block + (window or 0))
+    lens, kv_heads, heads, d = [700, 1, 333, 64, 517, 9, 640, 256], 4, 8, 64
+    assert 2 * sum(lens) * kv_heads * d * 4 > 4 << 20
+    num_blocks = sum(-(-n // block) for n in lens) + 3
+    meta = _decode_meta(lens, num_blocks, gen, block)
+    k_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block, kv_heads, d, generator=gen)
+    q = torch.randn(len(lens), heads, d, generator=gen)
+    expected = TorchAttentionBackend().attend(q, k_cache, v_cache, meta, d**-0.5, window)
+    out = cpu_kernels.paged_decode(cpu_kernels.load(), q, k_cache, v_cache, meta.block_tables, meta.seq_lens,
+                                   d**-0.5, window, None, None, vectorized=vectorized)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("tokens", [1, 9])
 @pytest.mark.parametrize("strided", [True, False], ids=["qkv-views", "contiguous"])
 def test_cpu_kernel_write_kv_equals_the_torch_backend(tokens, strided):

@@ -25,6 +25,7 @@ struct Geometry {
   int64_t H, kvh, G, bs, W;
   float scale, cap;  // cap <= 0: no soft-cap
   int64_t window;    // <= 0: none
+  int64_t ahead;     // the kernels instantiated with PF ask for the key row this far ahead (prefetch_row)
 };
 
 // Calls f(r, start, len) for each request r in [begin, end) that attends keys: [start, len), a
@@ -45,20 +46,47 @@ inline void for_requests(int64_t begin, int64_t end, const Geometry& g, const in
   }
 }
 
+// How far ahead of the key row being read its pass asks for a row (into the L2). The hardware's
+// stream prefetchers do not hide DRAM's latency behind a pass's compute, and they start over at
+// every block, which a paged cache scatters: each pass asks for its rows itself
+// (benchmarks/experiments/decode_kernel.py measures it, rows in order and scattered).
+constexpr int64_t PREFETCH_KEYS = 8;
+
+// A call whose K/V is smaller than this reads it from the caches, where asking for rows only costs
+// instructions (a decode step of a small batch and context): it asks for none.
+constexpr int64_t PREFETCH_MIN_BYTES = 4 << 20;
+
+// Asks for key min(j, len - 1)'s row of `cache` into the L2 (prefetcht1: a T0 hint, into the L1, was
+// slower); `table` is the request's block table. Written so that GCC 12 keeps the prefetches: its tree
+// DCE deleted them from the variants with an early return or with the block passed in (check the
+// kernel's disassembly for prefetcht1 after changing this).
+inline void prefetch_row(const float* cache, const int64_t* table, int64_t j, int64_t len, int64_t bs,
+                         int64_t row_floats) {
+  j = std::min(j, len - 1);
+  const char* row = reinterpret_cast<const char*>(cache + (table[j / bs] * bs + j % bs) * row_floats);
+  for (int64_t off = 0; off < row_floats * static_cast<int64_t>(sizeof(float)); off += 64)
+    __builtin_prefetch(row + off, 0, 2);
+}
+
 // Calls f(j, row) for the keys j in [start, len) of request r, row pointing at key j's
-// [kvh, d] in `cache`, walking the block table block by block.
-template <int64_t D, typename F>
+// [kvh, d] in `cache`, walking the block table block by block (PF: asking for the row `ahead`
+// keys further).
+template <int64_t D, bool PF, typename F>
 inline void for_keys(const float* cache, const int64_t* table, int64_t start, int64_t len, int64_t bs,
-                     int64_t row_floats, F&& f) {
+                     int64_t row_floats, int64_t ahead, F&& f) {
   for (int64_t b = start / bs; b * bs < len; ++b) {
     const float* block = cache + table[b] * bs * row_floats;
     const int64_t lo = std::max(start, b * bs), hi = std::min(len, (b + 1) * bs);
-    for (int64_t j = lo; j < hi; ++j) f(j, block + (j - b * bs) * row_floats);
+    for (int64_t j = lo; j < hi; ++j) {
+      if constexpr (PF) prefetch_row(cache, table, j + ahead, len, bs, row_floats);
+      f(j, block + (j - b * bs) * row_floats);
+    }
   }
 }
 
-// D > 0: the head dim known at compile time (fully unrolled, vectorized); 0: `d` at run time.
-template <int64_t D>
+// D > 0: the head dim known at compile time (fully unrolled, vectorized); 0: `d` at run time. PF:
+// each pass asks for its rows g.ahead keys ahead (a call over more K/V than the caches hold).
+template <int64_t D, bool PF>
 void decode_rows(const float* qp, const float* kp, const float* vp, const int64_t* tab, const int64_t* lens,
                  const float* sink, float* op, int64_t n, int64_t d_runtime, const Geometry& g) {
   const int64_t d = D > 0 ? D : d_runtime;
@@ -76,7 +104,7 @@ void decode_rows(const float* qp, const float* kp, const float* vp, const int64_
       const int64_t* table = tab + r * g.W;
       scores.resize(H * S);
       float* sc = scores.data();
-      for_keys<D>(kp, table, start, len, g.bs, row_floats, [&](int64_t j, const float* krow) {
+      for_keys<D, PF>(kp, table, start, len, g.bs, row_floats, g.ahead, [&](int64_t j, const float* krow) {
         for (int64_t qh = 0; qh < H; ++qh) {  // scores = q k^T * scale
           const float* q = qr + qh * d;
           const float* k = krow + kv_offset[qh];
@@ -106,7 +134,7 @@ void decode_rows(const float* qp, const float* kp, const float* vp, const int64_
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       float* a = acc.data();
-      for_keys<D>(vp, table, start, len, g.bs, row_floats, [&](int64_t j, const float* vrow) {
+      for_keys<D, PF>(vp, table, start, len, g.bs, row_floats, g.ahead, [&](int64_t j, const float* vrow) {
         for (int64_t qh = 0; qh < H; ++qh) {  // acc = p v
           const float p = sc[qh * S + (j - start)];
           const float* v = vrow + kv_offset[qh];
@@ -147,7 +175,7 @@ inline __m512 hsum16(const __m512* v) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(x01, x23, 0x88), _mm512_shuffle_f32x4(x01, x23, 0xDD));
 }
 
-template <int64_t D>
+template <int64_t D, bool PF>
 void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const int64_t* tab, const int64_t* lens,
                         const float* sink, float* op, int64_t n, const Geometry& g) {
   constexpr int64_t C = D / 16;  // vectors per head
@@ -175,6 +203,7 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
               for (int64_t qh = 0; qh < H; ++qh) dots[qh * 16 + t] = _mm512_setzero_ps();
               continue;
             }
+            if constexpr (PF) prefetch_row(kp, table, j0 + t + g.ahead, len, bs, row_floats);
             const float* row = block + (j0 + t - b * bs) * row_floats;
             for (int64_t kv = 0; kv < kvh; ++kv) {
               __m512 k[C];
@@ -218,7 +247,7 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
       }
       std::fill(accum.begin(), accum.end(), 0.0f);
       float* a = accum.data();
-      for_keys<D>(vp, table, start, len, bs, row_floats, [&](int64_t j, const float* row) {  // accum = p v
+      for_keys<D, PF>(vp, table, start, len, bs, row_floats, g.ahead, [&](int64_t j, const float* row) {  // accum = p v
         for (int64_t kv = 0; kv < kvh; ++kv) {
           __m512 v[C];
           for (int64_t c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + kv * D + c * 16);
@@ -297,8 +326,14 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
     sinks = sinks.to(at::kFloat).contiguous();
   }
   auto out = torch::empty_like(q);
-  const Geometry g{H, kvh, H / kvh, k_cache.size(1), tables.size(1), static_cast<float>(scale),
-                   static_cast<float>(softcap), window};
+  const int64_t bs = k_cache.size(1);
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  int64_t keys = 0;
+  for (int64_t r = 0; r < n; ++r) keys += std::min(lens[r], tables.size(1) * bs);
+  const int64_t kv_bytes = 2 * keys * kvh * d * static_cast<int64_t>(sizeof(float));
+  const int64_t ahead = kv_bytes >= PREFETCH_MIN_BYTES ? std::min(PREFETCH_KEYS, bs) : 0;
+  const Geometry g{H, kvh, H / kvh, bs, tables.size(1), static_cast<float>(scale),
+                   static_cast<float>(softcap), window, ahead};
   const float* sink = has_sinks ? sinks.data_ptr<float>() : nullptr;
   auto args = std::make_tuple(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
                               tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), sink,
@@ -308,26 +343,40 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor
   };
 #ifdef __AVX512F__
   if (vectorized && d % 16 == 0) {
-    auto run_avx = [&](auto kernel) {
-      kernel(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
-             tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), sink, out.data_ptr<float>(), n, g);
+    auto run_avx = [&](auto prefetching, auto head_dim) {
+      constexpr bool pf = decltype(prefetching)::value;
+      constexpr int64_t D = decltype(head_dim)::value;
+      decode_rows_avx512<D, pf>(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(),
+                                tables.data_ptr<int64_t>(), seq_lens.data_ptr<int64_t>(), sink,
+                                out.data_ptr<float>(), n, g);
     };
-    switch (d) {
-      case 16: run_avx(decode_rows_avx512<16>); return out;
-      case 32: run_avx(decode_rows_avx512<32>); return out;
-      case 64: run_avx(decode_rows_avx512<64>); return out;
-      case 80: run_avx(decode_rows_avx512<80>); return out;
-      case 96: run_avx(decode_rows_avx512<96>); return out;
-      case 128: run_avx(decode_rows_avx512<128>); return out;
-      case 256: run_avx(decode_rows_avx512<256>); return out;
-      default: break;
-    }
+    auto by_dim = [&](auto prefetching) {
+      switch (d) {
+        case 16: run_avx(prefetching, std::integral_constant<int64_t, 16>{}); return true;
+        case 32: run_avx(prefetching, std::integral_constant<int64_t, 32>{}); return true;
+        case 64: run_avx(prefetching, std::integral_constant<int64_t, 64>{}); return true;
+        case 80: run_avx(prefetching, std::integral_constant<int64_t, 80>{}); return true;
+        case 96: run_avx(prefetching, std::integral_constant<int64_t, 96>{}); return true;
+        case 128: run_avx(prefetching, std::integral_constant<int64_t, 128>{}); return true;
+        case 256: run_avx(prefetching, std::integral_constant<int64_t, 256>{}); return true;
+        default: return false;
+      }
+    };
+    if (ahead > 0 ? by_dim(std::true_type{}) : by_dim(std::false_type{})) return out;
   }
 #endif
-  switch (d) {
-    case 64: run(decode_rows<64>); break;
-    case 128: run(decode_rows<128>); break;
-    default: run(decode_rows<0>);
+  auto portable = [&](auto prefetching) {
+    constexpr bool pf = decltype(prefetching)::value;
+    switch (d) {
+      case 64: run(decode_rows<64, pf>); break;
+      case 128: run(decode_rows<128, pf>); break;
+      default: run(decode_rows<0, pf>);
+    }
+  };
+  if (ahead > 0) {
+    portable(std::true_type{});
+  } else {
+    portable(std::false_type{});
   }
   return out;
 }
