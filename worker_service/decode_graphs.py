@@ -10,9 +10,10 @@ bucket: 1, 2, 4, 8, then multiples of 8; `input_batch.decode_bucket`) and a bloc
 columns (a power of two). Nothing else of the step reaches a kernel's shape or a host branch of
 the forward when its attention backend is graph-safe (`PagedDecodeBackend`: device-side lengths
 and tables, shapes from B and W only). One graph per (B, W) therefore serves every step of that
-shape, and is captured on the first such step (a capture costs one eager run and one recording;
-`stepahead_` logs at debug): there are up to `len(sizes) * log2(max blocks)` shapes, too many to
-capture all at start-up for a backend whose cost grows with W.
+shape, and is captured on the first such step (a capture costs one eager run and one recording,
+logged at debug): there are up to `len(sizes) * log2(max blocks)` shapes, too many to capture all
+at start-up for a backend whose cost grows with W. A shape whose capture runs out of device memory
+runs eagerly from then on, with one warning.
 
 A graph reads its inputs at the addresses it was captured with. The step's inputs live in the
 runner's two step arenas (`input_batch.StepBuffers`, one per step parity), so the graphs read a
