@@ -156,6 +156,18 @@ def delay(stream: torch.cuda.Stream | None) -> None:
             torch.cuda._sleep(DELAY_CYCLES)
 
 
+def launched_back_to_back(runner: ModelRunner, outputs: Outputs, slow_stream: str) -> list[dict[str, int]]:
+    """Every step's sampled ids, the workload launched with no wait between launches and the runner's
+    `slow_stream` ("none", "compute", "copy" or "output") delayed before each launch."""
+    stream = None if slow_stream == "none" else getattr(runner.streams, slow_stream)
+    plan = plans(outputs)
+    pending = []
+    for t in range(STEPS):
+        delay(stream)
+        pending.append(runner.launch(plan(t)))
+    return [p.wait().sampled_token_ids for p in pending]
+
+
 @pytest.fixture(scope="module")
 def reference(model_dir):
     results, outputs = run_synchronously(runner_for(model_dir))
@@ -167,14 +179,7 @@ def reference(model_dir):
 def test_back_to_back_equals_synchronous(model_dir, reference, slow_stream):
     """Guards W1 + W3 (compute delayed), W2 + H1 (copy delayed), H2 (output delayed)."""
     want, outputs = reference
-    runner = runner_for(model_dir)
-    stream = None if slow_stream == "none" else getattr(runner.streams, slow_stream)
-    plan = plans(outputs)
-    pending = []
-    for t in range(STEPS):
-        delay(stream)
-        pending.append(runner.launch(plan(t)))
-    assert [p.wait().sampled_token_ids for p in pending] == want
+    assert launched_back_to_back(runner_for(model_dir), outputs, slow_stream) == want
 
 
 def test_steps_run_on_the_dedicated_stream_from_any_thread(model_dir, reference):
@@ -380,13 +385,7 @@ def test_graphed_back_to_back_equals_synchronous(model_dir, reference, paged_ref
     (the copy into the graphs' arena ordered after the step's H2D and before the replay)."""
     _, outputs = reference
     runner = graphed_runner(model_dir)
-    stream = None if slow_stream == "none" else getattr(runner.streams, slow_stream)
-    plan = plans(outputs)
-    pending = []
-    for t in range(STEPS):
-        delay(stream)
-        pending.append(runner.launch(plan(t)))
-    assert [p.wait().sampled_token_ids for p in pending] == [ids for ids, _ in paged_reference]
+    assert launched_back_to_back(runner, outputs, slow_stream) == [ids for ids, _ in paged_reference]
     assert runner.graphs.num_replays >= 8
 
 

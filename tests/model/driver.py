@@ -177,3 +177,14 @@ class ToyScheduler:
             self.finished.append(r)
             self.free_blocks.extend(r.blocks)
             self._to_forget.append(r.request_id)
+
+
+def generate_staggered(runner, prompts: list[list[int]], max_new: int, *, chunk: int, token_budget: int = 48,
+                       max_running: int = 4) -> ToyScheduler:
+    """Greedy generations of `prompts` (`max_new` tokens each, request i arriving at step 2i), prompt
+    chunks of `chunk` tokens beside other requests' decodes; returns the scheduler that ran them."""
+    sched = ToyScheduler(runner, chunk=chunk, token_budget=token_budget, max_running=max_running)
+    for i, p in enumerate(prompts):
+        sched.add(ToyRequest(f"r{i}", p, max_new, arrival_step=2 * i))
+    sched.run()
+    return sched

@@ -27,6 +27,15 @@ class _Wrapper:
         for t in tensors:
             assert t.device.type == "cpu" and t.dtype == torch.int32 and t.dim() == 1, (t.device, t.dtype, t.shape)
 
+    def _store(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
+               sm_scale, **rest) -> None:
+        """Keep a plan (FlashInfer's plan copies its page metadata to the device)."""
+        self._check_host(indptr, indices, last_page_len)
+        self._plan = dict(indptr=indptr.clone(), indices=indices.clone(), last_page_len=last_page_len.clone(),
+                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          page_size=page_size, sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale, **rest)
+        self.plans += 1
+
     def _attend(self, q: torch.Tensor, paged_kv_cache, qo_indptr: list[int]) -> torch.Tensor:
         p = self._plan
         k_cache, v_cache = paged_kv_cache  # [pages, page_size, kvh, d]
@@ -59,13 +68,9 @@ class _Wrapper:
 class BatchDecodeWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size, *,
              window_left=-1, logits_soft_cap=None, sm_scale=None, q_data_type=None, kv_data_type=None) -> None:
-        self._check_host(indptr, indices, last_page_len)
-        self._plan = dict(indptr=indptr.clone(), indices=indices.clone(), last_page_len=last_page_len.clone(),
-                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          page_size=page_size, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                          sm_scale=head_dim**-0.5 if sm_scale is None else sm_scale, q_data_type=q_data_type,
-                          causal=True)
-        self.plans += 1
+        self._store(indptr, indices, last_page_len, num_qo_heads, num_kv_heads, head_dim, page_size,
+                    window_left=window_left, logits_soft_cap=logits_soft_cap, sm_scale=sm_scale,
+                    q_data_type=q_data_type, causal=True)
 
     def run(self, q, paged_kv_cache):
         return self._attend(q, paged_kv_cache, list(range(len(self._plan["last_page_len"]) + 1)))
@@ -75,14 +80,10 @@ class BatchPrefillWithPagedKVCacheWrapper(_Wrapper):
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads,
              num_kv_heads, head_dim_qk, page_size, *, causal=False, window_left=-1, logits_soft_cap=None,
              sm_scale=None, q_data_type="float16", kv_data_type=None) -> None:
-        self._check_host(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len)
-        self._plan = dict(qo_indptr=qo_indptr.clone(), indptr=paged_kv_indptr.clone(),
-                          indices=paged_kv_indices.clone(), last_page_len=paged_kv_last_page_len.clone(),
-                          num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim_qk,
-                          page_size=page_size, window_left=window_left, logits_soft_cap=logits_soft_cap,
-                          sm_scale=head_dim_qk**-0.5 if sm_scale is None else sm_scale, q_data_type=q_data_type,
-                          causal=causal)
-        self.plans += 1
+        self._check_host(qo_indptr)
+        self._store(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, num_qo_heads, num_kv_heads,
+                    head_dim_qk, page_size, window_left=window_left, logits_soft_cap=logits_soft_cap,
+                    sm_scale=sm_scale, q_data_type=q_data_type, causal=causal, qo_indptr=qo_indptr.clone())
 
     def run(self, q, paged_kv_cache):
         assert q.shape[0] == int(self._plan["qo_indptr"][-1])

@@ -13,7 +13,7 @@ import torch
 
 from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model import flashinfer_standin
-from tests.model.driver import ToyRequest, ToyScheduler
+from tests.model.driver import ToyRequest, ToyScheduler, generate_staggered
 from tests.model.oracle import check_against_hf, hf_greedy, random_prompts
 from worker_service.flashinfer_attention import FlashInferBackend, flashinfer_usable, paged_kv
 from worker_service.model_runner import ModelRunner
@@ -47,10 +47,7 @@ def test_generations_match_hf(model, chunk):
     name, path, prompts, expected = model
     backend = FlashInferBackend(torch.device("cpu"), module=flashinfer_standin)
     runner = ModelRunner(path, num_blocks=64, block_size=8, attention_backend=backend)
-    sched = ToyScheduler(runner, chunk=chunk, token_budget=48, max_running=4)
-    for i, p in enumerate(prompts):
-        sched.add(ToyRequest(f"r{i}", p, MAX_NEW, arrival_step=2 * i))
-    sched.run()
+    sched = generate_staggered(runner, prompts, MAX_NEW, chunk=chunk)
     assert sched.stats.mixed_steps > 0
     full = check_against_hf(sched, prompts, expected)
     assert full >= len(prompts) - 1, f"{name}: only {full} streams fully matched"

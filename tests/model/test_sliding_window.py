@@ -13,7 +13,7 @@ import torch
 
 from stepahead.plan import NewRequest, StepPlan
 from testing.checkpoints import VARIANTS, build_checkpoint
-from tests.model.driver import GREEDY, ToyRequest, ToyScheduler
+from tests.model.driver import GREEDY, generate_staggered
 from tests.model.oracle import check_against_hf, hf_greedy, random_prompts
 from worker_service.attention import AttentionMetadata, TorchAttentionBackend
 from worker_service.model_config import ModelConfig
@@ -42,10 +42,7 @@ def test_generations_past_the_window_match_hf(windowed, chunk, backend):
     window = ModelConfig.from_dir(path).sliding_window
     assert 5 < window < 32 and max(PROMPT_LENS) + MAX_NEW > 4 * window  # the chunks: below and above it
     runner = ModelRunner(path, num_blocks=64, block_size=8, attention_backend=backend())
-    sched = ToyScheduler(runner, chunk=chunk, token_budget=48, max_running=4)
-    for i, p in enumerate(prompts):
-        sched.add(ToyRequest(f"r{i}", p, MAX_NEW, arrival_step=2 * i))
-    sched.run()
+    sched = generate_staggered(runner, prompts, MAX_NEW, chunk=chunk)
     assert sched.stats.mixed_steps > 0
     full = check_against_hf(sched, prompts, expected)
     assert full >= len(prompts) - 1, f"{name}: only {full} streams fully matched"
