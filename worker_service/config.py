@@ -52,7 +52,8 @@ class WorkerEngineConfig:
     max_model_len: int | None = cfg.field(None, "maximum prompt + output tokens (default: the model's)")
     attention_backend: AttentionBackendName = cfg.field(
         AttentionBackendName.AUTO, "paged attention: auto (CPU float32: a C++ decode kernel over the paged "
-        "cache, built once into $STEPAHEAD_CACHE_DIR; otherwise torch), torch (reference: gather, then SDPA), "
+        "cache, built once into $STEPAHEAD_CACHE_DIR; with CUDA graphs: paged; otherwise torch), torch (reference: "
+        "gather, then SDPA), "
         "paged (device-side decode metadata, bucketed shapes; flash-attn's paged KV kernel when installed) or "
         "flashinfer (CUDA, float16/bfloat16, flashinfer-python installed: its paged decode and prefill kernels)")
     enforce_eager: bool = cfg.field(

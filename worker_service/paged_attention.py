@@ -100,8 +100,10 @@ def flash_attn_usable(device: torch.device, dtype: torch.dtype, block_size: int)
 
 
 def make_backend(name: AttentionBackendName, device: torch.device, dtype: torch.dtype,
-                 block_size: int) -> AttentionBackend:
-    if name is AttentionBackendName.AUTO:
+                 block_size: int, *, graphs: bool = False) -> AttentionBackend:
+    """The backend `--attention-backend name` means here; `graphs`: decode steps will be replayed from
+    CUDA graphs (decode_graphs.py), which `auto` answers with the graph-safe paged backend."""
+    if name is AttentionBackendName.AUTO and not graphs:
         kernel = cpu_kernels.load() if cpu_kernels.usable(device, dtype) else None
         return CpuDecodeBackend(kernel) if kernel is not None else TorchAttentionBackend()
     if name is AttentionBackendName.TORCH:

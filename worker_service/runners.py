@@ -84,7 +84,6 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
     import torch
 
     from model_zoo.builtin_models import resolve_model
-    from worker_service.attention_names import AttentionBackendName
     from worker_service.kv_cache import block_bytes
     from worker_service.loader import parse_dtype
     from worker_service.model_config import ModelConfig
@@ -100,9 +99,6 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
     host_blocks, offload_blocks = config.host_blocks(block_bytes(model_cfg, config.block_size, parse_dtype(dtype)))
     enforce_eager = resolve_enforce_eager(config, group is not None)
     graphs = resolve_decode_graphs(config, enforce_eager)
-    attention = config.attention_backend
-    if graphs is not None and attention is AttentionBackendName.AUTO:
-        attention = AttentionBackendName.PAGED  # the graph-safe one
     runner_class = ModelRunner
     if group is not None:
         from functools import partial
@@ -126,7 +122,8 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         max_logprobs=config.max_logprobs,
-        attention_backend=make_backend(attention, torch.device(config.device), parse_dtype(dtype), config.block_size),
+        attention_backend=make_backend(config.attention_backend, torch.device(config.device), parse_dtype(dtype),
+                                       config.block_size, graphs=graphs is not None),
         speculative_config=parse_speculative_config(config.speculative_config),
         structured_outputs_cache_size=config.structured_outputs_cache_size,
         enforce_eager=enforce_eager,

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from testing.checkpoints import VOCAB
+from testing.checkpoints import VARIANTS, VOCAB, build_checkpoint
 
 TIE_GAP = 1e-4
 MAX_NEW = 48
@@ -53,6 +53,15 @@ def assert_matches_hf(ours: list[int], expected: list[int], gaps: list[float], w
 def random_prompts(seed: int, lens: list[int]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in lens]
+
+
+def oracle_case(path, variant: str, *, seed: int, prompt_seed: int, lens: list[int], max_new: int = MAX_NEW):
+    """A test checkpoint of `VARIANTS[variant]` built into `path` (weights from `seed`), random prompts of
+    `lens` (from `prompt_seed`) and HF's greedy continuations of them: (hf model, prompts, HFGreedy)."""
+    model_type, overrides = VARIANTS[variant]
+    hf = build_checkpoint(path, model_type, seed=seed, **overrides)
+    prompts = random_prompts(prompt_seed, lens)
+    return hf, prompts, hf_greedy(hf, prompts, max_new)
 
 
 def check_against_hf(sched, prompts: list[list[int]], expected: HFGreedy) -> int:

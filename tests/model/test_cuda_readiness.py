@@ -15,9 +15,8 @@ import pytest
 import torch
 
 from stepahead.plan import NewRequest, RunningRequest, StepPlan
-from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import GREEDY, ToyRequest, ToyScheduler
-from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
+from tests.model.oracle import MAX_NEW, check_against_hf, oracle_case
 from worker_service.input_batch import decode_bucket
 from worker_service.memory_profile import profile_run, split_memory
 from worker_service.model_runner import ModelRunner
@@ -27,11 +26,9 @@ from worker_service.plan_checks import PlanError
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model_type, overrides = VARIANTS["llama_tied_gqa4"]
     path = tmp_path_factory.mktemp("readiness")
-    hf = build_checkpoint(path, model_type, seed=7, **overrides)
-    prompts = random_prompts(seed=21, lens=[5, 40, 17, 3, 33, 64, 9])
-    return path, prompts, hf_greedy(hf, prompts, MAX_NEW)
+    _, prompts, expected = oracle_case(path, "llama_tied_gqa4", seed=7, prompt_seed=21, lens=[5, 40, 17, 3, 33, 64, 9])
+    return path, prompts, expected
 
 
 def _prefill(prompts: list[list[int]], blocks_each: int = 8) -> StepPlan:

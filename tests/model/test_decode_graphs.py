@@ -16,9 +16,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
-from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
+from tests.model.oracle import MAX_NEW, check_against_hf, oracle_case
 from worker_service.decode_graphs import DecodeGraphs, EagerReplay, GraphSettings, graph_sizes
 from worker_service.model_runner import ModelRunner
 from worker_service.paged_attention import PagedDecodeBackend
@@ -28,11 +27,9 @@ SIZES = (1, 2, 4, 8)
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model_type, overrides = VARIANTS["llama_tied_gqa4"]
     path = tmp_path_factory.mktemp("graphs")
-    hf = build_checkpoint(path, model_type, seed=11, **overrides)
-    prompts = random_prompts(seed=5, lens=[6, 37, 18, 4, 29, 61, 11])
-    return path, prompts, hf_greedy(hf, prompts, MAX_NEW)
+    _, prompts, expected = oracle_case(path, "llama_tied_gqa4", seed=11, prompt_seed=5, lens=[6, 37, 18, 4, 29, 61, 11])
+    return path, prompts, expected
 
 
 def _runner(path, graphs: bool) -> ModelRunner:
@@ -154,3 +151,12 @@ def test_graph_flags_resolve_on_cuda_only():
         resolve_decode_graphs(replace(cuda, cuda_graph_sizes=("8", "x")), False)
     with pytest.raises(ValueError, match="--max-cuda-graph-batch-size must be >= 0"):
         resolve_decode_graphs(replace(cuda, max_cuda_graph_batch_size=-1), False)
+
+
+def test_auto_attention_is_the_graph_safe_backend_under_graphs():
+    from worker_service.attention_names import AttentionBackendName
+    from worker_service.paged_attention import make_backend
+
+    cpu = torch.device("cpu")
+    assert isinstance(make_backend(AttentionBackendName.AUTO, cpu, torch.float32, 16, graphs=True), PagedDecodeBackend)
+    assert not make_backend(AttentionBackendName.AUTO, cpu, torch.float32, 16).graph_safe

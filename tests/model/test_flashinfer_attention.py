@@ -11,10 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model import flashinfer_standin
 from tests.model.driver import ToyRequest, ToyScheduler, generate_staggered
-from tests.model.oracle import check_against_hf, hf_greedy, random_prompts
+from tests.model.oracle import check_against_hf, oracle_case
 from worker_service.flashinfer_attention import FlashInferBackend, flashinfer_usable, paged_kv
 from worker_service.model_runner import ModelRunner
 
@@ -35,11 +34,9 @@ def test_paged_kv_lists_each_requests_used_blocks_and_its_last_fill():
 
 @pytest.fixture(scope="module", params=MODELS)
 def model(request, tmp_path_factory):
-    model_type, overrides = VARIANTS[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    hf = build_checkpoint(path, model_type, seed=3, **overrides)
-    prompts = random_prompts(7, PROMPT_LENS)
-    return request.param, path, prompts, hf_greedy(hf, prompts, MAX_NEW)
+    _, prompts, expected = oracle_case(path, request.param, seed=3, prompt_seed=7, lens=PROMPT_LENS, max_new=MAX_NEW)
+    return request.param, path, prompts, expected
 
 
 @pytest.mark.parametrize("chunk", [5, 32])

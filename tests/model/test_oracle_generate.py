@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from testing.checkpoints import VARIANTS, build_checkpoint
+from testing.checkpoints import VARIANTS
 from tests.model.driver import ToyRequest, ToyScheduler
-from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
+from tests.model.oracle import MAX_NEW, check_against_hf, oracle_case
 from worker_service.model_runner import ModelRunner
 
 PROMPT_LENS = [1, 300, 7, 16, 17, 250, 31, 32, 33, 64, 2, 100, 128, 150, 200, 280]
@@ -14,11 +14,9 @@ PROMPT_LENS = [1, 300, 7, 16, 17, 250, 31, 32, 33, 64, 2, 100, 128, 150, 200, 28
 
 @pytest.fixture(scope="module", params=sorted(VARIANTS))
 def checkpoint(request, tmp_path_factory):
-    model_type, overrides = VARIANTS[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    hf = build_checkpoint(path, model_type, **overrides)
-    prompts = random_prompts(len(request.param), PROMPT_LENS)
-    return request.param, path, prompts, hf_greedy(hf, prompts, MAX_NEW)
+    _, prompts, expected = oracle_case(path, request.param, seed=0, prompt_seed=len(request.param), lens=PROMPT_LENS)
+    return request.param, path, prompts, expected
 
 
 def run_workload(runner, prompts, max_new: int = MAX_NEW, **driver_kwargs) -> ToyScheduler:

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import ToyRequest, ToyScheduler
-from tests.model.oracle import MAX_NEW, check_against_hf, hf_greedy, random_prompts
+from tests.model.oracle import MAX_NEW, check_against_hf, oracle_case
 from worker_service.kv_cache import KVCache
 from worker_service.model_config import ModelConfig
 from worker_service.model_runner import ModelRunner
@@ -15,11 +14,10 @@ from worker_service.model_runner import ModelRunner
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
-    model_type, overrides = VARIANTS["qwen3_tied_gqa1"]
     path = tmp_path_factory.mktemp("preempt")
-    hf = build_checkpoint(path, model_type, seed=3, **overrides)
-    prompts = random_prompts(seed=11, lens=[3, 40, 90, 17, 64, 120, 5, 33])
-    return path, prompts, hf_greedy(hf, prompts, MAX_NEW)
+    _, prompts, expected = oracle_case(path, "qwen3_tied_gqa1", seed=3, prompt_seed=11,
+                                       lens=[3, 40, 90, 17, 64, 120, 5, 33])
+    return path, prompts, expected
 
 
 def test_swap_and_recompute_preemption_continue_identically(checkpoint):

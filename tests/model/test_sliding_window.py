@@ -14,7 +14,7 @@ import torch
 from stepahead.plan import NewRequest, StepPlan
 from testing.checkpoints import VARIANTS, build_checkpoint
 from tests.model.driver import GREEDY, generate_staggered
-from tests.model.oracle import check_against_hf, hf_greedy, random_prompts
+from tests.model.oracle import check_against_hf, oracle_case
 from worker_service.attention import AttentionMetadata, TorchAttentionBackend
 from worker_service.model_config import ModelConfig
 from worker_service.model_runner import ModelRunner
@@ -27,11 +27,9 @@ MAX_NEW = 40  # every request ends well past its window
 
 @pytest.fixture(scope="module", params=WINDOWED)
 def windowed(request, tmp_path_factory):
-    model_type, overrides = VARIANTS[request.param]
     path = tmp_path_factory.mktemp(request.param)
-    hf = build_checkpoint(path, model_type, seed=3, **overrides)
-    prompts = random_prompts(7, PROMPT_LENS)
-    return request.param, path, hf, prompts, hf_greedy(hf, prompts, MAX_NEW)
+    hf, prompts, expected = oracle_case(path, request.param, seed=3, prompt_seed=7, lens=PROMPT_LENS, max_new=MAX_NEW)
+    return request.param, path, hf, prompts, expected
 
 
 @pytest.mark.parametrize("backend", [TorchAttentionBackend, PagedDecodeBackend, CpuDecodeBackend],

@@ -247,7 +247,8 @@ void decode_rows_avx512(const float* qp, const float* kp, const float* vp, const
       }
       std::fill(accum.begin(), accum.end(), 0.0f);
       float* a = accum.data();
-      for_keys<D, PF>(vp, table, start, len, bs, row_floats, g.ahead, [&](int64_t j, const float* row) {  // accum = p v
+      // accum = p v
+      for_keys<D, PF>(vp, table, start, len, bs, row_floats, g.ahead, [&](int64_t j, const float* row) {
         for (int64_t kv = 0; kv < kvh; ++kv) {
           __m512 v[C];
           for (int64_t c = 0; c < C; ++c) v[c] = _mm512_loadu_ps(row + kv * D + c * 16);
@@ -280,7 +281,8 @@ void write_kv(torch::Tensor k, torch::Tensor v, torch::Tensor k_cache, torch::Te
               k_cache.size(2) == k.size(1) && k_cache.size(3) == k.size(2) && slots.dim() == 1 &&
               slots.size(0) == k.size(0), "write_kv: k, v [n, kvh, d], caches [blocks, block_size, kvh, d], slots [n]");
   TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && k_cache.scalar_type() == at::kFloat &&
-              v_cache.scalar_type() == at::kFloat && slots.scalar_type() == at::kLong, "write_kv: float32, int64 slots");
+              v_cache.scalar_type() == at::kFloat && slots.scalar_type() == at::kLong,
+              "write_kv: float32, int64 slots");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "write_kv: contiguous caches");
   const int64_t n = k.size(0), row = k.size(1) * k.size(2), num_slots = k_cache.size(0) * k_cache.size(1);
   const auto rows_contiguous = [&](const torch::Tensor& t) { return t.stride(2) == 1 && t.stride(1) == t.size(2); };
