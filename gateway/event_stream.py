@@ -1,9 +1,10 @@
 """How a request's scheduler events reach the asyncio code that streams them (both transports).
 
-The scheduler link's reader thread calls a request's sink once per event. `LoopEvents` turns
-those calls into puts on the request's `Mailbox` with one event-loop wake-up per burst
-of events (one `call_soon_threadsafe`, i.e. one self-pipe write, per step's batch instead of
-one per request per step). `choices()` is the consumer side both the gRPC servicer and the
+The scheduler link calls a request's sink once per event, on the link's event loop (the
+gRPC server's). `LoopEvents` turns those calls into puts on the request's `Mailbox`: at once
+when the sink is called on the mailbox's own loop, and otherwise (the HTTP server's loop)
+with one event-loop wake-up per burst of events (one `call_soon_threadsafe`, i.e. one
+self-pipe write, per step's batch instead of one per request per step). `choices()` is the consumer side both the gRPC servicer and the
 HTTP server iterate: it merges the token events that queued up while the consumer was busy,
 and applies the stream interval (`--stream-interval`, vLLM's flag: at most one message per
 N tokens of a sequence, its first token and its end always at once).
@@ -86,10 +87,15 @@ class LoopEvents:
     def sink(self, events: Mailbox) -> Callable[[object], None]:
         def put(event: object) -> None:
             with self._lock:
-                self._pending.append((events, event))
-                if self._scheduled:
-                    return  # the flush already asked for takes this event too
-                self._scheduled = True
+                queued = bool(self._pending) or asyncio._get_running_loop() is not self._loop
+                if queued:
+                    self._pending.append((events, event))
+                    if self._scheduled:
+                        return  # the flush already asked for takes this event too
+                    self._scheduled = True
+            if not queued:  # on the mailbox's own loop, with nothing from another thread before it
+                events.put_nowait(event)
+                return
             try:
                 self._loop.call_soon_threadsafe(self._flush)
             except RuntimeError:

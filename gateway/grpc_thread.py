@@ -84,24 +84,25 @@ class AioHealth:
 
 
 class GrpcThread:
-    """Runs `build()` (a coroutine returning the unstarted server, its `AioHealth` and the
-    bound port) on a fresh event loop in a thread, starts the server NOT_SERVING."""
+    """A fresh event loop in a thread (the public gRPC server's, and the scheduler links':
+    `loop` exists before `start`). `start(build)` runs `build(loop)` (a coroutine returning
+    the unstarted server, its `AioHealth` and the bound port) there and starts the server
+    NOT_SERVING."""
 
-    def __init__(self, build: Callable[[asyncio.AbstractEventLoop], Awaitable[tuple]]) -> None:
-        self._build = build
+    def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._thread.start()
         self.server: grpc.aio.Server | None = None
         self.health: AioHealth | None = None
         self.port = 0
 
-    def start(self, timeout_s: float = 30.0) -> int:
-        self._thread.start()
-        asyncio.run_coroutine_threadsafe(self._start(), self.loop).result(timeout_s)
+    def start(self, build: Callable[[asyncio.AbstractEventLoop], Awaitable[tuple]], timeout_s: float = 30.0) -> int:
+        asyncio.run_coroutine_threadsafe(self._start(build), self.loop).result(timeout_s)
         return self.port
 
-    async def _start(self) -> None:
-        self.server, self.health, self.port = await self._build(self.loop)
+    async def _start(self, build: Callable[[asyncio.AbstractEventLoop], Awaitable[tuple]]) -> None:
+        self.server, self.health, self.port = await build(self.loop)
         await self.health.set_async(False)
         await self.server.start()
 

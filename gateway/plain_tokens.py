@@ -25,15 +25,17 @@ class MalformedBatch(ValueError):
 
 
 class OpenRequest:
-    """One request open on a scheduler link: its event sink and its prompt / cached counts
-    (from its latest event with tokens; 0 until one arrived)."""
+    """One request open on a scheduler link: its event sink, its prompt / cached counts (from
+    its latest event with tokens; 0 until one arrived) and the link's stream it went out on
+    (None until it did)."""
 
-    __slots__ = ("sink", "num_prompt_tokens", "num_cached_tokens")
+    __slots__ = ("sink", "num_prompt_tokens", "num_cached_tokens", "stream")
 
     def __init__(self, sink: Callable[[object], None]) -> None:
         self.sink = sink
         self.num_prompt_tokens = 0
         self.num_cached_tokens = 0
+        self.stream = None
 
 
 class PlainToken:

@@ -12,8 +12,8 @@ token was streamed: they all came with it); events after that are the continuati
 one continuous stream. Attempts back off exponentially, up to `failover_timeout_s`.
 
 The pool has the link's interface (`submit(msg, sink)`, `abort`, `release`): events reach
-the request's sink from the links' reader threads; a failover happens on that thread, or
-on a timer thread while every scheduler is down (a reader thread never sleeps).
+the request's sink on the links' event loop; a failover happens there, or on a timer thread
+while every scheduler is down (the loop never sleeps).
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ class SchedulerPool:
         self._balance = balance_abs_threshold
         self._routes: dict[str, _Route] = {}  # request id -> its route
         self._lock = threading.Lock()
+        self._closing = False
 
     def submit(self, msg: scheduler_pb2.SubmitRequest, sink: Callable[[object], None]) -> None:
         """Like `SchedulerLink.submit`, surviving the loss of the scheduler serving it."""
@@ -90,6 +91,12 @@ class SchedulerPool:
     def num_open(self) -> int:
         return len(self._routes)
 
+    def close(self) -> None:
+        """Close every link (shutdown): requests still open end with `LinkBroken`, with no failover."""
+        self._closing = True
+        for link in self._links:
+            link.close()
+
     def _failover(self, route: _Route, exc: LinkBroken) -> None:
         """The route's scheduler stream broke: resubmit the rest elsewhere, or give up."""
         rid = route.msg.request_id
@@ -98,10 +105,11 @@ class SchedulerPool:
             return  # released meanwhile: the client is gone
         self._mark_down(route.index, route.backoff)
         route.deadline = route.deadline or time.monotonic() + self._failover_timeout_s
-        if time.monotonic() >= route.deadline:
+        if self._closing or time.monotonic() >= route.deadline:
             with self._lock:
                 self._routes.pop(rid, None)
-            route.sink(LinkBroken(f"{exc} (no scheduler took the request over for {self._failover_timeout_s:g} s)"))
+            route.sink(exc if self._closing else LinkBroken(
+                f"{exc} (no scheduler took the request over for {self._failover_timeout_s:g} s)"))
             return
         delay = route.backoff if self._all_down() else 0.0
         route.backoff = min(route.backoff * 2, 2.0)

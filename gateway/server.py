@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import inspect
 import os
 import resource
@@ -466,11 +467,13 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         return 0
     gate = StreamGate(config.max_concurrent_streams)
-    pool = SchedulerPool([SchedulerLink(ch, log, config.stream_interval) for ch in channels], config.scheduler, log, config.failover_timeout)
+    grpc_server = GrpcThread()  # its event loop runs the public server and the links to the schedulers
+    links = [SchedulerLink(functools.partial(config.scheduler_aio_channel, address), grpc_server.loop, log,
+                           config.stream_interval, config.scheduler_metadata()) for address in config.scheduler]
+    pool = SchedulerPool(links, config.scheduler, log, config.failover_timeout)
     frontend = Frontend(tokenizer, codec.worker_info_from_proto(model), pool, config.max_request_bytes, metrics, gate,
                         config.stream_interval, config.tool_call_parser, config.reasoning_parser)
-    grpc_server = build_server(config, frontend, log, max_connections)
-    port = grpc_server.start()
+    port = grpc_server.start(server_builder(config, frontend, log, max_connections))
     http = _start_http(frontend, channels, config, log, max_connections)
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
@@ -484,6 +487,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("gateway_drained" if drained else "gateway_drain_timeout", open_requests=gate.active)
     if http is not None:
         http.stop()
+    pool.close()
     grpc_server.stop(2.0)
     return 0
 
@@ -548,10 +552,10 @@ class UndecodableGuard(grpc.aio.ServerInterceptor):
         return undecodable.rebuilt(handler, guarded)
 
 
-def build_server(config: GatewayConfig, frontend: Frontend, log, max_connections: int) -> GrpcThread:
-    """The public gRPC server (grpc.aio, its own thread): every call is taken at once and
-    admitted or refused by the stream gate (RESOURCE_EXHAUSTED past the limit); at most
-    `max_connections` connections (grpc core closes the ones past it at once)."""
+def server_builder(config: GatewayConfig, frontend: Frontend, log, max_connections: int):
+    """How `GrpcThread.start` builds the public gRPC server (grpc.aio): every call is taken at
+    once and admitted or refused by the stream gate (RESOURCE_EXHAUSTED past the limit); at
+    most `max_connections` connections (grpc core closes the ones past it at once)."""
     keys = security.split_keys(config.api_key)
 
     async def build(loop):
@@ -571,7 +575,7 @@ def build_server(config: GatewayConfig, frontend: Frontend, log, max_connections
         tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
         return server, health, security.add_port(server, f"{config.host}:{config.port}", tls)
 
-    return GrpcThread(build)
+    return build
 
 
 def _start_http(frontend: Frontend, channels, config: GatewayConfig, log, max_connections: int):

@@ -213,17 +213,33 @@ class _AddMetadata(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInter
         return continuation(self._details(client_call_details), request_iterator)
 
 
-def channel(target: str, *, cluster_token: str | None = None, api_key: str | None = None,
-            tls: TLSFiles | None = None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-    """A channel that presents the given credentials on every call."""
-    base = (grpc.secure_channel(target, tls.channel_credentials(), options=list(options))
-            if tls is not None and tls.enabled else grpc.insecure_channel(target, options=list(options)))
+def credential_metadata(cluster_token: str | None = None, api_key: str | None = None) -> tuple[tuple[str, str], ...]:
+    """The metadata that presents the given credentials on a call."""
     pairs = []
     if cluster_token:
         pairs.append((CLUSTER_TOKEN_HEADER, cluster_token))
     if api_key:
         pairs.append((API_KEY_HEADER, f"Bearer {api_key}"))
+    return tuple(pairs)
+
+
+def channel(target: str, *, cluster_token: str | None = None, api_key: str | None = None,
+            tls: TLSFiles | None = None, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+    """A channel that presents the given credentials on every call."""
+    base = (grpc.secure_channel(target, tls.channel_credentials(), options=list(options))
+            if tls is not None and tls.enabled else grpc.insecure_channel(target, options=list(options)))
+    pairs = credential_metadata(cluster_token, api_key)
     return grpc.intercept_channel(base, _AddMetadata(pairs)) if pairs else base
+
+
+def aio_channel(target: str, *, tls: TLSFiles | None = None,
+                options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
+    """A `grpc.aio` channel (made on the event loop that will use it). Its calls take their
+    credentials as `credential_metadata(...)`: grpc.aio's client interceptors would wrap
+    every message of a stream in Python."""
+    if tls is not None and tls.enabled:
+        return grpc.aio.secure_channel(target, tls.channel_credentials(), options=list(options))
+    return grpc.aio.insecure_channel(target, options=list(options))
 
 
 @dataclass(frozen=True)
@@ -236,5 +252,14 @@ class SchedulerClientConfig:
     scheduler_ssl_keyfile: str | None = config_field(None, "client key for the scheduler (mTLS)")
 
     def scheduler_channel(self, target: str, options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
-        tls = TLSFiles(self.scheduler_ssl_certfile, self.scheduler_ssl_keyfile, self.scheduler_ssl_ca_certs)
-        return channel(target, cluster_token=self.cluster_token, tls=tls, options=options)
+        return channel(target, cluster_token=self.cluster_token, tls=self._scheduler_tls(), options=options)
+
+    def scheduler_aio_channel(self, target: str) -> grpc.aio.Channel:
+        """A `grpc.aio` channel to the scheduler; its calls carry `scheduler_metadata()`."""
+        return aio_channel(target, tls=self._scheduler_tls())
+
+    def scheduler_metadata(self) -> tuple[tuple[str, str], ...]:
+        return credential_metadata(self.cluster_token)
+
+    def _scheduler_tls(self) -> TLSFiles:
+        return TLSFiles(self.scheduler_ssl_certfile, self.scheduler_ssl_keyfile, self.scheduler_ssl_ca_certs)

@@ -56,7 +56,8 @@ def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
 
 def start(argv: list[str], tree: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                            cwd=tree)  # `-m cli` imports from the working directory first
 
 
 def wait_ready(target: str, timeout_s: float = 120.0) -> None:

@@ -23,7 +23,8 @@ from grpc_channelz.v1 import channelz, channelz_pb2
 from gateway.admission import StreamGate
 from gateway.generation import Frontend
 from gateway.metrics import GatewayMetrics
-from gateway.server import GatewayConfig, build_server
+from gateway.grpc_thread import GrpcThread
+from gateway.server import GatewayConfig, server_builder
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, scheduler_pb2
 from stepahead import codec
 
@@ -65,8 +66,9 @@ def test_a_burst_waiting_in_grpc_cores_backlog_is_answered_not_cancelled():
     gate.enter()  # the gateway is at its stream limit: every new call is refused
     hello = scheduler_pb2.WorkerHello(model_name="m", max_model_len=64, vocab_size=100)
     frontend = Frontend(None, codec.worker_info_from_proto(hello), None, 1 << 20, GatewayMetrics(), gate)
-    server = build_server(GatewayConfig(host="127.0.0.1", port=0), frontend, structlog.get_logger(), max_connections=64)
-    port = server.start()
+    server = GrpcThread()
+    port = server.start(server_builder(GatewayConfig(host="127.0.0.1", port=0), frontend, structlog.get_logger(),
+                                       max_connections=64))
     release, held = threading.Event(), threading.Event()
 
     def hold_loop() -> None:  # the server takes no call until the burst has arrived

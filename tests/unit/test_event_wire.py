@@ -6,6 +6,7 @@ tokens."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from concurrent import futures
 
@@ -14,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gateway.grpc_thread import GrpcThread
 from gateway.plain_tokens import MalformedBatch, OpenRequest, PlainToken, deliver
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from scheduler_service.event_batches import event_batches
@@ -257,13 +259,15 @@ def test_a_malformed_batch_breaks_the_link_for_its_requests_and_cancels_the_stre
         if isinstance(event, LinkBroken):
             ended.set()
 
+    loop = GrpcThread()
     try:
-        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-            link = SchedulerLink(channel, log)
-            link.submit(scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2]), sink)
-            assert ended.wait(30), "the request never learned that its stream broke"
-            assert servicer.cancelled.wait(30), "the stream to the scheduler was not cancelled"
+        link = SchedulerLink(lambda: grpc.aio.insecure_channel(f"127.0.0.1:{port}"), loop.loop, log)
+        link.submit(scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2]), sink)
+        assert ended.wait(30), "the request never learned that its stream broke"
+        assert servicer.cancelled.wait(30), "the stream to the scheduler was not cancelled"
+        link.close()
     finally:
+        loop.stop()
         server.stop(None)
     assert len(got) == 1 and isinstance(got[0], LinkBroken), "nothing of the malformed batch is delivered"
     assert "token_request_ids has 2 entries but token_ids has 1" in str(got[0])
@@ -302,14 +306,14 @@ class _Scripted(scheduler_pb2_grpc.SchedulerServicer):
 def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_schedulers_cache():
     from gateway.scheduler_pool import SchedulerPool
 
-    servicer, servers, channels = _Scripted(), [], []
+    servicer, servers, targets = _Scripted(), [], []
     for _ in range(2):
         server = grpc.server(futures.ThreadPoolExecutor(4))
         scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
         port = server.add_insecure_port("127.0.0.1:0")
         server.start()
         servers.append(server)
-        channels.append(grpc.insecure_channel(f"127.0.0.1:{port}"))
+        targets.append(f"127.0.0.1:{port}")
     got, ended = [], threading.Event()
 
     def sink(event) -> None:
@@ -317,15 +321,17 @@ def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_sched
         if event.finish_reason or isinstance(event, LinkBroken):
             ended.set()
 
+    loop = GrpcThread()
     try:
         log = _Log()
-        pool = SchedulerPool([SchedulerLink(ch, log) for ch in channels], ["s0", "s1"], log, failover_timeout_s=30)
+        links = [SchedulerLink(functools.partial(grpc.aio.insecure_channel, t), loop.loop, log) for t in targets]
+        pool = SchedulerPool(links, ["s0", "s1"], log, failover_timeout_s=30)
         pool.submit(scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2, 3, 4]), sink)
         assert ended.wait(30), "the request never finished"
         pool.release("x")
+        pool.close()
     finally:
-        for ch in channels:
-            ch.close()
+        loop.stop()
         for server in servers:
             server.stop(None)
     assert [list(s.prompt_token_ids) for s in servicer.submissions] == [[1, 2, 3, 4], [1, 2, 3, 4, 10, 11]]
@@ -334,3 +340,62 @@ def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_sched
     assert [(e.num_prompt_tokens, e.num_cached_tokens) for e in got] == [(4, 0)] * 2 + [(4, 5)] * 3
     full, packed = scheduler_pb2.TokenEvent, PlainToken
     assert [type(e) for e in got] == [full, packed, full, packed, full]
+
+
+class _Echo(scheduler_pb2_grpc.SchedulerServicer):
+    """A scheduler that answers each submission with one token event and each abort with
+    nothing, and keeps the stream open until the client ends it."""
+
+    def __init__(self) -> None:
+        self.messages: list[scheduler_pb2.GatewayMessage] = []
+        self.ended = threading.Event()
+
+    def Connect(self, request_iterator, context):
+        context.add_callback(self.ended.set)
+        for msg in request_iterator:
+            self.messages.append(msg)
+            if msg.HasField("submit"):
+                batch = scheduler_pb2.EventBatch()
+                batch.events.add(request_id=msg.submit.request_id, token_ids=[7], num_prompt_tokens=1)
+                yield batch
+
+
+def test_the_link_runs_on_its_loop_takes_calls_from_any_thread_and_closes_without_a_warning():
+    """Events reach the sinks on the link's event loop whichever thread submitted; an abort
+    follows its submission on the stream; closing the link ends the open requests with
+    `LinkBroken` and logs nothing (a normal shutdown)."""
+    servicer = _Echo()
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    log, got, seen = _Log(), [], {"a": threading.Event(), "b": threading.Event()}
+    loop = GrpcThread()
+
+    def sink(event) -> None:
+        got.append((threading.current_thread().name, event))
+        if not isinstance(event, LinkBroken):
+            seen[event.request_id].set()
+
+    try:
+        link = SchedulerLink(lambda: grpc.aio.insecure_channel(f"127.0.0.1:{port}"), loop.loop, log,
+                             plain_token_steps=4, metadata=(("x-note", "1"),))
+        link.submit(scheduler_pb2.SubmitRequest(request_id="a", prompt_token_ids=[1]), sink)  # not the loop's thread
+        assert seen["a"].wait(30), "no event reached the sink"
+        link.abort("a")
+        link.release("a")  # before the loop sent the abort: it still goes out
+        link.submit(scheduler_pb2.SubmitRequest(request_id="b", prompt_token_ids=[1]), sink)
+        assert seen["b"].wait(30), "no event reached the sink"
+        assert link.num_open == 1
+        link.close()
+        assert servicer.ended.wait(30), "closing the link did not end the stream"
+    finally:
+        loop.stop()
+        server.stop(None)
+    assert [(name, type(e).__name__) for name, e in got] == [("grpc-aio", "TokenEvent")] * 2 + [
+        ("grpc-aio", "LinkBroken")]
+    kinds = [(m.WhichOneof("kind"), getattr(getattr(m, m.WhichOneof("kind")), "request_id", ""))
+             for m in servicer.messages]
+    assert kinds == [("options", ""), ("submit", "a"), ("abort", "a"), ("submit", "b")], kinds
+    assert servicer.messages[0].options.plain_token_steps == 4
+    assert log.warnings == [], "a normal shutdown logs no warning"
