@@ -50,11 +50,16 @@ def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *, kv
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`torch.zeros`, except on the CPU: fresh anonymous pages, which the kernel gives zeroed
     and commits as they are first written, so start-up does not write every byte of a cache
-    sized to the host's memory (transparent huge pages asked for where the kernel has them)."""
+    sized to the host's memory. The mapping is private, and asks for transparent huge pages
+    (which the kernel gives a private anonymous mapping in its `madvise` mode, and a shared one,
+    `mmap`'s default, only where shmem's own setting allows, usually never): the decode kernel
+    walks the cache block by block, and on 4 KiB pages a step's K/V outgrows the TLB's reach
+    (`benchmarks/experiments/decode_kernel.py`)."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     count = math.prod(shape)
-    pages = mmap.mmap(-1, max(count * torch.empty((), dtype=dtype).element_size(), 1))
+    pages = mmap.mmap(-1, max(count * torch.empty((), dtype=dtype).element_size(), 1),
+                      flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         pages.madvise(mmap.MADV_HUGEPAGE)
     return torch.frombuffer(pages, dtype=dtype, count=count).view(shape)  # the tensor keeps `pages` alive

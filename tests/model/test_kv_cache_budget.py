@@ -3,6 +3,9 @@ can fill, and allocated without writing every byte at start-up."""
 
 from __future__ import annotations
 
+import os
+
+import pytest
 import torch
 
 from worker_service.kv_cache import CPU_KV_MEMORY_FRACTION, block_bytes, cpu_kv_cache_bytes, plan_num_blocks, zeros
@@ -46,6 +49,30 @@ def test_cpu_pool_is_zero_and_writable():
     assert torch.count_nonzero(pool) == 0
     pool[1, 0, 4] = 2.0
     assert pool.sum().item() == 2.0 * 16 * 2 * 8
+
+
+def _mapping_flags(address: int) -> set[str]:
+    """The VmFlags of this process's mapping that holds `address` (/proc/self/smaps)."""
+    inside = False
+    for line in open("/proc/self/smaps"):
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "VmFlags:":
+            return set(line.split()[1:])
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="Linux's /proc/self/smaps")
+def test_cpu_pool_is_private_and_asks_for_huge_pages():
+    """A shared anonymous mapping (mmap's default) gets no transparent huge pages where shmem's
+    setting is `never` (the usual): the pool must be private to get them."""
+    pool = zeros((8, 2, 64, 16, 4, 64), torch.float32, torch.device("cpu"))  # 32 MiB
+    pool.fill_(1.0)
+    flags = _mapping_flags(pool.data_ptr())
+    assert "sh" not in flags, f"the pool is a shared mapping: {sorted(flags)}"
+    assert "hg" in flags, f"the pool does not ask for huge pages: {sorted(flags)}"
 
 
 def test_cgroup_headroom(tmp_path):
