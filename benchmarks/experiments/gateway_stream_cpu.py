@@ -1,8 +1,8 @@
 """Gateway and bench-client CPU per streamed token, the gateway isolated from the scheduler.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/experiments/gateway_stream_cpu.py --streams 256 \
-        --input-len 512 --output-len 256 --stream-intervals 1 4 --rounds 3 \
-        [--baseline /tmp/old-checkout] [--floor] [--profile] --out benchmarks/results/gateway_cpu_256.json
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/gateway_stream_cpu.py [--transport grpc|http] \
+        --streams 256 --input-len 512 --output-len 256 --stream-intervals 1 4 --rounds 3 \
+        [--baseline /tmp/old-checkout] [--floor] [--profile] --out benchmarks/results/gateway_cpu_grpc.json
 
 A real `stepahead gateway` against `replay_scheduler.py` (the real `Scheduler.Connect`
 protocol, encoded by the scheduler's own writer: one token per open request every
@@ -15,11 +15,17 @@ per streamed message (above 1 at stream interval 1 when the gateway fell behind 
 and merged queued tokens: fewer messages, less CPU per token; compare rows at the same
 tokens/message). The replay scheduler's CPU is not counted.
 
+`--transport http` streams over the gateway's OpenAI API instead (`POST /v1/completions`
+with `stream` and `include_usage`, token-id prompts): a plain asyncio HTTP/1.1 client reads
+each response raw and counts its chunks once at the end, so its own cost per message is a
+socket read.
+
 `--baseline DIR` runs a second gateway and client from another checkout (e.g. `git archive`
 of the commit before a change), with a replay scheduler of that checkout (its wire format),
 rounds alternating, so before and after are measured side by side under the same machine
-load. `--floor` adds grpc.aio's own cost: a server that streams one prebuilt response per
-stream per step (no gateway code) to the same client. `--profile` records the gateway with
+load. `--floor` adds the transport's own cost: a server that streams one prebuilt response per
+stream per step (no gateway code) to the same client (`grpc_floor.py`: grpc.aio;
+`http_floor.py`: a bare ASGI app on uvicorn). `--profile` records the gateway with
 py-spy during its last round and reports the largest leaf frames (µs per token: sample share
 × the measured CPU; py-spy counts a thread waiting for the GIL as busy, so read it as a
 ranking, not an exact split).
@@ -32,6 +38,7 @@ import asyncio
 import collections
 import json
 import os
+import re
 import resource
 import statistics
 import subprocess
@@ -60,7 +67,9 @@ def start(argv: list[str], tree: Path) -> subprocess.Popen:
                             cwd=tree)  # `-m cli` imports from the working directory first
 
 
-def wait_ready(target: str, timeout_s: float = 120.0) -> None:
+def wait_ready(target: str, transport: str, timeout_s: float = 120.0) -> None:
+    if transport == "http":
+        return wait_http(target, timeout_s)
     import grpc
 
     from stepahead.v1 import generation_pb2, generation_pb2_grpc
@@ -75,6 +84,72 @@ def wait_ready(target: str, timeout_s: float = 120.0) -> None:
             except grpc.RpcError:
                 if time.monotonic() > deadline:
                     raise
+
+
+def wait_http(target: str, timeout_s: float) -> None:
+    import urllib.error
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://{target}/v1/models", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.2)
+
+
+async def http_stream(host: str, port: int, body: bytes) -> tuple[int, int]:
+    """One streamed completion over a plain HTTP/1.1 connection: (completion tokens from the
+    usage chunk, token messages). The response is read raw and parsed once at its end, so the
+    client's cost per message is a socket read."""
+    reader, writer = await asyncio.open_connection(host, port)
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        head = await reader.readuntil(b"\r\n\r\n")
+        if not head.startswith(b"HTTP/1.1 200"):
+            raise RuntimeError(head.decode(errors="replace").splitlines()[0])
+        data = bytearray()
+        while not data.endswith(b"data: [DONE]\r\n\r\n\r\n0\r\n\r\n") and not data.endswith(b"\r\n0\r\n\r\n"):
+            more = await reader.read(1 << 16)
+            if not more:
+                break
+            data += more
+    finally:
+        writer.close()
+    usage = re.findall(rb'"completion_tokens":\s*(\d+)', data)
+    if not usage:
+        raise RuntimeError("no usage chunk in the stream")
+    messages = data.count(b"data: ") - 2  # neither the usage chunk nor [DONE]
+    return int(usage[-1]), messages
+
+
+def http_client_round(target: str, streams: int, input_len: int, output_len: int) -> dict:
+    """`streams` streamed completions at once over HTTP (token-id prompts, EOS ignored, usage asked for)."""
+    import random
+
+    host, port = target.rsplit(":", 1)
+    rng = random.Random(0)
+    bodies = [json.dumps({"model": "llama3-8b-sim", "prompt": [rng.randrange(1000, 30000) for _ in range(input_len)],
+                          "max_tokens": output_len, "ignore_eos": True, "stream": True,
+                          "stream_options": {"include_usage": True}}).encode() for _ in range(streams)]
+
+    async def run() -> tuple[list, float]:
+        start = time.perf_counter()
+        out = await asyncio.gather(*(http_stream(host, int(port), b) for b in bodies), return_exceptions=True)
+        return out, time.perf_counter() - start
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = usage.ru_utime + usage.ru_stime
+    results, elapsed = asyncio.run(run())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    ok = [r for r in results if not isinstance(r, BaseException)]
+    return {"tokens": sum(t for t, _ in ok), "failed": len(results) - len(ok), "messages": sum(m for _, m in ok),
+            "wall_s": elapsed, "client_cpu_s": usage.ru_utime + usage.ru_stime - cpu0}
 
 
 def client_round(target: str, streams: int, input_len: int, output_len: int) -> dict:
@@ -106,7 +181,8 @@ def one_round(target: str, pid: int, tree: Path, args, streams: int, output_len:
     names = python_thread_names(pid)
     gw0, threads0 = cpu_seconds(pid), thread_cpu(pid, names)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-round", target, "--streams",
-                          str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len)],
+                          str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len),
+                          "--transport", args.transport],
                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
     gw, threads = cpu_seconds(pid) - gw0, thread_cpu(pid, names)
     if spy is not None:
@@ -135,7 +211,8 @@ def top_frames(path: Path, us_per_token: float, n: int = 15) -> dict[str, float]
 
 
 class Server:
-    """A gateway (or the grpc.aio floor server) of one checkout, started once per stream interval."""
+    """A gateway (or the grpc.aio / uvicorn floor server) of one checkout, started once per
+    stream interval; `port` is the one the client streams from (the gateway's gRPC or HTTP)."""
 
     def __init__(self, name: str, tree: Path, argv: list[str], port: int) -> None:
         self.name, self.tree, self.target = name, tree, f"127.0.0.1:{port}"
@@ -157,17 +234,19 @@ def replay_port(args, i: int) -> int:
 
 def servers_for(args, interval: int) -> list[Server]:
     out = []
+    http = args.transport == "http"
     for i, (name, tree) in enumerate(trees_of(args)):
-        port = args.port + 2 + i
+        port, http_port = args.port + 2 + i, args.port + 6 + i
         sched_addr = f"127.0.0.1:{replay_port(args, i)}"
         out.append(Server(name, tree, ["-m", "cli", "gateway", "--scheduler", sched_addr, "--port",
-                                       str(port), "--http-port", "0", "--model", args.model, "--stream-interval",
-                                       str(interval), "--max-concurrent-streams", str(max(args.streams, 16)),
-                                       "--log-level", "warning"], port))
+                                       str(port), "--http-port", str(http_port if http else 0), "--model",
+                                       args.model, "--stream-interval", str(interval), "--max-concurrent-streams",
+                                       str(max(args.streams, 16)), "--log-level", "warning"],
+                          http_port if http else port))
     if args.floor and interval == 1:
         port = args.port + 9
-        out.append(Server("grpc.aio floor", REPO, [str(HERE / "grpc_floor.py"), "--port", str(port),
-                                                  "--step-ms", str(args.step_ms)], port))
+        name, script = ("uvicorn floor", "http_floor.py") if http else ("grpc.aio floor", "grpc_floor.py")
+        out.append(Server(name, REPO, [str(HERE / script), "--port", str(port), "--step-ms", str(args.step_ms)], port))
     return out
 
 
@@ -176,12 +255,12 @@ def run_interval(args, interval: int) -> list[dict]:
     rows = {s.name: [] for s in servers}
     try:
         for s in servers:
-            wait_ready(s.target)
+            wait_ready(s.target, args.transport)
             one_round(s.target, s.proc.pid, s.tree, args, 16, 8, None)  # warm-up
         for r in range(args.rounds):
             for s in servers:  # alternating: the same machine load for each
                 spy_out = args.out.parent / f"gateway_cpu_profile_{s.name}_si{interval}.txt" if (
-                    args.profile and args.out and r == args.rounds - 1 and s.name != "grpc.aio floor") else None
+                    args.profile and args.out and r == args.rounds - 1 and not s.name.endswith(" floor")) else None
                 rows[s.name].append(one_round(s.target, s.proc.pid, s.tree, args, args.streams, args.output_len,
                                               spy_out))
                 print(f"  {s.name} stream interval {interval} round {r}: {rows[s.name][-1]}", flush=True)
@@ -213,13 +292,17 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=50060, help="first of the ports this uses (10 of them)")
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to measure side by side")
-    parser.add_argument("--floor", action="store_true", help="also measure grpc.aio's own per-message cost")
+    parser.add_argument("--transport", choices=["grpc", "http"], default="grpc",
+                        help="stream over the gateway's gRPC API or its OpenAI HTTP API (SSE)")
+    parser.add_argument("--floor", action="store_true",
+                        help="also measure the transport's own per-message cost (grpc.aio's, or uvicorn's)")
     parser.add_argument("--profile", action="store_true", help="py-spy each gateway in its last round")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--client-round", default=None, help=argparse.SUPPRESS)  # the child process's mode
     args = parser.parse_args()
     if args.client_round:
-        print(json.dumps(client_round(args.client_round, args.streams, args.input_len, args.output_len)))
+        run_round = http_client_round if args.transport == "http" else client_round
+        print(json.dumps(run_round(args.client_round, args.streams, args.input_len, args.output_len)))
         return
     replays = [start([str(tree / "benchmarks" / "experiments" / "replay_scheduler.py"), "--model", args.model, "--port",
                       str(replay_port(args, i)), "--step-ms", str(args.step_ms)], tree)
@@ -230,7 +313,7 @@ def main() -> None:
         for replay in replays:
             replay.terminate()
             replay.wait(30)
-    print(f"{args.streams} streams x {args.output_len} tokens, {args.step_ms} ms steps, "
+    print(f"{args.transport}: {args.streams} streams x {args.output_len} tokens, {args.step_ms} ms steps, "
           f"load {os.getloadavg()[0]:.2f}, medians of {args.rounds} rounds")
     for row in rows:
         print(f"  {row['code']:<15} stream interval {row['stream_interval']}: gateway {row['gateway_us_per_token']:6.1f}"

@@ -1,0 +1,77 @@
+"""uvicorn's own cost per streamed SSE message: an OpenAI-shaped streaming endpoint with no gateway code.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/experiments/http_floor.py --port 50070 --step-ms 22
+
+A bare ASGI app on uvicorn (h11, as the gateway's HTTP server runs) answers `POST
+/v1/completions` with `max_tokens` copies of one prebuilt completion chunk (`data: {...}`, the
+shape of the gateway's), one per step (every stream wakes on one shared future per
+`--step-ms`), then a usage chunk and `data: [DONE]`. What `gateway_stream_cpu.py --transport
+http --floor` measures with it is the part of the gateway's CPU per token that uvicorn, h11 and
+asyncio take whatever the gateway does (`grpc_floor.py` is the same for gRPC).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+
+import uvicorn
+
+CHUNK = ("data: " + json.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion", "created": 1765000000,
+                                "model": "llama3-8b-sim", "choices": [{"index": 0, "text": " word", "logprobs": None,
+                                                                       "finish_reason": None}]},
+                               separators=(",", ":")) + "\r\n\r\n").encode()
+HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-store")]
+
+
+class Floor:
+    def __init__(self, step_s: float) -> None:
+        self.step_s = step_s
+        self.tick: asyncio.Future | None = None
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return
+        body, more = b"", True
+        while more:
+            message = await receive()
+            body, more = body + message.get("body", b""), message.get("more_body", False)
+        if scope["path"] != "/v1/completions":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
+            await send({"type": "http.response.body", "body": b'{"object":"list","data":[{"id":"floor"}]}'})
+            return
+        n = json.loads(body)["max_tokens"]
+        await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
+        for _ in range(n):
+            await asyncio.shield(self._next_step())
+            await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
+        usage = {"id": "cmpl-" + "0" * 32, "object": "text_completion", "choices": [],
+                 "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}}
+        await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\r\n\r\ndata: [DONE]\r\n\r\n".encode()})
+
+    def _next_step(self) -> asyncio.Future:
+        if self.tick is None:
+            self.tick = asyncio.get_running_loop().create_future()
+            asyncio.get_running_loop().create_task(self._ticker())
+        return self.tick
+
+    async def _ticker(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(self.step_s)
+            tick, self.tick = self.tick, loop.create_future()
+            tick.set_result(None)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--port", type=int, default=50070)
+    parser.add_argument("--step-ms", type=float, default=22.0)
+    args = parser.parse_args()
+    uvicorn.run(Floor(args.step_ms / 1e3), host="127.0.0.1", port=args.port, http="h11", lifespan="off",
+                log_level="warning", access_log=False, backlog=2048)
+
+
+if __name__ == "__main__":
+    main()
