@@ -2,7 +2,7 @@
 each request's blocks in cache-sized chunks, then SDPA), SmolLM2-135M's geometry by default.
 
     PYTHONPATH=. .venv/bin/python benchmarks/experiments/decode_kernel.py [--reqs 64] [--keys 256]
-        [--layers 12] [--scatter] [--threads 1] [--iters 20] [--rounds 5]
+        [--layers 12] [--scatter] [--pages worker|small|shared] [--threads 1] [--iters 20] [--rounds 5]
 
 Process CPU time per call, alternating, the median of `--rounds`: the kernel (its AVX-512 loop
 where the build has one), its portable loop (`portable`), the reference, and a plain read of the
@@ -15,19 +15,26 @@ the pool, as a server's allocations end up after requests come and go, where the
 each request consecutive blocks (a fresh pool; `benchmarks/forward.py`'s setup). Both passes of
 the kernel ask for their key rows ahead (`PREFETCH_KEYS`, in `csrc/paged_decode_cpu.cpp`) on
 calls over more K/V than the caches hold; the hardware's prefetchers alone fall behind, most of
-all on scattered blocks.
+all on scattered blocks. `--pages`: the caches allocated as the worker allocates its KV
+cache (`worker`: `kv_cache.zeros`, a private mapping that asks for transparent huge pages), as
+plain tensors (`small`: malloc's pages, 4 KiB where the kernel gives huge pages only on
+request), or as a shared anonymous mapping (`shared`: `mmap`'s default, how the worker allocated
+it before, shmem's 4 KiB pages). Compare them in separate processes, alternating (a worker holds
+one cache): allocated side by side in one process their differences did not show.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import math
+import mmap
 import statistics
 import time
 
 import torch
 
-from worker_service import cpu_kernels
+from worker_service import cpu_kernels, kv_cache
 from worker_service.attention import TorchAttentionBackend
 from worker_service.attention import AttentionMetadata
 
@@ -43,14 +50,27 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--layers", type=int, default=1, help="layers' K/V read in turn (1: cache-resident)")
     parser.add_argument("--scatter", action="store_true", help="each request's blocks drawn at random from the pool")
+    parser.add_argument("--pages", choices=["worker", "small", "shared"], default="worker",
+                        help="the caches' memory: the worker's allocation, malloc's, or a shared mapping")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     n, bs, d = args.reqs, args.block_size, args.head_dim
     per_req = -(-args.keys // bs)
-    caches = [(torch.randn(n * per_req + 1, bs, args.kv_heads, d), torch.randn(n * per_req + 1, bs, args.kv_heads, d))
-              for _ in range(args.layers)]
+    shape = (n * per_req + 1, bs, args.kv_heads, d)
+
+    def cache(pages: str) -> torch.Tensor:
+        if pages == "small":
+            return torch.randn(shape)
+        if pages == "shared":
+            count = math.prod(shape)
+            buffer = mmap.mmap(-1, count * 4)  # MAP_SHARED: the tensor keeps it alive
+            buffer.madvise(mmap.MADV_HUGEPAGE)
+            return torch.frombuffer(buffer, dtype=torch.float32, count=count).view(shape).copy_(torch.randn(shape))
+        return kv_cache.zeros(shape, torch.float32, torch.device("cpu")).copy_(torch.randn(shape))
+
+    caches = [(cache(args.pages), cache(args.pages)) for _ in range(args.layers)]
     order = torch.randperm(n * per_req) if args.scatter else torch.arange(n * per_req)
     tables = order.view(n, per_req).contiguous()
     lens = torch.full((n,), args.keys)
@@ -67,7 +87,7 @@ def main() -> None:
                                                       None),
            "portable": lambda: cpu_kernels.paged_decode(kernel, q, *next(layer), tables, lens, d**-0.5, None,
                                                         None, None, vectorized=False),
-           "read_all": lambda: [cache.sum() for cache in next(layer)]}
+           "read_all": lambda: [c.sum() for c in next(layer)]}
     k_cache, v_cache = caches[0]
     torch.testing.assert_close(
         cpu_kernels.paged_decode(kernel, q, k_cache, v_cache, tables, lens, d**-0.5, None, None, None),
@@ -82,7 +102,7 @@ def main() -> None:
             times[name].append((time.process_time() - start) / (args.iters * args.layers) * 1e3)
     kv_mb = 2 * k_cache.numel() * 4 / 2**20
     print(f"{n} requests x {args.keys} keys, {args.heads}/{args.kv_heads} heads, d {d}; K+V {kv_mb:.1f} MiB per "
-          f"layer, {args.layers} layer(s), blocks {'scattered' if args.scatter else 'in order'}; "
+          f"layer, {args.layers} layer(s), blocks {'scattered' if args.scatter else 'in order'}, pages {args.pages}; "
           f"{args.threads} thread(s)")
     for name, t in times.items():
         ms = statistics.median(t)
