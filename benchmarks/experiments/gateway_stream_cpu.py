@@ -25,7 +25,8 @@ of the commit before a change), with a replay scheduler of that checkout (its wi
 rounds alternating, so before and after are measured side by side under the same machine
 load. `--floor` adds the transport's own cost: a server that streams one prebuilt response per
 stream per step (no gateway code) to the same client (`grpc_floor.py`: grpc.aio;
-`http_floor.py`: a bare ASGI app on uvicorn). `--profile` records the gateway with
+`http_floor.py`: a bare ASGI app on uvicorn, and over HTTP also the same stream through
+FastAPI and sse-starlette, the `framework floor`). `--profile` records the gateway with
 py-spy during its last round and reports the largest leaf frames (µs per token: sample share
 × the measured CPU; py-spy counts a thread waiting for the GIL as busy, so read it as a
 ranking, not an exact split).
@@ -247,6 +248,9 @@ def servers_for(args, interval: int) -> list[Server]:
         port = args.port + 9
         name, script = ("uvicorn floor", "http_floor.py") if http else ("grpc.aio floor", "grpc_floor.py")
         out.append(Server(name, REPO, [str(HERE / script), "--port", str(port), "--step-ms", str(args.step_ms)], port))
+        if http:  # the same stream through FastAPI and sse-starlette
+            out.append(Server("framework floor", REPO, [str(HERE / script), "--port", str(port - 1), "--step-ms",
+                                                        str(args.step_ms), "--framework"], port - 1))
     return out
 
 

@@ -8,6 +8,10 @@ shape of the gateway's), one per step (every stream wakes on one shared future p
 `--step-ms`), then a usage chunk and `data: [DONE]`. What `gateway_stream_cpu.py --transport
 http --floor` measures with it is the part of the gateway's CPU per token that uvicorn, h11 and
 asyncio take whatever the gateway does (`grpc_floor.py` is the same for gRPC).
+
+`--framework`: the same stream through the libraries the gateway's HTTP server is built on, a
+FastAPI route returning sse-starlette's `EventSourceResponse` over an async generator of the
+prebuilt chunks (the `framework floor` rows): what they add per message over bare uvicorn.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ import asyncio
 import json
 
 import uvicorn
+from fastapi import FastAPI, Request  # module level: FastAPI resolves the route's annotations here
+from sse_starlette import EventSourceResponse
 
 CHUNK = ("data: " + json.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion", "created": 1765000000,
                                 "model": "llama3-8b-sim", "choices": [{"index": 0, "text": " word", "logprobs": None,
@@ -64,13 +70,41 @@ class Floor:
             tick.set_result(None)
 
 
+def framework_app(floor: Floor):
+    """The stream as a FastAPI route with sse-starlette's response (the gateway's libraries)."""
+    app = FastAPI()
+    payload = CHUNK[len(b"data: "):-4].decode()  # EventSourceResponse frames it
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": "floor"}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        n = (await request.json())["max_tokens"]
+
+        async def chunks():
+            for _ in range(n):
+                await asyncio.shield(floor._next_step())
+                yield payload
+            yield json.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion", "choices": [],
+                              "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}})
+            yield "[DONE]"
+
+        return EventSourceResponse(chunks(), ping=15)
+
+    return app
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=50070)
     parser.add_argument("--step-ms", type=float, default=22.0)
+    parser.add_argument("--framework", action="store_true", help="through FastAPI and sse-starlette")
     args = parser.parse_args()
-    uvicorn.run(Floor(args.step_ms / 1e3), host="127.0.0.1", port=args.port, http="h11", lifespan="off",
-                log_level="warning", access_log=False, backlog=2048)
+    floor = Floor(args.step_ms / 1e3)
+    uvicorn.run(framework_app(floor) if args.framework else floor, host="127.0.0.1", port=args.port, http="h11",
+                lifespan="off", log_level="warning", access_log=False, backlog=2048)
 
 
 if __name__ == "__main__":
