@@ -20,6 +20,11 @@ with `stream` and `include_usage`, token-id prompts): a plain asyncio HTTP/1.1 c
 each response raw and counts its chunks once at the end, so its own cost per message is a
 socket read.
 
+`--gateways N` runs N gateways against the one replay scheduler (each its own `Connect`
+stream), the client's streams spread over them: their CPU summed per token is the same as one
+gateway's when the per-token cost does not depend on how many gateways share the streams (the
+design's answer to the per-message floor is more gateways).
+
 `--baseline DIR` runs a second gateway and client from another checkout (e.g. `git archive`
 of the commit before a change), with a replay scheduler of that checkout (its wire format),
 rounds alternating, so before and after are measured side by side under the same machine
@@ -133,7 +138,7 @@ def http_client_round(target: str, streams: int, input_len: int, output_len: int
     """`streams` streamed completions at once over HTTP (token-id prompts, EOS ignored, usage asked for)."""
     import random
 
-    host, port = target.rsplit(":", 1)
+    addresses = [address.rsplit(":", 1) for address in target.split(",")]  # streams spread over them
     rng = random.Random(0)
     bodies = [json.dumps({"model": "llama3-8b-sim", "prompt": [rng.randrange(1000, 30000) for _ in range(input_len)],
                           "max_tokens": output_len, "ignore_eos": True, "stream": True,
@@ -141,7 +146,8 @@ def http_client_round(target: str, streams: int, input_len: int, output_len: int
 
     async def run() -> tuple[list, float]:
         start = time.perf_counter()
-        out = await asyncio.gather(*(http_stream(host, int(port), b) for b in bodies), return_exceptions=True)
+        out = await asyncio.gather(*(http_stream(addresses[i % len(addresses)][0], int(addresses[i % len(addresses)][1]),
+                                                 b) for i, b in enumerate(bodies)), return_exceptions=True)
         return out, time.perf_counter() - start
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -172,20 +178,31 @@ def client_round(target: str, streams: int, input_len: int, output_len: int) -> 
             "wall_s": elapsed, "client_cpu_s": usage.ru_utime + usage.ru_stime - cpu0}
 
 
-def one_round(target: str, pid: int, tree: Path, args, streams: int, output_len: int, spy_out: Path | None) -> dict:
+def threads_cpu(pids: list[int], names: list[dict[int, str]]) -> dict[str, float]:
+    """`thread_cpu` summed over the processes, by thread name."""
+    out: dict[str, float] = collections.defaultdict(float)
+    for pid, pid_names in zip(pids, names):
+        for name, seconds in thread_cpu(pid, pid_names).items():
+            out[name] += seconds
+    return out
+
+
+def one_round(target: str, pids: list[int], tree: Path, args, streams: int, output_len: int,
+              spy_out: Path | None) -> dict:
+    """One round against the server processes `pids` (their CPU summed; py-spy on the first)."""
     spy = None
     if spy_out is not None:
         spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-r", "200", "-f", "raw",
-                                "-o", str(spy_out), "-p", str(pid)], stdout=subprocess.DEVNULL,
+                                "-o", str(spy_out), "-p", str(pids[0])], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
-    names = python_thread_names(pid)
-    gw0, threads0 = cpu_seconds(pid), thread_cpu(pid, names)
+    names = [python_thread_names(pid) for pid in pids]
+    gw0, threads0 = sum(cpu_seconds(pid) for pid in pids), threads_cpu(pids, names)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-round", target, "--streams",
                           str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len),
                           "--transport", args.transport],
                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
-    gw, threads = cpu_seconds(pid) - gw0, thread_cpu(pid, names)
+    gw, threads = sum(cpu_seconds(pid) for pid in pids) - gw0, threads_cpu(pids, names)
     if spy is not None:
         spy.send_signal(2)  # SIGINT: py-spy writes its samples and exits
         spy.wait(60)
@@ -212,16 +229,21 @@ def top_frames(path: Path, us_per_token: float, n: int = 15) -> dict[str, float]
 
 
 class Server:
-    """A gateway (or the grpc.aio / uvicorn floor server) of one checkout, started once per
-    stream interval; `port` is the one the client streams from (the gateway's gRPC or HTTP)."""
+    """The gateways (or the grpc.aio / uvicorn floor server) of one checkout, started once per
+    stream interval: one process per `(argv, port)`, `port` the one the client streams from
+    (the gateway's gRPC or HTTP); the client spreads its streams over them."""
 
-    def __init__(self, name: str, tree: Path, argv: list[str], port: int) -> None:
-        self.name, self.tree, self.target = name, tree, f"127.0.0.1:{port}"
-        self.proc = start(argv, tree)
+    def __init__(self, name: str, tree: Path, launches: list[tuple[list[str], int]]) -> None:
+        self.name, self.tree = name, tree
+        self.target = ",".join(f"127.0.0.1:{port}" for _, port in launches)
+        self.procs = [start(argv, tree) for argv, _ in launches]
+        self.pids = [proc.pid for proc in self.procs]
 
     def close(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            proc.wait(30)
 
 
 def trees_of(args) -> list[tuple[str, Path]]:
@@ -237,20 +259,23 @@ def servers_for(args, interval: int) -> list[Server]:
     out = []
     http = args.transport == "http"
     for i, (name, tree) in enumerate(trees_of(args)):
-        port, http_port = args.port + 2 + i, args.port + 6 + i
         sched_addr = f"127.0.0.1:{replay_port(args, i)}"
-        out.append(Server(name, tree, ["-m", "cli", "gateway", "--scheduler", sched_addr, "--port",
-                                       str(port), "--http-port", str(http_port if http else 0), "--model",
-                                       args.model, "--stream-interval", str(interval), "--max-concurrent-streams",
-                                       str(max(args.streams, 16)), "--log-level", "warning"],
-                          http_port if http else port))
+        launches = []
+        for j in range(args.gateways):
+            port = args.port + 10 + 20 * i + 2 * j  # and its HTTP port, port + 1
+            launches.append((["-m", "cli", "gateway", "--scheduler", sched_addr, "--port", str(port),
+                              "--http-port", str(port + 1 if http else 0), "--model", args.model,
+                              "--stream-interval", str(interval), "--max-concurrent-streams",
+                              str(max(args.streams, 16)), "--log-level", "warning"], port + 1 if http else port))
+        out.append(Server(name, tree, launches))
     if args.floor and interval == 1:
         port = args.port + 9
         name, script = ("uvicorn floor", "http_floor.py") if http else ("grpc.aio floor", "grpc_floor.py")
-        out.append(Server(name, REPO, [str(HERE / script), "--port", str(port), "--step-ms", str(args.step_ms)], port))
+        out.append(Server(name, REPO, [([str(HERE / script), "--port", str(port), "--step-ms", str(args.step_ms)],
+                                        port)]))
         if http:  # the same stream through FastAPI and sse-starlette
-            out.append(Server("framework floor", REPO, [str(HERE / script), "--port", str(port - 1), "--step-ms",
-                                                        str(args.step_ms), "--framework"], port - 1))
+            out.append(Server("framework floor", REPO, [([str(HERE / script), "--port", str(port - 1), "--step-ms",
+                                                          str(args.step_ms), "--framework"], port - 1)]))
     return out
 
 
@@ -259,13 +284,14 @@ def run_interval(args, interval: int) -> list[dict]:
     rows = {s.name: [] for s in servers}
     try:
         for s in servers:
-            wait_ready(s.target, args.transport)
-            one_round(s.target, s.proc.pid, s.tree, args, 16, 8, None)  # warm-up
+            for target in s.target.split(","):
+                wait_ready(target, args.transport)
+            one_round(s.target, s.pids, s.tree, args, 16, 8, None)  # warm-up
         for r in range(args.rounds):
             for s in servers:  # alternating: the same machine load for each
                 spy_out = args.out.parent / f"gateway_cpu_profile_{s.name}_si{interval}.txt" if (
                     args.profile and args.out and r == args.rounds - 1 and not s.name.endswith(" floor")) else None
-                rows[s.name].append(one_round(s.target, s.proc.pid, s.tree, args, args.streams, args.output_len,
+                rows[s.name].append(one_round(s.target, s.pids, s.tree, args, args.streams, args.output_len,
                                               spy_out))
                 print(f"  {s.name} stream interval {interval} round {r}: {rows[s.name][-1]}", flush=True)
     finally:
@@ -296,6 +322,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--port", type=int, default=50060, help="first of the ports this uses (10 of them)")
     parser.add_argument("--baseline", type=Path, default=None, help="another checkout to measure side by side")
+    parser.add_argument("--gateways", type=int, default=1,
+                        help="gateways per checkout, against its one replay scheduler; the client spreads the "
+                             "streams over them and their CPU is summed")
     parser.add_argument("--transport", choices=["grpc", "http"], default="grpc",
                         help="stream over the gateway's gRPC API or its OpenAI HTTP API (SSE)")
     parser.add_argument("--floor", action="store_true",
