@@ -15,32 +15,19 @@ import asyncio
 
 import grpc
 
+from benchmarks.experiments.step_ticker import StepTicker
 from stepahead.v1 import generation_pb2, generation_pb2_grpc
 
 
 class Floor(generation_pb2_grpc.GenerationServicer):
     def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-        self.tick: asyncio.Future | None = None
+        self.steps = StepTicker(step_s)
 
     async def Generate(self, request, context):
         message = generation_pb2.GenerateResponse(request_id="gen-" + "0" * 32, text=" word", token_ids=[1234])
         for _ in range(request.sampling.max_tokens):
-            await asyncio.shield(self._next_step())
+            await asyncio.shield(self.steps.next_step())
             yield message
-
-    def _next_step(self) -> asyncio.Future:
-        if self.tick is None:
-            self.tick = asyncio.get_running_loop().create_future()
-            asyncio.get_running_loop().create_task(self._ticker())
-        return self.tick
-
-    async def _ticker(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.step_s)
-            tick, self.tick = self.tick, loop.create_future()
-            tick.set_result(None)
 
     async def GetModelInfo(self, request, context):
         return generation_pb2.ModelInfo(name="floor", vocab_size=1000, max_model_len=4096)

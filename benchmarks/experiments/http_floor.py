@@ -24,6 +24,8 @@ import uvicorn
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the route's annotations here
 from sse_starlette import EventSourceResponse
 
+from benchmarks.experiments.step_ticker import StepTicker
+
 CHUNK = ("data: " + json.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion", "created": 1765000000,
                                 "model": "llama3-8b-sim", "choices": [{"index": 0, "text": " word", "logprobs": None,
                                                                        "finish_reason": None}]},
@@ -33,8 +35,7 @@ HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-cont
 
 class Floor:
     def __init__(self, step_s: float) -> None:
-        self.step_s = step_s
-        self.tick: asyncio.Future | None = None
+        self.steps = StepTicker(step_s)
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -50,24 +51,11 @@ class Floor:
         n = json.loads(body)["max_tokens"]
         await send({"type": "http.response.start", "status": 200, "headers": HEADERS})
         for _ in range(n):
-            await asyncio.shield(self._next_step())
+            await asyncio.shield(self.steps.next_step())
             await send({"type": "http.response.body", "body": CHUNK, "more_body": True})
         usage = {"id": "cmpl-" + "0" * 32, "object": "text_completion", "choices": [],
                  "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}}
         await send({"type": "http.response.body", "body": f"data: {json.dumps(usage)}\r\n\r\ndata: [DONE]\r\n\r\n".encode()})
-
-    def _next_step(self) -> asyncio.Future:
-        if self.tick is None:
-            self.tick = asyncio.get_running_loop().create_future()
-            asyncio.get_running_loop().create_task(self._ticker())
-        return self.tick
-
-    async def _ticker(self) -> None:
-        loop = asyncio.get_running_loop()
-        while True:
-            await asyncio.sleep(self.step_s)
-            tick, self.tick = self.tick, loop.create_future()
-            tick.set_result(None)
 
 
 def framework_app(floor: Floor):
@@ -85,7 +73,7 @@ def framework_app(floor: Floor):
 
         async def chunks():
             for _ in range(n):
-                await asyncio.shield(floor._next_step())
+                await asyncio.shield(floor.steps.next_step())
                 yield payload
             yield json.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion", "choices": [],
                               "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}})
