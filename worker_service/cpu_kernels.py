@@ -27,11 +27,17 @@ under a name hashed from the sources and the CPU's flags, so a restart loads the
 library and a cache shared between machines never loads code built for another CPU.
 `load()` builds or loads it once per process, logs the time it took, and returns None where
 it cannot (no compiler; the reason is logged as a warning), so the worker falls back to the
-reference path instead of failing.
+reference path instead of failing. Processes that load at once (the workers of one host) take
+turns under an `flock` on the build directory's `stepahead.lock`, which the kernel releases when
+its holder dies. Torch's own guard, a `lock` file that its builder deletes when done, is left
+behind by a builder that was killed, and then every later load waits on it forever; under the
+`flock` no live builder holds one, so a `lock` file found there is stale and removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import platform
@@ -86,14 +92,35 @@ def _build() -> ModuleType | None:
     build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     try:
-        module = load_extension(name, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
-                                extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+        with _exclusive(build_dir):
+            _remove_stale_baton(build_dir)
+            module = load_extension(name, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+                                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja: the torch ops serve
         log.warning("CPU kernels unavailable (%s: %s); decode attention takes the torch reference path, the "
                     "layers torch's own ops", type(exc).__name__, str(exc)[:500])
         return None
     log.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
     return module
+
+
+@contextlib.contextmanager
+def _exclusive(build_dir: Path):
+    """Hold `build_dir`'s `stepahead.lock` (an `flock`: released by the kernel if this process dies)."""
+    with open(build_dir / "stepahead.lock", "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds or loads
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _remove_stale_baton(build_dir: Path) -> None:
+    """Under `_exclusive`: remove torch's `lock` file, which only a builder killed mid-way leaves."""
+    baton = build_dir / "lock"
+    if baton.exists():
+        log.info("removing %s, left by a kernel build that did not finish", baton)
+        baton.unlink(missing_ok=True)
 
 
 def usable(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,0 +1,33 @@
+"""The CPU kernels' build guard (`worker_service/cpu_kernels.py`): a build killed mid-way (a worker
+stopped while it compiled) leaves torch's `lock` file in the build directory; the next process
+to load the kernels must not wait on it forever.
+
+Finding covered: after a worker was killed while it built the kernels, every later worker on
+the host hung at start-up in torch's `FileBaton.wait`, and `serve` never became ready."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from model_zoo.builtin_models import cache_dir
+from worker_service import cpu_kernels
+
+LOAD = "from worker_service import cpu_kernels; assert cpu_kernels.load() is not None; print('loaded')"
+
+
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
+    if cpu_kernels.load() is None:  # built here first, so the process below only loads
+        pytest.skip("the CPU kernels could not be built here (no compiler)")
+    build_dir = cache_dir() / "torch_extensions" / cpu_kernels._build_name()
+    baton = build_dir / "lock"
+    with cpu_kernels._exclusive(build_dir):  # as a builder holds it when it is killed
+        baton.touch()
+    try:
+        done = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+        assert not baton.exists()
+    finally:
+        baton.unlink(missing_ok=True)  # never leave the cache poisoned for the tests after this one
