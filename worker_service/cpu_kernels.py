@@ -108,7 +108,11 @@ def _build() -> ModuleType | None:
 def _exclusive(build_dir: Path):
     """Hold `build_dir`'s `stepahead.lock` (an `flock`: released by the kernel if this process dies)."""
     with open(build_dir / "stepahead.lock", "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)  # waits while another process builds or loads
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # another process builds or loads them: said, since a build takes a while
+            log.info("waiting for another process to finish building the CPU kernels in %s", build_dir)
+            fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
         finally:

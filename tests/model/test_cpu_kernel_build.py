@@ -31,3 +31,21 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
         assert not baton.exists()
     finally:
         baton.unlink(missing_ok=True)  # never leave the cache poisoned for the tests after this one
+
+
+def test_a_load_waits_for_a_live_builder_and_says_so():
+    if cpu_kernels.load() is None:
+        pytest.skip("the CPU kernels could not be built here (no compiler)")
+    build_dir = cache_dir() / "torch_extensions" / cpu_kernels._build_name()
+    code = "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n" + LOAD
+    with cpu_kernels._exclusive(build_dir):  # a live builder
+        proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        try:
+            first = proc.stdout.readline()  # blocks until the loader says why it waits
+            assert "waiting for another process" in first, first
+            assert proc.poll() is None  # still waiting: the builder holds the lock
+        except BaseException:
+            proc.kill()
+            raise
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0 and "loaded" in out, out
