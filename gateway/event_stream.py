@@ -2,8 +2,9 @@
 
 The scheduler link calls a request's sink once per event, on the link's event loop (the
 gRPC server's). `LoopEvents` turns those calls into puts on the request's `Mailbox`: at once
-when the sink is called on the mailbox's own loop, and otherwise (the HTTP server's loop)
-with one event-loop wake-up per burst of events (one `call_soon_threadsafe`, i.e. one
+when the sink is called on the mailbox's own loop (the gateway runs both transports and
+the links on one loop, so this is the rule), and otherwise, from another thread, with one
+event-loop wake-up per burst of events (one `call_soon_threadsafe`, i.e. one
 self-pipe write, per step's batch instead of one per request per step). `choices()` is the consumer side both the gRPC servicer and the
 HTTP server iterate: it merges the token events that queued up while the consumer was busy,
 and applies the stream interval (`--stream-interval`, vLLM's flag: at most one message per

@@ -1,4 +1,5 @@
-"""The gateway's public gRPC server (`grpc.aio`) on its own thread and event loop.
+"""The gateway's event loop on its own thread: the public gRPC server (`grpc.aio`), the
+scheduler links and uvicorn's HTTP server all run on it.
 
 Why asyncio and not grpc's thread-per-stream server: the threaded server takes a new call
 from grpc core only when its one polling thread gets the GIL, which a thousand streaming
@@ -84,8 +85,8 @@ class AioHealth:
 
 
 class GrpcThread:
-    """A fresh event loop in a thread (the public gRPC server's, and the scheduler links':
-    `loop` exists before `start`). `start(build)` runs `build(loop)` (a coroutine returning
+    """A fresh event loop in a thread, the gateway's one loop: the public gRPC server's, the
+    scheduler links' and the HTTP server's (`http_server.HttpServer`); `loop` exists before `start`. `start(build)` runs `build(loop)` (a coroutine returning
     the unstarted server, its `AioHealth` and the bound port) there and starts the server
     NOT_SERVING."""
 

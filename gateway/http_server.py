@@ -16,12 +16,12 @@ worker is attached or the scheduler link is down. A failure after a stream has s
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
 import socket
 import ssl
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -468,19 +468,23 @@ def guarded_protocol(max_connections: int, request_timeout_s: float, log) -> typ
     return GuardedH11
 
 
-class HttpThread:
-    """uvicorn serving `app` on its own thread and event loop, on a socket bound up front,
-    with at most `max_connections` open connections, each allowed `request_timeout_s` to
-    deliver a request and `idle_timeout_s` between requests."""
+class HttpServer:
+    """uvicorn serving `app` on `loop` (the gateway's one event loop, which also runs the public
+    gRPC server and the scheduler links: a stream's events reach its SSE response without a
+    thread hand-off), on a socket bound up front, with at most `max_connections` open
+    connections, each allowed `request_timeout_s` to deliver a request and `idle_timeout_s`
+    between requests."""
 
-    def __init__(self, app, host: str, port: int, *, log, max_connections: int, request_timeout_s: float,
-                 idle_timeout_s: float, max_header_bytes: int = 16 * 1024, ssl_certfile: str | None = None,
-                 ssl_keyfile: str | None = None, ssl_ca_certs: str | None = None) -> None:
+    def __init__(self, app, host: str, port: int, loop: asyncio.AbstractEventLoop, *, log, max_connections: int,
+                 request_timeout_s: float, idle_timeout_s: float, max_header_bytes: int = 16 * 1024,
+                 ssl_certfile: str | None = None, ssl_keyfile: str | None = None,
+                 ssl_ca_certs: str | None = None) -> None:
         self._sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._sock.bind((host, port))
         self._sock.listen(1024)
         self.port = self._sock.getsockname()[1]
+        self._loop = loop
         tls = dict(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
                    ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca_certs else ssl.CERT_NONE) if ssl_certfile else {}
         noisy = _RateLimitFilter(RateLimitedLog(log, "http_connection_warning"))
@@ -491,12 +495,19 @@ class HttpThread:
                                 timeout_keep_alive=idle_timeout_s, h11_max_incomplete_event_size=max_header_bytes,
                                 log_config=None, **tls)
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, args=([self._sock],), name="http", daemon=True)
+        self._serving: concurrent.futures.Future | None = None
 
     def start(self) -> None:
-        self._thread.start()
+        """Load the app and its TLS context here (a bad certificate raises to the caller), then
+        serve on the loop; the socket already listens, so a client may connect at once."""
+        self._server.config.load()
+        self._serving = asyncio.run_coroutine_threadsafe(self._server.serve([self._sock]), self._loop)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         self._server.should_exit = True
-        self._thread.join(timeout_s)
+        if self._serving is not None:
+            try:
+                self._serving.result(timeout_s)
+            except concurrent.futures.TimeoutError:
+                self._serving.cancel()
         self._sock.close()

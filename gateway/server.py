@@ -467,14 +467,14 @@ def run(args: argparse.Namespace) -> int:
     if model is None:
         return 0
     gate = StreamGate(config.max_concurrent_streams)
-    grpc_server = GrpcThread()  # its event loop runs the public server and the links to the schedulers
+    grpc_server = GrpcThread()  # its event loop runs both public servers and the links to the schedulers
     links = [SchedulerLink(functools.partial(config.scheduler_aio_channel, address), grpc_server.loop, log,
                            config.stream_interval, config.scheduler_metadata()) for address in config.scheduler]
     pool = SchedulerPool(links, config.scheduler, log, config.failover_timeout)
     frontend = Frontend(tokenizer, codec.worker_info_from_proto(model), pool, config.max_request_bytes, metrics, gate,
                         config.stream_interval, config.tool_call_parser, config.reasoning_parser)
     port = grpc_server.start(server_builder(config, frontend, log, max_connections))
-    http = _start_http(frontend, channels, config, log, max_connections)
+    http = _start_http(frontend, channels, config, log, max_connections, grpc_server.loop)
     if config.metrics_port is not None:
         start_http_server(config.metrics_port, addr=config.host, registry=frontend.metrics.registry)
     freeze_heap()  # after the HTTP app is built: FastAPI's routes and models live as long too
@@ -578,13 +578,14 @@ def server_builder(config: GatewayConfig, frontend: Frontend, log, max_connectio
     return build
 
 
-def _start_http(frontend: Frontend, channels, config: GatewayConfig, log, max_connections: int):
+def _start_http(frontend: Frontend, channels, config: GatewayConfig, log, max_connections: int,
+                loop: asyncio.AbstractEventLoop):
     if config.http_port == 0:
         return None
-    from gateway.http_server import HttpThread, OpenAIServer
+    from gateway.http_server import HttpServer, OpenAIServer
 
     server = OpenAIServer(frontend, worker_attached(channels), log, security.split_keys(config.api_key))
-    http = HttpThread(server.app, config.host, config.http_port, log=log, max_connections=max_connections,
+    http = HttpServer(server.app, config.host, config.http_port, loop, log=log, max_connections=max_connections,
                       request_timeout_s=config.http_request_timeout, idle_timeout_s=config.http_idle_timeout,
                       ssl_certfile=config.ssl_certfile, ssl_keyfile=config.ssl_keyfile, ssl_ca_certs=config.ssl_ca_certs)
     http.start()
