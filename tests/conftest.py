@@ -21,6 +21,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     settings.load_profile("slow" if config.getoption("--slow") else "default")
+    if config.getoption("--slow"):  # soak and long hypothesis runs: no per-test timeout
+        config.option.timeout = 0
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
