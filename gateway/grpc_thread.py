@@ -86,9 +86,9 @@ class AioHealth:
 
 class GrpcThread:
     """A fresh event loop in a thread, the gateway's one loop: the public gRPC server's, the
-    scheduler links' and the HTTP server's (`http_server.HttpServer`); `loop` exists before `start`. `start(build)` runs `build(loop)` (a coroutine returning
-    the unstarted server, its `AioHealth` and the bound port) there and starts the server
-    NOT_SERVING."""
+    scheduler links' and the HTTP server's (`http_server.HttpServer`); `loop` exists before
+    `start`. `start(build)` runs `build(loop)` (a coroutine returning the unstarted server, its
+    `AioHealth` and the bound port) there and starts the server NOT_SERVING."""
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()

@@ -484,7 +484,7 @@ class HttpServer:
         self._sock.bind((host, port))
         self._sock.listen(1024)
         self.port = self._sock.getsockname()[1]
-        self._loop = loop
+        self._loop, self._log = loop, log
         tls = dict(ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, ssl_ca_certs=ssl_ca_certs,
                    ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca_certs else ssl.CERT_NONE) if ssl_certfile else {}
         noisy = _RateLimitFilter(RateLimitedLog(log, "http_connection_warning"))
@@ -502,12 +502,15 @@ class HttpServer:
         serve on the loop; the socket already listens, so a client may connect at once."""
         self._server.config.load()
         self._serving = asyncio.run_coroutine_threadsafe(self._server.serve([self._sock]), self._loop)
+        self._serving.add_done_callback(self._ended)
+
+    def _ended(self, serving: concurrent.futures.Future) -> None:
+        if not serving.cancelled() and serving.exception() is not None:
+            self._log.error("http_server_failed", error=repr(serving.exception()))
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        """Stop accepting, let open responses finish for up to `timeout_s`, then cancel them."""
         self._server.should_exit = True
-        if self._serving is not None:
-            try:
-                self._serving.result(timeout_s)
-            except concurrent.futures.TimeoutError:
-                self._serving.cancel()
+        if self._serving is not None and not concurrent.futures.wait([self._serving], timeout_s).done:
+            self._serving.cancel()
         self._sock.close()
