@@ -87,16 +87,17 @@ class LoopEvents:
 
     def sink(self, events: Mailbox) -> Callable[[object], None]:
         def put(event: object) -> None:
-            with self._lock:
-                queued = bool(self._pending) or asyncio._get_running_loop() is not self._loop
-                if queued:
-                    self._pending.append((events, event))
-                    if self._scheduled:
-                        return  # the flush already asked for takes this event too
-                    self._scheduled = True
-            if not queued:  # on the mailbox's own loop, with nothing from another thread before it
+            if not self._pending and asyncio._get_running_loop() is self._loop:
+                # On the mailbox's own loop with nothing from another thread before it (read
+                # without the lock: another thread's append is atomic, and one that lands after
+                # this check was not before this event): the usual case, no lock.
                 events.put_nowait(event)
                 return
+            with self._lock:
+                self._pending.append((events, event))
+                if self._scheduled:
+                    return  # the flush already asked for takes this event too
+                self._scheduled = True
             try:
                 self._loop.call_soon_threadsafe(self._flush)
             except RuntimeError:
