@@ -83,35 +83,40 @@ def load() -> ModuleType | None:
         return _loaded["cpu_kernels"]
 
 
-def _build() -> ModuleType | None:
+def build_dir() -> Path:
+    """Where this machine's build of these sources lives (`$STEPAHEAD_CACHE_DIR/torch_extensions/<name>`)."""
     from model_zoo.builtin_models import cache_dir
+
+    return cache_dir() / "torch_extensions" / _build_name()
+
+
+def _build() -> ModuleType | None:
     from torch.utils.cpp_extension import load as load_extension
 
-    name = _build_name()
-    build_dir = cache_dir() / "torch_extensions" / name
-    build_dir.mkdir(parents=True, exist_ok=True)
+    directory = build_dir()
     start = time.perf_counter()
-    try:
-        with _exclusive(build_dir):
-            _remove_stale_baton(build_dir)
-            module = load_extension(name, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
-                                    extra_ldflags=["-fopenmp"], build_directory=str(build_dir), verbose=False)
+    try:  # an unwritable cache falls back like a missing compiler
+        directory.mkdir(parents=True, exist_ok=True)
+        with _exclusive(directory):
+            _remove_stale_baton(directory)
+            module = load_extension(directory.name, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+                                    extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja: the torch ops serve
         log.warning("CPU kernels unavailable (%s: %s); decode attention takes the torch reference path, the "
                     "layers torch's own ops", type(exc).__name__, str(exc)[:500])
         return None
-    log.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, build_dir)
+    log.info("CPU kernels ready in %.1f s (%s)", time.perf_counter() - start, directory)
     return module
 
 
 @contextlib.contextmanager
-def _exclusive(build_dir: Path):
-    """Hold `build_dir`'s `stepahead.lock` (an `flock`: released by the kernel if this process dies)."""
-    with open(build_dir / "stepahead.lock", "a") as handle:
+def _exclusive(directory: Path):
+    """Hold `directory`'s `stepahead.lock` (an `flock`: released by the kernel if this process dies)."""
+    with open(directory / "stepahead.lock", "a") as handle:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # another process builds or loads them: said, since a build takes a while
-            log.info("waiting for another process to finish building the CPU kernels in %s", build_dir)
+            log.info("waiting for another process to finish building the CPU kernels in %s", directory)
             fcntl.flock(handle, fcntl.LOCK_EX)
         try:
             yield
@@ -119,9 +124,9 @@ def _exclusive(build_dir: Path):
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def _remove_stale_baton(build_dir: Path) -> None:
+def _remove_stale_baton(directory: Path) -> None:
     """Under `_exclusive`: remove torch's `lock` file, which only a builder killed mid-way leaves."""
-    baton = build_dir / "lock"
+    baton = directory / "lock"
     if baton.exists():
         log.info("removing %s, left by a kernel build that did not finish", baton)
         baton.unlink(missing_ok=True)

@@ -10,20 +10,15 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pytest
-
-from model_zoo.builtin_models import cache_dir
 from worker_service import cpu_kernels
 
 LOAD = "from worker_service import cpu_kernels; assert cpu_kernels.load() is not None; print('loaded')"
 
 
-def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
-    if cpu_kernels.load() is None:  # built here first, so the process below only loads
-        pytest.skip("the CPU kernels could not be built here (no compiler)")
-    build_dir = cache_dir() / "torch_extensions" / cpu_kernels._build_name()
-    baton = build_dir / "lock"
-    with cpu_kernels._exclusive(build_dir):  # as a builder holds it when it is killed
+def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load(kernels):
+    # `kernels`: built in this process first, so the one below only loads
+    baton = cpu_kernels.build_dir() / "lock"
+    with cpu_kernels._exclusive(cpu_kernels.build_dir()):  # as a builder holds it when it is killed
         baton.touch()
     try:
         done = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True, timeout=120)
@@ -33,12 +28,9 @@ def test_a_lock_left_by_a_killed_build_does_not_block_the_next_load():
         baton.unlink(missing_ok=True)  # never leave the cache poisoned for the tests after this one
 
 
-def test_a_load_waits_for_a_live_builder_and_says_so():
-    if cpu_kernels.load() is None:
-        pytest.skip("the CPU kernels could not be built here (no compiler)")
-    build_dir = cache_dir() / "torch_extensions" / cpu_kernels._build_name()
+def test_a_load_waits_for_a_live_builder_and_says_so(kernels):
     code = "import logging, sys; logging.basicConfig(level=logging.INFO, stream=sys.stdout)\n" + LOAD
-    with cpu_kernels._exclusive(build_dir):  # a live builder
+    with cpu_kernels._exclusive(cpu_kernels.build_dir()):  # a live builder
         proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
         try:
             first = proc.stdout.readline()  # blocks until the loader says why it waits

@@ -16,15 +16,6 @@ from worker_service.layers.norm import RMSNorm
 from worker_service.layers.rotary import apply_rotary
 
 
-
-@pytest.fixture(scope="module")
-def kernels():
-    """The built CPU kernels (built on first use, not at collection)."""
-    module = cpu_kernels.load()
-    if module is None:
-        pytest.skip("the CPU kernels could not be built here (no compiler)")
-    return module
-
 ROWS = [1, 7, 64]
 
 
