@@ -92,7 +92,9 @@ class GrpcThread:
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="grpc-aio", daemon=True)
+        self._stopped = self.loop.create_future()
+        self._thread = threading.Thread(target=self.loop.run_until_complete, args=(self._until_stopped(),),
+                                        name="grpc-aio", daemon=True)
         self._thread.start()
         self.server: grpc.aio.Server | None = None
         self.health: AioHealth | None = None
@@ -107,10 +109,16 @@ class GrpcThread:
         await self.health.set_async(False)
         await self.server.start()
 
+    async def _until_stopped(self) -> None:
+        """The loop's root task (run with `run_until_complete`, not `run_forever`): anyio, under
+        FastAPI's thread offloads, finds it at once and ends its worker threads with it; with
+        no such task it searches every task of the loop on each offload."""
+        await self._stopped
+
     def stop(self, grace_s: float = 2.0) -> None:
         """Cancel what is still open after `grace_s`, then end the loop and its thread."""
         if self.server is not None:
             asyncio.run_coroutine_threadsafe(self.server.stop(grace_s), self.loop).result(grace_s + 10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.loop.call_soon_threadsafe(self._stopped.set_result, None)
         self._thread.join(10)
         self.loop.close()

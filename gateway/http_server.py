@@ -1,4 +1,4 @@
-"""The gateway's OpenAI-compatible HTTP server (FastAPI + uvicorn, SSE via sse-starlette).
+"""The gateway's OpenAI-compatible HTTP server (FastAPI + uvicorn, SSE via `gateway.sse`).
 
 A thin transport over `gateway.generation.Frontend`, exactly like the gRPC servicer:
 body → pydantic model → `RawGenerateRequest` → `Frontend.validate` → `Frontend.start`
@@ -34,7 +34,6 @@ from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
-from sse_starlette import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -58,6 +57,7 @@ from gateway.openai_protocol import (
 )
 from gateway.openai_responses import ResponsesFormat, ResponsesRequest, chat_request
 from gateway.scheduler_link import LinkBroken
+from gateway.sse import EventStream
 from gateway.tokenizer import HEAP_TRIM
 from gateway.validation import ValidationError
 from stepahead.logs import RateLimitedLog
@@ -321,7 +321,7 @@ class OpenAIServer:
             raise _upstream_api_error(exc) from None
         if body.stream:
             usage = getattr(body, "stream_options", None) is not None and body.stream_options.include_usage
-            return EventSourceResponse(self._stream(gen, events, fmt, usage), ping=15)
+            return EventStream(self._stream(gen, events, fmt, usage))
         return await self._collect(request, gen, events, fmt)
 
     async def _stream(self, gen: Generation, events: Mailbox, fmt, include_usage: bool):

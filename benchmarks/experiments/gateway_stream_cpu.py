@@ -31,7 +31,7 @@ rounds alternating, so before and after are measured side by side under the same
 load. `--floor` adds the transport's own cost: a server that streams one prebuilt response per
 stream per step (no gateway code) to the same client (`grpc_floor.py`: grpc.aio;
 `http_floor.py`: a bare ASGI app on uvicorn, and over HTTP also the same stream through
-FastAPI and sse-starlette, the `framework floor`). `--profile` records the gateway with
+FastAPI and the gateway's SSE response, the `framework floor`). `--profile` records the gateway with
 py-spy during its last round and reports the largest leaf frames (µs per token: sample share
 × the measured CPU; py-spy counts a thread waiting for the GIL as busy, so read it as a
 ranking, not an exact split).
@@ -49,10 +49,12 @@ import resource
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 from benchmarks.machine import cpu_seconds, python_thread_names, thread_cpu_seconds
+from model_zoo.builtin_models import resolve_model
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -68,14 +70,29 @@ def thread_cpu(pid: int, names: dict[int, str]) -> dict[str, float]:
 
 
 def start(argv: list[str], tree: Path) -> subprocess.Popen:
+    """A daemon of checkout `tree`; its stderr goes to a temporary file that `wait_ready` shows
+    should the daemon exit before it serves."""
     env = {**os.environ, "PYTHONPATH": str(tree)}
-    return subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+    stderr = tempfile.TemporaryFile()
+    proc = subprocess.Popen([sys.executable, *argv], stdout=subprocess.DEVNULL, stderr=stderr, env=env,
                             cwd=tree)  # `-m cli` imports from the working directory first
+    proc.stderr_file = stderr
+    return proc
 
 
-def wait_ready(target: str, transport: str, timeout_s: float = 120.0) -> None:
+def check_running(proc: subprocess.Popen) -> None:
+    """SystemExit naming the daemon and its last words when `proc` has exited."""
+    if proc.poll() is None:
+        return
+    proc.stderr_file.seek(0)
+    tail = proc.stderr_file.read().decode(errors="replace").strip().splitlines()[-3:]
+    raise SystemExit(f"{' '.join(map(str, proc.args[1:4]))} exited with {proc.returncode}: " + " | ".join(tail))
+
+
+def wait_ready(target: str, transport: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+    check = lambda: check_running(proc)  # noqa: E731
     if transport == "http":
-        return wait_http(target, timeout_s)
+        return wait_http(target, timeout_s, check)
     import grpc
 
     from stepahead.v1 import generation_pb2, generation_pb2_grpc
@@ -85,14 +102,15 @@ def wait_ready(target: str, transport: str, timeout_s: float = 120.0) -> None:
         stub = generation_pb2_grpc.GenerationStub(channel)
         while True:
             try:
-                stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=5, wait_for_ready=True)
+                stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=2, wait_for_ready=True)
                 return
             except grpc.RpcError:
+                check()
                 if time.monotonic() > deadline:
                     raise
 
 
-def wait_http(target: str, timeout_s: float) -> None:
+def wait_http(target: str, timeout_s: float, check) -> None:
     import urllib.error
     import urllib.request
 
@@ -103,6 +121,7 @@ def wait_http(target: str, timeout_s: float) -> None:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):
+            check()
             if time.monotonic() > deadline:
                 raise
         time.sleep(0.2)
@@ -273,7 +292,7 @@ def servers_for(args, interval: int) -> list[Server]:
         name, script = ("uvicorn floor", "http_floor.py") if http else ("grpc.aio floor", "grpc_floor.py")
         out.append(Server(name, REPO, [([str(HERE / script), "--port", str(port), "--step-ms", str(args.step_ms)],
                                         port)]))
-        if http:  # the same stream through FastAPI and sse-starlette
+        if http:  # the same stream through FastAPI and the gateway's SSE response
             out.append(Server("framework floor", REPO, [([str(HERE / script), "--port", str(port - 1), "--step-ms",
                                                           str(args.step_ms), "--framework"], port - 1)]))
     return out
@@ -284,8 +303,8 @@ def run_interval(args, interval: int) -> list[dict]:
     rows = {s.name: [] for s in servers}
     try:
         for s in servers:
-            for target in s.target.split(","):
-                wait_ready(target, args.transport)
+            for target, proc in zip(s.target.split(","), s.procs):
+                wait_ready(target, args.transport, proc)
             one_round(s.target, s.pids, s.tree, args, 16, 8, None)  # warm-up
         for r in range(args.rounds):
             for s in servers:  # alternating: the same machine load for each
@@ -337,6 +356,7 @@ def main() -> None:
         run_round = http_client_round if args.transport == "http" else client_round
         print(json.dumps(run_round(args.client_round, args.streams, args.input_len, args.output_len)))
         return
+    args.model = str(resolve_model(args.model))  # a built-in is built once, here (the gateways only read it)
     replays = [start([str(tree / "benchmarks" / "experiments" / "replay_scheduler.py"), "--model", args.model, "--port",
                       str(replay_port(args, i)), "--step-ms", str(args.step_ms)], tree)
                for i, (_, tree) in enumerate(trees_of(args))]  # each checkout's own wire format

@@ -9,9 +9,9 @@ shape of the gateway's), one per step (every stream wakes on one shared future p
 http --floor` measures with it is the part of the gateway's CPU per token that uvicorn, h11 and
 asyncio take whatever the gateway does (`grpc_floor.py` is the same for gRPC).
 
-`--framework`: the same stream through the libraries the gateway's HTTP server is built on, a
-FastAPI route returning sse-starlette's `EventSourceResponse` over an async generator of the
-prebuilt chunks (the `framework floor` rows): what they add per message over bare uvicorn.
+`--framework`: the same stream through what the gateway's HTTP server is built on, a FastAPI
+route returning the gateway's SSE response (`gateway.sse.EventStream`) over an async generator
+of the prebuilt chunks (the `framework floor` rows): what they add per message over bare uvicorn.
 """
 
 from __future__ import annotations
@@ -22,9 +22,8 @@ import json
 
 import uvicorn
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the route's annotations here
-from sse_starlette import EventSourceResponse
-
 from benchmarks.experiments.step_ticker import StepTicker
+from gateway.sse import EventStream
 
 CHUNK = ("data: " + json.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion", "created": 1765000000,
                                 "model": "llama3-8b-sim", "choices": [{"index": 0, "text": " word", "logprobs": None,
@@ -59,9 +58,9 @@ class Floor:
 
 
 def framework_app(floor: Floor):
-    """The stream as a FastAPI route with sse-starlette's response (the gateway's libraries)."""
+    """The stream as a FastAPI route with the gateway's SSE response."""
     app = FastAPI()
-    payload = CHUNK[len(b"data: "):-4].decode()  # EventSourceResponse frames it
+    payload = CHUNK[len(b"data: "):-4].decode()  # EventStream frames it
 
     @app.get("/v1/models")
     async def models():
@@ -79,7 +78,7 @@ def framework_app(floor: Floor):
                               "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}})
             yield "[DONE]"
 
-        return EventSourceResponse(chunks(), ping=15)
+        return EventStream(chunks())
 
     return app
 
@@ -88,7 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--port", type=int, default=50070)
     parser.add_argument("--step-ms", type=float, default=22.0)
-    parser.add_argument("--framework", action="store_true", help="through FastAPI and sse-starlette")
+    parser.add_argument("--framework", action="store_true", help="through FastAPI and the gateway's SSE response")
     args = parser.parse_args()
     floor = Floor(args.step_ms / 1e3)
     uvicorn.run(framework_app(floor) if args.framework else floor, host="127.0.0.1", port=args.port, http="h11",
