@@ -144,7 +144,7 @@ class StepBuilder:
         deltas, decodes, sampling = RunningDeltas.of(running), None, sampling_new + sampling_running
         if self.decodes:
             decode_deltas, decodes = self.decodes.build(columns, step_id)
-            deltas = deltas.followed_by(decode_deltas)
+            deltas = deltas.followed_by(decode_deltas) if running else decode_deltas
             sampling += decodes.request_ids
         plan = StepPlan(
             step_id=step_id,
