@@ -17,7 +17,7 @@ per streamed token). The per-stream work (the watch and the ping timer) is per r
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -30,7 +30,7 @@ PING_S = 15.0  # a comment after this long without an event (sse-starlette's and
 class EventStream(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncIterator[str], ping_s: float = PING_S) -> None:
+    def __init__(self, events: AsyncGenerator[str, None], ping_s: float = PING_S) -> None:
         self.events, self.ping_s = events, ping_s
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # no proxy buffering
