@@ -1,6 +1,6 @@
 """A Server-Sent Events response for the OpenAI streams, on asyncio alone.
 
-`EventStream` sends each string of an async iterator as one `data:` event, then ends the
+`EventStream` sends each string of an async generator as one `data:` event, then ends the
 body. Around the data it does what an SSE response behind proxies needs: a comment line
 (`: ping`) after `ping_s` without an event, so that no proxy's idle timeout closes a stream
 that waits for its first token, and a watch on the ASGI `receive` channel, so that a client
@@ -35,7 +35,6 @@ class EventStream(Response):
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # no proxy buffering
         self._last_send = 0.0  # loop time of the last event or ping
-        self.disconnected = False  # the client went away before the stream ended
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         loop = asyncio.get_running_loop()
@@ -47,7 +46,6 @@ class EventStream(Response):
             while not stream.done():
                 await asyncio.wait((stream, watch), timeout=self.ping_s, return_when=asyncio.FIRST_COMPLETED)
                 if watch.done():  # the client is gone: nothing more to send
-                    self.disconnected = True
                     return
                 if not stream.done() and loop.time() - self._last_send >= self.ping_s:
                     self._last_send = loop.time()

@@ -22,6 +22,7 @@ import json
 
 import uvicorn
 from fastapi import FastAPI, Request  # module level: FastAPI resolves the route's annotations here
+
 from benchmarks.experiments.step_ticker import StepTicker
 from gateway.sse import EventStream
 
