@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import dataclasses
 import queue
 import threading
@@ -55,7 +56,7 @@ from scheduler_service.transfers import Transfers
 from stepahead.logs import RateLimitedLog
 from stepahead import jitter
 from stepahead.flight_recorder import StepRecord
-from stepahead.heap import freeze_heap
+from stepahead.heap import collections_paused, freeze_heap
 from stepahead.plan import WorkerInfo, WorkerRole
 
 __all__ = ["Engine", "EngineOptions", "GatewaySession", "NoWorker", "PlanOutbox", "RejectCode", "Rejected",
@@ -503,12 +504,14 @@ class Engine:
                 handle.outbox.close(WorkerRefused(WorkerRefused.Kind.MISMATCH, "hello differs from the other "
                                     f"replicas in {', '.join(diff)}: one scheduler serves one model"))
                 return
+        freeze = self.options.freeze_heap_on_attach
         try:
-            scheduler = Scheduler(self._make_config(info))
+            with collections_paused() if freeze else contextlib.nullcontext():
+                scheduler = Scheduler(self._make_config(info))
         except ValueError as exc:  # the hello's geometry does not fit the scheduler's flags
             handle.outbox.close(WorkerRefused(WorkerRefused.Kind.INVALID, f"hello: {exc}"))
             return
-        if self.options.freeze_heap_on_attach:
+        if freeze:
             freeze_heap()  # its block pool (an object per KV block) lives as long as the replica
         if self._model is None:
             self._model = info

@@ -9,8 +9,10 @@ device idles) and a pause of the gateway stalls every stream it serves.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -27,6 +29,22 @@ def freeze_heap() -> None:
     garbage cycle of the moment is frozen for good."""
     gc.collect()
     gc.freeze()
+
+
+@contextlib.contextmanager
+def collections_paused() -> Iterator[None]:
+    """No automatic collection while the `with` block builds objects that `freeze_heap` freezes
+    right after (a replica's KV block pool: an object per block, hundreds of thousands on a large
+    device). Such a build starts a young collection every few hundred objects, and the middle
+    and full collections among them walk everything built so far: hundreds of collections that
+    find nothing, with the GIL held, in a process that is serving other replicas meanwhile."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def gc_warning_threshold_field() -> Any:  # a dataclass field, like `config.field`

@@ -55,6 +55,36 @@ engine.stop()
 """
 
 
+BIG_POOL = """
+import gc, queue, threading
+import structlog
+from scheduler_service.engine import Engine, EngineOptions, PlanOutbox
+from scheduler_service.server import SchedulerDaemonConfig
+from stepahead.plan import WorkerInfo
+
+counts = [0, 0, 0]
+gc.callbacks.append(lambda phase, info: phase == "start" and counts.__setitem__(
+    info["generation"], counts[info["generation"]] + 1))
+accepted = queue.Queue()
+engine = Engine(SchedulerDaemonConfig().core_config, structlog.get_logger(),
+                options=EngineOptions(freeze_heap_on_attach=True))
+engine.start()
+outbox = PlanOutbox(on_accept=lambda: accepted.put(True))
+info = WorkerInfo("w0", "m", "llama", "bfloat16", "sim", 16, 200000, 0, 4096, 1000, (0,))
+before = list(counts)
+engine.attach_worker(info, outbox)
+threading.Thread(target=lambda: list(outbox), daemon=True).start()
+assert accepted.get(timeout=60)
+engine.stats()
+during = [a - b for a, b in zip(counts, before)]
+assert gc.get_freeze_count() >= 200000
+# freeze_heap's own collection (a full one) and, at most, a few young ones around the build;
+# building the 200000 blocks with collections on starts hundreds of young ones
+assert during[0] <= 10 and during[2] <= 2, during
+engine.stop()
+"""
+
+
 def run(code: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -66,3 +96,7 @@ def test_freeze_heap_moves_every_live_object_out_of_collections():
 @pytest.mark.parametrize("freeze", [True, False])
 def test_a_replicas_block_pool_is_frozen_only_when_the_daemon_owns_the_process(freeze):
     run(ATTACH.format(freeze=freeze))
+
+
+def test_building_a_large_block_pool_starts_no_collections_before_it_is_frozen():
+    run(BIG_POOL)
