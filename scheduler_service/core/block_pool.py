@@ -12,6 +12,12 @@ Lookups go by a chained hash, and every hash hit is verified by comparing the to
 salt and the parent identity (`pid`, never reused), so hash collisions cannot alias. Two pools
 (the device's and the host tier) can share one `PidSource`: a content keeps its identity when
 it moves between them, so a chain continues across the tiers.
+
+What the cache holds stays out of the garbage collector's walks, because a warm cache is as
+large as the pool: the identity lives in the block's own slots (the daemon freezes the blocks
+when it builds the pool, `stepahead.heap`), the tokens in a tuple of ints, and the hash map
+holds tuples of block ids. The collector stops tracking tuples of ints, but it walks a list
+or a named tuple at every full collection for as long as it lives.
 """
 
 from __future__ import annotations
@@ -29,7 +35,8 @@ def default_block_hash(parent_hash: int | None, tokens: tuple[int, ...], salt: s
 
 
 class CacheEntry(NamedTuple):
-    """A cached block's content identity (a named tuple: one is made per filled block)."""
+    """A cached block's content identity, as `entry_of` and `take_evicted` give it (the block
+    keeps the fields in its own slots)."""
 
     hash_value: int
     tokens: tuple[int, ...]
@@ -39,14 +46,21 @@ class CacheEntry(NamedTuple):
 
 
 class Block:
-    __slots__ = ("block_id", "ref_count", "fence_step", "fenced", "entry")
+    __slots__ = ("block_id", "ref_count", "fence_step", "fenced", "pid", "hash_value", "tokens", "salt",
+                 "parent_pid")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
         self.ref_count = 0
         self.fence_step = -1  # newest step known to touch this block
         self.fenced = False
-        self.entry: CacheEntry | None = None
+        self.pid = 0  # the cached content's identity; 0: not cached (the fields below mean nothing)
+        self.hash_value, self.tokens, self.salt, self.parent_pid = 0, (), None, 0
+
+    def cache_entry(self) -> CacheEntry | None:
+        if not self.pid:
+            return None
+        return CacheEntry(self.hash_value, self.tokens, self.salt, self.parent_pid, self.pid)
 
 
 class PidSource:
@@ -73,7 +87,7 @@ class BlockPool:
         self._fenced: dict[int, list[int]] = {}  # step id -> blocks waiting for that result
         self._num_fenced = 0
         self._done_step = -1  # newest step whose result has been processed
-        self._cache: dict[int, list[int]] = {}  # hash -> block ids carrying that hash
+        self._cache: dict[int, tuple[int, ...]] = {}  # hash -> block ids carrying that hash (nearly always one)
         self._num_cached = 0
         self._pids = pids or PidSource()
         self._keep_evicted = keep_evicted
@@ -114,10 +128,10 @@ class BlockPool:
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
             block = self._blocks[block_id]
-            if block.entry is not None:
+            if block.pid:
                 self._num_evictions += 1
                 if self._keep_evicted:
-                    self._evicted.append((block_id, block.entry))
+                    self._evicted.append((block_id, block.cache_entry()))
             self._evict(block)
             block.ref_count = 1
             out.append(block_id)
@@ -167,15 +181,15 @@ class BlockPool:
     def lookup(self, hash_value: int, tokens: tuple[int, ...], salt: str | None, parent_pid: int) -> int | None:
         """The block caching exactly this content, verified token by token; else None."""
         for block_id in self._cache.get(hash_value, ()):
-            entry = self._blocks[block_id].entry
-            if entry.parent_pid == parent_pid and entry.salt == salt and entry.tokens == tokens:
+            block = self._blocks[block_id]
+            if block.parent_pid == parent_pid and block.salt == salt and block.tokens == tokens:
                 return block_id
         return None
 
     def pid_of(self, block_id: int) -> int:
-        entry = self._blocks[block_id].entry
-        assert entry is not None, f"block {block_id} is not cached"
-        return entry.pid
+        pid = self._blocks[block_id].pid
+        assert pid, f"block {block_id} is not cached"
+        return pid
 
     def register(self, block_id: int, hash_value: int, tokens: tuple[int, ...], salt: str | None, parent_pid: int,
                  pid: int | None = None) -> int:
@@ -184,16 +198,17 @@ class BlockPool:
         already has in another pool sharing this one's `PidSource` (else a new one)."""
         existing = self.lookup(hash_value, tokens, salt, parent_pid)
         if existing is not None:
-            return self._blocks[existing].entry.pid
+            return self._blocks[existing].pid
         block = self._blocks[block_id]
-        assert block.ref_count > 0 and block.entry is None, f"cannot cache block {block_id}"
-        block.entry = CacheEntry(hash_value, tokens, salt, parent_pid, self._pids.take() if pid is None else pid)
-        self._cache.setdefault(hash_value, []).append(block_id)
+        assert block.ref_count > 0 and not block.pid, f"cannot cache block {block_id}"
+        block.hash_value, block.tokens, block.salt, block.parent_pid = hash_value, tokens, salt, parent_pid
+        block.pid = self._pids.take() if pid is None else pid
+        self._cache[hash_value] = self._cache.get(hash_value, ()) + (block_id,)
         self._num_cached += 1
-        return block.entry.pid
+        return block.pid
 
     def entry_of(self, block_id: int) -> CacheEntry | None:
-        return self._blocks[block_id].entry
+        return self._blocks[block_id].cache_entry()
 
     def take_num_evictions(self) -> int:
         """Cached blocks whose content `allocate` dropped since the last call."""
@@ -207,13 +222,12 @@ class BlockPool:
         return evicted
 
     def _evict(self, block: Block) -> None:
-        if block.entry is None:
+        if not block.pid:
             return
-        chain = self._cache[block.entry.hash_value]
-        chain.remove(block.block_id)
-        if not chain:
-            del self._cache[block.entry.hash_value]
-        block.entry = None
+        chain = self._cache.pop(block.hash_value)
+        if len(chain) > 1:  # a hash collision: the others stay
+            self._cache[block.hash_value] = tuple(b for b in chain if b != block.block_id)
+        block.pid, block.tokens, block.salt = 0, (), None
         self._num_cached -= 1
 
     # ---- integrity ---------------------------------------------------------------------
@@ -238,5 +252,5 @@ class BlockPool:
                 f" != {self.num_blocks}"
             )
         cached = sum(len(chain) for chain in self._cache.values())
-        if cached != self._num_cached or any(self._blocks[b].entry is None for c in self._cache.values() for b in c):
+        if cached != self._num_cached or any(not self._blocks[b].pid for c in self._cache.values() for b in c):
             raise AssertionError(f"prefix cache map holds {cached} blocks, counter says {self._num_cached}")

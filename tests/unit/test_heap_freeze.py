@@ -85,6 +85,23 @@ engine.stop()
 """
 
 
+WARM_CACHE = """
+import gc
+from scheduler_service.core.block_pool import BlockPool
+from stepahead.heap import freeze_heap
+pool = BlockPool(20000, enable_caching=True)
+freeze_heap()  # as the daemon does when a replica attaches
+blocks = pool.allocate(20000)
+parent = 0
+for i, block in enumerate(blocks):  # every block holds a cached content
+    parent = pool.register(block, hash((parent, i)), tuple(range(i, i + 16)), None, parent if i % 64 else 0)
+pool.free(blocks, touch_step=-1)
+gc.collect()
+assert pool.num_cached == 20000
+assert len(gc.get_objects()) < 1000, len(gc.get_objects())  # a full collection walks these
+"""
+
+
 def run(code: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -100,3 +117,7 @@ def test_a_replicas_block_pool_is_frozen_only_when_the_daemon_owns_the_process(f
 
 def test_building_a_large_block_pool_starts_no_collections_before_it_is_frozen():
     run(BIG_POOL)
+
+
+def test_a_warm_prefix_cache_adds_nothing_for_full_collections_to_walk():
+    run(WARM_CACHE)
