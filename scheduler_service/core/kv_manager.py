@@ -171,7 +171,7 @@ class KVCacheManager:
         blocks = self.device.allocate(need)
         if blocks is None:
             return False
-        request.block_ids = request.block_ids + blocks  # a new list: see Request.block_ids
+        request.extend_blocks(blocks)
         return True
 
     def append_blocks(self, requests: list[Request]) -> None:
@@ -183,7 +183,7 @@ class KVCacheManager:
         blocks = self.device.allocate(len(requests))
         assert blocks is not None, "append_blocks: the pool is short"
         for request, block in zip(requests, blocks):
-            request.block_ids = [*request.block_ids, block]
+            request.extend_blocks((block,))
 
     def release_slid(self, request: Request) -> int:
         """Give back the request's leading blocks that every layer's sliding window has passed;

@@ -22,7 +22,7 @@ same values whether the request runs or not.
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from operator import attrgetter
@@ -214,8 +214,9 @@ class Request:
 
     @property
     def block_ids(self) -> list[int]:
-        """Device KV blocks, in sequence order. Assign a new list to change them (never mutate
-        it in place): while running, the running set keeps the table's length in a column."""
+        """Device KV blocks, in sequence order. Change them only by assigning a new list or with
+        `extend_blocks` (never otherwise in place): while running, the running set keeps the
+        table's length in a column."""
         return self._block_ids
 
     @block_ids.setter
@@ -223,6 +224,15 @@ class Request:
         self._block_ids = blocks
         if self._columns is not None:
             self._columns.blocks_changed(self._row, len(blocks))
+
+    def extend_blocks(self, blocks: Iterable[int]) -> None:
+        """Append to the block table in place. A decode gets a block every `block_size` steps:
+        a copy of its table each time would also hand the garbage collector a new list to walk
+        at its next young collection, for every running request."""
+        table = self._block_ids
+        table.extend(blocks)
+        if self._columns is not None:
+            self._columns.blocks_changed(self._row, len(table))
 
     @property
     def owned_block_ids(self) -> list[int]:
