@@ -41,15 +41,15 @@ class EventStream(Response):
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         self._last_send = loop.time()
         stream = loop.create_task(self._stream(send, loop))
-        watch = loop.create_task(_wait_disconnect(receive))
+        watch = loop.create_task(_cancel_on_disconnect(receive, stream))
         try:
             while not stream.done():
-                await asyncio.wait((stream, watch), timeout=self.ping_s, return_when=asyncio.FIRST_COMPLETED)
-                if watch.done():  # the client is gone: nothing more to send
-                    return
+                await asyncio.wait((stream,), timeout=self.ping_s)
                 if not stream.done() and loop.time() - self._last_send >= self.ping_s:
                     self._last_send = loop.time()
                     await send({"type": "http.response.body", "body": PING, "more_body": True})
+            if watch.done():  # the client is gone (the watch cancelled the stream): nothing more to send
+                return
             stream.result()  # its error, if any, is the response's
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
@@ -69,6 +69,8 @@ class EventStream(Response):
             await events.aclose()
 
 
-async def _wait_disconnect(receive: Receive) -> None:
+async def _cancel_on_disconnect(receive: Receive, stream: asyncio.Task) -> None:
+    """Cancel `stream` as soon as the client goes away (its iterator's cleanup runs at once)."""
     while (await receive())["type"] != "http.disconnect":
         pass
+    stream.cancel()

@@ -225,6 +225,7 @@ class BlockPool:
         if not block.pid:
             return
         chain = self._cache.pop(block.hash_value)
+        assert block.block_id in chain, f"cached block {block.block_id} missing from its hash's chain"
         if len(chain) > 1:  # a hash collision: the others stay
             self._cache[block.hash_value] = tuple(b for b in chain if b != block.block_id)
         block.pid, block.tokens, block.salt = 0, (), None
