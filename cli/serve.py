@@ -34,7 +34,7 @@ from stepahead import config as cfg
 from stepahead.knobs import fields_of
 from cli import runfile
 from model_zoo.builtin_models import DEFAULT_MODEL, MODEL_HELP
-from stepahead.ports import free_port, free_ports
+from stepahead.ports import check_free, free_port, free_ports
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -356,19 +356,9 @@ def prepare_model(spec: str, tokenizer: str | None):
 def check_ports(config: ServeConfig) -> None:
     """A port a flag names that another process holds fails here, naming the port and the
     flag, before any daemon starts (each daemon would otherwise fail on it after loading)."""
-    import socket
-
     for flag, host, port in (("--port", config.host, config.port), ("--http-port", config.host, config.http_port),
                              ("--scheduler-port", "127.0.0.1", config.scheduler_port)):
-        if not port:
-            continue
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the daemons bind
-            try:
-                probe.bind((host, port))
-            except OSError as exc:
-                raise cfg.ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
-                                      f"stop what holds it or pick another {flag}") from None
+        check_free(flag, host, port)
 
 
 def check_checkpoint(model_dir: str, worker_cfg):

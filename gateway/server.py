@@ -38,7 +38,8 @@ from gateway.tool_parsers import ToolCallParser
 from gateway.scheduler_pool import SchedulerPool
 from gateway.validation import RawGenerateRequest, ValidationError
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
-from stepahead import codec, daemon, limits, logs, security
+from stepahead.ports import check_free
+from stepahead import codec, daemon, limits, logs, ports, security
 from stepahead.plan import FinishReason, SamplingParams
 from stepahead.security import AioCredentialInterceptor
 from stepahead.security import SchedulerClientConfig
@@ -459,6 +460,8 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--gc-warning-threshold-secs: {exc}") from None
     daemon.tune_gil()
     stop = daemon.install_stop_handlers()
+    check_free("--port", config.host, config.port)  # said now, not after the scheduler answers
+    check_free("--http-port", config.host, config.http_port)
     tokenizer = GatewayTokenizer(resolve_model(config.model, build=False))  # no torch in the gateway
     if not config.scheduler:
         raise SystemExit("--scheduler: give at least one scheduler address")
@@ -567,13 +570,14 @@ def server_builder(config: GatewayConfig, frontend: Frontend, log, max_connectio
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[("grpc.max_receive_message_length", 4 * config.max_request_bytes), *NO_BACKLOG_SHEDDING,
+                     ports.EXCLUSIVE_PORT,
                      *connection_options(max_connections, config.http_request_timeout,
                                          config.grpc_max_connection_idle)],
         )
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, log), server)
         health = AioHealth(server, (SERVICE_NAME,), loop)
         tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
-        return server, health, security.add_port(server, f"{config.host}:{config.port}", tls)
+        return server, health, security.add_port(server, f"{config.host}:{config.port}", tls, "--port")
 
     return build
 

@@ -40,7 +40,7 @@ from stepahead.knobs import SpeculativeFlag, fields_of
 from stepahead.speculative import num_speculative_tokens
 from stepahead.heap import GcPauses, freeze_heap, gc_warning_threshold_field
 from stepahead.undecodable import AioUndecodableGuard, Undecodable, reads_undecodable
-from stepahead import codec, daemon, limits, logs, security
+from stepahead import codec, daemon, limits, logs, ports, security
 from stepahead import config as cfg
 from stepahead.plan import WorkerInfo, WorkerRole
 from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
@@ -408,6 +408,7 @@ async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None
     `engine.start(loop)`, the server with `await server.start()`)."""
     config.check_exposure()
     num_speculative_tokens(config.speculative_config)  # a bad --speculative-config fails here, named
+    ports.check_free("--port", config.host, config.port)  # one line, before grpc logs its own
     loop = asyncio.get_running_loop()
     metrics = SchedulerMetrics(REGISTRY)
     refusals = security.Refusals(log, lambda method: metrics.internal_auth_refused.labels("scheduler", method).inc(),
@@ -416,14 +417,14 @@ async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None
                     if config.cluster_token else [])
     guard = AioUndecodableGuard(log)
     interceptors.append(guard)  # innermost: a refused credential never reads a message
-    server = grpc.aio.server(interceptors=interceptors)
+    server = grpc.aio.server(interceptors=interceptors, options=[ports.EXCLUSIVE_PORT])
     health = daemon.AioHealth(server, [SERVICE_NAME], loop, reflect=config.enable_reflection)
     await health.set_async(False)
     options = replace(config.engine_options(), freeze_heap_on_attach=freeze_heap)
     engine = Engine(config.core_config, log, health.set, options, on_fatal, metrics)  # serving: a worker
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log, guard), server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
-    port = security.add_port(server, f"{config.host}:{config.port}", tls)
+    port = security.add_port(server, f"{config.host}:{config.port}", tls, "--port")
     return server, engine, port
 
 

@@ -1,4 +1,5 @@
-"""Ports for listeners that are picked before they are bound (a daemon's flag, a rendezvous)."""
+"""Ports for listeners: picked before they are bound (a daemon's flag, a rendezvous), checked
+before a daemon starts its work, and held by one listener only."""
 
 from __future__ import annotations
 
@@ -7,7 +8,29 @@ import socket
 from collections.abc import Collection
 from pathlib import Path
 
-__all__ = ["free_port", "free_ports"]
+__all__ = ["EXCLUSIVE_PORT", "check_free", "free_port", "free_ports"]
+
+# A grpc server option: the listener holds its port alone. grpc's default on Linux sets
+# SO_REUSEPORT, so a second daemon started on a running one's port binds as well and the kernel
+# splits new connections between the two (a second scheduler would silently take some of the
+# workers and gateways); without it, the second one fails to bind and says so.
+EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+def check_free(flag: str, host: str, port: int) -> None:
+    """ConfigError naming `flag` when another process listens on `host:port` (0: any free
+    port, nothing to check), so that a daemon says so before it starts its work."""
+    if not port:
+        return
+    from stepahead.config import ConfigError
+
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the daemons bind
+        try:
+            probe.bind((host.strip("[]"), port))
+        except OSError as exc:
+            raise ConfigError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror}); "
+                              f"stop what holds it or pick another {flag}") from None
 
 
 def free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from stepahead.config import ConfigError
 from stepahead.config import field as config_field
 from stepahead.logs import RateLimitedLog
 
@@ -178,10 +179,17 @@ def api_key_interceptor(keys: Sequence[str], on_reject=lambda method, peer: None
                                  on_reject=on_reject)
 
 
-def add_port(server: grpc.Server, address: str, tls: TLSFiles | None) -> int:
-    if tls is not None and tls.enabled:
-        return server.add_secure_port(address, tls.server_credentials())
-    return server.add_insecure_port(address)
+def add_port(server: grpc.Server, address: str, tls: TLSFiles | None, flag: str) -> int:
+    """The port `server` listens on (TLS when `tls` is enabled); ConfigError naming `flag` when
+    it cannot bind (the server is made with `ports.EXCLUSIVE_PORT`: a port another daemon holds
+    is refused, not shared)."""
+    try:
+        if tls is not None and tls.enabled:
+            return server.add_secure_port(address, tls.server_credentials())
+        return server.add_insecure_port(address)
+    except RuntimeError:  # grpc's "Failed to bind to address"
+        raise ConfigError(f"{flag}: cannot listen on {address} (another process holds the port, or the host "
+                          f"is not this machine's); stop what holds it or pick another {flag}") from None
 
 
 # ---- client side ------------------------------------------------------------------------------

@@ -15,14 +15,13 @@ requests refused quietly. Block ids a peer names are checked against the pool
 from __future__ import annotations
 
 import secrets
-import socket
 import threading
 from concurrent import futures
 
 import grpc
 
 from stepahead import config as cfg
-from stepahead import limits, security
+from stepahead import limits, ports, security
 from stepahead.undecodable import UndecodableGuard
 
 CHUNK_BYTES = 4 * 2**20  # a chunk's payload, rounded down to whole blocks (at least one)
@@ -42,20 +41,6 @@ def max_message_bytes(bytes_per_block: int) -> int:
 
 def blocks_per_chunk(bytes_per_block: int) -> int:
     return max(1, CHUNK_BYTES // max(bytes_per_block, 1))
-
-
-def _probe_port(host: str, port: int) -> None:
-    """A port another process holds fails here, in one line naming the flag (grpc would log
-    its own error lines first)."""
-    if not port:
-        return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpc binds
-        try:
-            probe.bind((host.strip("[]"), port))
-        except OSError as exc:
-            raise cfg.ConfigError(f"--kv-transfer-port {port}: cannot listen on {host_port(host, port)} "
-                                  f"({exc.strerror}); stop what holds it or pick another --kv-transfer-port") from None
 
 
 class KVTransferServicer:
@@ -103,16 +88,16 @@ class KVTransferServer:
         interceptors.append(UndecodableGuard(log))  # innermost: a refused credential never reads a message
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=SERVER_THREADS,
                                                               thread_name_prefix="kv-transfer"),
-                                   interceptors=interceptors, options=[("grpc.max_send_message_length", -1)])
+                                   interceptors=interceptors,
+                                   options=[("grpc.max_send_message_length", -1), ports.EXCLUSIVE_PORT])
         self.servicer = KVTransferServicer(log)
         scheduler_pb2_grpc.add_KVTransferServicer_to_server(self.servicer, self._server)
         bind = host_port(config.kv_transfer_host, config.kv_transfer_port)
-        _probe_port(config.kv_transfer_host, config.kv_transfer_port)
+        ports.check_free("--kv-transfer-port", config.kv_transfer_host, config.kv_transfer_port)
         try:
-            self.port = security.add_port(self._server, bind, config.kv_transfer_tls())
-        except RuntimeError as exc:  # grpc cannot bind the port
-            raise cfg.ConfigError(f"--kv-transfer-port {config.kv_transfer_port}: cannot listen on {bind} "
-                                  f"({exc})") from None
+            self.port = security.add_port(self._server, bind, config.kv_transfer_tls(), "--kv-transfer-port")
+        except cfg.ConfigError:
+            raise
         except (OSError, ValueError) as exc:  # unreadable or incomplete TLS files
             raise cfg.ConfigError(f"--kv-transfer-ssl-*: {exc}") from None
         self.address = host_port(config.kv_transfer_advertise_host or config.kv_transfer_host, self.port)

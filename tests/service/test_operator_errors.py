@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.service.streams import wait_health
+
 FAIL_WITHIN_S = 30.0  # generous on a loaded 2-core host; the failures are immediate
 
 BAD_FLAGS = [
@@ -152,6 +154,28 @@ def test_a_taken_port_is_named_before_any_daemon_starts(flag, tiny_model_dir) ->
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1, proc.stderr
     assert f"{flag} {port}: cannot listen on 127.0.0.1:{port}" in lines[0], lines
+
+
+def test_a_second_scheduler_on_a_running_ones_port_is_refused_not_sharing_it() -> None:
+    """grpc listens with SO_REUSEPORT by default: a second daemon on a running one's port used to
+    start and take half of the new connections (workers and gateways split between two
+    schedulers, silently); the second one must refuse to start, naming the port."""
+    from stepahead.ports import free_port
+
+    port = str(free_port())
+    first = subprocess.Popen([sys.executable, "-m", "cli", "scheduler", "--port", port, "--log-level", "warning"],
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_health(f"127.0.0.1:{port}", serving=False)  # it listens (no worker yet)
+        second = subprocess.run([sys.executable, "-m", "cli", "scheduler", "--port", port],
+                                capture_output=True, text=True, timeout=FAIL_WITHIN_S)
+    finally:
+        first.terminate()
+        _, first_err = first.communicate(timeout=30)
+    lines = [line for line in second.stderr.splitlines() if line.strip()]
+    assert second.returncode == 2 and len(lines) == 1, second.stderr
+    assert f"--port {port}: cannot listen on" in lines[0], lines
+    assert first.returncode == 0, first_err
 
 
 def test_a_gguf_file_serve_cannot_convert_is_one_line(tmp_path) -> None:
