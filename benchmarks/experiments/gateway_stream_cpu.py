@@ -259,10 +259,16 @@ class Server:
         self.pids = [proc.pid for proc in self.procs]
 
     def close(self) -> None:
+        """Every process ends, also one that does not stop on SIGTERM within 30 s (killed): one
+        left running would share the next run's port."""
         for proc in self.procs:
             proc.terminate()
         for proc in self.procs:
-            proc.wait(30)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(30)
 
 
 def trees_of(args) -> list[tuple[str, Path]]:
