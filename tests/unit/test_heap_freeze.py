@@ -13,6 +13,8 @@ import sys
 
 import pytest
 
+from testing import scheduler_heap
+
 FREEZE_HEAP = """
 import gc
 from stepahead.heap import freeze_heap
@@ -55,53 +57,6 @@ engine.stop()
 """
 
 
-BIG_POOL = """
-import gc, queue, threading
-import structlog
-from scheduler_service.engine import Engine, EngineOptions, PlanOutbox
-from scheduler_service.server import SchedulerDaemonConfig
-from stepahead.plan import WorkerInfo
-
-counts = [0, 0, 0]
-gc.callbacks.append(lambda phase, info: phase == "start" and counts.__setitem__(
-    info["generation"], counts[info["generation"]] + 1))
-accepted = queue.Queue()
-engine = Engine(SchedulerDaemonConfig().core_config, structlog.get_logger(),
-                options=EngineOptions(freeze_heap_on_attach=True))
-engine.start()
-outbox = PlanOutbox(on_accept=lambda: accepted.put(True))
-info = WorkerInfo("w0", "m", "llama", "bfloat16", "sim", 16, 200000, 0, 4096, 1000, (0,))
-before = list(counts)
-engine.attach_worker(info, outbox)
-threading.Thread(target=lambda: list(outbox), daemon=True).start()
-assert accepted.get(timeout=60)
-engine.stats()
-during = [a - b for a, b in zip(counts, before)]
-assert gc.get_freeze_count() >= 200000
-# freeze_heap's own collection (a full one) and, at most, a few young ones around the build;
-# building the 200000 blocks with collections on starts hundreds of young ones
-assert during[0] <= 10 and during[2] <= 2, during
-engine.stop()
-"""
-
-
-WARM_CACHE = """
-import gc
-from scheduler_service.core.block_pool import BlockPool
-from stepahead.heap import freeze_heap
-pool = BlockPool(20000, enable_caching=True)
-freeze_heap()  # as the daemon does when a replica attaches
-blocks = pool.allocate(20000)
-parent = 0
-for i, block in enumerate(blocks):  # every block holds a cached content
-    parent = pool.register(block, hash((parent, i)), tuple(range(i, i + 16)), None, parent if i % 64 else 0)
-pool.free(blocks, touch_step=-1)
-gc.collect()
-assert pool.num_cached == 20000
-assert len(gc.get_objects()) < 1000, len(gc.get_objects())  # a full collection walks these
-"""
-
-
 def run(code: str) -> None:
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
@@ -116,8 +71,13 @@ def test_a_replicas_block_pool_is_frozen_only_when_the_daemon_owns_the_process(f
 
 
 def test_building_a_large_block_pool_starts_no_collections_before_it_is_frozen():
-    run(BIG_POOL)
+    out = scheduler_heap.attach(200_000)
+    assert out["frozen"] >= 200_000
+    # freeze_heap's own collection (a full one) and, at most, a few young ones around the build;
+    # building the 200,000 blocks with collections on starts hundreds of young ones
+    assert out["collections"][0] <= 10 and out["collections"][2] <= 2, out
 
 
 def test_a_warm_prefix_cache_adds_nothing_for_full_collections_to_walk():
-    run(WARM_CACHE)
+    out = scheduler_heap.warm_cache(20_000)
+    assert out["tracked_objects"] < 1000, out  # what a full collection walks
