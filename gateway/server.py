@@ -577,7 +577,7 @@ def server_builder(config: GatewayConfig, frontend: Frontend, log, max_connectio
         generation_pb2_grpc.add_GenerationServicer_to_server(GenerationServicer(frontend, log), server)
         health = AioHealth(server, (SERVICE_NAME,), loop)
         tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
-        return server, health, security.add_port(server, f"{config.host}:{config.port}", tls, "--port")
+        return server, health, security.add_port(server, config.host, config.port, tls, "--port")
 
     return build
 

@@ -408,7 +408,6 @@ async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None
     `engine.start(loop)`, the server with `await server.start()`)."""
     config.check_exposure()
     num_speculative_tokens(config.speculative_config)  # a bad --speculative-config fails here, named
-    ports.check_free("--port", config.host, config.port)  # one line, before grpc logs its own
     loop = asyncio.get_running_loop()
     metrics = SchedulerMetrics(REGISTRY)
     refusals = security.Refusals(log, lambda method: metrics.internal_auth_refused.labels("scheduler", method).inc(),
@@ -424,7 +423,7 @@ async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None
     engine = Engine(config.core_config, log, health.set, options, on_fatal, metrics)  # serving: a worker
     scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log, guard), server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
-    port = security.add_port(server, f"{config.host}:{config.port}", tls, "--port")
+    port = security.add_port(server, config.host, config.port, tls, "--port")
     return server, engine, port
 
 

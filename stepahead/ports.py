@@ -8,13 +8,18 @@ import socket
 from collections.abc import Collection
 from pathlib import Path
 
-__all__ = ["EXCLUSIVE_PORT", "check_free", "free_port", "free_ports"]
+__all__ = ["EXCLUSIVE_PORT", "check_free", "free_port", "free_ports", "host_port"]
 
 # A grpc server option: the listener holds its port alone. grpc's default on Linux sets
 # SO_REUSEPORT, so a second daemon started on a running one's port binds as well and the kernel
 # splits new connections between the two (a second scheduler would silently take some of the
 # workers and gateways); without it, the second one fails to bind and says so.
 EXCLUSIVE_PORT = ("grpc.so_reuseport", 0)
+
+
+def host_port(host: str, port: int) -> str:
+    """`host:port`, an IPv6 literal bracketed."""
+    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
 
 
 def check_free(flag: str, host: str, port: int) -> None:

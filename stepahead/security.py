@@ -23,6 +23,7 @@ from pathlib import Path
 
 import grpc
 
+from stepahead import ports
 from stepahead.config import ConfigError
 from stepahead.config import field as config_field
 from stepahead.logs import RateLimitedLog
@@ -179,15 +180,18 @@ def api_key_interceptor(keys: Sequence[str], on_reject=lambda method, peer: None
                                  on_reject=on_reject)
 
 
-def add_port(server: grpc.Server, address: str, tls: TLSFiles | None, flag: str) -> int:
+def add_port(server: grpc.Server, host: str, port: int, tls: TLSFiles | None, flag: str) -> int:
     """The port `server` listens on (TLS when `tls` is enabled); ConfigError naming `flag` when
-    it cannot bind (the server is made with `ports.EXCLUSIVE_PORT`: a port another daemon holds
-    is refused, not shared)."""
+    it cannot bind. The port is checked first (`ports.check_free`: one line before grpc logs
+    its own), and the server is made with `ports.EXCLUSIVE_PORT`, so a port another daemon
+    holds is refused, not shared."""
+    ports.check_free(flag, host, port)
+    address = ports.host_port(host, port)
     try:
         if tls is not None and tls.enabled:
             return server.add_secure_port(address, tls.server_credentials())
         return server.add_insecure_port(address)
-    except RuntimeError:  # grpc's "Failed to bind to address"
+    except RuntimeError:  # grpc's "Failed to bind to address" (taken since the check, or not a local host)
         raise ConfigError(f"{flag}: cannot listen on {address} (another process holds the port, or the host "
                           f"is not this machine's); stop what holds it or pick another {flag}") from None
 

@@ -25,11 +25,10 @@ class WorkerHealth:
         self._lock = threading.Lock()
         self._stopping = False
         # nothing guards this port (health needs no credential): garbage is refused quietly
-        ports.check_free("--health-port", host, port)  # one line, before grpc logs its own
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=2), interceptors=[UndecodableGuard(log)],
                                    options=[ports.EXCLUSIVE_PORT])
         self._health = daemon.Health(self._server, [], reflect=False)  # NOT_SERVING
-        self.port = security.add_port(self._server, f"{host}:{port}", None, "--health-port")
+        self.port = security.add_port(self._server, host, port, None, "--health-port")
         self._server.start()
 
     def attached(self) -> None:

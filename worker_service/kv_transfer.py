@@ -29,11 +29,6 @@ MESSAGE_OVERHEAD = 64 * 2**10  # a chunk's fields beside its data, generously
 SERVER_THREADS = 4  # concurrent ReadBlocks calls (each streams from the runner's transfer stream)
 
 
-def host_port(host: str, port: int) -> str:
-    """`host:port`, an IPv6 literal bracketed."""
-    return f"[{host}]:{port}" if ":" in host and not host.startswith("[") else f"{host}:{port}"
-
-
 def max_message_bytes(bytes_per_block: int) -> int:
     """The largest KVChunk message a reader accepts: `CHUNK_BYTES`, or one block if bigger."""
     return max(CHUNK_BYTES, bytes_per_block) + MESSAGE_OVERHEAD
@@ -92,15 +87,14 @@ class KVTransferServer:
                                    options=[("grpc.max_send_message_length", -1), ports.EXCLUSIVE_PORT])
         self.servicer = KVTransferServicer(log)
         scheduler_pb2_grpc.add_KVTransferServicer_to_server(self.servicer, self._server)
-        bind = host_port(config.kv_transfer_host, config.kv_transfer_port)
-        ports.check_free("--kv-transfer-port", config.kv_transfer_host, config.kv_transfer_port)
         try:
-            self.port = security.add_port(self._server, bind, config.kv_transfer_tls(), "--kv-transfer-port")
-        except cfg.ConfigError:
+            self.port = security.add_port(self._server, config.kv_transfer_host, config.kv_transfer_port,
+                                          config.kv_transfer_tls(), "--kv-transfer-port")
+        except cfg.ConfigError:  # the port, named (a ConfigError is a ValueError: before the next clause)
             raise
         except (OSError, ValueError) as exc:  # unreadable or incomplete TLS files
             raise cfg.ConfigError(f"--kv-transfer-ssl-*: {exc}") from None
-        self.address = host_port(config.kv_transfer_advertise_host or config.kv_transfer_host, self.port)
+        self.address = ports.host_port(config.kv_transfer_advertise_host or config.kv_transfer_host, self.port)
         self.instance = self.servicer.instance
         self._server.start()
         self._closed = threading.Event()
