@@ -31,7 +31,9 @@ reference path instead of failing. Processes that load at once (the workers of o
 turns under an `flock` on the build directory's `stepahead.lock`, which the kernel releases when
 its holder dies. Torch's own guard, a `lock` file that its builder deletes when done, is left
 behind by a builder that was killed, and then every later load waits on it forever; under the
-`flock` no live builder holds one, so a `lock` file found there is stale and removed.
+`flock` no live builder holds one, so a `lock` file found there is stale and removed. The build
+compiles copies of the sources in the build directory, so every checkout of the same sources
+shares one build (`_sources_in`).
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def _build() -> ModuleType | None:
         directory.mkdir(parents=True, exist_ok=True)
         with _exclusive(directory):
             _remove_stale_baton(directory)
-            module = load_extension(directory.name, [str(source) for source in SOURCES], extra_cflags=list(CFLAGS),
+            sources = _sources_in(directory)
+            module = load_extension(directory.name, [str(source) for source in sources], extra_cflags=list(CFLAGS),
                                     extra_ldflags=["-fopenmp"], build_directory=str(directory), verbose=False)
     except (OSError, RuntimeError, ImportError) as exc:  # no compiler or ninja: the torch ops serve
         log.warning("CPU kernels unavailable (%s: %s); decode attention takes the torch reference path, the "
@@ -122,6 +125,23 @@ def _exclusive(directory: Path):
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _sources_in(directory: Path) -> list[Path]:
+    """Under `_exclusive`: the sources and headers copied into `directory/src` (rewritten only
+    where they differ), which the build compiles. Torch's build file holds the sources' absolute
+    paths and ninja rebuilds when a command changes, so building from the checkout's own `csrc`
+    made every other checkout (a fresh clone, another venv) rebuild the shared build directory,
+    and the next load from the first one rebuild it again. The copies' paths are the same for
+    every checkout of the same sources (the directory is named by their hash)."""
+    src = directory / "src"
+    src.mkdir(exist_ok=True)
+    for path in SOURCES + HEADERS:
+        copy = src / path.name
+        data = path.read_bytes()
+        if not copy.is_file() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+    return [src / path.name for path in SOURCES]
 
 
 def _remove_stale_baton(directory: Path) -> None:

@@ -2,13 +2,18 @@
 stopped while it compiled) leaves torch's `lock` file in the build directory; the next process
 to load the kernels must not wait on it forever.
 
-Finding covered: after a worker was killed while it built the kernels, every later worker on
-the host hung at start-up in torch's `FileBaton.wait`, and `serve` never became ready."""
+Findings covered: after a worker was killed while it built the kernels, every later worker on
+the host hung at start-up in torch's `FileBaton.wait`, and `serve` never became ready. And a
+checkout of the same sources at another path (a fresh clone, another venv) rebuilt the shared
+build (~45 s), then the first checkout's next load rebuilt it again: torch's build file held each
+checkout's absolute source paths."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+
+from pathlib import Path
 
 from worker_service import cpu_kernels
 
@@ -41,3 +46,21 @@ def test_a_load_waits_for_a_live_builder_and_says_so(kernels):
             raise
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0 and "loaded" in out, out
+
+
+def test_another_checkout_of_the_same_sources_loads_the_build_without_rebuilding(kernels, tmp_path):
+    # `kernels`: built in this process first; another checkout's copy of csrc, loaded in a new process
+    other = tmp_path / "checkout" / "csrc"
+    other.mkdir(parents=True)
+    for path in cpu_kernels.SOURCES + cpu_kernels.HEADERS:
+        (other / path.name).write_bytes(path.read_bytes())
+    library = next(cpu_kernels.build_dir().glob("*.so"))
+    before = library.stat().st_mtime_ns
+    code = ("from pathlib import Path; from worker_service import cpu_kernels\n"
+            f"csrc = Path({str(other)!r})\n"
+            "cpu_kernels.SOURCES = tuple(csrc / p.name for p in cpu_kernels.SOURCES)\n"
+            "cpu_kernels.HEADERS = tuple(csrc / p.name for p in cpu_kernels.HEADERS)\n"
+            "assert cpu_kernels.build_dir().name == " + repr(cpu_kernels.build_dir().name) + "\n" + LOAD)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
+    assert library.stat().st_mtime_ns == before, "the other checkout rebuilt the kernels"
