@@ -138,7 +138,8 @@ class OpenAIServer:
         self._routes()
         self.app.openapi = self._openapi
         if api_keys:
-            self.app.middleware("http")(_api_key_check(api_keys, frontend))
+            self.app.add_middleware(ApiKeyCheck, keys=api_keys,
+                                    on_reject=lambda: frontend.metrics.observe_rejected("http", 401))
 
     def _routes(self) -> None:
         app = self.app
@@ -365,22 +366,32 @@ class OpenAIServer:
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})  # documentation, as vLLM
 
 
-def _api_key_check(keys: tuple[str, ...], frontend: Frontend):
-    """Every route but health and the API documentation needs `Authorization: Bearer KEY`
-    (401 otherwise)."""
-    secrets = tuple(k.encode() for k in keys)
+class ApiKeyCheck:
+    """ASGI middleware: every route but health and the API documentation (`OPEN_PATHS`) needs
+    `Authorization: Bearer KEY` with one of `keys`; anything else is answered 401 in OpenAI's
+    error shape before it reaches a route. A plain ASGI layer, not Starlette's
+    `BaseHTTPMiddleware` (`app.middleware("http")`), which pipes every message of a streamed
+    response through a memory stream and a task of its own: a hop per SSE event of every stream
+    on a server with API keys."""
 
-    async def check(request: Request, call_next):
-        if request.url.path not in OPEN_PATHS:
-            given = request.headers.get("authorization", "")
-            token = given[7:].encode() if given.startswith("Bearer ") else b""
-            if not any(hmac.compare_digest(token, s) for s in secrets):
-                frontend.metrics.observe_rejected("http", 401)
-                return JSONResponse(error_body("missing or wrong API key", "authentication_error", None,
-                                               "invalid_api_key"), 401)
-        return await call_next(request)
+    def __init__(self, app, keys: tuple[str, ...], on_reject: Callable[[], None]) -> None:
+        self.app = app
+        self._secrets = tuple(k.encode() for k in keys)
+        self._on_reject = on_reject
 
-    return check
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._permits(scope["headers"]):
+            await self.app(scope, receive, send)
+            return
+        self._on_reject()
+        response = JSONResponse(error_body("missing or wrong API key", "authentication_error", None,
+                                           "invalid_api_key"), 401, headers={"www-authenticate": "Bearer"})
+        await response(scope, receive, send)
+
+    def _permits(self, headers: list[tuple[bytes, bytes]]) -> bool:
+        given = next((value for name, value in headers if name == b"authorization"), b"")
+        token = given[7:] if given.startswith(b"Bearer ") else b""
+        return any(hmac.compare_digest(token, s) for s in self._secrets)
 
 
 async def _http_exception(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

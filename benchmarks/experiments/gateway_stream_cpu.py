@@ -20,6 +20,9 @@ with `stream` and `include_usage`, token-id prompts): a plain asyncio HTTP/1.1 c
 each response raw and counts its chunks once at the end, so its own cost per message is a
 socket read.
 
+`--api-key KEY` starts the gateways with that key and has the client send it (the check every
+request of a server with API keys goes through).
+
 `--gateways N` runs N gateways against the one replay scheduler (each its own `Connect`
 stream), the client's streams spread over them: their CPU summed per token is the same as one
 gateway's when the per-token cost does not depend on how many gateways share the streams (the
@@ -89,10 +92,12 @@ def check_running(proc: subprocess.Popen) -> None:
     raise SystemExit(f"{' '.join(map(str, proc.args[1:4]))} exited with {proc.returncode}: " + " | ".join(tail))
 
 
-def wait_ready(target: str, transport: str, proc: subprocess.Popen, timeout_s: float = 120.0) -> None:
+def wait_ready(target: str, transport: str, proc: subprocess.Popen, api_key: str | None = None,
+               timeout_s: float = 120.0) -> None:
     check = lambda: check_running(proc)  # noqa: E731
+    metadata = (("authorization", f"Bearer {api_key}"),) if api_key else None
     if transport == "http":
-        return wait_http(target, timeout_s, check)
+        return wait_http(target, timeout_s, check, dict(metadata or ()))
     import grpc
 
     from stepahead.v1 import generation_pb2, generation_pb2_grpc
@@ -102,7 +107,8 @@ def wait_ready(target: str, transport: str, proc: subprocess.Popen, timeout_s: f
         stub = generation_pb2_grpc.GenerationStub(channel)
         while True:
             try:
-                stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=2, wait_for_ready=True)
+                stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=2, wait_for_ready=True,
+                                  metadata=metadata)
                 return
             except grpc.RpcError:
                 check()
@@ -110,14 +116,15 @@ def wait_ready(target: str, transport: str, proc: subprocess.Popen, timeout_s: f
                     raise
 
 
-def wait_http(target: str, timeout_s: float, check) -> None:
+def wait_http(target: str, timeout_s: float, check, headers: dict[str, str]) -> None:
     import urllib.error
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
     while True:
         try:
-            with urllib.request.urlopen(f"http://{target}/v1/models", timeout=5) as response:
+            request = urllib.request.Request(f"http://{target}/v1/models", headers=headers)
+            with urllib.request.urlopen(request, timeout=5) as response:
                 if response.status == 200:
                     return
         except (urllib.error.URLError, OSError):
@@ -127,14 +134,14 @@ def wait_http(target: str, timeout_s: float, check) -> None:
         time.sleep(0.2)
 
 
-async def http_stream(host: str, port: int, body: bytes) -> tuple[int, int]:
+async def http_stream(host: str, port: int, body: bytes, auth: bytes = b"") -> tuple[int, int]:
     """One streamed completion over a plain HTTP/1.1 connection: (completion tokens from the
     usage chunk, token messages). The response is read raw and parsed once at its end, so the
     client's cost per message is a socket read."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" + auth
+                     + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
             raise RuntimeError(head.decode(errors="replace").splitlines()[0])
@@ -153,7 +160,7 @@ async def http_stream(host: str, port: int, body: bytes) -> tuple[int, int]:
     return int(usage[-1]), messages
 
 
-def http_client_round(target: str, streams: int, input_len: int, output_len: int) -> dict:
+def http_client_round(target: str, streams: int, input_len: int, output_len: int, api_key: str | None = None) -> dict:
     """`streams` streamed completions at once over HTTP (token-id prompts, EOS ignored, usage asked for)."""
     import random
 
@@ -162,11 +169,12 @@ def http_client_round(target: str, streams: int, input_len: int, output_len: int
     bodies = [json.dumps({"model": "llama3-8b-sim", "prompt": [rng.randrange(1000, 30000) for _ in range(input_len)],
                           "max_tokens": output_len, "ignore_eos": True, "stream": True,
                           "stream_options": {"include_usage": True}}).encode() for _ in range(streams)]
+    auth = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
 
     async def run() -> tuple[list, float]:
         start = time.perf_counter()
         out = await asyncio.gather(*(http_stream(addresses[i % len(addresses)][0], int(addresses[i % len(addresses)][1]),
-                                                 b) for i, b in enumerate(bodies)), return_exceptions=True)
+                                                 b, auth) for i, b in enumerate(bodies)), return_exceptions=True)
         return out, time.perf_counter() - start
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -178,7 +186,7 @@ def http_client_round(target: str, streams: int, input_len: int, output_len: int
             "wall_s": elapsed, "client_cpu_s": usage.ru_utime + usage.ru_stime - cpu0}
 
 
-def client_round(target: str, streams: int, input_len: int, output_len: int) -> dict:
+def client_round(target: str, streams: int, input_len: int, output_len: int, api_key: str | None = None) -> dict:
     """One round of the `stepahead bench` client's grpc.aio workload (run in a child process)."""
     from cli import bench
 
@@ -190,7 +198,7 @@ def client_round(target: str, streams: int, input_len: int, output_len: int) -> 
     workload = bench.make_workload(wargs, 1000)
     usage = resource.getrusage(resource.RUSAGE_SELF)
     cpu0 = usage.ru_utime + usage.ru_stime
-    results, elapsed, _ = asyncio.run(bench.run_workload_async(target, None, workload, wargs))
+    results, elapsed, _ = asyncio.run(bench.run_workload_async(target, api_key, workload, wargs))
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"tokens": sum(r.output_len for r in results if not r.error), "failed": sum(1 for r in results if r.error),
             "messages": sum(len(r.token_times) for r in results if not r.error),
@@ -219,7 +227,7 @@ def one_round(target: str, pids: list[int], tree: Path, args, streams: int, outp
     gw0, threads0 = sum(cpu_seconds(pid) for pid in pids), threads_cpu(pids, names)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-round", target, "--streams",
                           str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len),
-                          "--transport", args.transport],
+                          "--transport", args.transport, *(["--api-key", args.api_key] if args.api_key else [])],
                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
     gw, threads = sum(cpu_seconds(pid) for pid in pids) - gw0, threads_cpu(pids, names)
     if spy is not None:
@@ -291,7 +299,8 @@ def servers_for(args, interval: int) -> list[Server]:
             launches.append((["-m", "cli", "gateway", "--scheduler", sched_addr, "--port", str(port),
                               "--http-port", str(port + 1 if http else 0), "--model", args.model,
                               "--stream-interval", str(interval), "--max-concurrent-streams",
-                              str(max(args.streams, 16)), "--log-level", "warning"], port + 1 if http else port))
+                              str(max(args.streams, 16)), "--log-level", "warning",
+                              *(["--api-key", args.api_key] if args.api_key else [])], port + 1 if http else port))
         out.append(Server(name, tree, launches))
     if args.floor and interval == 1:
         port = args.port + 9
@@ -310,7 +319,7 @@ def run_interval(args, interval: int) -> list[dict]:
     try:
         for s in servers:
             for target, proc in zip(s.target.split(","), s.procs):
-                wait_ready(target, args.transport, proc)
+                wait_ready(target, args.transport, proc, args.api_key)
             one_round(s.target, s.pids, s.tree, args, 16, 8, None)  # warm-up
         for r in range(args.rounds):
             for s in servers:  # alternating: the same machine load for each
@@ -355,12 +364,13 @@ def main() -> None:
     parser.add_argument("--floor", action="store_true",
                         help="also measure the transport's own per-message cost (grpc.aio's, or uvicorn's)")
     parser.add_argument("--profile", action="store_true", help="py-spy each gateway in its last round")
+    parser.add_argument("--api-key", default=None, help="start the gateways with this API key; the client sends it")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--client-round", default=None, help=argparse.SUPPRESS)  # the child process's mode
     args = parser.parse_args()
     if args.client_round:
         run_round = http_client_round if args.transport == "http" else client_round
-        print(json.dumps(run_round(args.client_round, args.streams, args.input_len, args.output_len)))
+        print(json.dumps(run_round(args.client_round, args.streams, args.input_len, args.output_len, args.api_key)))
         return
     args.model = str(resolve_model(args.model))  # a built-in is built once, here (the gateways only read it)
     replays = [start([str(tree / "benchmarks" / "experiments" / "replay_scheduler.py"), "--model", args.model, "--port",

@@ -2,7 +2,9 @@
 
 Findings covered: anyone who reached the scheduler could attach a worker with a copied
 hello (reading every prompt, writing every output) and abort other gateways' requests by
-id; no TLS or API keys anywhere; reflection exposed the internal proto.
+id; no TLS or API keys anywhere; reflection exposed the internal proto; the HTTP API's keys
+had no test against a server (and went through Starlette's `BaseHTTPMiddleware`, a task hop per
+streamed message).
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ import subprocess
 import sys
 
 import grpc
+import httpx2 as httpx
+import openai
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
@@ -21,7 +25,7 @@ from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc, schedu
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from testing.certs import make_certs
 from tests.service.harness import Serve
-from tests.service.streams import ConnectSession, greedy, wait_health
+from tests.service.streams import ConnectSession, greedy, wait_health, wait_idle
 
 HELLO = scheduler_pb2.WorkerHello(worker_id="rogue", model_name="tiny", model_type="llama", dtype="float32",
                                   device="cpu", block_size=16, num_device_blocks=64, max_model_len=2048,
@@ -76,6 +80,36 @@ def test_public_calls_need_an_api_key(serve):
         messages = list(generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=60))
     assert messages[-1].finish_reason in (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
     wait_health(serve.gateway_addr, serving=True)  # health stays open for probes
+
+
+def test_http_calls_need_an_api_key_and_a_keyed_stream_behaves_as_any(serve):
+    url = serve.http_url
+    body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+    for headers in ({}, {"authorization": "Bearer nope"}, {"authorization": "key-one"}, {"authorization": "Bearer"}):
+        for method, path in (("POST", "/v1/completions"), ("GET", "/v1/models"), ("GET", "/metrics")):
+            refused = httpx.request(method, url + path, json=body if method == "POST" else None, headers=headers,
+                                    timeout=30)
+            assert refused.status_code == 401, (path, headers, refused.text)
+            assert refused.json()["error"]["type"] == "authentication_error"
+            assert refused.headers["www-authenticate"] == "Bearer"
+    assert httpx.get(url + "/health", timeout=30).status_code == 200  # probes and the API docs stay open
+    assert httpx.get(url + "/openapi.json", timeout=30).status_code == 200
+
+    with openai.OpenAI(base_url=url + "/v1", api_key="key-two", max_retries=0, timeout=120) as client:
+        options = dict(model="tiny", prompt=body["prompt"], max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+        whole = client.completions.create(**options)
+        chunks = list(client.completions.create(**options, stream=True, stream_options={"include_usage": True}))
+    assert whole.usage.completion_tokens == 12
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text  # the same greedy text
+    assert chunks[-1].usage.completion_tokens == 12
+
+    before = serve.stats()  # a keyed stream the client leaves is aborted upstream (disconnects pass the check)
+    long = dict(body, max_tokens=1500, n=2, stream=True)
+    with httpx.stream("POST", url + "/v1/completions", json=long, headers={"authorization": "Bearer key-one"},
+                      timeout=60) as response:
+        assert response.status_code == 200
+        assert next(line for line in response.iter_lines() if line.startswith("data:"))
+    assert wait_idle(serve, timeout_s=30).num_aborted == before.num_aborted + 2
 
 
 def test_a_gateway_can_abort_only_its_own_requests(serve):
