@@ -10,6 +10,7 @@ streamed message).
 from __future__ import annotations
 
 import os
+import ssl
 import subprocess
 import sys
 
@@ -139,7 +140,7 @@ def _spawn(*args: str, env: dict[str, str]) -> subprocess.Popen:
 
 def test_tls_and_mtls_on_both_planes(tmp_path, tiny_model_dir):  # noqa: F811
     certs = make_certs(tmp_path)
-    sched_port, gw_port = free_port(), free_port()
+    sched_port, gw_port, http_port = free_port(), free_port(), free_port()
     token = {"STEPAHEAD_CLUSTER_TOKEN": "t0k3n"}
     client_tls = ["--scheduler-ssl-ca-certs", str(certs.ca), "--scheduler-ssl-certfile", str(certs.client_cert),
                   "--scheduler-ssl-keyfile", str(certs.client_key)]
@@ -148,7 +149,8 @@ def test_tls_and_mtls_on_both_planes(tmp_path, tiny_model_dir):  # noqa: F811
                str(certs.server_key), "--ssl-ca-certs", str(certs.ca), env=token),
         _spawn("worker", "--scheduler", f"localhost:{sched_port}", "--model", str(tiny_model_dir), *client_tls,
                env=token),
-        _spawn("gateway", "--scheduler", f"localhost:{sched_port}", "--port", str(gw_port), "--model",
+        _spawn("gateway", "--scheduler", f"localhost:{sched_port}", "--port", str(gw_port), "--http-port",
+               str(http_port), "--model",
                str(tiny_model_dir), "--ssl-certfile", str(certs.server_cert), "--ssl-keyfile", str(certs.server_key),
                *client_tls, env=dict(token, STEPAHEAD_API_KEY="k")),
     ]
@@ -159,6 +161,14 @@ def test_tls_and_mtls_on_both_planes(tmp_path, tiny_model_dir):  # noqa: F811
             stub = generation_pb2_grpc.GenerationStub(channel)
             messages = list(stub.Generate(greedy([5, 6, 7], 4), timeout=120, wait_for_ready=True))
             assert sum(len(m.token_ids) for m in messages) == 4
+        https = ssl.create_default_context(cafile=str(certs.ca))  # the HTTP API on the same certificate
+        with openai.OpenAI(base_url=f"https://localhost:{http_port}/v1", api_key="k", max_retries=0, timeout=120,
+                           http_client=openai.DefaultHttpxClient(verify=https)) as client:
+            out = client.completions.create(model=str(tiny_model_dir), prompt=[5, 6, 7], max_tokens=4, temperature=0,
+                                            extra_body={"ignore_eos": True})
+        assert out.usage.completion_tokens == 4
+        with pytest.raises(httpx.HTTPError):  # plaintext HTTP to the TLS port
+            httpx.get(f"http://localhost:{http_port}/health", timeout=10)
         with grpc.insecure_channel(f"127.0.0.1:{gw_port}") as plain:  # plaintext to a TLS port
             stub = generation_pb2_grpc.GenerationStub(plain)
             assert _code(lambda: stub.ListModels(generation_pb2.ListModelsRequest(), timeout=10)) \
