@@ -36,6 +36,9 @@ from cli import runfile
 from model_zoo.builtin_models import DEFAULT_MODEL, MODEL_HELP
 from stepahead.ports import check_free, free_port, free_ports
 
+HEALTHY_RUN_S = 600.0  # a daemon that ran this long before it died starts its restart count over (the kubelet's rule)
+MAX_BACKOFF_S = 30.0  # the longest wait before a restart
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = cfg.field(DEFAULT_MODEL, MODEL_HELP)
@@ -55,7 +58,8 @@ class ServeConfig:
         None, "CPU device: worker on all cores but the last, the rest on the last (default: auto, see "
         "cpu_layout: pinned unless the model is big for the machine)")
     api_key: str | None = cfg.field(None, "API keys the gateway requires (comma list; env recommended)")
-    max_restarts: int = cfg.field(10, "restarts of a crashed daemon before serve gives up")
+    max_restarts: int = cfg.field(10, "restarts of a crashing daemon in a row before serve gives up (a daemon "
+                                  f"that ran {HEALTHY_RUN_S / 60:.0f} minutes before it died starts the count over)")
     log_level: str = cfg.field("info", "log level of every daemon")
 
 
@@ -96,11 +100,13 @@ class Child:
     cpus: set[int] | None
     env: dict[str, str]
     proc: subprocess.Popen | None = None
-    restarts: int = 0
+    restarts: int = 0  # restarts in a row (since it last ran HEALTHY_RUN_S)
     next_start: float = 0.0
     last_line: str = ""
+    started_at: float = 0.0  # monotonic time of the last start
 
     def start(self) -> None:
+        self.started_at = time.monotonic()
         self.proc = spawn(self.args, self.cpus, self.env)
         self.last_line = ""
         threading.Thread(target=_forward_stderr, args=(self,), name=f"{self.name}-stderr", daemon=True).start()
@@ -179,20 +185,31 @@ def shutdown(procs: list[subprocess.Popen], drain_timeout_s: float = 30.0, timeo
         stop_one(p, timeout_s)
 
 
+def restart_delay(child: Child, now: float, max_restarts: int) -> float | None:
+    """Seconds before `child`, found dead at `now`, starts again (0.5 s doubling to
+    MAX_BACKOFF_S), or None when it has died more than `max_restarts` times in a row. A death
+    after HEALTHY_RUN_S of running is a new incident, not part of a crash loop: it starts the
+    count over, so a long-running server survives an occasional crash however many it sees."""
+    if now - child.started_at >= HEALTHY_RUN_S:
+        child.restarts = 0
+    if child.restarts >= max_restarts:
+        return None
+    return min(0.5 * 2**child.restarts, MAX_BACKOFF_S)
+
+
 def supervise(children: list[Child], stop: threading.Event, max_restarts: int) -> int:
-    """Restart children that die, with exponential backoff; 0 when stopped, 1 when a child
-    keeps dying (more than max_restarts)."""
+    """Restart children that die (`restart_delay`); 0 when stopped, 1 when a child keeps dying."""
     while not stop.wait(0.2):
         now = time.monotonic()
         for child in children:
             if not child.exited():
                 continue
             if child.next_start == 0.0:  # just noticed
-                if child.restarts >= max_restarts:
-                    print(f"stepahead: {child.name} died {child.restarts + 1} times; shutting down",
+                delay = restart_delay(child, now, max_restarts)
+                if delay is None:
+                    print(f"stepahead: {child.name} died {child.restarts + 1} times in a row; shutting down",
                           file=sys.stderr, flush=True)
                     return 1
-                delay = min(0.5 * 2**child.restarts, 30.0)
                 print(f"stepahead: {child.name} exited (code {child.proc.returncode}); restarting in {delay:.1f}s",
                       file=sys.stderr, flush=True)
                 child.next_start = now + delay
