@@ -12,12 +12,14 @@ token was streamed: they all came with it); events after that are the continuati
 one continuous stream. Attempts back off exponentially, up to `failover_timeout_s`.
 
 The pool has the link's interface (`submit(msg, sink)`, `abort`, `release`): events reach
-the request's sink on the links' event loop; a failover happens there, or on a timer thread
-while every scheduler is down (the loop never sleeps).
+the request's sink on the links' event loop, and a failover happens there too; while every
+scheduler is down its resubmission waits in a timer of that loop (the loop never sleeps, and a
+scheduler's restart under a thousand open streams starts no thread).
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import threading
 import time
@@ -114,9 +116,7 @@ class SchedulerPool:
         delay = route.backoff if self._all_down() else 0.0
         route.backoff = min(route.backoff * 2, 2.0)
         if delay:
-            timer = threading.Timer(delay, self._resubmit, args=(route, str(exc)))
-            timer.daemon = True
-            timer.start()
+            asyncio.get_running_loop().call_later(delay, self._resubmit, route, str(exc))  # the links' loop
         else:
             self._resubmit(route, str(exc))
 

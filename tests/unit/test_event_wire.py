@@ -342,6 +342,69 @@ def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_sched
     assert [type(e) for e in got] == [full, packed, full, packed, full]
 
 
+class _LosesTheFirstStream(scheduler_pb2_grpc.SchedulerServicer):
+    """The gateway's only scheduler: its first stream breaks once `count` requests are in;
+    later streams answer each submission with a finished token event."""
+
+    def __init__(self, count: int) -> None:
+        self.count, self.connects = count, 0
+
+    def Connect(self, request_iterator, context):
+        self.connects += 1
+        if self.connects == 1:
+            for n, _ in enumerate(request_iterator, 1):
+                if n == self.count:
+                    context.abort(grpc.StatusCode.UNAVAILABLE, "scheduler restarting")
+        for msg in request_iterator:
+            if msg.HasField("submit"):
+                batch = scheduler_pb2.EventBatch()
+                batch.events.add(request_id=msg.submit.request_id, token_ids=[7], num_prompt_tokens=1,
+                                 finish_reason=2)
+                yield batch
+
+
+class _ThreadLog(_Log):
+    def warning(self, event: str, **kw) -> None:
+        super().warning(event, thread=threading.current_thread().name, **kw)
+
+
+def test_while_every_scheduler_is_down_resubmissions_wait_on_the_loop_not_a_thread_each():
+    """With one scheduler, its restart leaves every open request waiting for it to come back:
+    each waits in a timer of the links' loop. It used to be a `threading.Timer` each (a thread
+    per open request at once, again at every backoff step, under a thousand streams)."""
+    from gateway.scheduler_pool import SchedulerPool
+
+    count = 40
+    servicer = _LosesTheFirstStream(count)
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    log, finished, done = _ThreadLog(), set(), threading.Event()
+
+    def sink(event) -> None:
+        assert not isinstance(event, LinkBroken), event
+        if event.finish_reason:
+            finished.add(event.request_id)
+            if len(finished) == count:
+                done.set()
+
+    loop = GrpcThread()
+    try:
+        link = SchedulerLink(functools.partial(grpc.aio.insecure_channel, f"127.0.0.1:{port}"), loop.loop, log)
+        pool = SchedulerPool([link], ["s0"], log, failover_timeout_s=60)
+        for i in range(count):
+            pool.submit(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=[1, 2]), sink)
+        assert done.wait(60), f"{len(finished)} of {count} requests finished"
+        pool.close()
+    finally:
+        loop.stop()
+        server.stop(None)
+    resubmitted = [w for w in log.warnings if w["event"] == "request_resubmitted"]
+    assert len(resubmitted) == count and servicer.connects == 2
+    assert {w["thread"] for w in resubmitted} == {"grpc-aio"}  # the links' loop, no thread of their own
+
+
 class _Echo(scheduler_pb2_grpc.SchedulerServicer):
     """A scheduler that answers each submission with one token event and each abort with
     nothing, and keeps the stream open until the client ends it."""
