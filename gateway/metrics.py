@@ -33,6 +33,8 @@ class GatewayMetrics:
         self.undecodable = Counter(
             p + "grpc_undecodable_messages", "gRPC request messages that did not decode (INVALID_ARGUMENT)",
             ["method"], registry=r)
+        self.resubmitted = Counter(p + "requests_resubmitted", "requests resubmitted after their scheduler "
+                                   "stream broke, by the scheduler that took them", ["scheduler"], registry=r)
         self.active = Gauge(p + "active_requests", "requests open now (both transports)", registry=r)
         self.e2e = Histogram(p + "e2e_request_latency_seconds", "accepted to finished", ["transport"],
                              registry=r, buckets=_LATENCY_BUCKETS)

@@ -26,6 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 
 from gateway.scheduler_link import LinkBroken, SchedulerLink
+from stepahead.logs import RateLimitedLog
 from stepahead.v1 import scheduler_pb2
 
 AFFINITY_TOKENS = 32  # the prompt prefix that decides affinity
@@ -54,9 +55,15 @@ class _Route:
 
 class SchedulerPool:
     def __init__(self, links: Sequence[SchedulerLink], names: Sequence[str], log,
-                 failover_timeout_s: float = 60.0, balance_abs_threshold: int = 8) -> None:
+                 failover_timeout_s: float = 60.0, balance_abs_threshold: int = 8,
+                 on_resubmit: Callable[[str], None] = lambda scheduler: None) -> None:
+        """`on_resubmit(scheduler)`: a request was resubmitted to that scheduler (a metric); the
+        resubmissions are logged (`request_resubmitted`) at most once per 10 s, with how many
+        were not: a scheduler lost under a thousand open streams is one line, not a thousand."""
         assert links and len(links) == len(names)
         self._links, self._names, self._log = list(links), list(names), log
+        self._resubmitted = RateLimitedLog(log, "request_resubmitted")
+        self._on_resubmit = on_resubmit
         self._down_until = [0.0] * len(links)  # monotonic: skip a link that just broke
         self._failover_timeout_s = failover_timeout_s
         self._balance = balance_abs_threshold
@@ -126,8 +133,9 @@ class SchedulerPool:
             return
         route.index = self._choose(route.msg, exclude=route.index)
         route.offset = len(route.streamed)
-        self._log.warning("request_resubmitted", request_id=rid, reason=reason,
-                          scheduler=self._names[route.index], tokens_streamed=len(route.streamed))
+        self._resubmitted.note(request_id=rid, reason=reason, scheduler=self._names[route.index],
+                               tokens_streamed=len(route.streamed))
+        self._on_resubmit(self._names[route.index])
         self._links[route.index].submit(continuation(route.msg, route.streamed), route.on_event)
 
     def _choose(self, msg: scheduler_pb2.SubmitRequest, exclude: int | None) -> int:

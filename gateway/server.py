@@ -473,7 +473,8 @@ def run(args: argparse.Namespace) -> int:
     grpc_server = GrpcThread()  # its event loop runs both public servers and the links to the schedulers
     links = [SchedulerLink(functools.partial(config.scheduler_aio_channel, address), grpc_server.loop, log,
                            config.stream_interval, config.scheduler_metadata()) for address in config.scheduler]
-    pool = SchedulerPool(links, config.scheduler, log, config.failover_timeout)
+    pool = SchedulerPool(links, config.scheduler, log, config.failover_timeout,
+                         on_resubmit=lambda scheduler: metrics.resubmitted.labels(scheduler).inc())
     frontend = Frontend(tokenizer, codec.worker_info_from_proto(model), pool, config.max_request_bytes, metrics, gate,
                         config.stream_interval, config.tool_call_parser, config.reasoning_parser)
     port = grpc_server.start(server_builder(config, frontend, log, max_connections))

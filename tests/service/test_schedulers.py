@@ -34,18 +34,30 @@ def stats(address: str) -> scheduler_pb2.SchedulerStats:
         return scheduler_pb2_grpc.SchedulerStub(ch).GetStats(scheduler_pb2.GetStatsRequest(), timeout=10)
 
 
+def resubmitted(metrics_port: int) -> dict[str, float]:
+    """The gateway's `requests_resubmitted` counter by scheduler."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    return {sample.labels["scheduler"]: sample.value for family in text_string_to_metric_families(text)
+            for sample in family.samples if sample.name == "stepahead:gateway_requests_resubmitted_total"}
+
+
 @pytest.mark.slow  # torch workers; the sim chaos test covers scheduler loss in the default run
 def test_a_killed_scheduler_s_requests_continue_on_another(tiny_model_dir, hf):  # noqa: F811
     ports = [free_port(), free_port()]
     addresses = [f"127.0.0.1:{p}" for p in ports]
-    gw_port = free_port()
+    gw_port, metrics_port = free_port(), free_port()
     logs = DaemonLogs()
     spawn = logs.spawn
     procs = {f"scheduler{i}": start_scheduler(logs, p) for i, p in enumerate(ports)}
     for i, a in enumerate(addresses):
         procs[f"worker{i}"] = spawn("worker", "--scheduler", a, "--model", str(tiny_model_dir), "--num-threads", "1")
     procs["gateway"] = spawn("gateway", "--scheduler", addresses[0], "--scheduler", addresses[1],
-                             "--port", str(gw_port), "--http-port", "0", "--model", str(tiny_model_dir))
+                             "--port", str(gw_port), "--http-port", "0", "--model", str(tiny_model_dir),
+                             "--metrics-port", str(metrics_port))
     channel = grpc.insecure_channel(f"127.0.0.1:{gw_port}")
     try:
         for a in [*addresses, f"127.0.0.1:{gw_port}"]:
@@ -65,6 +77,8 @@ def test_a_killed_scheduler_s_requests_continue_on_another(tiny_model_dir, hf): 
         for t in threads:
             t.join(timeout=300)
         check_streams(hf, streams)  # every stream whole and = HF: the killed one's requests resumed
+        moved = resubmitted(metrics_port)
+        assert set(moved) == {addresses[1]} and 1 <= moved[addresses[1]] <= len(streams), moved
 
         procs[f"scheduler{victim}"] = start_scheduler(logs, ports[victim])  # back on its port
         wait_health(addresses[victim], serving=True)  # its worker re-attached by itself
