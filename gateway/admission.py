@@ -8,6 +8,7 @@ while `drain()` waits for the open ones to finish. Nothing is ever dropped silen
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 RETRY_AFTER_S = "1"  # what a refused client is told to wait before trying again (429/503, gRPC trailers)
 
@@ -21,10 +22,13 @@ class Draining(Exception):
 
 
 class StreamGate:
-    def __init__(self, limit: int) -> None:
+    def __init__(self, limit: int, on_overloaded: Callable[[int], None] = lambda limit: None) -> None:
+        """`on_overloaded(limit)`: a stream was refused for the limit (the daemon logs it, rate-limited:
+        an overloaded gateway refuses many)."""
         if limit < 1:
             raise ValueError(f"the stream limit must be >= 1, got {limit}")
         self.limit = limit
+        self._on_overloaded = on_overloaded
         self._active = 0
         self._draining = False
         self._idle = threading.Condition()
@@ -37,10 +41,12 @@ class StreamGate:
         with self._idle:
             if self._draining:
                 raise Draining("the gateway is shutting down; retry on another gateway")
-            if self._active >= self.limit:
-                raise Overloaded(f"the gateway is at its limit of {self.limit} concurrent streams "
-                                 "(--max-concurrent-streams); retry later")
-            self._active += 1
+            if self._active < self.limit:
+                self._active += 1
+                return
+        self._on_overloaded(self.limit)
+        raise Overloaded(f"the gateway is at its limit of {self.limit} concurrent streams "
+                         "(--max-concurrent-streams); retry later")
 
     def leave(self) -> None:
         with self._idle:

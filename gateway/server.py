@@ -257,7 +257,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ValueError as exc:  # the id is already in flight here
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request_id: {exc}")
         except Overloaded as exc:  # never a silent queue: the client hears it at once
-            self.log.warning("request_refused", reason="overloaded", open=front.gate.active)
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), trailing_metadata=RETRY_HINT)
         except Draining as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc), trailing_metadata=RETRY_HINT)
@@ -469,7 +468,8 @@ def run(args: argparse.Namespace) -> int:
     model = wait_for_model(channels, stop, log)  # the limits to validate against come from the worker
     if model is None:
         return 0
-    gate = StreamGate(config.max_concurrent_streams)
+    refused = RateLimitedLog(log, "request_refused")  # both transports' refusals past the stream limit
+    gate = StreamGate(config.max_concurrent_streams, lambda limit: refused.note(reason="overloaded", limit=limit))
     grpc_server = GrpcThread()  # its event loop runs both public servers and the links to the schedulers
     links = [SchedulerLink(functools.partial(config.scheduler_aio_channel, address), grpc_server.loop, log,
                            config.stream_interval, config.scheduler_metadata()) for address in config.scheduler]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import urllib.error
 import urllib.request
 
 import grpc
@@ -76,15 +77,28 @@ def test_sigterm_drains_open_streams_and_logs_quietly(tiny_model_dir):  # noqa: 
 
 
 def test_overload_and_deadlines_get_a_status(tiny_model_dir):  # noqa: F811
-    with Serve(tiny_model_dir, "--max-concurrent-streams", "3") as serve:
+    """Past the stream limit both transports refuse at once, and the refusals (a client can send
+    them at will) are one warning line per 10 s, not a line each."""
+    with Serve(tiny_model_dir, "--max-concurrent-streams", "3", capture_stderr=True) as serve:
         streams = [Stream(serve.gateway, 1500, prompt=(5, 6, 7 + i)) for i in range(3)]
         for s in streams:
             assert s.started.wait(120) and s.error is None
-        try:
-            list(serve.gateway.Generate(greedy([9], 2), timeout=30))
-            raise AssertionError("a 4th stream was accepted past --max-concurrent-streams 3")
-        except grpc.RpcError as exc:
-            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-concurrent-streams" in exc.details()
+        for _ in range(5):
+            try:
+                list(serve.gateway.Generate(greedy([9], 2), timeout=30))
+                raise AssertionError("a 4th stream was accepted past --max-concurrent-streams 3")
+            except grpc.RpcError as exc:
+                assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-concurrent-streams" in exc.details()
+            body = json.dumps({"model": "tiny", "prompt": [9], "max_tokens": 2}).encode()
+            request = urllib.request.Request(serve.http_url + "/v1/completions", data=body,
+                                             headers={"content-type": "application/json"})
+            try:
+                urllib.request.urlopen(request, timeout=30)
+                raise AssertionError("a 4th stream was accepted over HTTP")
+            except urllib.error.HTTPError as exc:
+                assert exc.code == 429 and exc.headers["retry-after"], exc
+        refusals = [line for line in serve.stderr_lines if '"event": "request_refused"' in line]
+        assert len(refusals) == 1 and '"limit": 3' in refusals[0], refusals
         for s in streams:
             s.call.cancel()
             s.thread.join(60)

@@ -166,3 +166,18 @@ def test_scoped_ids_keep_within_the_id_limit_and_never_name_the_key():
     front.link = _DedupLink()
     gen = _start_as(front, "peer:ipv4:127.0.0.1:1", long_id, n=3)
     assert all(len(rid) <= MAX_ID_CHARS for rid in gen.upstream_ids) and len(set(gen.upstream_ids)) == 3
+
+
+def test_each_refusal_for_the_limit_is_reported_and_a_drain_refusal_is_not():
+    refused = []
+    gate = StreamGate(1, on_overloaded=refused.append)
+    gate.enter()
+    for _ in range(3):
+        with pytest.raises(Overloaded):
+            gate.enter()
+    assert refused == [1, 1, 1] and gate.active == 1
+    gate.leave()
+    gate.drain(0.0)
+    with pytest.raises(Draining):
+        gate.enter()
+    assert refused == [1, 1, 1]
