@@ -39,6 +39,7 @@ from stepahead.ports import check_free, free_port, free_ports
 HEALTHY_RUN_S = 600.0  # a daemon that ran this long before it died starts its restart count over (the kubelet's rule)
 MAX_BACKOFF_S = 30.0  # the longest wait before a restart
 
+
 @dataclass(frozen=True)
 class ServeConfig:
     model: str = cfg.field(DEFAULT_MODEL, MODEL_HELP)

@@ -61,7 +61,7 @@ class SchedulerPool:
         resubmissions are logged (`request_resubmitted`) at most once per 10 s, with how many
         were not: a scheduler lost under a thousand open streams is one line, not a thousand."""
         assert links and len(links) == len(names)
-        self._links, self._names, self._log = list(links), list(names), log
+        self._links, self._names = list(links), list(names)
         self._resubmitted = RateLimitedLog(log, "request_resubmitted")
         self._on_resubmit = on_resubmit
         self._down_until = [0.0] * len(links)  # monotonic: skip a link that just broke
