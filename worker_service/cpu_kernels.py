@@ -23,8 +23,10 @@ ops instead under `torch.compile` (inductor fuses them itself) and for anything 
 the CPU. The results equal the torch ops' within float32 rounding.
 
 The build (g++, ninja, `-O3 -march=native`) goes to `$STEPAHEAD_CACHE_DIR/torch_extensions/`
-under a name hashed from the sources and the CPU's flags, so a restart loads the cached
-library and a cache shared between machines never loads code built for another CPU.
+under a name hashed from the sources, the CPU's flags and the torch installation, so a restart
+loads the cached library, a cache shared between machines never loads code built for another
+CPU, and two venvs never rebuild each other's (torch's header and library paths are in the
+build's commands, and ninja rebuilds when a command changes).
 `load()` builds or loads it once per process, logs the time it took, and returns None where
 it cannot (no compiler; the reason is logged as a warning), so the worker falls back to the
 reference path instead of failing. Processes that load at once (the workers of one host) take
@@ -71,9 +73,16 @@ def _cpu_flags() -> str:
     return f"{platform.machine()} {platform.processor()}"
 
 
+def _torch_dir() -> str:
+    """Where this process's torch is installed: its headers and libraries are in the build's
+    commands, so each installation (each venv) gets a build of its own."""
+    return str(Path(torch.__file__).resolve().parent)
+
+
 def _build_name() -> str:
     digest = hashlib.sha256(b"".join(path.read_bytes() for path in SOURCES + HEADERS) + " ".join(CFLAGS).encode()
-                            + _cpu_flags().encode() + torch.__version__.encode()).hexdigest()[:16]
+                            + _cpu_flags().encode() + torch.__version__.encode() + _torch_dir().encode()
+                            ).hexdigest()[:16]
     return f"stepahead_cpu_kernels_{digest}"
 
 
@@ -131,9 +140,9 @@ def _sources_in(directory: Path) -> list[Path]:
     """Under `_exclusive`: the sources and headers copied into `directory/src` (rewritten only
     where they differ), which the build compiles. Torch's build file holds the sources' absolute
     paths and ninja rebuilds when a command changes, so building from the checkout's own `csrc`
-    made every other checkout (a fresh clone, another venv) rebuild the shared build directory,
-    and the next load from the first one rebuild it again. The copies' paths are the same for
-    every checkout of the same sources (the directory is named by their hash)."""
+    made every other checkout on the same venv rebuild the shared build directory, and the next
+    load from the first one rebuild it again. The copies' paths are the same for every checkout
+    of the same sources (the directory is named by their hash)."""
     src = directory / "src"
     src.mkdir(exist_ok=True)
     for path in SOURCES + HEADERS:

@@ -4,9 +4,9 @@ to load the kernels must not wait on it forever.
 
 Findings covered: after a worker was killed while it built the kernels, every later worker on
 the host hung at start-up in torch's `FileBaton.wait`, and `serve` never became ready. And a
-checkout of the same sources at another path (a fresh clone, another venv) rebuilt the shared
-build (~45 s), then the first checkout's next load rebuilt it again: torch's build file held each
-checkout's absolute source paths."""
+checkout of the same sources at another path, or another venv, rebuilt the shared build (~45 s),
+then the first one's next load rebuilt it again: torch's build file held each checkout's absolute
+source paths and each venv's torch paths."""
 
 from __future__ import annotations
 
@@ -64,3 +64,9 @@ def test_another_checkout_of_the_same_sources_loads_the_build_without_rebuilding
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and "loaded" in done.stdout, done.stderr[-2000:]
     assert library.stat().st_mtime_ns == before, "the other checkout rebuilt the kernels"
+
+
+def test_each_torch_installation_builds_apart(monkeypatch):
+    mine = cpu_kernels.build_dir()
+    monkeypatch.setattr(cpu_kernels, "_torch_dir", lambda: "/another/venv/lib/python3.11/site-packages/torch")
+    assert cpu_kernels.build_dir() != mine  # another venv's build never replaces this one's

@@ -3,6 +3,8 @@ is sent, a raw Connect session on the scheduler, waiting for health or for an id
 
 from __future__ import annotations
 
+import contextlib
+
 import functools
 import queue
 import threading
@@ -126,12 +128,13 @@ class ConnectSession:
         self._responses.cancel()
 
 
-def wait_health(address: str, serving: bool, timeout_s: float = 120.0) -> None:
-    """Follow the health Watch stream until the server reports `serving` (no polling)."""
+def wait_health(address: str, serving: bool, timeout_s: float = 120.0, channel: grpc.Channel | None = None) -> None:
+    """Follow the health Watch stream until the server reports `serving` (no polling); over
+    `channel` when given (e.g. a TLS one), else a plaintext channel to `address`."""
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     want = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-    with grpc.insecure_channel(address) as channel:
+    with contextlib.nullcontext(channel) if channel is not None else grpc.insecure_channel(address) as channel:
         updates = health_pb2_grpc.HealthStub(channel).Watch(
             health_pb2.HealthCheckRequest(), timeout=timeout_s, wait_for_ready=True
         )

@@ -158,6 +158,7 @@ def test_tls_and_mtls_on_both_planes(tmp_path, tiny_model_dir):  # noqa: F811
             stub = generation_pb2_grpc.GenerationStub(channel)
             messages = list(stub.Generate(greedy([5, 6, 7], 4), timeout=120, wait_for_ready=True))
             assert sum(len(m.token_ids) for m in messages) == 4
+            wait_health(f"localhost:{gw_port}", serving=True, channel=channel)  # ready: HTTP listens too
         https = ssl.create_default_context(cafile=str(certs.ca))  # the HTTP API on the same certificate
         with openai.OpenAI(base_url=f"https://localhost:{http_port}/v1", api_key="k", max_retries=0, timeout=120,
                            http_client=openai.DefaultHttpxClient(verify=https)) as client:
