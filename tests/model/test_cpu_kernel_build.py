@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-
 from pathlib import Path
 
 from worker_service import cpu_kernels
