@@ -21,7 +21,8 @@ each response raw and counts its chunks once at the end, so its own cost per mes
 socket read.
 
 `--api-key KEY` starts the gateways with that key and has the client send it (the check every
-request of a server with API keys goes through).
+request of a server with API keys goes through). `--chat` streams `/v1/chat/completions` over
+HTTP (a user message of about `--input-len` tokens through the model's chat template).
 
 `--gateways N` runs N gateways against the one replay scheduler (each its own `Connect`
 stream), the client's streams spread over them: their CPU summed per token is the same as one
@@ -134,13 +135,14 @@ def wait_http(target: str, timeout_s: float, check, headers: dict[str, str]) -> 
         time.sleep(0.2)
 
 
-async def http_stream(host: str, port: int, body: bytes, auth: bytes = b"") -> tuple[int, int]:
+async def http_stream(host: str, port: int, body: bytes, auth: bytes = b"", path: bytes = b"/v1/completions"
+                      ) -> tuple[int, int]:
     """One streamed completion over a plain HTTP/1.1 connection: (completion tokens from the
     usage chunk, token messages). The response is read raw and parsed once at its end, so the
     client's cost per message is a socket read."""
     reader, writer = await asyncio.open_connection(host, port)
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" + auth
+        writer.write(b"POST " + path + b" HTTP/1.1\r\nHost: bench\r\nContent-Type: application/json\r\n" + auth
                      + b"Content-Length: %d\r\n\r\n" % len(body) + body)
         head = await reader.readuntil(b"\r\n\r\n")
         if not head.startswith(b"HTTP/1.1 200"):
@@ -160,21 +162,29 @@ async def http_stream(host: str, port: int, body: bytes, auth: bytes = b"") -> t
     return int(usage[-1]), messages
 
 
-def http_client_round(target: str, streams: int, input_len: int, output_len: int, api_key: str | None = None) -> dict:
+def http_client_round(target: str, streams: int, input_len: int, output_len: int, api_key: str | None = None,
+                      chat: bool = False) -> dict:
     """`streams` streamed completions at once over HTTP (token-id prompts, EOS ignored, usage asked for)."""
     import random
 
     addresses = [address.rsplit(":", 1) for address in target.split(",")]  # streams spread over them
     rng = random.Random(0)
-    bodies = [json.dumps({"model": "llama3-8b-sim", "prompt": [rng.randrange(1000, 30000) for _ in range(input_len)],
-                          "max_tokens": output_len, "ignore_eos": True, "stream": True,
-                          "stream_options": {"include_usage": True}}).encode() for _ in range(streams)]
+    def prompt() -> dict:
+        if chat:  # about input_len tokens of words in one user message, through the model's chat template
+            words = " ".join(f"w{rng.randrange(1000, 30000)}" for _ in range(input_len // 3))
+            return {"messages": [{"role": "user", "content": words}]}
+        return {"prompt": [rng.randrange(1000, 30000) for _ in range(input_len)]}
+
+    bodies = [json.dumps({"model": "llama3-8b-sim", **prompt(), "max_tokens": output_len, "ignore_eos": True,
+                          "stream": True, "stream_options": {"include_usage": True}}).encode()
+              for _ in range(streams)]
+    path = b"/v1/chat/completions" if chat else b"/v1/completions"
     auth = b"Authorization: Bearer %s\r\n" % api_key.encode() if api_key else b""
 
     async def run() -> tuple[list, float]:
         start = time.perf_counter()
         out = await asyncio.gather(*(http_stream(addresses[i % len(addresses)][0], int(addresses[i % len(addresses)][1]),
-                                                 b, auth) for i, b in enumerate(bodies)), return_exceptions=True)
+                                                 b, auth, path) for i, b in enumerate(bodies)), return_exceptions=True)
         return out, time.perf_counter() - start
 
     usage = resource.getrusage(resource.RUSAGE_SELF)
@@ -227,7 +237,8 @@ def one_round(target: str, pids: list[int], tree: Path, args, streams: int, outp
     gw0, threads0 = sum(cpu_seconds(pid) for pid in pids), threads_cpu(pids, names)
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--client-round", target, "--streams",
                           str(streams), "--input-len", str(args.input_len), "--output-len", str(output_len),
-                          "--transport", args.transport, *(["--api-key", args.api_key] if args.api_key else [])],
+                          "--transport", args.transport, *(["--api-key", args.api_key] if args.api_key else []),
+                          *(["--chat"] if args.chat else [])],
                          env={**os.environ, "PYTHONPATH": str(tree)}, capture_output=True, text=True, check=True)
     gw, threads = sum(cpu_seconds(pid) for pid in pids) - gw0, threads_cpu(pids, names)
     if spy is not None:
@@ -365,12 +376,18 @@ def main() -> None:
                         help="also measure the transport's own per-message cost (grpc.aio's, or uvicorn's)")
     parser.add_argument("--profile", action="store_true", help="py-spy each gateway in its last round")
     parser.add_argument("--api-key", default=None, help="start the gateways with this API key; the client sends it")
+    parser.add_argument("--chat", action="store_true", help="over HTTP: stream /v1/chat/completions (a user message "
+                        "through the model's chat template) instead of /v1/completions")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--client-round", default=None, help=argparse.SUPPRESS)  # the child process's mode
     args = parser.parse_args()
     if args.client_round:
-        run_round = http_client_round if args.transport == "http" else client_round
-        print(json.dumps(run_round(args.client_round, args.streams, args.input_len, args.output_len, args.api_key)))
+        if args.transport == "http":
+            result = http_client_round(args.client_round, args.streams, args.input_len, args.output_len, args.api_key,
+                                       args.chat)
+        else:
+            result = client_round(args.client_round, args.streams, args.input_len, args.output_len, args.api_key)
+        print(json.dumps(result))
         return
     args.model = str(resolve_model(args.model))  # a built-in is built once, here (the gateways only read it)
     replays = [start([str(tree / "benchmarks" / "experiments" / "replay_scheduler.py"), "--model", args.model, "--port",
