@@ -89,9 +89,11 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=50070)
     parser.add_argument("--step-ms", type=float, default=22.0)
     parser.add_argument("--framework", action="store_true", help="through FastAPI and the gateway's SSE response")
+    parser.add_argument("--http", choices=["h11", "httptools"], default="h11",
+                        help="uvicorn's HTTP implementation (the gateway's is h11; httptools, if installed, to compare)")
     args = parser.parse_args()
     floor = Floor(args.step_ms / 1e3)
-    uvicorn.run(framework_app(floor) if args.framework else floor, host="127.0.0.1", port=args.port, http="h11",
+    uvicorn.run(framework_app(floor) if args.framework else floor, host="127.0.0.1", port=args.port, http=args.http,
                 lifespan="off", log_level="warning", access_log=False, backlog=2048)
 
 

@@ -138,3 +138,24 @@ def test_flood_past_the_cap(capped) -> None:
     lines = [line for line in capped.stderr_lines if "connection" in line or "accept" in line or "descriptor" in line]
     assert len(lines) <= 6, lines
     assert all(line.lstrip().startswith("{") for line in lines), lines
+
+
+def test_an_oversized_request_head_is_refused_and_closed(capped) -> None:
+    """A request head past the gateway's limit (16 KiB) is answered 400 and its connection
+    closed while the head is still incomplete: a client cannot make the gateway buffer headers
+    without end. (A server without the limit would wait for the rest of the head: no reply.)"""
+    url = urlparse(capped.http_url)
+    with socket.create_connection((url.hostname, url.port), timeout=30) as s:
+        try:  # 64 KiB of header lines, never the blank line that ends a head
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\n" + b"X-Pad: " + b"a" * (64 << 10) + b"\r\n")
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # refused while still sending
+        reply = b""
+        try:
+            while chunk := s.recv(65536):
+                reply += chunk
+        except ConnectionResetError:
+            pass
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    with httpx.Client(timeout=60) as client:  # and it serves the next client as before
+        assert client.get(capped.http_url + "/health").status_code == 200
