@@ -28,14 +28,13 @@ from collections.abc import Callable
 from importlib import metadata
 
 import pydantic
-import h11
 import uvicorn
 from anyio import to_thread
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.admission import RETRY_AFTER_S, Draining, Overloaded
 from gateway.event_stream import LoopEvents, Mailbox, choices
@@ -420,21 +419,29 @@ class _RateLimitFilter(logging.Filter):
         return True
 
 
-def guarded_protocol(max_connections: int, request_timeout_s: float, log) -> type[H11Protocol]:
-    """uvicorn's h11 protocol with a cap on open connections and a request-head deadline.
+def guarded_protocol(max_connections: int, request_timeout_s: float, max_header_bytes: int,
+                     log) -> type[HttpToolsProtocol]:
+    """uvicorn's httptools protocol (llhttp, in C) with a cap on open connections, a request
+    deadline and a limit on a request's head.
 
     Past `max_connections` a new connection is reset at once (it never holds a file
     descriptor): the cap sits below the fd limit, so accept() never fails and open streams
     go on. A connection must deliver a whole request (head and body) within
     `request_timeout_s` of opening or of its previous response, else it is closed: an
-    idle or trickling client (slowloris) cannot hold a slot.
+    idle or trickling client (slowloris) cannot hold a slot. A head that passes
+    `max_header_bytes` before it ends is answered 400 and its connection closed (llhttp
+    itself bounds no header, and uvicorn keeps every one it parses). The protocol used to be
+    uvicorn's h11 one: httptools costs several µs less per streamed message
+    (`benchmarks/experiments/http_floor.py --http`, docs/benchmarks.md).
     """
     refused = RateLimitedLog(log, "http_connection_refused")
     timed_out = RateLimitedLog(log, "http_request_timeout")
 
-    class GuardedH11(H11Protocol):
+    class GuardedHttpTools(HttpToolsProtocol):
         _refused = False
         _deadline: asyncio.TimerHandle | None = None
+        _head_open = True  # no request head has ended since the last request (or the connection) began
+        _head_bytes = 0  # bytes received while it was open
 
         def connection_made(self, transport) -> None:
             if len(self.connections) >= max_connections:
@@ -452,9 +459,21 @@ def guarded_protocol(max_connections: int, request_timeout_s: float, log) -> typ
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
+            if self._head_open:
+                self._head_bytes += len(data)
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE and self.conn.their_state is not h11.SEND_BODY:
-                self._disarm()  # the whole request is in: the app answers in its own time
+            if self._head_open and self._head_bytes > max_header_bytes and not self.transport.is_closing():
+                self.logger.warning("Request head larger than %d bytes.", max_header_bytes)  # rate-limited
+                self.send_400_response("Invalid HTTP request received.")
+
+        def on_headers_complete(self) -> None:
+            self._head_open = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            super().on_message_complete()
+            self._head_open, self._head_bytes = True, 0  # the next request's head starts
+            self._disarm()  # the whole request is in: the app answers in its own time
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
@@ -472,11 +491,11 @@ def guarded_protocol(max_connections: int, request_timeout_s: float, log) -> typ
 
         def _expire(self) -> None:
             self._deadline = None
-            if not self.transport.is_closing() and self.conn.their_state in (h11.IDLE, h11.SEND_BODY):
+            if not self.transport.is_closing():
                 timed_out.note(open_connections=len(self.connections), timeout_s=request_timeout_s)
                 self.transport.close()
 
-    return GuardedH11
+    return GuardedHttpTools
 
 
 class HttpServer:
@@ -502,9 +521,8 @@ class HttpServer:
         for name in ("uvicorn.error", "asyncio"):
             logging.getLogger(name).addFilter(noisy)
         config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
-                                http=guarded_protocol(max_connections, request_timeout_s, log),
-                                timeout_keep_alive=idle_timeout_s, h11_max_incomplete_event_size=max_header_bytes,
-                                log_config=None, **tls)
+                                http=guarded_protocol(max_connections, request_timeout_s, max_header_bytes, log),
+                                timeout_keep_alive=idle_timeout_s, log_config=None, **tls)
         self._server = uvicorn.Server(config)
         self._serving: concurrent.futures.Future | None = None
 

@@ -2,11 +2,12 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/experiments/http_floor.py --port 50070 --step-ms 22
 
-A bare ASGI app on uvicorn (h11, as the gateway's HTTP server runs) answers `POST
+A bare ASGI app on uvicorn (httptools, as the gateway's HTTP server runs; `--http h11` for
+uvicorn's pure-Python protocol, which the gateway used before) answers `POST
 /v1/completions` with `max_tokens` copies of one prebuilt completion chunk (`data: {...}`, the
 shape of the gateway's), one per step (every stream wakes on one shared future per
 `--step-ms`), then a usage chunk and `data: [DONE]`. What `gateway_stream_cpu.py --transport
-http --floor` measures with it is the part of the gateway's CPU per token that uvicorn, h11 and
+http --floor` measures with it is the part of the gateway's CPU per token that uvicorn, httptools and
 asyncio take whatever the gateway does (`grpc_floor.py` is the same for gRPC).
 
 `--framework`: the same stream through what the gateway's HTTP server is built on, a FastAPI
@@ -89,8 +90,8 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=50070)
     parser.add_argument("--step-ms", type=float, default=22.0)
     parser.add_argument("--framework", action="store_true", help="through FastAPI and the gateway's SSE response")
-    parser.add_argument("--http", choices=["h11", "httptools"], default="h11",
-                        help="uvicorn's HTTP implementation (the gateway's is h11; httptools, if installed, to compare)")
+    parser.add_argument("--http", choices=["h11", "httptools"], default="httptools",
+                        help="uvicorn's HTTP implementation (the gateway's: httptools)")
     args = parser.parse_args()
     floor = Floor(args.step_ms / 1e3)
     uvicorn.run(framework_app(floor) if args.framework else floor, host="127.0.0.1", port=args.port, http=args.http,

@@ -157,5 +157,5 @@ def test_an_oversized_request_head_is_refused_and_closed(capped) -> None:
         except ConnectionResetError:
             pass
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
-    with httpx.Client(timeout=60) as client:  # and it serves the next client as before
-        assert client.get(capped.http_url + "/health").status_code == 200
+    with httpx.Client(timeout=60) as client:  # and it serves the next client, a head of 12 KiB included
+        assert client.get(capped.http_url + "/health", headers={"x-pad": "a" * (12 << 10)}).status_code == 200

@@ -25,7 +25,7 @@ async def serve(make_events, ping_s: float = 15.0):
     app = Starlette(routes=[Route("/s", route, methods=["POST"])])
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http="h11"))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", http="httptools"))  # as the gateway
     task = asyncio.get_running_loop().create_task(server.serve([sock]))
     while not server.started:
         await asyncio.sleep(0.01)
@@ -42,7 +42,7 @@ async def open_stream(port: int):
 
 
 def chunks(body: bytes) -> bytes:
-    """The payload of a chunked body (h11's framing removed)."""
+    """The payload of a chunked body (the chunked framing removed)."""
     out, rest = b"", body
     while rest:
         size, _, rest = rest.partition(b"\r\n")
