@@ -19,6 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from stepahead import codec, daemon, jitter
+from stepahead.logs import RateLimitedLog
 from stepahead.plan import KVLoaded, WorkerInfo
 from worker_service.config import WorkerConfig
 from worker_service.health import NoHealth, WorkerHealth
@@ -56,6 +57,9 @@ class Pipeline:
 
     def __init__(self, runner, hello, log, metrics: WorkerMetrics | None = None, report: bool = True) -> None:
         self.runner, self.log = runner, log
+        # a request that fails alone (a grammar that does not compile: a client can send those at
+        # will) is counted in `failed_requests` and logged at most once per 10 s
+        self._request_failed = RateLimitedLog(log, "request_failed")
         self.on_fatal = lambda: None  # set once the call exists (it cancels it)
         self.report = report  # False on tensor-parallel ranks other than 0: they send no results
         self.metrics = metrics or WorkerMetrics()
@@ -100,7 +104,7 @@ class Pipeline:
 
         result = pending.wait()
         for rid, reason in result.failed.items():
-            self.log.warning("request_failed", request_id=rid, step_id=result.step_id, reason=reason)
+            self._request_failed.note(request_id=rid, step_id=result.step_id, reason=reason)
         result = dataclasses.replace(result, timing=dataclasses.replace(result.timing, result_sent=time.time()))
         self.metrics.on_result(result)
         return scheduler_pb2.WorkerMessage(result=codec.result_to_proto(result)) if self.report else None

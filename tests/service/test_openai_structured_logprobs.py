@@ -55,6 +55,19 @@ def test_structured_outputs_and_a_grammar_the_worker_refuses_fails_alone(openai_
                                        extra_body={"structured_outputs": {"choice": ["yes", "no"]}})
     assert choice.choices[0].text in ("yes", "no") and choice.choices[0].finish_reason == "stop"
     wait_idle(openai_serve)
+def test_a_burst_of_constraints_the_worker_refuses_is_logged_once(openai_serve, openai_client):
+    """Each is a 400 for its client. The worker, which a client can reach this way at will, logs
+    them at most once per 10 s (`failed_requests` counts each); it logged a warning line each."""
+    logged = len([line for line in openai_serve.stderr_lines if '"event": "request_failed"' in line])
+    for i in range(6):
+        with pytest.raises(openai.BadRequestError):
+            openai_client.completions.create(model="tiny", prompt="x", max_tokens=5,
+                                             extra_body={"structured_outputs": {"regex": f"(?=a{i})b"}})
+    lines = [line for line in openai_serve.stderr_lines if '"event": "request_failed"' in line][logged:]
+    assert len(lines) <= 1, lines  # none at all when the last one logged is under 10 s old
+    wait_idle(openai_serve)
+
+
 # ---- logprobs -------------------------------------------------------------------------------------------
 
 
