@@ -442,6 +442,7 @@ def guarded_protocol(max_connections: int, request_timeout_s: float, max_header_
         _deadline: asyncio.TimerHandle | None = None
         _head_open = True  # no request head has ended since the last request (or the connection) began
         _head_bytes = 0  # bytes received while it was open
+        _answering = 0  # requests received whole and not yet answered (a pipelined one waits its turn)
 
         def connection_made(self, transport) -> None:
             if len(self.connections) >= max_connections:
@@ -473,11 +474,13 @@ def guarded_protocol(max_connections: int, request_timeout_s: float, max_header_
         def on_message_complete(self) -> None:
             super().on_message_complete()
             self._head_open, self._head_bytes = True, 0  # the next request's head starts
+            self._answering += 1
             self._disarm()  # the whole request is in: the app answers in its own time
 
         def on_response_complete(self) -> None:
+            self._answering -= 1
             super().on_response_complete()
-            if not self.transport.is_closing():
+            if not self.transport.is_closing() and self._answering <= 0:  # else a pipelined request runs now
                 self._arm()
 
         def _arm(self) -> None:
@@ -491,7 +494,7 @@ def guarded_protocol(max_connections: int, request_timeout_s: float, max_header_
 
         def _expire(self) -> None:
             self._deadline = None
-            if not self.transport.is_closing():
+            if not self.transport.is_closing() and self._answering <= 0:
                 timed_out.note(open_connections=len(self.connections), timeout_s=request_timeout_s)
                 self.transport.close()
 

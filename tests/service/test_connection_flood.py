@@ -159,3 +159,22 @@ def test_an_oversized_request_head_is_refused_and_closed(capped) -> None:
     assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
     with httpx.Client(timeout=60) as client:  # and it serves the next client, a head of 12 KiB included
         assert client.get(capped.http_url + "/health", headers={"x-pad": "a" * (12 << 10)}).status_code == 200
+
+
+def test_a_pipelined_request_streams_past_the_request_deadline(capped) -> None:
+    """Two requests sent back to back on one connection: the second, a stream that outlasts
+    `--http-request-timeout`, arrived whole before the first was answered, so no deadline may
+    cut it (the deadline is for a request still arriving)."""
+    url = urlparse(capped.http_url)
+    body = json.dumps({"prompt": "Hello", "max_tokens": 1500, "ignore_eos": True, "stream": True}).encode()
+    started = time.monotonic()
+    with socket.create_connection((url.hostname, url.port), timeout=120) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: gateway\r\n\r\n"
+                  b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+        reply = b""
+        while not reply.endswith(b"data: [DONE]\r\n\r\n\r\n0\r\n\r\n") and (chunk := s.recv(65536)):
+            reply += chunk
+    assert reply.startswith(b"HTTP/1.1 200") and reply.count(b"HTTP/1.1 200") == 2, reply[:300]
+    assert reply.endswith(b"data: [DONE]\r\n\r\n\r\n0\r\n\r\n"), reply[-300:]  # the stream ended whole
+    assert time.monotonic() - started > REQUEST_TIMEOUT_S  # it did outlast the deadline
