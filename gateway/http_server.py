@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import hmac
 import json
 import logging
 import socket
@@ -59,6 +58,7 @@ from gateway.scheduler_link import LinkBroken
 from gateway.sse import EventStream
 from gateway.tokenizer import HEAP_TRIM
 from gateway.validation import ValidationError
+from stepahead import security
 from stepahead.logs import RateLimitedLog
 from stepahead.v1 import scheduler_pb2
 
@@ -388,9 +388,8 @@ class ApiKeyCheck:
         await response(scope, receive, send)
 
     def _permits(self, headers: list[tuple[bytes, bytes]]) -> bool:
-        given = next((value for name, value in headers if name == b"authorization"), b"")
-        token = given[7:] if given.startswith(b"Bearer ") else b""
-        return any(hmac.compare_digest(token, s) for s in self._secrets)
+        return any(name == b"authorization" and security.holds_secret(value.decode("latin-1"), "Bearer ", self._secrets)
+                   for name, value in headers)
 
 
 async def _http_exception(_request: Request, exc: StarletteHTTPException) -> JSONResponse:

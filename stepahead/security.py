@@ -77,6 +77,15 @@ def is_loopback(host: str) -> bool:
 
 # ---- server side ------------------------------------------------------------------------------
 
+def holds_secret(value: str, scheme: str, secrets: Sequence[bytes]) -> bool:
+    """Whether a credential header's `value` is `scheme` followed by one of `secrets` (each
+    compared in constant time): the one rule of the gRPC interceptors and the HTTP API's check."""
+    if not value.startswith(scheme):
+        return False
+    given = value[len(scheme):].encode()
+    return any(hmac.compare_digest(given, s) for s in secrets)
+
+
 class CredentialInterceptor(grpc.ServerInterceptor):
     """Refuses (UNAUTHENTICATED) every call whose `header` does not hold one of `secrets`
     (with `scheme` before it), except methods under `exempt` prefixes; `on_reject(method,
@@ -94,12 +103,8 @@ class CredentialInterceptor(grpc.ServerInterceptor):
         self._on_reject = on_reject
 
     def _allowed(self, metadata) -> bool:
-        for key, value in metadata or ():
-            if key == self._header and isinstance(value, str) and value.startswith(self._scheme):
-                given = value[len(self._scheme):].encode()
-                if any(hmac.compare_digest(given, s) for s in self._secrets):
-                    return True
-        return False
+        return any(key == self._header and isinstance(value, str) and holds_secret(value, self._scheme, self._secrets)
+                   for key, value in metadata or ())
 
     def permits(self, handler_call_details) -> bool:
         method = handler_call_details.method
