@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 from gateway.plain_tokens import TOKEN_EVENTS
 from stepahead.v1 import scheduler_pb2
@@ -189,3 +189,27 @@ async def choices(gen, events: Mailbox, stream_interval: int = 1) -> AsyncIterat
         if choice is not None:
             gen.delivered(choice)
             yield choice
+
+
+async def batch_choices(gens: Sequence, events: Mailbox, stream_interval: int = 1) -> AsyncIterator:
+    """The `ChoiceOutput`s of a batch's generations (one per prompt, all sinking into
+    `events`) until all are done, in arrival order; prompt i's choice j comes as index
+    `i * n + j`. The first error (a rejection, a broken link) ends the iteration: the caller
+    aborts the batch."""
+    if len(gens) == 1:
+        async for choice in choices(gens[0], events, stream_interval):
+            yield choice
+        return
+    owner = {rid: (gen, i * gen.valid.n) for i, gen in enumerate(gens) for rid in gen.upstream_ids}
+    merger = EventMerger(events, stream_interval)
+    while not all(gen.done for gen in gens):
+        event = await merger.next()
+        if not isinstance(event, TOKEN_EVENTS):  # a wake-up or a broken link: every generation's
+            for gen in gens:
+                gen.on_event(event)
+            continue
+        gen, offset = owner[event.request_id]
+        choice = gen.on_event(event)
+        if choice is not None:
+            gen.delivered(choice)
+            yield choice._replace(index=choice.index + offset)

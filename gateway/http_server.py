@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.admission import RETRY_AFTER_S, Draining, Overloaded
-from gateway.event_stream import LoopEvents, Mailbox, choices
+from gateway.event_stream import LoopEvents, Mailbox, batch_choices
 from gateway.generation import Frontend, Generation, Rejected
 from gateway.openai_format import ChatFormat, CompletionFormat, error_body
 from gateway.openai_protocol import (
@@ -47,6 +47,7 @@ from gateway.openai_protocol import (
     TokenizeCompletionRequest,
     chat_parsing,
     chat_to_raw,
+    completion_prompts,
     completion_to_raw,
     echo_only,
     message_dict,
@@ -57,7 +58,7 @@ from gateway.openai_responses import ResponsesFormat, ResponsesRequest, chat_req
 from gateway.scheduler_link import LinkBroken
 from gateway.sse import EventStream
 from gateway.tokenizer import HEAP_TRIM
-from gateway.validation import ValidationError
+from gateway.validation import RawGenerateRequest, ValidationError, ValidRequest
 from stepahead import security
 from stepahead.logs import RateLimitedLog
 from stepahead.v1 import scheduler_pb2
@@ -85,11 +86,32 @@ def _validation_api_error(exc: ValidationError, chat: bool) -> ApiError:
 
 
 def _schema_api_error(exc: pydantic.ValidationError) -> ApiError:
-    first = exc.errors()[0]
+    errors = exc.errors()
+    first = errors[0]
     if first["type"] == "json_invalid":
         return ApiError(400, f"the body is not valid JSON: {first['msg']}")
-    loc = ".".join(str(part) for part in first["loc"])
-    return ApiError(400, f"{loc or 'body'}: {first['msg']}", loc or None)
+    path, tag = _field_path(first["loc"])
+    param = ".".join(str(part) for part in path)
+    if tag is None:
+        return ApiError(400, f"{param or 'body'}: {first['msg']}", param or None)
+    # a union (`prompt`: a text, token ids, or a batch of either) none of whose forms matched:
+    # name the field and its forms, not pydantic's path into the first form it tried
+    forms = list(dict.fromkeys(t for t in (_field_path(e["loc"]) for e in errors) if t[0] == path and t[1]))
+    return ApiError(400, f"{param}: must be one of {', '.join(t for _, t in forms)}", param)
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "dict", "list", "none"})
+
+
+def _field_path(loc: tuple) -> tuple[tuple, str | None]:
+    """An error location's fields and indexes up to the first union form pydantic names in it
+    (`("prompt", "list[int]", 0)` → `(("prompt",), "list[int]")`), and that form (or None).
+    A form is a part that no field of the API is named like: a type (`str`, `list[int]`) or a
+    model's class (`TextPart`)."""
+    for i, part in enumerate(loc):
+        if isinstance(part, str) and (part in _TYPE_NAMES or not part.isidentifier() or not part.islower()):
+            return tuple(loc[:i]), part
+    return tuple(loc), None
 
 
 def _upstream_api_error(exc: Exception) -> ApiError:
@@ -150,6 +172,7 @@ class OpenAIServer:
         app.post("/tokenize")(self.tokenize)
         app.post("/detokenize")(self.detokenize)
         app.get("/v1/models")(self.models)
+        app.get("/v1/models/{model:path}")(self.model)
         app.get("/health")(self.health)
         app.get("/metrics")(self.metrics)
         app.get("/version")(self.version)
@@ -158,13 +181,16 @@ class OpenAIServer:
         body, size = await self._parse(request, CompletionRequest)
 
         def prepare():
-            return self.frontend.validate(completion_to_raw(body, size))
+            prompts = completion_prompts(body)
+            return [_in_batch(self.frontend, completion_to_raw(body, size, prompt), i, len(prompts))
+                    for i, prompt in enumerate(prompts)]
 
-        valid = await self._validate(prepare, chat=False)
-        echo = self._echo_text(body, valid) if body.echo else None
-        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n, echo,
-                               logprobs=valid.sampling.logprobs is not None, echo_only=echo_only(body))
-        return await self._respond(request, valid, fmt, body)
+        valids = await self._validate(prepare, chat=False)
+        echo = [self._echo_text(prompt, valid) for prompt, valid in zip(completion_prompts(body), valids)] \
+            if body.echo else [None] * len(valids)
+        fmt = CompletionFormat(f"cmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valids[0].n, echo,
+                               logprobs=valids[0].sampling.logprobs is not None, echo_only=echo_only(body))
+        return await self._respond(request, valids, fmt, body)
 
     async def chat_completions(self, request: Request):
         body, size = await self._parse(request, ChatCompletionRequest)
@@ -176,7 +202,7 @@ class OpenAIServer:
         valid, parsing = await self._validate(prepare, chat=True)
         fmt = ChatFormat(f"chatcmpl-{uuid.uuid4().hex}", self.frontend.model.model_name, valid.n,
                          logprobs=valid.sampling.logprobs is not None, parsing=parsing)
-        return await self._respond(request, valid, fmt, body)
+        return await self._respond(request, [valid], fmt, body)
 
     async def responses(self, request: Request):
         """OpenAI's Responses API, on the chat path (`openai_responses`)."""
@@ -190,15 +216,23 @@ class OpenAIServer:
         valid, parsing = await self._validate(prepare, chat=True)
         fmt = ResponsesFormat(f"resp_{uuid.uuid4().hex}", self.frontend.model.model_name, parsing,
                               body.max_output_tokens)
-        return await self._respond(request, valid, fmt, body)
+        return await self._respond(request, [valid], fmt, body)
 
     async def models(self):
+        return {"object": "list", "data": [self._model_card()]}
+
+    async def model(self, model: str):
+        """One model's card (the `openai` client's `models.retrieve`); a name this server does
+        not serve is a 404."""
+        self._check_model(model)
+        return self._model_card()
+
+    def _model_card(self) -> dict:
         m = self.frontend.model
         root = getattr(self.frontend.tokenizer, "model_dir", None)  # the directory a client loads a tokenizer from
-        card = {"id": m.model_name, "object": "model", "created": int(time.time()), "owned_by": "stepahead",
+        return {"id": m.model_name, "object": "model", "created": int(time.time()), "owned_by": "stepahead",
                 "root": str(root) if root is not None else m.model_name, "parent": None,
                 "max_model_len": m.max_model_len}
-        return {"object": "list", "data": [card]}
 
     async def tokenize(self, request: Request):
         """vLLM's `/tokenize`: `prompt` (special tokens added unless `add_special_tokens` is
@@ -304,30 +338,37 @@ class OpenAIServer:
             HEAP_TRIM.soon()
             raise error from None
 
-    def _echo_text(self, body: CompletionRequest, valid) -> str:
-        prompt = body.prompt[0] if isinstance(body.prompt, list) and isinstance(body.prompt[0], (str, list)) \
-            else body.prompt
+    def _echo_text(self, prompt: str | list[int], valid) -> str:
         if isinstance(prompt, str):
             return prompt
         return self.frontend.tokenizer.decode(list(valid.prompt_token_ids), skip_special_tokens=False)
 
-    async def _respond(self, request: Request, valid, fmt, body):
+    async def _respond(self, request: Request, valids: list, fmt, body):
+        """Start a generation per prompt (one; a completions batch: several, into one
+        mailbox) and answer with their choices, streamed or whole."""
         if self._loop_events is None:
             self._loop_events = LoopEvents(asyncio.get_running_loop())
         events = Mailbox()
+        sink = self._loop_events.sink(events)
+        gens: list[Generation] = []
         try:
-            gen = self.frontend.start(valid, fmt.id, self._loop_events.sink(events), "http")
+            for i, valid in enumerate(valids):
+                gens.append(self.frontend.start(valid, fmt.id if len(valids) == 1 else f"{fmt.id}-{i}", sink, "http"))
         except (Overloaded, Draining) as exc:
+            _abort(gens)
             raise _upstream_api_error(exc) from None
+        except Exception:
+            _abort(gens)
+            raise
         if body.stream:
             usage = getattr(body, "stream_options", None) is not None and body.stream_options.include_usage
-            return EventStream(self._stream(gen, events, fmt, usage))
-        return await self._collect(request, gen, events, fmt)
+            return EventStream(self._stream(gens, events, fmt, usage))
+        return await self._collect(request, gens, events, fmt)
 
-    async def _stream(self, gen: Generation, events: Mailbox, fmt, include_usage: bool):
+    async def _stream(self, gens: list[Generation], events: Mailbox, fmt, include_usage: bool):
         try:
             try:
-                async for choice in choices(gen, events, self.frontend.stream_interval):
+                async for choice in batch_choices(gens, events, self.frontend.stream_interval):
                     for chunk in fmt.chunk(choice):
                         yield json.dumps(chunk)
                 if include_usage:
@@ -337,11 +378,11 @@ class OpenAIServer:
                 yield json.dumps(error_body(str(error), error.type, error.param, error.status))
             yield "[DONE]"
         finally:
-            gen.abort()  # the client went away (cancellation) or we are done: a no-op then
+            _abort(gens)  # the client went away (cancellation) or we are done: a no-op then
 
-    async def _collect(self, request: Request, gen: Generation, events: Mailbox, fmt):
+    async def _collect(self, request: Request, gens: list[Generation], events: Mailbox, fmt):
         async def accumulate():
-            async for choice in choices(gen, events, self.frontend.stream_interval):
+            async for choice in batch_choices(gens, events, self.frontend.stream_interval):
                 fmt.accumulate(choice)
 
         work = asyncio.ensure_future(accumulate())
@@ -352,7 +393,7 @@ class OpenAIServer:
             gone.cancel()
             if not work.done():
                 work.cancel()
-            gen.abort()  # gives the stream slot back; a no-op upstream when it finished
+            _abort(gens)  # gives the stream slots back; a no-op upstream when they finished
         if not work.done() or work.cancelled():
             return Response(status_code=499)  # nobody is listening any more
         try:
@@ -360,6 +401,21 @@ class OpenAIServer:
         except (Rejected, LinkBroken) as exc:
             raise _upstream_api_error(exc) from None
         return JSONResponse(fmt.full())
+
+
+def _abort(gens: list[Generation]) -> None:
+    for gen in gens:
+        gen.abort()
+
+
+def _in_batch(frontend: Frontend, raw: RawGenerateRequest, index: int, size: int) -> ValidRequest:
+    """`frontend.validate(raw)`, its error naming the prompt when it is one of a batch."""
+    try:
+        return frontend.validate(raw)
+    except ValidationError as exc:
+        if size == 1:
+            raise
+        raise ValidationError(exc.field, f"{exc.reason} (prompt {index} of the batch)") from None
 
 
 OPEN_PATHS = frozenset({"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect"})  # documentation, as vLLM

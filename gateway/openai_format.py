@@ -8,6 +8,7 @@ non-streaming response. Pure domain code, no transport.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from gateway.chat_output import ChatOutputParser, ChatParsing
@@ -34,14 +35,17 @@ class _Format:
     object_full = ""
     object_chunk = ""
 
-    def __init__(self, response_id: str, model: str, n: int, logprobs: bool = False) -> None:
+    def __init__(self, response_id: str, model: str, n: int, logprobs: bool = False, prompts: int = 1) -> None:
+        """`n` choices per prompt; `prompts` > 1 is a batched completions request, whose
+        choice `i * n + j` is prompt i's choice j (OpenAI's and vLLM's order)."""
         self.logprobs = logprobs  # the request asked for logprobs (else the field is null)
         self.id = response_id
         self.model = model
         self.created = int(time.time())
-        self.choices = [_Choice() for _ in range(n)]
-        self.prompt_tokens = 0
-        self.cached_tokens = 0
+        self.n = n
+        self.choices = [_Choice() for _ in range(n * prompts)]
+        self._prompt_tokens = [0] * prompts  # per prompt, from its choices' final events
+        self._cached_tokens = [0] * prompts
 
     def _record(self, choice: ChoiceOutput) -> _Choice:
         state = self.choices[choice.index]
@@ -50,18 +54,20 @@ class _Format:
         if out.finished:
             state.finish_reason = out.finish_reason.value
             state.stop_reason = _stop_reason(out.stop_reason)
-            self.prompt_tokens = choice.num_prompt_tokens
-            self.cached_tokens = choice.num_cached_tokens
+            prompt = choice.index // self.n
+            self._prompt_tokens[prompt] = choice.num_prompt_tokens
+            self._cached_tokens[prompt] = choice.num_cached_tokens
             state.spec = choice.spec
         return state
 
     def usage(self) -> dict:
         completion = sum(c.num_tokens for c in self.choices)
+        prompt = sum(self._prompt_tokens)
         return {
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(self._cached_tokens)},
             **self._spec_usage(),
         }
 
@@ -94,26 +100,31 @@ class CompletionFormat(_Format):
     object_full = "text_completion"
     object_chunk = "text_completion"
 
-    def __init__(self, response_id: str, model: str, n: int, echo_text: str | None, logprobs: bool = False,
-                 echo_only: bool = False) -> None:
-        super().__init__(response_id, model, n, logprobs)
+    def __init__(self, response_id: str, model: str, n: int, echo_texts: Sequence[str | None] = (None,),
+                 logprobs: bool = False, echo_only: bool = False) -> None:
+        """`echo_texts`: per prompt (one, or a batch's), the text `echo` puts before its
+        choices' output, or None without echo."""
+        super().__init__(response_id, model, n, logprobs, prompts=len(echo_texts))
         self._echo_only = echo_only  # echo with max_tokens 0: the generated token is left out
-        self._echo_pending = [echo_text] * n if echo_text else [None] * n
-        self._echo_text = echo_text or ""
-        self._output_offset = len(echo_text or "")  # generated text starts after the echoed prompt
+        self._echo_texts = [text or "" for text in echo_texts for _ in range(n)]  # per choice
+        self._echo_pending = [bool(text) for text in self._echo_texts]
 
     def _text(self, choice: ChoiceOutput) -> str:
-        echo, self._echo_pending[choice.index] = self._echo_pending[choice.index], None
-        return (echo or "") + ("" if self._echo_only else choice.output.text)
+        i = choice.index
+        echo = self._echo_texts[i] if self._echo_pending[i] else ""
+        self._echo_pending[i] = False
+        return echo + ("" if self._echo_only else choice.output.text)
 
     def _logprobs(self, choice: ChoiceOutput) -> dict | None:
-        """This output's logprobs object: the prompt's first (echo), then the generated tokens'."""
+        """This output's logprobs object: the prompt's first (echo), then the generated tokens'
+        (their text offsets count from the start of the echoed prompt)."""
         if not self.logprobs:
             return None
         out = choice.output
-        parts = [completion_logprobs(align_to_text(out.prompt_logprobs, self._echo_text))] if out.prompt_logprobs else []
+        echo = self._echo_texts[choice.index]
+        parts = [completion_logprobs(align_to_text(out.prompt_logprobs, echo))] if out.prompt_logprobs else []
         if not self._echo_only:
-            parts.append(completion_logprobs(out.logprobs, self._output_offset))
+            parts.append(completion_logprobs(out.logprobs, len(echo)))
         return merge_completion_logprobs(parts)
 
     def accumulate(self, choice: ChoiceOutput) -> None:

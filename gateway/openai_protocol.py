@@ -278,16 +278,26 @@ def echo_only(body: CompletionRequest) -> bool:
     return body.echo and body.max_tokens == 0
 
 
-def completion_to_raw(body: CompletionRequest, size_bytes: int) -> RawGenerateRequest:
+def completion_prompts(body: CompletionRequest) -> list[str | list[int]]:
+    """The request's prompts: one (a text or token ids), or a batch (a list of either), which
+    is answered as one response with `n` choices per prompt, as OpenAI and vLLM do."""
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        limits.check_prompt_count(len(prompt))
+        return list(prompt)
+    return [prompt]
+
+
+def completion_to_raw(body: CompletionRequest, size_bytes: int,
+                      prompt: str | list[int] | None = None) -> RawGenerateRequest:
+    """The generation request for `prompt`, one of a batch's (`completion_prompts`); by
+    default the request's one prompt."""
+    if prompt is None:
+        (prompt,) = completion_prompts(body)
     if body.best_of is not None and body.best_of != body.n:
         raise ValidationError("best_of", "is not supported (only best_of == n)")
     if body.suffix:
         raise ValidationError("suffix", "is not supported")
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise ValidationError("prompt", "batched prompts are not supported; send one prompt per request")
-        prompt = prompt[0]
     text = prompt if isinstance(prompt, str) else None
     ids = None if isinstance(prompt, str) else list(prompt)
     # echo with logprobs: the prompt's logprobs come first (OpenAI's format)

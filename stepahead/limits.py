@@ -67,6 +67,7 @@ MAX_MESSAGES = 2048
 MAX_ID_CHARS = 256  # request ids and cache salts
 MAX_REQUEST_BYTES = 1 << 20
 MAX_N = 16
+MAX_PROMPTS = 256  # prompts in one batched completions request (each a stream of the gateway's limit)
 MAX_LOGIT_BIAS_IDS = 1024
 LOGIT_BIAS_RANGE = (-100.0, 100.0)
 MAX_REPETITION_PENALTY = 10.0
@@ -236,6 +237,13 @@ def check_n(value: int) -> int:
     if not 1 <= value <= MAX_N:
         raise LimitError("n", f"must be in [1, {MAX_N}], got {value}")
     return value
+
+
+def check_prompt_count(count: int) -> int:
+    """A completions request's prompts (a batch: a list of texts or of token id lists)."""
+    if not 1 <= count <= MAX_PROMPTS:
+        raise LimitError("prompt", f"a batch holds 1 to {MAX_PROMPTS} prompts, got {count}")
+    return count
 
 
 def check_tool_count(count: int, field: str = "tools") -> None:

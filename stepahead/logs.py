@@ -7,6 +7,7 @@ the same renderer with the daemon's name added.
 
 from __future__ import annotations
 
+import enum
 import logging
 import sys
 import threading
@@ -24,7 +25,7 @@ def configure(daemon: str, level: str = "info") -> structlog.stdlib.BoundLogger:
             structlog.processors.add_log_level,
             timestamper,
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            structlog.processors.JSONRenderer(default=_json_default),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(numeric),
         logger_factory=structlog.PrintLoggerFactory(file=sys.stderr),
@@ -32,6 +33,14 @@ def configure(daemon: str, level: str = "info") -> structlog.stdlib.BoundLogger:
     )
     _route_stdlib_logging(daemon, numeric, timestamper)
     return structlog.get_logger(daemon=daemon)
+
+
+def _json_default(value: object) -> object:
+    """A log field JSON has no type for: an enum as its value (`"role": "both"`), anything
+    else as its repr (structlog's default)."""
+    if isinstance(value, enum.Enum):
+        return value.value
+    return repr(value)
 
 
 def _route_stdlib_logging(daemon: str, level: int, timestamper) -> None:
@@ -43,7 +52,7 @@ def _route_stdlib_logging(daemon: str, level: int, timestamper) -> None:
     handler.setFormatter(structlog.stdlib.ProcessorFormatter(
         foreign_pre_chain=[structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name, timestamper, add_daemon],
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, structlog.processors.format_exc_info,
-                    structlog.processors.JSONRenderer()],
+                    structlog.processors.JSONRenderer(default=_json_default)],
     ))
     root = logging.getLogger()
     root.handlers[:] = [handler]

@@ -17,6 +17,9 @@ from tests.service.streams import wait_idle
 def test_models_health_version_metrics(openai_serve, openai_client):
     models = openai_client.models.list().data
     assert [m.id for m in models] == ["tiny"]
+    assert openai_client.models.retrieve("tiny").id == "tiny"
+    with pytest.raises(openai.NotFoundError):
+        openai_client.models.retrieve("gpt-9")
     assert httpx.get(openai_serve.http_url + "/health").status_code == 200
     assert httpx.get(openai_serve.http_url + "/version").json()["version"]
     openai_client.completions.create(model="tiny", prompt="x", max_tokens=2)
@@ -99,6 +102,49 @@ def test_n_choices_are_distinct_and_reproducible_with_a_seed(openai_client):
     assert one.choices[0].text == first[0]  # choice 0 samples with the request's own seed
 
 
+def test_a_batch_of_prompts_answers_each_as_its_own_request_would(openai_client, hf, tiny_tokenizer):  # noqa: F811
+    """A list of prompts (OpenAI's and vLLM's batch): prompt i's choice j is choice i * n + j,
+    each greedy text is HF's for its own prompt, usage counts every prompt once."""
+    prompts = ["def fibonacci(n):\n", "import numpy as np\n", "class Stack:"]
+    ids = [tiny_tokenizer.encode(p) for p in prompts]
+    expected = [hf_text(hf, tiny_tokenizer, i, 12) for i in ids]
+    kw = dict(model="tiny", max_tokens=12, temperature=0, n=2, extra_body=IGNORE_EOS)
+    for prompt in (prompts, ids):
+        out = openai_client.completions.create(prompt=prompt, echo=True, **kw)
+        assert [c.index for c in out.choices] == list(range(6))
+        for c in out.choices:
+            echoed = prompts[c.index // 2] if prompt is prompts else tiny_tokenizer.decode(ids[c.index // 2])
+            assert c.text.startswith(echoed) and c.finish_reason == "length"
+            assert_hf_text(c.text[len(echoed):], expected[c.index // 2])
+        assert out.usage.prompt_tokens == sum(map(len, ids))
+        assert out.usage.completion_tokens == 6 * 12
+
+        texts, finished = [""] * 6, []
+        chunks = list(openai_client.completions.create(prompt=prompt, stream=True,
+                                                       stream_options={"include_usage": True}, **kw))
+        for chunk in chunks[:-1]:
+            for c in chunk.choices:
+                texts[c.index] += c.text
+                if c.finish_reason:
+                    finished.append(c.index)
+        assert sorted(finished) == list(range(6))
+        for i, text in enumerate(texts):
+            assert_hf_text(text, expected[i // 2])
+        assert chunks[-1].usage.prompt_tokens == sum(map(len, ids))
+        assert chunks[-1].usage.completion_tokens == 6 * 12
+
+
+def test_closing_a_batched_stream_aborts_every_prompt_and_frees_every_block(openai_serve):
+    before = openai_serve.stats()
+    body = {"model": "tiny", "prompt": ["x = [", "y = {", "z = ("], "max_tokens": 1500, "n": 2, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", openai_serve.http_url + "/v1/completions", json=body, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    stats = wait_idle(openai_serve)
+    assert stats.num_aborted == before.num_aborted + 6
+
+
 def test_closing_an_n4_stream_aborts_all_and_frees_every_block(openai_serve):
     before = openai_serve.stats()
     body = {"model": "tiny", "prompt": "x = [", "max_tokens": 1500, "n": 4, "stream": True, "ignore_eos": True}
@@ -128,7 +174,10 @@ BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
     "empty prompt": (C, {"prompt": ""}, 400, "prompt"),
     "token id outside vocab": (C, {"prompt": [1, 10**6]}, 400, "prompt"),
     "negative token id": (C, {"prompt": [1, -3]}, 400, "prompt"),
-    "batched prompts": (C, {"prompt": ["a", "b"]}, 400, "prompt"),
+    "a batch past the prompt limit": (C, {"prompt": ["a"] * 257}, 400, "prompt"),
+    "an empty prompt in a batch": (C, {"prompt": ["a", ""]}, 400, "prompt"),
+    "a token id outside vocab in a batch": (C, {"prompt": [[1, 2], [1, 10**6]]}, 400, "prompt"),
+    "a batch mixing texts and token ids": (C, {"prompt": ["a", [1, 2]]}, 400, "prompt"),
     "temperature < 0": (C, {"prompt": "x", "temperature": -1}, 400, "temperature"),
     "temperature NaN": (C, b'{"prompt": "x", "temperature": NaN}', 400, "temperature"),
     "top_p > 1": (C, {"prompt": "x", "top_p": 1.5}, 400, "top_p"),

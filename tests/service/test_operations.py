@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -23,7 +24,7 @@ from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
-from tests.service.streams import greedy
+from tests.service.streams import greedy, wait_idle
 
 
 class Stream:
@@ -111,6 +112,36 @@ def test_overload_and_deadlines_get_a_status(tiny_model_dir):  # noqa: F811
         assert messages[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
         stats = serve.stats()
         assert stats.num_running == 0 and stats.num_free_blocks == stats.num_total_blocks
+
+        # a completions batch takes a slot per prompt, all or none: 4 prompts past the limit of 3
+        # are refused, and the ones started before the refusal give their slots back
+        wait_active_requests(serve, 0)
+        assert post_completion(serve, {"prompt": [[9]] * 4, "max_tokens": 2}) == 429
+        assert post_completion(serve, {"prompt": [[9]] * 3, "max_tokens": 2}) == 200
+        wait_idle(serve)
+
+
+def post_completion(serve, body: dict) -> int:
+    request = urllib.request.Request(serve.http_url + "/v1/completions", data=json.dumps({"model": "tiny", **body}).encode(),
+                                     headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def wait_active_requests(serve, count: int, timeout_s: float = 30.0) -> None:
+    """Until the gateway's `active_requests` gauge reads `count` (a cancelled call's slot is
+    given back when its handler ends, after the client saw the cancellation)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with urllib.request.urlopen(serve.http_url + "/metrics", timeout=30) as response:
+            metrics = response.read().decode()
+        line = next(line for line in metrics.splitlines() if line.startswith("stepahead:gateway_active_requests "))
+        if float(line.split()[1]) == count:
+            return
+        assert time.monotonic() < deadline, line
 
 
 def test_gateway_metrics_and_json_logs(tiny_model_dir, serve):  # noqa: F811

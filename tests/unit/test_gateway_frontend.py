@@ -7,7 +7,8 @@ import pytest
 from gateway.generation import Frontend, Rejected, derived_seed
 from gateway.metrics import GatewayMetrics
 from gateway.openai_format import ChatFormat, CompletionFormat
-from gateway.openai_protocol import ChatCompletionRequest, CompletionRequest, chat_to_raw, completion_to_raw, openai_param
+from gateway.openai_protocol import (ChatCompletionRequest, CompletionRequest, chat_to_raw, completion_prompts,
+                                     completion_to_raw, openai_param)
 from gateway.validation import ValidationError
 from stepahead.v1 import common_pb2, scheduler_pb2
 from stepahead import codec
@@ -96,12 +97,22 @@ def test_derived_seed_keeps_none_and_wraps():
     ({"prompt": "x", "logit_bias": {"five": 1.0}}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": [[1], [2]]}, "prompt"),
+    ({"prompt": [[1]] * 257}, "prompt"),
 ])
 def test_unsupported_or_bad_completion_fields_are_named(body, param):
     with pytest.raises(ValidationError) as info:
-        completion_to_raw(CompletionRequest.model_validate(body), 10)
+        request = CompletionRequest.model_validate(body)
+        for prompt in completion_prompts(request):
+            completion_to_raw(request, 10, prompt)
     assert info.value.field == param
+
+
+def test_a_batch_of_prompts_is_one_request_per_prompt():
+    request = CompletionRequest(prompt=[[1, 2], [3]], n=2)
+    assert completion_prompts(request) == [[1, 2], [3]]
+    assert [completion_to_raw(request, 10, p).prompt_token_ids for p in completion_prompts(request)] == [[1, 2], [3]]
+    assert completion_prompts(CompletionRequest(prompt=[5, 6])) == [[5, 6]]  # token ids: one prompt
+    assert completion_prompts(CompletionRequest(prompt=["a"])) == ["a"]
 
 
 def test_chat_maps_max_completion_tokens_and_renders_text_parts():
@@ -143,7 +154,7 @@ def test_completion_echo_is_sent_once_per_choice():
     from gateway.generation import ChoiceOutput
     from gateway.output import Output
 
-    fmt = CompletionFormat("id", "m", 2, "PROMPT")
+    fmt = CompletionFormat("id", "m", 2, ["PROMPT"])
     for index in (0, 1, 0):
         fmt.accumulate(ChoiceOutput(index, Output("t", (1,), num_output_tokens=1)))
     assert [c["text"] for c in fmt.full()["choices"]] == ["PROMPTtt", "PROMPTt"]

@@ -41,7 +41,7 @@ def test_held_back_text_holds_its_logprobs_and_a_stop_string_cuts_them():
 
 def test_completion_format_with_echo_puts_the_prompt_first():
     gen = start({"prompt": [1, 2, 3], "logprobs": 2, "echo": True, "max_tokens": 1})
-    fmt = CompletionFormat("id", "m", 1, "BCD", logprobs=True)
+    fmt = CompletionFormat("id", "m", 1, ["BCD"], logprobs=True)
     prompt_part = dict(prompt_logprobs=[lp(2, -2.0), lp(3, -3.0)], prompt_logprobs_start=1)
     fmt.accumulate(gen.on_event(event("r", [4], common_pb2.FINISH_REASON_LENGTH, logprobs=[lp(4, -0.25)],
                                       **prompt_part)))
