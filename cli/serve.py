@@ -390,7 +390,7 @@ def check_checkpoint(model_dir: str, worker_cfg):
 
     model_cfg = ModelConfig.from_dir(model_dir)
     if worker_cfg.device == "cpu":
-        itemsize = {"bfloat16": 2, "float16": 2}.get(worker_cfg.dtype or "float32", 4)
+        itemsize = {"bfloat16": 2, "float16": 2}.get(worker_cfg.dtype.value if worker_cfg.dtype else "float32", 4)
         check_fits(model_dir, model_cfg, itemsize, host_memory_bytes(), "the host")
     tokenizer = Path(model_dir) / "tokenizer.json"
     if not tokenizer.is_file():

@@ -14,6 +14,7 @@ import math
 import os
 import types
 import typing
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -142,10 +143,22 @@ def _parse(tp: Any, raw: str, source: str) -> Any:
                 return False
             raise ValueError(f"expected one of {sorted(_TRUE | _FALSE)}")
         if isinstance(tp, type) and issubclass(tp, enum.Enum):
-            return tp(raw)
+            return _enum_value(tp)(raw)
         return tp(raw)
     except (ValueError, argparse.ArgumentTypeError) as exc:
         raise ConfigError(f"{source}={raw!r}: {exc}") from None
+
+
+def _enum_value(tp: type[enum.Enum]) -> Callable[[str], enum.Enum]:
+    """The member of `tp` a flag or variable names; an error lists the values."""
+    def parse(raw: str) -> enum.Enum:
+        try:
+            return tp(raw)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{raw!r} is not one of {', '.join(m.value for m in tp)}") from None
+
+    return parse
 
 
 def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str, ...] = ()) -> None:
@@ -169,7 +182,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, exclude: tuple[str
             parser.add_argument(flag_name(f.name), dest=f.name, action=argparse.BooleanOptionalAction,
                                 default=default, help=help_text)
         elif isinstance(tp, type) and issubclass(tp, enum.Enum):
-            parser.add_argument(flag_name(f.name), dest=f.name, type=tp, default=default,
+            parser.add_argument(flag_name(f.name), dest=f.name, type=_enum_value(tp), default=default,
                                 choices=list(tp), metavar="{" + ",".join(m.value for m in tp) + "}",
                                 help=help_text)
         else:

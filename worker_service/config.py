@@ -7,6 +7,7 @@ its ports, logging).
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from model_zoo.builtin_models import DEFAULT_MODEL, MODEL_HELP
@@ -17,6 +18,14 @@ from stepahead.logprobs import MAX_LOGPROBS
 from stepahead.plan import WorkerRole
 from stepahead.security import SchedulerClientConfig, TLSFiles
 from worker_service.attention_names import AttentionBackendName
+
+
+class WeightDType(enum.Enum):
+    """Values of `--dtype` (the torch dtypes are `worker_service.loader.DTYPES`)."""
+
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
 
 
 @dataclass(frozen=True)
@@ -44,8 +53,8 @@ class WorkerEngineConfig:
 
     served_model_name: str | None = cfg.field(None, "name clients use (default: the --model argument, as vLLM)")
     tokenizer: str | None = cfg.field(None, "tokenizer directory for a .gguf --model that carries none")
-    dtype: str | None = cfg.field(
-        None, "weight dtype: float32, bfloat16, float16 (default: float32; sim: the checkpoint's torch_dtype)")
+    dtype: WeightDType | None = cfg.field(
+        None, "weight dtype (default: float32; sim: the checkpoint's torch_dtype)")
     device: str = cfg.field("cpu", "torch device: cpu, cuda, cuda:1, or sim (a simulated accelerator, no torch)")
     sim_eos_probability: float = cfg.field(0.01, "--device sim: chance that a sampled token is EOS")
     kv_cache_memory_bytes: int | None = cfg.field(None, "KV cache size in bytes (CPU default: a quarter of the host memory left after the weights, at most what --max-num-seqs sequences of --max-model-len fill; CUDA: --gpu-memory-utilization)")

@@ -94,7 +94,7 @@ def build_runner(config: WorkerConfig, group=None) -> tuple[Runner, Path]:
         torch.set_num_threads(config.num_threads)
     model_dir = resolve_model(config.model, tokenizer=config.tokenizer)
     model_cfg = ModelConfig.from_dir(model_dir)
-    dtype = config.dtype or "float32"
+    dtype = config.dtype.value if config.dtype else "float32"
     check_weights_fit(model_dir, model_cfg, config, parse_dtype(dtype).itemsize)
     host_blocks, offload_blocks = config.host_blocks(block_bytes(model_cfg, config.block_size, parse_dtype(dtype)))
     enforce_eager = resolve_enforce_eager(config, group is not None)
@@ -161,7 +161,7 @@ def check_device_flags(config: WorkerConfig) -> None:
     if config.attention_backend is AttentionBackendName.FLASHINFER:
         from worker_service.flashinfer_attention import flashinfer_usable
 
-        why = flashinfer_usable(device, parse_dtype(config.dtype or "float32"))
+        why = flashinfer_usable(device, parse_dtype(config.dtype.value if config.dtype else "float32"))
         if why is not None:
             raise ValueError(why)
 

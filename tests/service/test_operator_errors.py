@@ -36,6 +36,8 @@ BAD_FLAGS = [
     ("worker", ["--max-cuda-graph-batch-size", "-1"], "--max-cuda-graph-batch-size"),
     ("serve", ["--startup-timeout-s", "0"], "--startup-timeout-s"),
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout"),
+    ("serve", ["--dtype", "float8"], "--dtype: 'float8' is not one of float32"),  # was the worker's traceback
+    ("worker", ["--dtype", "float8"], "--dtype: 'float8' is not one of float32"),
 ]
 
 

@@ -50,6 +50,23 @@ def test_score_ttft_target_reaches_the_scheduler_core_from_env_and_flag(monkeypa
     assert refused.value.code == 2
 
 
+def test_a_bad_enum_value_lists_the_values(monkeypatch, capsys) -> None:
+    with pytest.raises(SystemExit) as refused:
+        parse(["--scheduling-policy", "lifo"])
+    assert refused.value.code == 2
+    assert "argument --scheduling-policy: 'lifo' is not one of fcfs, priority" in capsys.readouterr().err
+    monkeypatch.setenv("STEPAHEAD_SCHEDULING_POLICY", "lifo")
+    with pytest.raises(cfg.ConfigError, match="STEPAHEAD_SCHEDULING_POLICY='lifo': 'lifo' is not one of fcfs"):
+        parse([])
+
+
+def test_every_dtype_the_flag_takes_is_one_the_loader_loads() -> None:
+    from worker_service.config import WeightDType
+    from worker_service.loader import DTYPES
+
+    assert {d.value for d in WeightDType} == set(DTYPES)
+
+
 def test_round_trip_to_flags() -> None:
     c = parse(["--no-enable-prefix-caching", "--max-num-batched-tokens", "512", "--preemption-mode", "swap"])
     names = ["enable_prefix_caching", "max_num_batched_tokens", "preemption_mode"]

@@ -22,7 +22,7 @@ def build_sim_runner(config) -> tuple[SimRunner, Path]:
     model_dir = resolve_model(config.model)
     runner = SimRunner(
         model_dir, load_profile(config.sim_profile),
-        dtype=config.dtype or checkpoint_dtype(model_dir),
+        dtype=config.dtype.value if config.dtype else checkpoint_dtype(model_dir),
         num_devices=config.sim_num_devices,
         block_size=config.block_size,
         num_blocks=config.num_gpu_blocks_override,
