@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import re
 import time
 from collections import OrderedDict
 from pathlib import Path
@@ -44,6 +45,15 @@ from stepahead.plan import StructuredKind, StructuredOutput
 from worker_service.streams import host_to_device
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
+
+
+_XGRAMMAR_SOURCE = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")  # "[19:17:46] /project/cpp/x.cc:820: "
+
+
+def _reason(exc: Exception) -> str:
+    """What a client reads of xgrammar's error: its message without the time and the C++ source
+    line it puts in front, one line, bounded."""
+    return _XGRAMMAR_SOURCE.sub("", str(exc).strip()).replace("\n", " ")[:300]
 
 
 class GrammarError(ValueError):
@@ -98,7 +108,7 @@ class GrammarCache:
             compiled = _COMPILE[structured.kind](compiler, structured)
         except Exception as exc:  # xgrammar raises RuntimeError / its own errors for a bad constraint
             field = f"structured_outputs.{structured.kind.value}"
-            raise GrammarError(f"{field}: does not compile: {str(exc)[:300]}") from None
+            raise GrammarError(f"{field}: does not compile: {_reason(exc)}") from None
         self.observer.on_grammar_compiled(time.perf_counter() - start)
         self._compiled[structured] = compiled
         if len(self._compiled) > self.capacity:

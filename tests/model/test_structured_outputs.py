@@ -158,7 +158,10 @@ def test_a_grammar_the_worker_cannot_compile_fails_alone_as_invalid(tiny_model_d
     result = engine.runner.execute(plan)
     assert set(result.invalid_ids) == set(bad) <= result.failed.keys()
     for rid in bad:
-        assert result.failed[rid].startswith(f"structured_outputs.{bad[rid].kind.value}: does not compile")
+        assert result.failed[rid].startswith(f"structured_outputs.{bad[rid].kind.value}: does not compile: ")
+        reason = result.failed[rid].split(": does not compile: ")[1]
+        assert ".cc:" not in reason and "\n" not in reason, reason  # xgrammar's message, not its C++ source line
+    assert "undefined_rule" in result.failed["ebnf"]
     _, events = engine.loop.commit(result)
     assert {e.request_id for e in events if e.rejected} == set(bad)
     for e in events:
