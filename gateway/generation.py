@@ -237,9 +237,10 @@ class Frontend:
     def tokenize(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=True)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool,
-                    tools: list[dict] | None = None) -> list[int]:
-        """The prompt ids of a conversation (and its tools), rendered with the model's chat template.
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None = None, *,
+                    continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+        """The prompt ids of a conversation (and its tools), rendered with the model's chat template
+        (`continue_final_message` and `template_kwargs` checked by `validation.chat_options`).
 
         Same ids as the tokenizer's `apply_chat_template(..., tools=tools, tokenize=True)`: the
         rendered text already holds the template's special tokens, so none are added.
@@ -248,10 +249,13 @@ class Frontend:
             raise ValidationError("messages", "this model has no chat template")
         try:
             text = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools
-            )
+                messages, add_generation_prompt=add_generation_prompt, tokenize=False, tools=tools,
+                continue_final_message=continue_final_message, **(template_kwargs or {}))
         except TemplateError as exc:
             raise ValidationError("messages", f"the chat template rejected the conversation: {exc}") from None
+        except (ValueError, TypeError) as exc:  # the final message not found to continue; a kwarg the template misuses
+            raise ValidationError("continue_final_message" if continue_final_message else "chat_template_kwargs",
+                                  f"the chat template cannot render this request: {exc}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, raw: RawGenerateRequest) -> ValidRequest:

@@ -58,7 +58,7 @@ from gateway.openai_responses import ResponsesFormat, ResponsesRequest, chat_req
 from gateway.scheduler_link import LinkBroken
 from gateway.sse import EventStream
 from gateway.tokenizer import HEAP_TRIM
-from gateway.validation import RawGenerateRequest, ValidationError, ValidRequest
+from gateway.validation import RawGenerateRequest, ValidationError, ValidRequest, chat_options
 from stepahead import security
 from stepahead.logs import RateLimitedLog
 from stepahead.v1 import scheduler_pb2
@@ -249,8 +249,9 @@ class OpenAIServer:
         def ids() -> list[int]:
             if not chat:
                 return tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+            options = chat_options(body.add_generation_prompt, body.continue_final_message, body.chat_template_kwargs)
             rendered = self.frontend.render_chat([message_dict(m, i) for i, m in enumerate(body.messages)],
-                                                 body.add_generation_prompt, tool_dicts(body.tools))
+                                                 body.add_generation_prompt, tool_dicts(body.tools), **options)
             if not body.add_special_tokens:
                 return rendered
             return tokenizer.encode(tokenizer.decode(rendered), add_special_tokens=True)

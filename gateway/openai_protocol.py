@@ -157,6 +157,8 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model continues the last message (set add_generation_prompt false)
+    chat_template_kwargs: dict[str, Any] | None = None  # vLLM's: more template variables (Qwen3's enable_thinking)
     tools: list[ChatTool] | None = Field(None, max_length=limits.MAX_TOOLS)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
@@ -177,6 +179,8 @@ class TokenizeChatRequest(_Strict):
     model: str | None = None
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
     add_special_tokens: bool = False
     tools: list[ChatTool] | None = None
 
@@ -363,6 +367,7 @@ def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequ
     return RawGenerateRequest(
         chat_messages=[message_dict(m, i) for i, m in enumerate(body.messages)],
         chat_tools=tool_dicts(body.tools), add_generation_prompt=body.add_generation_prompt,
+        continue_final_message=body.continue_final_message, chat_template_kwargs=body.chat_template_kwargs,
         sampling=sampling, **_common(body, max_tokens, size_bytes),
     )
 

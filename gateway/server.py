@@ -195,6 +195,9 @@ def raw_from_proto(msg: generation_pb2.GenerateRequest, tool_parser: ToolCallPar
         chat_messages=messages,
         chat_tools=tools,
         add_generation_prompt=msg.chat.add_generation_prompt if msg.chat.HasField("add_generation_prompt") else True,
+        continue_final_message=msg.chat.continue_final_message,
+        chat_template_kwargs=call_arguments(msg.chat.chat_template_kwargs_json, "chat.chat_template_kwargs_json")
+        if msg.chat.chat_template_kwargs_json else None,
         sampling=sampling,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         stop=list(msg.stop),

@@ -111,12 +111,15 @@ class GatewayTokenizer:
         return self._tokenizer.get_vocab_size(with_added_tokens=with_added_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = False,
-                            tokenize: bool = False, tools: list[dict] | None = None) -> str | list[int]:
+                            tokenize: bool = False, tools: list[dict] | None = None,
+                            continue_final_message: bool = False, **template_kwargs) -> str | list[int]:
+        """transformers' `apply_chat_template`: `template_kwargs` are more variables for the template."""
         if not self.chat_template:
             raise ValueError("this tokenizer has no chat template")
         rendered, _ = render_jinja_template(
             conversations=[messages], chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt, tools=tools, **self.special_tokens_map,
+            add_generation_prompt=add_generation_prompt, tools=tools, continue_final_message=continue_final_message,
+            **template_kwargs, **self.special_tokens_map,
         )
         text = rendered[0]
         return self.encode(text, add_special_tokens=False) if tokenize else text

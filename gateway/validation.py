@@ -21,7 +21,7 @@ from stepahead.limits import LimitError as ValidationError
 from stepahead.limits import ModelLimits
 from stepahead.plan import SamplingParams
 
-__all__ = ["ModelLimits", "RawGenerateRequest", "ValidRequest", "ValidationError", "validate"]
+__all__ = ["ModelLimits", "RawGenerateRequest", "ValidRequest", "ValidationError", "chat_options", "validate"]
 
 
 @dataclass(frozen=True)
@@ -39,6 +39,8 @@ class RawGenerateRequest:
     chat_messages: Sequence[Mapping[str, object]] | None = None  # rendered with the chat template
     chat_tools: Sequence[Mapping[str, object]] | None = None  # the tools the template is given (OpenAI's form)
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the prompt ends inside the last message, which the model continues
+    chat_template_kwargs: Mapping[str, object] | None = None  # more variables for the template
     sampling: SamplingParams = SamplingParams()  # its max_tokens is `max_tokens` below
     max_tokens: int | None = None
     stop: Sequence[str] = ()
@@ -95,6 +97,17 @@ def _check_envelope(raw: RawGenerateRequest, model: ModelLimits) -> None:
     limits.check_id("request_id", raw.request_id)
 
 
+def chat_options(add_generation_prompt: bool, continue_final_message: bool,
+                 template_kwargs: Mapping[str, object] | None) -> dict:
+    """The checked keyword arguments of a render beyond the messages, tools and cue (both
+    transports and `/tokenize`): vLLM's rules, the two endings exclusive."""
+    if continue_final_message and add_generation_prompt:
+        raise ValidationError("continue_final_message", "cannot be set with add_generation_prompt "
+                              "(set add_generation_prompt to false to continue the last message)")
+    return {"continue_final_message": continue_final_message,
+            "template_kwargs": limits.check_chat_template_kwargs(dict(template_kwargs or {}))}
+
+
 def _prompt_ids(
     raw: RawGenerateRequest, model: ModelLimits, tokenize: Callable[[str], list[int]], render_chat
 ) -> tuple[list[int], str]:
@@ -105,7 +118,9 @@ def _prompt_ids(
             raise ValidationError("messages", "chat prompts are not supported here")
         limits.check_messages(raw.chat_messages, model.max_model_len)
         tools = [dict(t) for t in raw.chat_tools] if raw.chat_tools else None
-        return render_chat([dict(m) for m in raw.chat_messages], raw.add_generation_prompt, tools), "messages"
+        options = chat_options(raw.add_generation_prompt, raw.continue_final_message, raw.chat_template_kwargs)
+        return render_chat([dict(m) for m in raw.chat_messages], raw.add_generation_prompt, tools, **options), \
+            "messages"
     if raw.prompt_token_ids is not None:
         return list(raw.prompt_token_ids), "prompt.token_ids"
     if raw.prompt_text is not None:

@@ -417,6 +417,28 @@ def check_messages(messages: Sequence[dict], max_model_len: int, field: str = "m
             _no_nul(f"{field}[{i}].{key}", value)
 
 
+MAX_TEMPLATE_KWARGS = 64
+# what the renderer sets itself (transformers' render_jinja_template and the tokenizer's
+# special tokens): a request's chat_template_kwargs may not replace them
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversations", "messages", "tools", "documents", "chat_template", "return_assistant_tokens_mask",
+    "continue_final_message", "add_generation_prompt", "tokenize", "bos_token", "eos_token", "unk_token",
+    "pad_token", "sep_token", "cls_token", "mask_token"})
+
+
+def check_chat_template_kwargs(kwargs: dict, field: str = "chat_template_kwargs") -> dict:
+    """Extra variables for the chat template (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    `enable_thinking`): at most `MAX_TEMPLATE_KWARGS` names, none of the renderer's own."""
+    if len(kwargs) > MAX_TEMPLATE_KWARGS:
+        raise LimitError(field, f"at most {MAX_TEMPLATE_KWARGS} names, got {len(kwargs)}")
+    for name in kwargs:
+        if not name.isidentifier():
+            raise LimitError(field, f"{name[:64]!r} is not a template variable name")
+        if name in RESERVED_TEMPLATE_KWARGS:
+            raise LimitError(field, f"{name!r} is set by the server, not by a request")
+    return kwargs
+
+
 def _no_nul(field: str, text: str) -> None:
     """NUL is refused in text: C code on the way (tokenizers, templates, logs) may cut there."""
     if "\0" in text:

@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from stepahead.v1 import common_pb2 as stepahead_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstepahead/v1/generation.proto\x12\x0cstepahead.v1\x1a\x19stepahead/v1/common.proto\"\xe3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.stepahead.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x0b \x01(\x0b\x32\x12.stepahead.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x0e\n\x01n\x18\n \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\xfd\x01\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.stepahead.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12!\n\x05tools\x18\x03 \x03(\x0b\x32\x12.stepahead.v1.Tool\x12-\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x18.stepahead.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x42\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"R\n\nToolChoice\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x16.stepahead.v1.ToolModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.stepahead.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.stepahead.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.stepahead.v1.Usage\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\x12(\n\x08logprobs\x18\t \x03(\x0b\x32\x16.stepahead.v1.Logprobs\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.stepahead.v1.Logprobs\x12\x0f\n\x07\x63ontent\x18\x0b \x01(\t\x12\x11\n\treasoning\x18\x0c \x01(\t\x12*\n\ntool_calls\x18\r \x03(\x0b\x32\x16.stepahead.v1.ToolCall\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.stepahead.v1.ModelInfo\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"~\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t*e\n\x08ToolMode\x12\x19\n\x15TOOL_MODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eTOOL_MODE_NONE\x10\x01\x12\x12\n\x0eTOOL_MODE_AUTO\x10\x02\x12\x16\n\x12TOOL_MODE_REQUIRED\x10\x03\x32\xf6\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.stepahead.v1.GenerateRequest\x1a\x1e.stepahead.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.stepahead.v1.ListModelsRequest\x1a .stepahead.v1.ListModelsResponse\x12J\n\x0cGetModelInfo\x12!.stepahead.v1.GetModelInfoRequest\x1a\x17.stepahead.v1.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dstepahead/v1/generation.proto\x12\x0cstepahead.v1\x1a\x19stepahead/v1/common.proto\"\xe3\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12+\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x16.stepahead.v1.TokenIdsH\x00\x12\"\n\x04\x63hat\x18\x0b \x01(\x0b\x32\x12.stepahead.v1.ChatH\x00\x12.\n\x08sampling\x18\x05 \x01(\x0b\x32\x1c.stepahead.v1.SamplingParams\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\"\n\x1ainclude_stop_str_in_output\x18\x07 \x01(\x08\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\x10\n\x08priority\x18\t \x01(\x05\x12\x0e\n\x01n\x18\n \x01(\rH\x02\x88\x01\x01\x42\x08\n\x06promptB\x16\n\x14_skip_special_tokensB\x04\n\x02_n\"\xc0\x02\n\x04\x43hat\x12+\n\x08messages\x18\x01 \x03(\x0b\x32\x19.stepahead.v1.ChatMessage\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x02 \x01(\x08H\x00\x88\x01\x01\x12!\n\x05tools\x18\x03 \x03(\x0b\x32\x12.stepahead.v1.Tool\x12-\n\x0btool_choice\x18\x04 \x01(\x0b\x32\x18.stepahead.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x05 \x01(\x08H\x01\x88\x01\x01\x12\x1e\n\x16\x63ontinue_final_message\x18\x06 \x01(\x08\x12!\n\x19\x63hat_template_kwargs_json\x18\x07 \x01(\tB\x18\n\x16_add_generation_promptB\x16\n\x14_parallel_tool_calls\"B\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x17\n\x0fparameters_json\x18\x03 \x01(\t\"R\n\nToolChoice\x12&\n\x04mode\x18\x01 \x01(\x0e\x32\x16.stepahead.v1.ToolModeH\x00\x12\x12\n\x08\x66unction\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"n\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.stepahead.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xfc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\r\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.stepahead.v1.FinishReason\x12\"\n\x05usage\x18\x05 \x01(\x0b\x32\x13.stepahead.v1.Usage\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\r\n\x05index\x18\x08 \x01(\r\x12(\n\x08logprobs\x18\t \x03(\x0b\x32\x16.stepahead.v1.Logprobs\x12/\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x16.stepahead.v1.Logprobs\x12\x0f\n\x07\x63ontent\x18\x0b \x01(\t\x12\x11\n\treasoning\x18\x0c \x01(\t\x12*\n\ntool_calls\x18\r \x03(\x0b\x32\x16.stepahead.v1.ToolCall\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.stepahead.v1.ModelInfo\"$\n\x13GetModelInfoRequest\x12\r\n\x05model\x18\x01 \x01(\t\"~\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_type\x18\x02 \x01(\t\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t*e\n\x08ToolMode\x12\x19\n\x15TOOL_MODE_UNSPECIFIED\x10\x00\x12\x12\n\x0eTOOL_MODE_NONE\x10\x01\x12\x12\n\x0eTOOL_MODE_AUTO\x10\x02\x12\x16\n\x12TOOL_MODE_REQUIRED\x10\x03\x32\xf6\x01\n\nGeneration\x12K\n\x08Generate\x12\x1d.stepahead.v1.GenerateRequest\x1a\x1e.stepahead.v1.GenerateResponse0\x01\x12O\n\nListModels\x12\x1f.stepahead.v1.ListModelsRequest\x1a .stepahead.v1.ListModelsResponse\x12J\n\x0cGetModelInfo\x12!.stepahead.v1.GetModelInfoRequest\x1a\x17.stepahead.v1.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'stepahead.v1.generation_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_TOOLMODE']._serialized_start=1667
-  _globals['_TOOLMODE']._serialized_end=1768
+  _globals['_TOOLMODE']._serialized_start=1734
+  _globals['_TOOLMODE']._serialized_end=1835
   _globals['_GENERATEREQUEST']._serialized_start=75
   _globals['_GENERATEREQUEST']._serialized_end=430
   _globals['_CHAT']._serialized_start=433
-  _globals['_CHAT']._serialized_end=686
-  _globals['_TOOL']._serialized_start=688
-  _globals['_TOOL']._serialized_end=754
-  _globals['_TOOLCHOICE']._serialized_start=756
-  _globals['_TOOLCHOICE']._serialized_end=838
-  _globals['_TOOLCALL']._serialized_start=840
-  _globals['_TOOLCALL']._serialized_end=895
-  _globals['_CHATMESSAGE']._serialized_start=897
-  _globals['_CHATMESSAGE']._serialized_end=1007
-  _globals['_TOKENIDS']._serialized_start=1009
-  _globals['_TOKENIDS']._serialized_end=1032
-  _globals['_GENERATERESPONSE']._serialized_start=1035
-  _globals['_GENERATERESPONSE']._serialized_end=1415
-  _globals['_LISTMODELSREQUEST']._serialized_start=1417
-  _globals['_LISTMODELSREQUEST']._serialized_end=1436
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1438
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1499
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1501
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1537
-  _globals['_MODELINFO']._serialized_start=1539
-  _globals['_MODELINFO']._serialized_end=1665
-  _globals['_GENERATION']._serialized_start=1771
-  _globals['_GENERATION']._serialized_end=2017
+  _globals['_CHAT']._serialized_end=753
+  _globals['_TOOL']._serialized_start=755
+  _globals['_TOOL']._serialized_end=821
+  _globals['_TOOLCHOICE']._serialized_start=823
+  _globals['_TOOLCHOICE']._serialized_end=905
+  _globals['_TOOLCALL']._serialized_start=907
+  _globals['_TOOLCALL']._serialized_end=962
+  _globals['_CHATMESSAGE']._serialized_start=964
+  _globals['_CHATMESSAGE']._serialized_end=1074
+  _globals['_TOKENIDS']._serialized_start=1076
+  _globals['_TOKENIDS']._serialized_end=1099
+  _globals['_GENERATERESPONSE']._serialized_start=1102
+  _globals['_GENERATERESPONSE']._serialized_end=1482
+  _globals['_LISTMODELSREQUEST']._serialized_start=1484
+  _globals['_LISTMODELSREQUEST']._serialized_end=1503
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1505
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1566
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1568
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1604
+  _globals['_MODELINFO']._serialized_start=1606
+  _globals['_MODELINFO']._serialized_end=1732
+  _globals['_GENERATION']._serialized_start=1838
+  _globals['_GENERATION']._serialized_end=2084
 # @@protoc_insertion_point(module_scope)

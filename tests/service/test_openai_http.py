@@ -321,6 +321,35 @@ def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(openai_serve,
     assert cli.stdout == http.choices[0].message.content + "\n"
 
 
+def test_continuing_the_final_message_over_http_and_grpc_equals_hf(openai_serve, openai_client, hf,
+                                                                   tiny_tokenizer):  # noqa: F811
+    """vLLM's `continue_final_message`: the prompt is the template's up to the end of the last
+    message's content (transformers' rendering), and the model continues it."""
+    from stepahead.v1 import common_pb2, generation_pb2
+
+    messages = [{"role": "user", "content": "Write a sort."}, {"role": "assistant", "content": "def sort(xs):"}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=False, continue_final_message=True,
+                                             tokenize=True, return_dict=False)
+    extra = {"continue_final_message": True, "add_generation_prompt": False, "chat_template_kwargs": {"unused": 1}}
+    out = openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0,
+                                                extra_body={**IGNORE_EOS, **extra})
+    assert out.usage.prompt_tokens == len(ids)
+    assert_hf_text(out.choices[0].message.content, hf_text(hf, tiny_tokenizer, ids, 12))
+    tokenized = httpx.post(openai_serve.http_url + "/tokenize", json={"messages": messages, **extra}).json()
+    assert tokenized["tokens"] == ids
+
+    chat = generation_pb2.Chat(messages=[generation_pb2.ChatMessage(**m) for m in messages], add_generation_prompt=False,
+                               continue_final_message=True, chat_template_kwargs_json='{"unused": 1}')
+    sampling = common_pb2.SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    msgs = list(openai_serve.gateway.Generate(generation_pb2.GenerateRequest(chat=chat, sampling=sampling), timeout=120))
+    assert msgs[-1].usage.prompt_tokens == len(ids)
+    assert "".join(m.text for m in msgs) == out.choices[0].message.content
+    with pytest.raises(openai.BadRequestError) as refused:  # vLLM's rule: not both endings
+        openai_client.chat.completions.create(model="tiny", messages=messages, max_tokens=2,
+                                              extra_body={"continue_final_message": True})
+    assert refused.value.param == "continue_final_message"
+
+
 # ---- first contact: schema errors, the API's own documentation, echo offsets, tokenize -------------------
 
 

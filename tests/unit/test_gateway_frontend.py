@@ -118,9 +118,9 @@ def test_a_batch_of_prompts_is_one_request_per_prompt():
 def test_chat_maps_max_completion_tokens_and_renders_text_parts():
     seen = []
 
-    def render(messages, add_generation_prompt, tools):
+    def render(messages, add_generation_prompt, tools, continue_final_message, template_kwargs):
         seen.append((messages, add_generation_prompt))
-        assert tools is None
+        assert tools is None and not continue_final_message and template_kwargs == {}
         return [1, 2, 3]
 
     body = ChatCompletionRequest.model_validate({
@@ -134,6 +134,23 @@ def test_chat_maps_max_completion_tokens_and_renders_text_parts():
     assert seen == [([{"role": "user", "content": "ab"}], False)]
     assert openai_param("sampling.max_tokens", chat=True) == "max_completion_tokens"
     assert openai_param("prompt.token_ids", chat=True) == "messages"
+
+
+@pytest.mark.parametrize("fields, param, reason", [
+    ({"continue_final_message": True}, "continue_final_message", "cannot be set with add_generation_prompt"),
+    ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs", "'tools' is set by the server"),
+    ({"chat_template_kwargs": {"bos_token": "x"}}, "chat_template_kwargs", "'bos_token' is set by the server"),
+    ({"chat_template_kwargs": {"a-b": 1}}, "chat_template_kwargs", "is not a template variable name"),
+    ({"chat_template_kwargs": {f"k{i}": i for i in range(65)}}, "chat_template_kwargs", "at most 64 names"),
+])
+def test_chat_rendering_options_are_checked_before_rendering(fields, param, reason):
+    body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "a"}], **fields})
+    front = frontend(FakeLink())
+    front.render_chat = lambda *a, **k: pytest.fail("rendered")
+    with pytest.raises(ValidationError) as info:
+        front.validate(chat_to_raw(body, 10))
+    assert info.value.field == param and reason in info.value.reason
+    assert openai_param(info.value.field, chat=True) == param
 
 
 def test_chat_chunks_send_the_role_first_once_per_choice():

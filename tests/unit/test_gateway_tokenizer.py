@@ -57,6 +57,35 @@ def test_chat_template_matches_transformers(ours, hf_tokenizer, messages, add_ge
         hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False, **kw))
 
 
+def test_continuing_the_final_message_matches_transformers(ours, hf_tokenizer):
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure, here is"}]
+    kw = dict(add_generation_prompt=False, continue_final_message=True)
+    ours_text = ours.apply_chat_template(messages, **kw)
+    assert ours_text == hf_tokenizer.apply_chat_template(messages, tokenize=False, **kw)
+    assert ours_text.endswith("Sure, here is")  # open: no end-of-turn after it
+
+
+THINKING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n"
+                     "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+                     "{% endif %}{% endif %}")  # the part of Qwen3's template that reads enable_thinking
+
+
+def test_template_kwargs_reach_the_template_as_in_transformers(tiny_model_dir, tmp_path):  # noqa: F811
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "chat_template.jinja").write_text(THINKING_TEMPLATE)
+    ours, hf = GatewayTokenizer(tmp_path / "m"), AutoTokenizer.from_pretrained(tmp_path / "m")
+    messages = CONVERSATIONS[0]
+    for kwargs in ({}, {"enable_thinking": True}, {"enable_thinking": False}):
+        expected = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert ours.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == expected
+    assert "<think>" in ours.apply_chat_template(messages, add_generation_prompt=True, enable_thinking=False)
+
+
 def test_detokenizer_works_on_it(ours, hf_tokenizer):
     ids = hf_tokenizer.encode("naïve 🌍 code\n\tpass", add_special_tokens=False)
     detok = IncrementalDetokenizer(ours)

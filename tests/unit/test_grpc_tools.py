@@ -108,3 +108,12 @@ def test_bad_parameters_json_text_names_the_field():
     with pytest.raises(ValidationError) as refused:
         raw_from_proto(request)
     assert refused.value.field == "chat.tools[0].parameters_json"
+
+
+@pytest.mark.parametrize("kwargs_json", ["{oops", "[1]", '"x"'])
+def test_template_kwargs_that_are_not_a_json_object_name_the_field(kwargs_json):
+    request = generation_pb2.GenerateRequest(chat=generation_pb2.Chat(
+        messages=[generation_pb2.ChatMessage(role="user", content="x")], chat_template_kwargs_json=kwargs_json))
+    with pytest.raises(ValidationError) as refused:
+        raw_from_proto(request)
+    assert refused.value.field == "chat.chat_template_kwargs_json"
