@@ -253,9 +253,10 @@ class Frontend:
                 continue_final_message=continue_final_message, **(template_kwargs or {}))
         except TemplateError as exc:
             raise ValidationError("messages", f"the chat template rejected the conversation: {exc}") from None
-        except (ValueError, TypeError) as exc:  # the final message not found to continue; a kwarg the template misuses
-            raise ValidationError("continue_final_message" if continue_final_message else "chat_template_kwargs",
-                                  f"the chat template cannot render this request: {exc}") from None
+        except ValueError as exc:  # transformers': continue_final_message, and the final message is not in the text
+            if not continue_final_message:
+                raise
+            raise ValidationError("continue_final_message", f"the chat template cannot continue it: {exc}") from None
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def validate(self, raw: RawGenerateRequest) -> ValidRequest:

@@ -27,7 +27,7 @@ class TemplateTokenizer(CharTokenizer):
     def __init__(self, suffix: str = "") -> None:
         self.suffix = suffix
 
-    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools):
+    def apply_chat_template(self, messages, add_generation_prompt, tokenize, tools, continue_final_message):
         return "".join(m["content"] for m in messages) + self.suffix
 
 
