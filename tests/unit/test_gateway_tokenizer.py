@@ -104,3 +104,24 @@ def test_the_gateway_never_imports_torch(tiny_model_dir):  # noqa: F811
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_a_template_that_drops_the_final_message_cannot_continue_it(tiny_model_dir, tmp_path):  # noqa: F811
+    import shutil
+
+    from gateway.generation import Frontend
+    from gateway.metrics import GatewayMetrics
+    from gateway.validation import ValidationError
+    from stepahead import codec
+    from stepahead.v1 import scheduler_pb2
+
+    shutil.copytree(tiny_model_dir, tmp_path / "m")
+    (tmp_path / "m" / "chat_template.jinja").write_text("{% for m in messages %}<|im_start|>{{ m.role }}{% endfor %}")
+    hello = scheduler_pb2.WorkerHello(model_name="m", max_model_len=64, vocab_size=100)
+    front = Frontend(GatewayTokenizer(tmp_path / "m"), codec.worker_info_from_proto(hello), None, 1 << 20,
+                     GatewayMetrics())
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure"}]
+    with pytest.raises(ValidationError) as refused:
+        front.render_chat(messages, False, continue_final_message=True)
+    assert refused.value.field == "continue_final_message" and "cannot continue it" in refused.value.reason
+    assert front.render_chat(messages, False)  # without it the template renders
