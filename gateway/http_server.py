@@ -362,15 +362,21 @@ class OpenAIServer:
             _abort(gens)
             raise
         if body.stream:
-            usage = getattr(body, "stream_options", None) is not None and body.stream_options.include_usage
-            return EventStream(self._stream(gens, events, fmt, usage))
+            options = getattr(body, "stream_options", None)
+            usage = options is not None and options.include_usage
+            return EventStream(self._stream(gens, events, fmt, usage, usage and options.continuous_usage_stats))
         return await self._collect(request, gens, events, fmt)
 
-    async def _stream(self, gens: list[Generation], events: Mailbox, fmt, include_usage: bool):
+    async def _stream(self, gens: list[Generation], events: Mailbox, fmt, include_usage: bool,
+                      continuous_usage: bool = False):
+        """The SSE events; with `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`,
+        which needs `include_usage`) every chunk carries the usage so far."""
         try:
             try:
                 async for choice in batch_choices(gens, events, self.frontend.stream_interval):
                     for chunk in fmt.chunk(choice):
+                        if continuous_usage:
+                            chunk["usage"] = fmt.usage()
                         yield json.dumps(chunk)
                 if include_usage:
                     yield json.dumps(fmt.usage_chunk())

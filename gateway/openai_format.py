@@ -51,12 +51,13 @@ class _Format:
         state = self.choices[choice.index]
         out = choice.output
         state.num_tokens = out.num_output_tokens
-        if out.finished:
-            state.finish_reason = out.finish_reason.value
-            state.stop_reason = _stop_reason(out.stop_reason)
+        if choice.num_prompt_tokens:  # on every event of the prompt (usage mid-stream), final at its end
             prompt = choice.index // self.n
             self._prompt_tokens[prompt] = choice.num_prompt_tokens
             self._cached_tokens[prompt] = choice.num_cached_tokens
+        if out.finished:
+            state.finish_reason = out.finish_reason.value
+            state.stop_reason = _stop_reason(out.stop_reason)
             state.spec = choice.spec
         return state
 

@@ -66,7 +66,11 @@ class ResponseFormat(_Strict):
 
 
 class _SamplingFields(_Strict):
-    """Fields shared by both endpoints (OpenAI's plus vLLM's extras)."""
+    """Fields shared by both endpoints (OpenAI's plus vLLM's extras). Fields it does not
+    declare are kept (`model_extra`) so that `check_unsupported` can refuse the ones that
+    would change the output; the rest are ignored, as vLLM does."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
 
     model: str | None = None
     n: int = 1
@@ -192,6 +196,37 @@ class DetokenizeRequest(_Strict):
     tokens: list[int]
 
 
+# vLLM's request fields this server does not implement, each with the values that ask for
+# nothing (a client that sends every field with its default is served) and what to do instead.
+# Any other value is refused: ignoring it would change the output without a word.
+UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
+    "use_beam_search": ((False,), "beam search is not supported"),
+    "length_penalty": ((1.0, 1), "beam search is not supported"),
+    "guided_json": ((None,), "use structured_outputs.json or response_format (vLLM's current names)"),
+    "guided_regex": ((None,), "use structured_outputs.regex"),
+    "guided_choice": ((None,), "use structured_outputs.choice"),
+    "guided_grammar": ((None,), "use structured_outputs.grammar"),
+    "guided_decoding_backend": ((None,), "use structured_outputs (xgrammar is the backend)"),
+    "truncate_prompt_tokens": ((None,), "is not supported: send a prompt that fits the model's length"),
+    "bad_words": ((None, []), "is not supported (logit_bias of -100 bans a token)"),
+    "allowed_token_ids": ((None, []), "is not supported (structured_outputs.choice or a regex can restrict the output)"),
+    "prompt_logprobs": ((None,), "is not supported here (completions: echo with logprobs returns the prompt's)"),
+    "return_tokens_as_token_ids": ((None, False), "is not supported (/tokenize gives ids)"),
+    "chat_template": ((None,), "is not supported: the model's own template renders every chat"),
+    "documents": ((None, []), "is not supported"),
+    "logits_processors": ((None, []), "is not supported"),
+    "echo": ((None, False), "is not supported in chat (completions have echo)"),
+}
+
+
+def check_unsupported(body: _SamplingFields) -> None:
+    """Refuse a field of `UNSUPPORTED_FIELDS` that asks for something (400 naming it)."""
+    for name, value in (body.model_extra or {}).items():
+        known = UNSUPPORTED_FIELDS.get(name)
+        if known is not None and not any(value == neutral and type(value) is type(neutral) for neutral in known[0]):
+            raise ValidationError(name, known[1])
+
+
 def _logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
     """OpenAI sends token ids as JSON object keys (strings); the domain's form is sorted pairs."""
     if not bias:
@@ -302,6 +337,7 @@ def completion_to_raw(body: CompletionRequest, size_bytes: int,
         raise ValidationError("best_of", "is not supported (only best_of == n)")
     if body.suffix:
         raise ValidationError("suffix", "is not supported")
+    check_unsupported(body)
     text = prompt if isinstance(prompt, str) else None
     ids = None if isinstance(prompt, str) else list(prompt)
     # echo with logprobs: the prompt's logprobs come first (OpenAI's format)
@@ -354,6 +390,7 @@ def chat_parsing(body: ChatCompletionRequest, tool_parser: ToolCallParser | None
 
 
 def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequest:
+    check_unsupported(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ValidationError("top_logprobs", "requires logprobs to be true")
     if body.max_tokens is not None and body.max_completion_tokens is not None:
@@ -374,14 +411,14 @@ def chat_to_raw(body: ChatCompletionRequest, size_bytes: int) -> RawGenerateRequ
 
 def openai_param(field: str, *, chat: bool) -> str | None:
     """The request parameter a `ValidationError` field names, in OpenAI's vocabulary."""
-    if field.startswith("prompt"):
+    if field == "prompt" or field.startswith(("prompt.", "prompt[")):
         return "messages" if chat else "prompt"
     if field == "request":
         return None
     name = field.removeprefix("sampling.")
     if chat and name == "max_tokens":
         return "max_completion_tokens"
-    if name == "prompt_logprobs":  # completions ask for them with echo + logprobs
+    if field == "sampling.prompt_logprobs":  # completions ask for them with echo + logprobs
         return "logprobs"
     if chat and field == "sampling.logprobs":  # a k out of range: chat's k is top_logprobs
         return "top_logprobs"

@@ -134,6 +134,26 @@ def test_a_batch_of_prompts_answers_each_as_its_own_request_would(openai_client,
         assert chunks[-1].usage.completion_tokens == 6 * 12
 
 
+def test_continuous_usage_stats_count_what_each_chunk_delivered(openai_client, tiny_tokenizer):  # noqa: F811
+    """vLLM's `stream_options.continuous_usage_stats`: every chunk's usage is the tokens
+    streamed so far (counted here from the chunks' own logprobs tokens); and vLLM's fields
+    sent with the values that ask for nothing (a client that sends every field) are served."""
+    prompt = "def fibonacci(n):\n"
+    chunks = list(openai_client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={**IGNORE_EOS, "use_beam_search": False, "length_penalty": 1.0, "guided_json": None}))
+    seen = 0
+    for chunk in chunks[:-1]:
+        seen += len(chunk.choices[0].logprobs.tokens)
+        assert chunk.usage.completion_tokens == seen
+        assert chunk.usage.prompt_tokens == len(tiny_tokenizer.encode(prompt))
+    assert seen == 12 and chunks[-1].usage.completion_tokens == 12 and chunks[-1].choices == []
+    plain = list(openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=4, stream=True,
+                                                  stream_options={"include_usage": True}, extra_body=IGNORE_EOS))
+    assert all(c.usage is None for c in plain[:-1])  # only with continuous_usage_stats
+
+
 def test_closing_a_batched_stream_aborts_every_prompt_and_frees_every_block(openai_serve):
     before = openai_serve.stats()
     body = {"model": "tiny", "prompt": ["x = [", "y = {", "z = ("], "max_tokens": 1500, "n": 2, "stream": True,
@@ -174,6 +194,12 @@ BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
     "empty prompt": (C, {"prompt": ""}, 400, "prompt"),
     "token id outside vocab": (C, {"prompt": [1, 10**6]}, 400, "prompt"),
     "negative token id": (C, {"prompt": [1, -3]}, 400, "prompt"),
+    "vLLM's old guided_json": (CH, {"messages": [{"role": "user", "content": "x"}], "guided_json": {}}, 400,
+                               "guided_json"),
+    "beam search": (C, {"prompt": "x", "use_beam_search": True}, 400, "use_beam_search"),
+    "prompt truncation": (C, {"prompt": "x", "truncate_prompt_tokens": 4}, 400, "truncate_prompt_tokens"),
+    "prompt_logprobs": (C, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
+    "echo in chat": (CH, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
     "a batch past the prompt limit": (C, {"prompt": ["a"] * 257}, 400, "prompt"),
     "an empty prompt in a batch": (C, {"prompt": ["a", ""]}, 400, "prompt"),
     "a token id outside vocab in a batch": (C, {"prompt": [[1, 2], [1, 10**6]]}, 400, "prompt"),
