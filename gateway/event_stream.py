@@ -191,15 +191,17 @@ async def choices(gen, events: Mailbox, stream_interval: int = 1) -> AsyncIterat
             yield choice
 
 
-async def batch_choices(gens: Sequence, events: Mailbox, stream_interval: int = 1) -> AsyncIterator:
+def batch_choices(gens: Sequence, events: Mailbox, stream_interval: int = 1) -> AsyncIterator:
     """The `ChoiceOutput`s of a batch's generations (one per prompt, all sinking into
     `events`) until all are done, in arrival order; prompt i's choice j comes as index
     `i * n + j`. The first error (a rejection, a broken link) ends the iteration: the caller
-    aborts the batch."""
+    aborts the batch. One generation: `choices` itself (no extra hop per token)."""
     if len(gens) == 1:
-        async for choice in choices(gens[0], events, stream_interval):
-            yield choice
-        return
+        return choices(gens[0], events, stream_interval)
+    return _batch_choices(gens, events, stream_interval)
+
+
+async def _batch_choices(gens: Sequence, events: Mailbox, stream_interval: int) -> AsyncIterator:
     owner = {rid: (gen, i * gen.valid.n) for i, gen in enumerate(gens) for rid in gen.upstream_ids}
     merger = EventMerger(events, stream_interval)
     while not all(gen.done for gen in gens):
