@@ -29,6 +29,7 @@ class _Choice:
     num_tokens: int = 0
     logprobs: list = field(default_factory=list)  # per output: a completions logprobs dict / chat content items
     spec: SpecUsage = SpecUsage()
+    seen_prompt: bool = False  # the prompt's token counts were recorded from one of its events
 
 
 class _Format:
@@ -51,7 +52,8 @@ class _Format:
         state = self.choices[choice.index]
         out = choice.output
         state.num_tokens = out.num_output_tokens
-        if choice.num_prompt_tokens:  # on every event of the prompt (usage mid-stream), final at its end
+        if out.finished or not state.seen_prompt:  # the first event (usage mid-stream), then the final counts
+            state.seen_prompt = True
             prompt = choice.index // self.n
             self._prompt_tokens[prompt] = choice.num_prompt_tokens
             self._cached_tokens[prompt] = choice.num_cached_tokens
