@@ -432,6 +432,24 @@ def test_lm_eval_loglikelihood_request_echo_logprobs_of_token_ids(openai_serve, 
     assert lp["token_logprobs"][0] is None
     assert all(isinstance(v, float) and v <= 0 for v in lp["token_logprobs"][len(ctx):-1])
 
+    # lm-eval with batch_size > 1 sends several such prompts in one request: each choice is
+    # what its prompt alone gets (its own echo, logprobs and offsets)
+    others = [tiny_tokenizer.encode(t) for t in ("import os\n", "x = [1, 2")]
+    body["prompt"] = [ctx + cont, *others]
+    batch = httpx.post(openai_serve.http_url + "/v1/completions", json=body, timeout=60)
+    assert batch.status_code == 200, batch.text
+    choices = batch.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for prompt, choice in zip(body["prompt"], choices):
+        alone = httpx.post(openai_serve.http_url + "/v1/completions", json={**body, "prompt": prompt}, timeout=60)
+        expected = alone.json()["choices"][0]
+        # the prompt's part (the one generated token may differ on a near-tie in another batch)
+        assert choice["text"].startswith(tiny_tokenizer.decode(prompt))
+        assert choice["logprobs"]["tokens"][:-1] == expected["logprobs"]["tokens"][:-1]
+        assert choice["logprobs"]["text_offset"] == expected["logprobs"]["text_offset"]
+        assert choice["logprobs"]["token_logprobs"][:-1] == pytest.approx(expected["logprobs"]["token_logprobs"][:-1],
+                                                                          abs=1e-4)  # another batch: float rounding
+
 
 def test_tokenize_detokenize_and_the_models_root_follow_vllm(openai_serve, openai_client, tiny_tokenizer):  # noqa: F811
     from transformers import AutoTokenizer
