@@ -153,3 +153,20 @@ def wait_idle(serve, timeout_s: float = 5.0):
         if stats.num_running == 0 and stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
             return stats
         assert time.monotonic() < deadline, f"not idle within {timeout_s} s: {stats}"
+
+
+def wait_active_requests(serve, count: int, timeout_s: float = 30.0) -> str:
+    """The gateway's metrics text once its `active_requests` gauge reads `count`. A client's
+    close or cancel returns before the gateway handled it on its own loop, so the slot comes
+    back a moment later; one that leaked never does."""
+    import urllib.request
+
+    deadline, pause = time.monotonic() + timeout_s, threading.Event()
+    while True:
+        with urllib.request.urlopen(serve.http_url + "/metrics", timeout=10) as response:
+            metrics = response.read().decode()
+        line = next(line for line in metrics.splitlines() if line.startswith("stepahead:gateway_active_requests "))
+        if float(line.split()[1]) == count:
+            return metrics
+        assert time.monotonic() < deadline, line
+        pause.wait(0.05)

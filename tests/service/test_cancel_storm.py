@@ -10,10 +10,7 @@ Finding covered: the gateway's memory grew with every client cancel, with no pla
 from __future__ import annotations
 
 import asyncio
-import re
 import threading
-import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -28,7 +25,7 @@ from gateway.scheduler_pool import SchedulerPool
 from stepahead.v1 import scheduler_pb2
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
-from tests.service.streams import greedy
+from tests.service.streams import greedy, wait_active_requests
 from tests.unit.test_gateway_frontend import CharTokenizer
 from stepahead import codec
 
@@ -101,11 +98,7 @@ def test_a_cancel_storm_keeps_the_gateway_flat(tiny_model_dir):  # noqa: F811
         assert rss[-1] - rss[0] <= SLACK_KB + GROWTH_KB_PER_CANCEL * cancels, rss
         # the last SSE closes reach the gateway as disconnects it handles on its own loop, after
         # the client's close returned: every request leaves the stream count soon, none stays
-        metrics, deadline, pause = "", time.monotonic() + 30, threading.Event()
-        while "stepahead:gateway_active_requests 0.0" not in metrics:
-            assert time.monotonic() < deadline, re.findall(r"gateway_active_requests [0-9.]+", metrics)
-            pause.wait(0.05)
-            metrics = urllib.request.urlopen(serve.http_url + "/metrics", timeout=10).read().decode()
+        metrics = wait_active_requests(serve, 0)
         assert 'stepahead:gateway_usage_mismatch_total{transport="grpc"} 0.0' in metrics
 
 

@@ -14,7 +14,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -24,7 +23,7 @@ from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2_grpc
 from tests.fixtures_models import tiny_model_dir  # noqa: F401
 from tests.service.harness import Serve
-from tests.service.streams import greedy, wait_idle
+from tests.service.streams import greedy, wait_active_requests, wait_idle
 
 
 class Stream:
@@ -129,19 +128,6 @@ def post_completion(serve, body: dict) -> int:
             return response.status
     except urllib.error.HTTPError as exc:
         return exc.code
-
-
-def wait_active_requests(serve, count: int, timeout_s: float = 30.0) -> None:
-    """Until the gateway's `active_requests` gauge reads `count` (a cancelled call's slot is
-    given back when its handler ends, after the client saw the cancellation)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with urllib.request.urlopen(serve.http_url + "/metrics", timeout=30) as response:
-            metrics = response.read().decode()
-        line = next(line for line in metrics.splitlines() if line.startswith("stepahead:gateway_active_requests "))
-        if float(line.split()[1]) == count:
-            return
-        assert time.monotonic() < deadline, line
 
 
 def test_gateway_metrics_and_json_logs(tiny_model_dir, serve):  # noqa: F811
