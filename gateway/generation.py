@@ -3,7 +3,7 @@
 The gRPC servicer and the HTTP (OpenAI) server both turn their wire format into a
 `RawGenerateRequest`, call `Frontend.validate`, then `Frontend.start`, and feed the
 scheduler's events to the returned `Generation` until it is done. A `Generation` is one
-client request: `n` upstream sequences (ids `<id>` for n == 1, `<id>#<i>` otherwise, seeds
+client request (one prompt of an HTTP completions batch): `n` upstream sequences (ids `<id>` for n == 1, `<id>#<i>` otherwise, seeds
 derived from the request's), each with its own `OutputProcessor`. Aborting it aborts all
 of them upstream. No grpc and no transport here; events arrive through a sink the caller
 chooses (`event_stream.LoopEvents`: an asyncio queue on the transport's event loop).
@@ -106,7 +106,8 @@ def scoped_id(client: str, request_id: str) -> str:
 
 
 class Generation:
-    """One client request in flight: n upstream sequences and their output processors."""
+    """One client request in flight (one prompt of it: a completions batch starts one per
+    prompt), its n upstream sequences and their output processors."""
 
     def __init__(self, frontend: Frontend, valid: ValidRequest, request_id: str,
                  sink: Callable[[object], None], transport: str, client: str = "") -> None:
