@@ -11,6 +11,11 @@ streamed, with the remaining `max_tokens` / `min_tokens` (and no prompt logprobs
 token was streamed: they all came with it); events after that are the continuation, with `num_prompt_tokens` restored to the client's prompt. The client sees
 one continuous stream. Attempts back off exponentially, up to `failover_timeout_s`.
 
+A scheduler that has no worker yet (a fresh one: just restarted, its workers not re-attached)
+refuses a request as UNAVAILABLE before doing anything with it. With other schedulers, the
+request moves on to one that has not refused it, as in a failover, and the refusing one is
+skipped a while; only when every scheduler refused it does the client see the refusal.
+
 The pool has the link's interface (`submit(msg, sink)`, `abort`, `release`): events reach
 the request's sink on the links' event loop, and a failover happens there too; while every
 scheduler is down its resubmission waits in a timer of that loop (the loop never sleeps, and a
@@ -23,7 +28,7 @@ import asyncio
 import hashlib
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Set as AbstractSet
 
 from gateway.scheduler_link import LinkBroken, SchedulerLink
 from stepahead.logs import RateLimitedLog
@@ -42,10 +47,14 @@ class _Route:
         self.offset = 0  # tokens streamed when the current submission was made (in its prompt)
         self.deadline: float | None = None
         self.backoff = 0.05
+        self.refused: set[int] = set()  # schedulers that had no worker for it
 
     def on_event(self, event) -> None:
         if isinstance(event, LinkBroken):
             self.pool._failover(self, event)
+            return
+        if type(event) is scheduler_pb2.TokenEvent and event.reject_code == scheduler_pb2.REJECT_CODE_UNAVAILABLE \
+                and self.pool._redirect(self, event.message):
             return
         if self.offset and event.num_prompt_tokens >= self.offset:
             event.num_prompt_tokens -= self.offset
@@ -76,7 +85,7 @@ class SchedulerPool:
         with self._lock:
             if msg.request_id in self._routes:
                 raise ValueError(f"request_id {msg.request_id!r} is already in flight on this gateway")
-            route = _Route(self, msg, self._choose(msg, exclude=None), sink)
+            route = _Route(self, msg, self._choose(msg), sink)
             self._routes[msg.request_id] = route
         try:
             self._links[route.index].submit(msg, route.on_event)
@@ -127,22 +136,35 @@ class SchedulerPool:
         else:
             self._resubmit(route, str(exc))
 
+    def _redirect(self, route: _Route, reason: str) -> bool:
+        """The route's scheduler has no worker yet and refused it: resubmit it to a scheduler
+        that has not refused it (False, and the refusal goes to the client, when none is left)."""
+        rid = route.msg.request_id
+        route.refused.add(route.index)
+        if rid not in self._routes or len(route.refused) == len(self._links):
+            return False
+        self._links[route.index].release(rid)
+        self._mark_down(route.index, route.backoff)  # new requests skip it a while too
+        self._resubmit(route, reason)
+        return True
+
     def _resubmit(self, route: _Route, reason: str) -> None:
         rid = route.msg.request_id
         if rid not in self._routes:
             return
-        route.index = self._choose(route.msg, exclude=route.index)
+        route.index = self._choose(route.msg, exclude={route.index, *route.refused})
         route.offset = len(route.streamed)
         self._resubmitted.note(request_id=rid, reason=reason, scheduler=self._names[route.index],
                                tokens_streamed=len(route.streamed))
         self._on_resubmit(self._names[route.index])
         self._links[route.index].submit(continuation(route.msg, route.streamed), route.on_event)
 
-    def _choose(self, msg: scheduler_pb2.SubmitRequest, exclude: int | None) -> int:
+    def _choose(self, msg: scheduler_pb2.SubmitRequest, exclude: AbstractSet[int] = frozenset()) -> int:
+        """A scheduler for `msg`, not one of `exclude` unless every one is excluded."""
         now = time.monotonic()
-        candidates = [i for i in range(len(self._links)) if i != exclude and self._down_until[i] <= now]
+        candidates = [i for i in range(len(self._links)) if i not in exclude and self._down_until[i] <= now]
         if not candidates:  # every other one is down (or there is only one): try them all
-            candidates = [i for i in range(len(self._links)) if i != exclude] or [exclude]
+            candidates = [i for i in range(len(self._links)) if i not in exclude] or sorted(exclude)
         loads = {i: self._links[i].num_open for i in candidates}
         if max(loads.values()) - min(loads.values()) > self._balance:
             return min(candidates, key=lambda i: loads[i])

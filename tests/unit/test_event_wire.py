@@ -465,3 +465,79 @@ def test_the_link_runs_on_its_loop_takes_calls_from_any_thread_and_closes_withou
     assert kinds == [("options", ""), ("submit", "a"), ("abort", "a"), ("submit", "b")], kinds
     assert servicer.messages[0].options.plain_token_steps == 4
     assert log.warnings == [], "a normal shutdown logs no warning"
+
+
+class _NoWorkerYet(scheduler_pb2_grpc.SchedulerServicer):
+    """A fresh scheduler (restarted, no worker re-attached yet): it refuses every submission
+    as UNAVAILABLE, as the real one does before its first worker attaches."""
+
+    def __init__(self) -> None:
+        self.refused: list[str] = []
+
+    def Connect(self, request_iterator, context):
+        for msg in request_iterator:
+            if msg.HasField("submit"):
+                self.refused.append(msg.submit.request_id)
+                batch = scheduler_pb2.EventBatch()
+                batch.events.add(request_id=msg.submit.request_id, rejected=True, message="no worker attached yet",
+                                 reject_code=scheduler_pb2.REJECT_CODE_UNAVAILABLE)
+                yield batch
+
+
+class _Answers(scheduler_pb2_grpc.SchedulerServicer):
+    """A scheduler with a worker: each submission gets one finished token event."""
+
+    def Connect(self, request_iterator, context):
+        for msg in request_iterator:
+            if msg.HasField("submit"):
+                batch = scheduler_pb2.EventBatch()
+                batch.events.add(request_id=msg.submit.request_id, token_ids=[7], num_prompt_tokens=1, finish_reason=2)
+                yield batch
+
+
+def test_a_scheduler_without_a_worker_yet_passes_its_requests_to_another():
+    """After a scheduler's restart the gateways reconnect before its workers re-attach, and the
+    prompts it is the affinity choice for were refused UNAVAILABLE to the client (a `--slow`
+    chaos run lost requests so) while another scheduler could serve them. Now they move on as
+    in a failover; with no other scheduler the client gets the refusal, as before."""
+    from gateway.scheduler_pool import SchedulerPool
+
+    fresh, serving = _NoWorkerYet(), _Answers()
+    servers, targets = [], []
+    for servicer in (fresh, serving):
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+        targets.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    count, got, lock, done = 24, {}, threading.Lock(), threading.Event()
+
+    def sink(event) -> None:
+        with lock:
+            got[event.request_id] = event
+            if len(got) == count:
+                done.set()
+
+    loop = GrpcThread()
+    try:
+        log = _Log()
+        links = [SchedulerLink(functools.partial(grpc.aio.insecure_channel, t), loop.loop, log) for t in targets]
+        pool = SchedulerPool(links, ["fresh", "serving"], log, failover_timeout_s=30)
+        for i in range(count):  # prompts that rendezvous hashing spreads over both
+            pool.submit(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=[i, 2 * i + 1]), sink)
+        assert done.wait(30), f"{len(got)} of {count} requests ended"
+        for i in range(count):
+            pool.release(f"r{i}")
+        alone = SchedulerPool(links[:1], ["fresh"], log)
+        refused = threading.Event()
+        alone.submit(scheduler_pb2.SubmitRequest(request_id="only", prompt_token_ids=[1]),
+                     lambda e: refused.set() if e.rejected else None)
+        assert refused.wait(30), "with one scheduler the refusal reaches the client"
+        pool.close()
+    finally:
+        loop.stop()
+        for server in servers:
+            server.stop(None)
+    assert fresh.refused, "no prompt went to the fresh scheduler first: the test proves nothing"
+    assert all(e.finish_reason == 2 and not e.rejected for e in got.values()), \
+        [e for e in got.values() if e.rejected][:3]
