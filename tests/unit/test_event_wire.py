@@ -303,17 +303,27 @@ class _Scripted(scheduler_pb2_grpc.SchedulerServicer):
         yield end
 
 
+def _scheduler_servers(servicers: list) -> tuple[list[grpc.Server], list[str]]:
+    """A started gRPC server on a free loopback port for each scheduler servicer, and their addresses."""
+    servers, targets = [], []
+    for servicer in servicers:
+        server = grpc.server(futures.ThreadPoolExecutor(4))
+        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
+        targets.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        server.start()
+        servers.append(server)
+    return servers, targets
+
+
+def _links(targets: list[str], loop: GrpcThread, log) -> list[SchedulerLink]:
+    return [SchedulerLink(functools.partial(grpc.aio.insecure_channel, t), loop.loop, log) for t in targets]
+
+
 def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_schedulers_cache():
     from gateway.scheduler_pool import SchedulerPool
 
-    servicer, servers, targets = _Scripted(), [], []
-    for _ in range(2):
-        server = grpc.server(futures.ThreadPoolExecutor(4))
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        server.start()
-        servers.append(server)
-        targets.append(f"127.0.0.1:{port}")
+    servicer = _Scripted()
+    servers, targets = _scheduler_servers([servicer, servicer])
     got, ended = [], threading.Event()
 
     def sink(event) -> None:
@@ -324,7 +334,7 @@ def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_sched
     loop = GrpcThread()
     try:
         log = _Log()
-        links = [SchedulerLink(functools.partial(grpc.aio.insecure_channel, t), loop.loop, log) for t in targets]
+        links = _links(targets, loop, log)
         pool = SchedulerPool(links, ["s0", "s1"], log, failover_timeout_s=30)
         pool.submit(scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2, 3, 4]), sink)
         assert ended.wait(30), "the request never finished"
@@ -503,13 +513,7 @@ def test_a_scheduler_without_a_worker_yet_passes_its_requests_to_another():
     from gateway.scheduler_pool import SchedulerPool
 
     fresh, serving = _NoWorkerYet(), _Answers()
-    servers, targets = [], []
-    for servicer in (fresh, serving):
-        server = grpc.server(futures.ThreadPoolExecutor(4))
-        scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
-        targets.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
-        server.start()
-        servers.append(server)
+    servers, targets = _scheduler_servers([fresh, serving])
     count, got, lock, done = 24, {}, threading.Lock(), threading.Event()
 
     def sink(event) -> None:
@@ -521,7 +525,7 @@ def test_a_scheduler_without_a_worker_yet_passes_its_requests_to_another():
     loop = GrpcThread()
     try:
         log = _Log()
-        links = [SchedulerLink(functools.partial(grpc.aio.insecure_channel, t), loop.loop, log) for t in targets]
+        links = _links(targets, loop, log)
         pool = SchedulerPool(links, ["fresh", "serving"], log, failover_timeout_s=30)
         for i in range(count):  # prompts that rendezvous hashing spreads over both
             pool.submit(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=[i, 2 * i + 1]), sink)
