@@ -11,9 +11,10 @@ streamed, with the remaining `max_tokens` / `min_tokens` (and no prompt logprobs
 token was streamed: they all came with it); events after that are the continuation, with `num_prompt_tokens` restored to the client's prompt. The client sees
 one continuous stream. Attempts back off exponentially, up to `failover_timeout_s`.
 
-A scheduler that has no worker yet (a fresh one: just restarted, its workers not re-attached)
-refuses a request as UNAVAILABLE before doing anything with it. With other schedulers, the
-request moves on to one that has not refused it, as in a failover, and the refusing one is
+A scheduler without workers refuses a request as UNAVAILABLE: a fresh one (just restarted,
+its workers not re-attached) at once, one whose workers all left once `--worker-wait-timeout`
+passed with the request parked. With other schedulers, the request moves on to one that has
+not refused it, as in a failover (prompt + the tokens streamed), and the refusing one is
 skipped a while; only when every scheduler refused it does the client see the refusal.
 
 The pool has the link's interface (`submit(msg, sink)`, `abort`, `release`): events reach
@@ -47,7 +48,7 @@ class _Route:
         self.offset = 0  # tokens streamed when the current submission was made (in its prompt)
         self.deadline: float | None = None
         self.backoff = 0.05
-        self.refused: set[int] = set()  # schedulers that had no worker for it
+        self.refused: set[int] = set()  # schedulers that refused it for want of a worker
 
     def on_event(self, event) -> None:
         if isinstance(event, LinkBroken):
@@ -137,7 +138,7 @@ class SchedulerPool:
             self._resubmit(route, str(exc))
 
     def _redirect(self, route: _Route, reason: str) -> bool:
-        """The route's scheduler has no worker yet and refused it: resubmit it to a scheduler
+        """The route's scheduler has no worker and refused it: resubmit it to a scheduler
         that has not refused it (False, and the refusal goes to the client, when none is left)."""
         rid = route.msg.request_id
         route.refused.add(route.index)
