@@ -6,6 +6,7 @@ tokens."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 from concurrent import futures
@@ -303,8 +304,12 @@ class _Scripted(scheduler_pb2_grpc.SchedulerServicer):
         yield end
 
 
-def _scheduler_servers(servicers: list) -> tuple[list[grpc.Server], list[str]]:
-    """A started gRPC server on a free loopback port for each scheduler servicer, and their addresses."""
+@contextlib.contextmanager
+def _pool_over(servicers: list, names: list[str], **pool_kw):
+    """A `SchedulerPool` (with its links and log) over a started gRPC server per scripted
+    scheduler servicer, on a gRPC loop thread; everything stopped on exit."""
+    from gateway.scheduler_pool import SchedulerPool
+
     servers, targets = [], []
     for servicer in servicers:
         server = grpc.server(futures.ThreadPoolExecutor(4))
@@ -312,18 +317,20 @@ def _scheduler_servers(servicers: list) -> tuple[list[grpc.Server], list[str]]:
         targets.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         server.start()
         servers.append(server)
-    return servers, targets
-
-
-def _links(targets: list[str], loop: GrpcThread, log) -> list[SchedulerLink]:
-    return [SchedulerLink(functools.partial(grpc.aio.insecure_channel, t), loop.loop, log) for t in targets]
+    loop, log = GrpcThread(), _Log()
+    try:
+        links = [SchedulerLink(functools.partial(grpc.aio.insecure_channel, t), loop.loop, log) for t in targets]
+        pool = SchedulerPool(links, names, log, **pool_kw)
+        yield pool, links, log
+        pool.close()
+    finally:
+        loop.stop()
+        for server in servers:
+            server.stop(None)
 
 
 def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_schedulers_cache():
-    from gateway.scheduler_pool import SchedulerPool
-
     servicer = _Scripted()
-    servers, targets = _scheduler_servers([servicer, servicer])
     got, ended = [], threading.Event()
 
     def sink(event) -> None:
@@ -331,19 +338,10 @@ def test_after_failover_plain_tokens_report_the_clients_prompt_and_the_new_sched
         if event.finish_reason or isinstance(event, LinkBroken):
             ended.set()
 
-    loop = GrpcThread()
-    try:
-        log = _Log()
-        links = _links(targets, loop, log)
-        pool = SchedulerPool(links, ["s0", "s1"], log, failover_timeout_s=30)
+    with _pool_over([servicer, servicer], ["s0", "s1"], failover_timeout_s=30) as (pool, _, _):
         pool.submit(scheduler_pb2.SubmitRequest(request_id="x", prompt_token_ids=[1, 2, 3, 4]), sink)
         assert ended.wait(30), "the request never finished"
         pool.release("x")
-        pool.close()
-    finally:
-        loop.stop()
-        for server in servers:
-            server.stop(None)
     assert [list(s.prompt_token_ids) for s in servicer.submissions] == [[1, 2, 3, 4], [1, 2, 3, 4, 10, 11]]
     # the new scheduler's two plain tokens in one batch reach the sink as one event
     assert [tuple(e.token_ids) for e in got] == [(10,), (11,), (12,), (13, 14), (15,)]
@@ -513,7 +511,6 @@ def test_a_scheduler_without_a_worker_yet_passes_its_requests_to_another():
     from gateway.scheduler_pool import SchedulerPool
 
     fresh, serving = _NoWorkerYet(), _Answers()
-    servers, targets = _scheduler_servers([fresh, serving])
     count, got, lock, done = 24, {}, threading.Lock(), threading.Event()
 
     def sink(event) -> None:
@@ -522,11 +519,7 @@ def test_a_scheduler_without_a_worker_yet_passes_its_requests_to_another():
             if len(got) == count:
                 done.set()
 
-    loop = GrpcThread()
-    try:
-        log = _Log()
-        links = _links(targets, loop, log)
-        pool = SchedulerPool(links, ["fresh", "serving"], log, failover_timeout_s=30)
+    with _pool_over([fresh, serving], ["fresh", "serving"], failover_timeout_s=30) as (pool, links, log):
         for i in range(count):  # prompts that rendezvous hashing spreads over both
             pool.submit(scheduler_pb2.SubmitRequest(request_id=f"r{i}", prompt_token_ids=[i, 2 * i + 1]), sink)
         assert done.wait(30), f"{len(got)} of {count} requests ended"
@@ -537,11 +530,6 @@ def test_a_scheduler_without_a_worker_yet_passes_its_requests_to_another():
         alone.submit(scheduler_pb2.SubmitRequest(request_id="only", prompt_token_ids=[1]),
                      lambda e: refused.set() if e.rejected else None)
         assert refused.wait(30), "with one scheduler the refusal reaches the client"
-        pool.close()
-    finally:
-        loop.stop()
-        for server in servers:
-            server.stop(None)
     assert fresh.refused, "no prompt went to the fresh scheduler first: the test proves nothing"
     assert all(e.finish_reason == 2 and not e.rejected for e in got.values()), \
         [e for e in got.values() if e.rejected][:3]
