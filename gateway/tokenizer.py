@@ -20,7 +20,8 @@ from pathlib import Path
 from tokenizers import Tokenizer
 from transformers.utils.chat_template_utils import render_jinja_template
 
-_SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+from stepahead.limits import SPECIAL_TOKEN_KEYS
+
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # transformers' clean_up_tokenization
 
@@ -93,7 +94,7 @@ class GatewayTokenizer:
         self.chat_template: str | None = (
             template_path.read_text() if template_path.is_file() else config.get("chat_template")
         )
-        self.special_tokens_map = {k: t for k in _SPECIAL_KEYS if (t := _token_text(config.get(k))) is not None}
+        self.special_tokens_map = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

@@ -418,12 +418,13 @@ def check_messages(messages: Sequence[dict], max_model_len: int, field: str = "m
 
 
 MAX_TEMPLATE_KWARGS = 64
-# what the renderer sets itself (transformers' render_jinja_template and the tokenizer's
-# special tokens): a request's chat_template_kwargs may not replace them
+# the tokenizer's special tokens a chat template is given (tokenizer_config.json's keys)
+SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+# what the renderer sets itself (transformers' render_jinja_template and the special tokens):
+# a request's chat_template_kwargs may not replace them
 RESERVED_TEMPLATE_KWARGS = frozenset({
     "conversations", "messages", "tools", "documents", "chat_template", "return_assistant_tokens_mask",
-    "continue_final_message", "add_generation_prompt", "tokenize", "bos_token", "eos_token", "unk_token",
-    "pad_token", "sep_token", "cls_token", "mask_token"})
+    "continue_final_message", "add_generation_prompt", "tokenize", *SPECIAL_TOKEN_KEYS})
 
 
 def check_chat_template_kwargs(kwargs: dict, field: str = "chat_template_kwargs") -> dict:
