@@ -119,6 +119,39 @@ def test_placeholder_needs_a_request_that_sampled_in_the_previous_step(sim_model
         sim.launch(plan(3, running=(RunningRequest("b", (), 1, input_is_placeholder=True),)))
 
 
+def decode(rid: str, blocks=()) -> RunningRequest:
+    return RunningRequest(rid, blocks, 1, input_is_placeholder=True)
+
+
+STEADY = (decode("a"), decode("b"), decode("c", (3,)))  # c's 17th token needs its second block
+
+
+@pytest.mark.parametrize("bad,message", [
+    ((decode("a"), decode("b"), decode("c")), "too short"),
+    ((decode("a"), decode("b"), decode("c", (10**6,))), "outside the device pool"),
+    ((*STEADY, decode("a")), "appears twice"),
+    ((*STEADY, decode("zz")), "unknown to the worker"),
+    ((*STEADY, decode("e", (9,))), "max model length"),
+    ((*STEADY, decode("f")), "placeholder"),
+])
+def test_steady_decodes_are_checked_by_the_torch_runners_rules(sim_model_dir, fast_profile, bad, message):
+    """The async loop's steady decodes are checked column by column (`_steady_decodes`), every
+    other plan row by row (`check_plan`): a steady plan with one bad row is refused with
+    check_plan's reason, and nothing of it is applied."""
+    sim = SimRunner(sim_model_dir, load_profile(str(fast_profile)), num_blocks=1024, block_size=BLOCK,
+                    max_model_len=17, seed=11)
+    partial = NewRequest("f", tuple(range(5, 25)), SamplingParams(max_tokens=4), (5, 6), 0, 10)  # half a prefill
+    sim.execute(plan(1, new("a", 3), new("b", 3, blocks=(1,)), new("c", 16, blocks=(2,)),
+                     new("e", 17, blocks=(7, 8)), partial))
+    assert sim._steady_decodes(plan(2, running=STEADY)) is not None, "the valid plan takes the column path"
+    before = {rid: (r.num_computed, list(r.block_ids), list(r.token_ids)) for rid, r in sim.requests.items()}
+    with pytest.raises(PlanError, match=message):
+        sim.launch(plan(2, running=bad))
+    assert {rid: (r.num_computed, list(r.block_ids), list(r.token_ids)) for rid, r in sim.requests.items()} == before
+    result = sim.execute(plan(2, running=STEADY))  # the runner is unharmed
+    assert set(result.sampled_token_ids) == {"a", "b", "c"} and sim.requests["c"].block_ids == [2, 3]
+
+
 def test_device_runs_one_step_at_a_time_and_waits_without_cpu(sim_model_dir):
     sim = SimRunner(sim_model_dir, load_profile("a100"), num_blocks=4096, block_size=BLOCK)
     prompt = NewRequest("a", tuple(range(5, 4005)), SamplingParams(max_tokens=4), tuple(range(251)), 0, 4000)

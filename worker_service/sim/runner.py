@@ -17,7 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from stepahead.plan import NewRequest, SamplingParams, SpecOutcome, StepPlan, StepResult, WorkerTiming
+import numpy as np
+
+from stepahead.plan import NewRequest, RunningDeltas, SamplingParams, SpecOutcome, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service.model_config import ModelConfig
 from worker_service.plan_checks import PlanError, check_plan, kv_loader_for, split_bad_sampling_rows
@@ -164,8 +166,10 @@ class SimRunner:
             self._failed_ids.discard(rid)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, max_logprobs=None)
         plan = _refuse_structured(plan, failed, self._failed_ids)
-        check_plan(plan, self.requests, self._prev_sampled, num_blocks=self.num_blocks,
-                   block_size=self.block_size, max_model_len=self.max_model_len)
+        decodes = self._steady_decodes(plan)
+        check_plan(plan if decodes is None else dataclasses.replace(plan, running=RunningDeltas()), self.requests,
+                   self._prev_sampled, num_blocks=self.num_blocks, block_size=self.block_size,
+                   max_model_len=self.max_model_len)
         for _, host in plan.swap_out:
             self._check_host_block(host)
         for host, _ in plan.swap_in:
@@ -180,8 +184,17 @@ class SimRunner:
                 rows.append(state)
             computed = state.num_computed - n
             num_tokens, context, pairs = num_tokens + n, context + computed + n, pairs + n * computed + n * (n + 1) // 2
+        if decodes is not None:  # every running row decodes the token it sampled last step
+            states, ends, grown = decodes
+            for i in grown:
+                states[i].block_ids.extend(plan.running.new_block_ids[i])
+            for state, end in zip(states, ends.tolist()):
+                state.num_computed = end
+            total = int(ends.sum())
+            num_tokens, context, pairs = num_tokens + len(states), context + total, pairs + total
+            rows += states
         requests, sample_later = self.requests, rows.append
-        for r in plan.running:  # the hot loop: once per running request per step
+        for r in plan.running if decodes is None else ():  # once per running request per step
             state = requests[r.request_id]
             if r.new_block_ids:
                 state.block_ids.extend(r.new_block_ids)
@@ -205,6 +218,38 @@ class SimRunner:
         step = self.cost.step_totals(num_tokens, context, pairs, len(sampled), len(plan.swap_out) + len(plan.swap_in),
                                      self.block_size)
         return sampled, step.seconds, failed
+
+    def _steady_decodes(self, plan: StepPlan) -> tuple[list[SimRequest], np.ndarray, list[int]] | None:
+        """The async loop's steady state, checked column by column instead of row by row:
+        when every running row decodes one placeholder token (the one its request sampled in
+        the last step), without drafts, within the model length and its blocks, and no id
+        repeats: (the rows' states, their lengths after the step, the indices of the rows that
+        bring new blocks). None when any row is anything else: `check_plan` then checks each
+        row and names what is wrong.
+
+        A request sampled in the last step knows one token more than it has computed (its
+        sample, appended by `_sample_rows` or `_speculate`), so its placeholder decode ends at
+        `len(token_ids)`: the input is known, as `check_plan` requires."""
+        run = plan.running
+        ids = run.request_ids
+        if not ids or any(run.num_draft_tokens) or not all(run.input_is_placeholder) or \
+                min(run.num_scheduled_tokens) != 1 or max(run.num_scheduled_tokens) != 1:
+            return None
+        unique = set(ids)
+        if len(unique) != len(ids) or not (self._prev_sampled.keys() >= unique and self.requests.keys() >= unique) or \
+                not unique.isdisjoint([r.request_id for r in plan.new_requests]):
+            return None
+        states = list(map(self.requests.__getitem__, ids))
+        new_blocks = np.asarray(run.num_new_blocks, dtype=np.int64)
+        ends = np.fromiter([s.num_computed for s in states], dtype=np.int64, count=len(states)) + 1
+        held = np.fromiter(map(len, [s.block_ids for s in states]), dtype=np.int64, count=len(states))
+        if ends.max() > self.max_model_len or ((held + new_blocks) * self.block_size < ends).any():
+            return None
+        grown = np.flatnonzero(new_blocks).tolist()
+        for i in grown:
+            if not all(0 <= b < self.num_blocks for b in run.new_block_ids[i]):
+                return None
+        return states, ends, grown
 
     def _check_host_block(self, block: int) -> None:
         if not 0 <= block < self.num_host_blocks:
