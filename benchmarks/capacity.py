@@ -89,23 +89,39 @@ def bench_args(serve: ServeProcess, streams: int, args, label: str, targets: lis
     ])
 
 
-def all_running_cpu(records: list[StepRecord], streams: int, sampler: CpuSampler) -> dict:
+def all_running_cpu(records: list[StepRecord], streams: int, samplers: dict[str, CpuSampler]) -> dict:
     """The scheduler's CPU per step while every stream's request is in the batch (the steps
     planned with `streams` running, from the first to the last: the decode phase at full
-    batch, without the ramp of admissions before it or the drain after)."""
+    batch, without the ramp of admissions before it or the drain after); beside it, over the
+    same steps, the device's idle time per step (the wall between two steps' ends less the
+    step's busy time) and, for the scheduler and the worker (the two processes each step
+    waits on), their CPU and their threads' run-queue wait per step: the time they were
+    ready to run and no CPU was free."""
+    empty = {"all_running_steps": 0, "scheduler_cpu_per_step_ms_all_running": None,
+             "device_step_ms_all_running": None, "scheduler_cpu_over_device_step": None,
+             "device_idle_per_step_ms_all_running": None, "per_step_ms_all_running": None}
     full = sorted(r.schedule_start for r in records if r.num_running == streams)
     if len(full) < 2:
-        return {"all_running_steps": 0, "scheduler_cpu_per_step_ms_all_running": None,
-                "device_step_ms_all_running": None, "scheduler_cpu_over_device_step": None}
+        return empty
     inside = [r for r in records if full[0] <= r.schedule_start < full[-1]]
-    cpu = sampler.cpu_between(full[0], full[-1])
-    per_step = None if cpu is None else cpu / len(inside)
+    per_step = {}
+    for name, sampler in samplers.items():
+        for what, value in (("cpu", sampler.cpu_between(full[0], full[-1])),
+                            ("runqueue_wait", sampler.wait_between(full[0], full[-1]))):
+            per_step[f"{name}_{what}"] = None if value is None else value / len(inside) * 1e3
     device_step = sum(r.worker.device_busy_s for r in inside) / len(inside)  # the device's mean step
+    by_id = {r.step_id: r for r in records}
+    gaps = [r.worker.forward_end - by_id[r.step_id - 1].worker.forward_end - r.worker.device_busy_s
+            for r in inside if r.step_id - 1 in by_id and r.worker.forward_end and by_id[r.step_id - 1].worker.forward_end]
+    cpu = per_step.get("scheduler_cpu")
     return {"all_running_steps": len(inside),
-            "scheduler_cpu_per_step_ms_all_running": None if per_step is None else per_step * 1e3,
+            "scheduler_cpu_per_step_ms_all_running": cpu,
             "device_step_ms_all_running": device_step * 1e3,
             # < 1: one scheduler core plans faster than the device steps (the budget: 0.4)
-            "scheduler_cpu_over_device_step": None if per_step is None or not device_step else per_step / device_step}
+            "scheduler_cpu_over_device_step": None if cpu is None or not device_step else cpu / 1e3 / device_step,
+            "device_idle_per_step_ms_all_running": sum(gaps) / len(gaps) * 1e3 if gaps else None,
+            # {scheduler,worker}_{cpu,runqueue_wait}: ms per step over the same steps
+            "per_step_ms_all_running": per_step}
 
 
 def phase_totals(records: list[StepRecord], streams: int, since: float = 0.0) -> dict[str, list]:
@@ -175,10 +191,11 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                 spies[name] = subprocess.Popen([str(py_spy()), "record", "-p", str(pids[name]), "-o", str(out), "-f",
                                                 "raw", "--gil", "--nonblocking", "-r", "250"],
                                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        sampler = CpuSampler(pids["scheduler"])
+        samplers = {name: CpuSampler(pids[name]) for name in ("scheduler", "worker")}
         summary = bench.bench(bench_args(serve, streams, args, label, targets))
         cpu = {k: cpu_seconds(p) - cpu0[k] for k, p in pids.items()}
-        sampler.stop()
+        for sampler in samplers.values():
+            sampler.stop()
         steps = serve.stats().num_steps - steps0
         _, records = fetch_records(serve.scheduler_addr, serve.cluster_token)
         threads = scheduler_threads(pids["scheduler"], threads0, steps)
@@ -200,7 +217,7 @@ def run_one(args, setup: str, model: str, streams: int, async_on: bool) -> dict:
                gateway_cpu_per_token_us=gateway_cpu / max(row["total_output_tokens"], 1) * 1e6,
                load_average=os.getloadavg()[0], scheduler_thread_cpu_ms_per_step=threads, python_speed_ms=speed,
                device_utilization_by_phase=phase_utilization(records, streams, (summary.get("device_window") or [0])[0]),
-               **all_running_cpu(records, streams, sampler))
+               **all_running_cpu(records, streams, samplers))
     if spies:
         split = split_profile(args.out.parent / f"capacity_profile_{label}.txt")
         row["scheduler_cpu_split_ms_per_step"] = {k: v * row["scheduler_cpu_per_step_ms"] for k, v in split.items()}
@@ -256,7 +273,19 @@ def cpu_line(r: dict) -> str:
     cores = ", ".join(f"{k} {v:.2f}" for k, v in r["cpu_cores"].items())
     return (f"CPU cores: {cores}; scheduler CPU per step at full batch {_ms(r['scheduler_cpu_per_step_ms_all_running'])}"
             f" ms = {_pct(r['scheduler_cpu_over_device_step'])} of the {_ms(r['device_step_ms_all_running'])} ms "
-            f"device step")
+            f"device step{_waits(r)}")
+
+
+def _waits(r: dict) -> str:
+    """Where the device's idle time per step at full batch went: the scheduler's and the
+    worker's CPU and run-queue wait per step over the same steps."""
+    per_step = r.get("per_step_ms_all_running")
+    if not per_step or r.get("device_idle_per_step_ms_all_running") is None:
+        return ""
+    return (f"; per step at full batch: device idle {_ms(r['device_idle_per_step_ms_all_running'])} ms, "
+            f"scheduler CPU {_ms(per_step.get('scheduler_cpu'))} + waiting for a CPU "
+            f"{_ms(per_step.get('scheduler_runqueue_wait'))} ms, worker CPU {_ms(per_step.get('worker_cpu'))} + "
+            f"waiting {_ms(per_step.get('worker_runqueue_wait'))} ms")
 
 
 def _pct(value: float | None) -> str:

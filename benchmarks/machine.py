@@ -1,5 +1,6 @@
-"""What the benchmarks read of the machine: CPU seconds of a process and of its threads
-(/proc), the Python names of a process's threads (`py-spy dump`), and its speed now.
+"""What the benchmarks read of the machine: CPU seconds of a process and of its threads, the
+time its threads waited for a CPU (/proc), the Python names of a process's threads
+(`py-spy dump`), and its speed now.
 
 Two speed measures, both kept because results on disk carry them: `calibration_us`, the best
 of many short runs of `sum(range(10_000))` (wall µs: the machine's floor), recorded by the
@@ -83,23 +84,43 @@ def python_speed_ms() -> float:
     return sorted(once() for _ in range(3))[1]
 
 
+def runqueue_wait_seconds(pid: int) -> float:
+    """Seconds the threads of process `pid` have spent runnable but waiting for a CPU, summed
+    over its live threads (/proc's schedstat, second field: the scheduler's run-queue wait).
+    Two threads waiting at once count twice; a thread that ended is no longer counted."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[1])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # the thread ended
+    return total / 1e9
+
+
 class CpuSampler:
-    """A process's CPU seconds sampled every `interval_s` on a background thread, against the
-    wall clock (`time.time()`, the flight recorder's clock), to read the CPU of a time window
-    afterwards (/proc's resolution is one clock tick, 10 ms: read windows of seconds)."""
+    """A process's CPU seconds and its threads' run-queue wait (`runqueue_wait_seconds`)
+    sampled every `interval_s` on a background thread, against the wall clock (`time.time()`,
+    the flight recorder's clock), to read either over a time window afterwards (/proc's CPU
+    resolution is one clock tick, 10 ms: read windows of seconds)."""
 
     def __init__(self, pid: int, interval_s: float = 0.02) -> None:
         self._pid, self._interval_s = pid, interval_s
         self._times: list[float] = []
         self._cpu: list[float] = []
+        self._wait: list[float] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while True:
+            try:
+                cpu, wait = cpu_seconds(self._pid), runqueue_wait_seconds(self._pid)
+            except (FileNotFoundError, ProcessLookupError):
+                return  # the process ended
             self._times.append(time.time())
-            self._cpu.append(cpu_seconds(self._pid))
+            self._cpu.append(cpu)
+            self._wait.append(wait)
             if self._stop.wait(self._interval_s):
                 return
 
@@ -110,12 +131,20 @@ class CpuSampler:
     def cpu_between(self, start: float, end: float) -> float | None:
         """CPU seconds spent in [start, end] (interpolated between samples); None when the
         window is not inside the sampled time."""
-        return None if not self._times or start < self._times[0] or end > self._times[-1] else (
-            self._at(end) - self._at(start))
+        return self._between(self._cpu, start, end)
 
-    def _at(self, t: float) -> float:
+    def wait_between(self, start: float, end: float) -> float | None:
+        """Run-queue wait (thread-seconds) in [start, end], as `cpu_between`."""
+        return self._between(self._wait, start, end)
+
+    def _between(self, series: list[float], start: float, end: float) -> float | None:
+        if not self._times or start < self._times[0] or end > self._times[-1]:
+            return None
+        return self._at(series, end) - self._at(series, start)
+
+    def _at(self, series: list[float], t: float) -> float:
         i = bisect.bisect_right(self._times, t)
         if i == len(self._times):
-            return self._cpu[-1]
-        t0, t1, c0, c1 = self._times[i - 1], self._times[i], self._cpu[i - 1], self._cpu[i]
+            return series[-1]
+        t0, t1, c0, c1 = self._times[i - 1], self._times[i], series[i - 1], series[i]
         return c0 + (c1 - c0) * (t - t0) / (t1 - t0) if t1 > t0 else c1
