@@ -216,6 +216,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
     "documents": ((None, []), "is not supported"),
     "logits_processors": ((None, []), "is not supported"),
     "echo": ((None, False), "is not supported in chat (completions have echo)"),
+    # OpenAI's chat fields that ask for output this server does not make: refused, not a
+    # silent text-only answer
+    "modalities": ((None, ["text"]), "only text output is supported"),
+    "audio": ((None,), "audio output is not supported"),
+    "web_search_options": ((None,), "web search is not supported"),
 }
 
 

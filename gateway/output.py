@@ -4,6 +4,10 @@ Committed token ids in → text deltas out: incremental detokenization (never br
 deltas concatenate to `tokenizer.decode(output)`), then stop strings matched across token
 boundaries. When a stop string matches, the request is finished here and the caller
 aborts it upstream.
+
+The token that stops a request upstream (EOS, or one of `stop_token_ids`: the scheduler's
+FINISH_REASON_STOP) is returned among the token ids but, like a stop string, not in the text
+unless `include_stop_str_in_output` (vLLM's rule; its id is the `stop_reason`).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ class OutputProcessor:
         self._detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=request.skip_special_tokens)
         self._stop = StopStringMatcher(request.stop, include_stop_str_in_output=request.include_stop_str_in_output)
         self._stop_token_ids = set(request.sampling.stop_token_ids)
+        self._stop_token_in_text = request.include_stop_str_in_output
         self._num_tokens = 0
         token_text = TokenText(tokenizer)
         self._logprobs = OutputLogprobs(token_text) if request.sampling.logprobs is not None else None
@@ -52,7 +57,9 @@ class OutputProcessor:
         """Feed one upstream event; `finish_reason` is set on the scheduler's last event."""
         ids = tuple(token_ids)  # a proto's repeated field: copied once, here
         self._num_tokens += len(ids)
-        text = self._decode(ids, finish_reason is not None, logprobs)
+        # the scheduler stopped the request on its last token: a stop token, kept out of the text
+        hide_last = finish_reason is FinishReason.STOP and bool(ids) and not self._stop_token_in_text
+        text = self._decode(ids, finish_reason is not None, logprobs, hide_last)
         safe = self._stop.feed(text)
         if self._stop.stopped:
             out = Output(safe, ids, FinishReason.STOP, self._stop.matched_stop, self._num_tokens)
@@ -66,14 +73,18 @@ class OutputProcessor:
             return out
         return self._with_logprobs(out, prompt_logprobs)
 
-    def _decode(self, ids: tuple[int, ...], finished: bool, logprobs: Sequence[Logprobs]) -> str:
-        """The new text; with logprobs, token by token so each token gets its own piece."""
+    def _decode(self, ids: tuple[int, ...], finished: bool, logprobs: Sequence[Logprobs], hide_last: bool) -> str:
+        """The new text (without the last token's with `hide_last`); with logprobs, token by
+        token so each token gets its own piece (a hidden token's piece is empty)."""
+        shown = ids[:-1] if hide_last else ids
         if self._logprobs is None:
-            return self._detok.append(ids) + (self._detok.finish() if finished else "")
-        pieces = [self._detok.append((t,)) for t in ids]
+            return self._detok.append(shown) + (self._detok.finish() if finished else "")
+        pieces = [self._detok.append((t,)) for t in shown]
         tail = self._detok.finish() if finished else ""
         if pieces:
             pieces[-1] += tail
+        if hide_last:
+            pieces.append("" if pieces or not tail else tail)
         self._logprobs.add(ids, pieces, logprobs)
         return "".join(pieces) if pieces else tail
 

@@ -142,7 +142,8 @@ def test_continuous_usage_stats_count_what_each_chunk_delivered(openai_client, t
     chunks = list(openai_client.completions.create(
         model="tiny", prompt=prompt, max_tokens=12, temperature=0, logprobs=0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True},
-        extra_body={**IGNORE_EOS, "use_beam_search": False, "length_penalty": 1.0, "guided_json": None}))
+        extra_body={**IGNORE_EOS, "use_beam_search": False, "length_penalty": 1.0, "guided_json": None,
+                    "modalities": ["text"]}))
     seen = 0
     for chunk in chunks[:-1]:
         seen += len(chunk.choices[0].logprobs.tokens)
@@ -200,6 +201,10 @@ BAD_HTTP = {  # name -> (path, body (dict, or raw bytes), status, param)
     "prompt truncation": (C, {"prompt": "x", "truncate_prompt_tokens": 4}, 400, "truncate_prompt_tokens"),
     "prompt_logprobs": (C, {"prompt": "x", "prompt_logprobs": 1}, 400, "prompt_logprobs"),
     "echo in chat": (CH, {"messages": [{"role": "user", "content": "x"}], "echo": True}, 400, "echo"),
+    "audio output": (CH, {"messages": USER, "modalities": ["text", "audio"], "audio": {"voice": "alloy"}}, 400,
+                     "modalities"),
+    "audio parameters": (CH, {"messages": USER, "audio": {"voice": "alloy", "format": "wav"}}, 400, "audio"),
+    "web search": (CH, {"messages": USER, "web_search_options": {}}, 400, "web_search_options"),
     "a batch past the prompt limit": (C, {"prompt": ["a"] * 257}, 400, "prompt"),
     "an empty prompt in a batch": (C, {"prompt": ["a", ""]}, 400, "prompt"),
     "a token id outside vocab in a batch": (C, {"prompt": [[1, 2], [1, 10**6]]}, 400, "prompt"),
@@ -322,6 +327,27 @@ def test_penalties_and_logit_bias_over_http_equal_hf_processors(openai_client, h
     plain = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
                                       extra_body=IGNORE_EOS)
     assert plain.choices[0].text != out.choices[0].text
+
+
+def test_a_stop_token_ends_the_ids_but_not_the_text_unless_asked(openai_client, hf, tiny_tokenizer):  # noqa: F811
+    """`stop_token_ids` (vLLM's rule): the token is counted and named in stop_reason, and the text
+    is HF's decode of the tokens before it, streamed or not; with include_stop_str_in_output the
+    text has it too."""
+    prompt = "def fibonacci(n):\n"
+    tokens, gaps = hf.generate(tiny_tokenizer.encode(prompt), 8)
+    tie = next((i for i, gap in enumerate(gaps) if gap < TIE_GAP), len(tokens))
+    k = next(i for i in range(2, tie) if tokens[i] not in tokens[:i])  # the stop token's first appearance
+    for include in (False, True):
+        for stream in (False, True):
+            body = {"stop_token_ids": [tokens[k]], "include_stop_str_in_output": include, **IGNORE_EOS}
+            got = openai_client.completions.create(model="tiny", prompt=prompt, max_tokens=8, temperature=0,
+                                                   stream=stream, extra_body=body,
+                                                   **({"stream_options": {"include_usage": True}} if stream else {}))
+            chunks = list(got) if stream else [got]
+            text = "".join(c.choices[0].text for c in chunks if c.choices)
+            last = [c for c in chunks if c.choices][-1].choices[0]
+            assert text == tiny_tokenizer.decode(tokens[:k + int(include)], skip_special_tokens=True), (include, stream)
+            assert (last.finish_reason, last.stop_reason, chunks[-1].usage.completion_tokens) == ("stop", tokens[k], k + 1)
 
 
 def test_grpc_chat_and_generate_cli_render_the_same_prompt_as_http(openai_serve, openai_client, tiny_tokenizer):  # noqa: F811

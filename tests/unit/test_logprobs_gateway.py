@@ -100,3 +100,22 @@ def test_failover_continuation_asks_prompt_logprobs_only_before_any_token():
     assert continuation(msg, []).sampling.HasField("prompt_logprobs")
     again = continuation(msg, [7])
     assert not again.sampling.HasField("prompt_logprobs") and again.sampling.logprobs == 1
+
+
+def test_the_token_that_stops_a_request_is_in_its_ids_but_not_its_text_unless_asked():
+    """vLLM's rule for the token the scheduler stops on (EOS or a stop token id): like a stop
+    string, it is kept out of the text unless `include_stop_str_in_output`; its id stays in the
+    token ids (and is the stop_reason), and its logprob entry has an empty piece."""
+    body = {"prompt": "hi", "logprobs": 0, "stop_token_ids": [5], "max_tokens": 9}
+    tail = event("r", [1, 5], common_pb2.FINISH_REASON_STOP, logprobs=[lp(1), lp(5)])
+    gen = start(body)
+    first = gen.on_event(event("r", [0], logprobs=[lp(0)])).output
+    last = gen.on_event(tail).output
+    assert (first.text, last.text, last.token_ids, last.stop_reason) == ("A", "B", (1, 5), "5")
+    assert [(e.token, e.offset) for e in (*first.logprobs, *last.logprobs)] == [("A", 0), ("B", 1), ("", 2)]
+    kept = start({**body, "include_stop_str_in_output": True}).on_event(tail).output
+    assert kept.text == "BF" and [e.token for e in kept.logprobs] == ["B", "F"]
+    alone = start(body).on_event(event("r", [5], common_pb2.FINISH_REASON_STOP, logprobs=[lp(5)])).output
+    assert alone.text == "" and alone.token_ids == (5,) and [e.token for e in alone.logprobs] == [""]
+    cut = start(body).on_event(event("r", [1, 5], common_pb2.FINISH_REASON_LENGTH, logprobs=[lp(1), lp(5)])).output
+    assert cut.text == "BF", "a request cut at max_tokens returns its last token"
