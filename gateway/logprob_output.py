@@ -16,8 +16,18 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from stepahead.logprobs import Logprobs
+
+
+class TopLogprob(NamedTuple):
+    """One of a position's likely tokens."""
+
+    token_id: int
+    text: str  # the token decoded alone
+    logprob: float
+    token_bytes: bytes  # the bytes it stands for (`GatewayTokenizer.token_bytes`)
 
 
 @dataclass(frozen=True)
@@ -25,18 +35,20 @@ class TokenLogprob:
     """One returned position: its token, text piece, offset in the choice's text and top-k."""
 
     token_id: int
-    token: str
+    token: str  # its piece of the text ("" for a token that ends inside a UTF-8 character)
+    token_bytes: bytes  # the bytes the token stands for, whole or part of a character
     logprob: float | None  # None: the first prompt token (nothing before it)
-    top: tuple[tuple[int, str, float], ...]  # (a likely token, its text, its logprob), most likely first
+    top: tuple[TopLogprob, ...]  # most likely first
     offset: int
 
 
 class TokenText:
-    """Token id -> its text alone (for top-k entries), cached per request."""
+    """Token id -> its text alone (for top-k entries) and its bytes, cached per request."""
 
     def __init__(self, tokenizer) -> None:
         self._tokenizer = tokenizer
         self._cache: dict[int, str] = {}
+        self._bytes: dict[int, bytes] = {}
 
     def __call__(self, token_id: int) -> str:
         text = self._cache.get(token_id)
@@ -44,10 +56,17 @@ class TokenText:
             text = self._cache[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
+    def raw(self, token_id: int) -> bytes:
+        raw = self._bytes.get(token_id)
+        if raw is None:
+            raw = self._bytes[token_id] = self._tokenizer.token_bytes(token_id)
+        return raw
+
     def entry(self, lp: Logprobs | None, token_id: int, piece: str, offset: int) -> TokenLogprob:
         if lp is None:
-            return TokenLogprob(token_id, piece, None, (), offset)
-        return TokenLogprob(token_id, piece, lp.logprob, tuple((t, self(t), v) for t, v in lp.top), offset)
+            return TokenLogprob(token_id, piece, self.raw(token_id), None, (), offset)
+        top = tuple(TopLogprob(t, self(t), v, self.raw(t)) for t, v in lp.top)
+        return TokenLogprob(token_id, piece, self.raw(token_id), lp.logprob, top, offset)
 
 
 class OutputLogprobs:

@@ -4,7 +4,7 @@ Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (para
 with `echo` the prompt's entries come first, the first one with a null logprob and null
 top; each `top_logprobs` entry maps token text to logprob: the top k plus the token itself,
 so `logprobs=0` gives the sampled token alone). Chat: `{"content": [{"token", "logprob",
-"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`. JSON has no -infinity: a
+"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`, `bytes` the token's own bytes. JSON has no -infinity: a
 logprob of -inf (a token the model rules out entirely) is sent as -9999.0, as vLLM does.
 """
 
@@ -34,7 +34,7 @@ def completion_logprobs(entries: Sequence[TokenLogprob], offset: int = 0) -> dic
             out["top_logprobs"].append(None)
             continue
         out["token_logprobs"].append(_num(e.logprob))
-        top = {text: _num(v) for _, text, v in e.top}
+        top = {t.text: _num(t.logprob) for t in e.top}
         top.setdefault(e.token, _num(e.logprob))
         out["top_logprobs"].append(top)
     return out
@@ -62,9 +62,12 @@ def merge_completion_logprobs(parts: Sequence[dict]) -> dict:
 
 
 def chat_logprobs(entries: Sequence[TokenLogprob]) -> list[dict]:
-    """`entries` as chat `logprobs.content` items."""
+    """`entries` as chat `logprobs.content` items. `bytes` is what the token stands for, also
+    part of a character (OpenAI's use: the bytes of consecutive tokens join into the text),
+    where `token` is its piece of the returned text."""
     return [
-        {"token": e.token, "logprob": _num(e.logprob), "bytes": list(e.token.encode()),
-         "top_logprobs": [{"token": text, "logprob": _num(v), "bytes": list(text.encode())} for _, text, v in e.top]}
+        {"token": e.token, "logprob": _num(e.logprob), "bytes": list(e.token_bytes),
+         "top_logprobs": [{"token": t.text, "logprob": _num(t.logprob), "bytes": list(t.token_bytes)}
+                          for t in e.top]}
         for e in entries
     ]

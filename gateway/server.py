@@ -229,8 +229,8 @@ def _logprobs_fields(out) -> dict:
 
 
 def _logprobs_proto(e) -> common_pb2.Logprobs:
-    return common_pb2.Logprobs(token_id=e.token_id, logprob=e.logprob, top_token_ids=[t for t, _, _ in e.top],
-                               top_logprobs=[v for _, _, v in e.top])
+    return common_pb2.Logprobs(token_id=e.token_id, logprob=e.logprob, top_token_ids=[t.token_id for t in e.top],
+                               top_logprobs=[t.logprob for t in e.top])
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):

@@ -14,6 +14,7 @@ import ctypes
 import ctypes.util
 import gc
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -24,6 +25,31 @@ from stepahead.limits import SPECIAL_TOKEN_KEYS
 
 _CLEANUPS = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
              (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))  # transformers' clean_up_tokenization
+
+
+def _byte_of_char() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet, reversed: the character each byte is written as in a
+    byte-level vocabulary -> that byte (printable bytes stand for themselves, the others are
+    moved to 256 and up)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(moved)}}
+
+
+_BYTE_OF_CHAR = _byte_of_char()
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+
+
+def _decoder_kinds(decoder: dict | None) -> set[str]:
+    """The decoder steps of a tokenizer.json (`ByteLevel`, `ByteFallback`, `Metaspace`, and
+    `Replace` of SentencePiece's `▁` by a space as `Metaspace`)."""
+    if not decoder:
+        return set()
+    if decoder.get("type") == "Sequence":
+        return set().union(*(_decoder_kinds(d) for d in decoder.get("decoders") or ()))
+    if decoder.get("type") == "Replace" and (decoder.get("pattern") or {}).get("String") == "▁":
+        return {"Metaspace"}
+    return {decoder.get("type")}
 
 
 def _token_text(value) -> str | None:
@@ -96,6 +122,8 @@ class GatewayTokenizer:
         )
         self.special_tokens_map = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
+        self._decoder = _decoder_kinds(json.loads(self._tokenizer.to_str()).get("decoder"))
+        self._added = self._tokenizer.get_added_tokens_decoder()  # id -> AddedToken (specials among them)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
@@ -107,6 +135,25 @@ class GatewayTokenizer:
             for before, after in _CLEANUPS:
                 text = text.replace(before, after)
         return text
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI's logprobs `bytes`), also when they are part
+        of a UTF-8 character, which its text alone cannot show: a byte-level BPE piece through
+        GPT-2's byte alphabet, a byte-fallback piece `<0xHH>` its byte, a SentencePiece piece
+        with `▁` as a space, an added (special) token its content; otherwise the UTF-8 of the
+        token decoded alone."""
+        added = self._added.get(token_id)
+        if added is not None:
+            return added.content.encode()
+        piece = self._tokenizer.id_to_token(token_id)
+        if piece is not None:
+            if "ByteLevel" in self._decoder and all(c in _BYTE_OF_CHAR for c in piece):
+                return bytes(_BYTE_OF_CHAR[c] for c in piece)
+            if "ByteFallback" in self._decoder and (hexa := _BYTE_FALLBACK.fullmatch(piece)):
+                return bytes((int(hexa[1], 16),))
+            if "Metaspace" in self._decoder:
+                return piece.replace("▁", " ").encode()
+        return self.decode([token_id]).encode()
 
     def get_vocab_size(self, with_added_tokens: bool = True) -> int:
         return self._tokenizer.get_vocab_size(with_added_tokens=with_added_tokens)

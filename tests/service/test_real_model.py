@@ -210,6 +210,33 @@ def test_logprobs_equal_hf_log_softmax(real, oracle):
     assert "".join(out["tokens"]) == tokenizer.decode(want, skip_special_tokens=True)
 
 
+def test_chat_logprob_bytes_are_each_tokens_own_bytes(real, oracle):
+    """OpenAI's chat logprobs `bytes`: each token's own bytes, also for a token that ends inside
+    a character (an emoji spans several tokens here): they are HF's vocabulary bytes of the
+    greedy tokens, the top-1 alternative (the token itself, at greedy) has the same, and they
+    join into the content's UTF-8."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tokenizer, _ = oracle
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    messages = [{"role": "user", "content": "Write a smiley emoji"}]
+    body = {"model": NAME, "messages": messages, "max_tokens": 12, "temperature": 0, "logprobs": True,
+            "top_logprobs": 2}
+    choice = _post(real.http_url + "/v1/chat/completions", body)["choices"][0]
+    entries = choice["logprobs"]["content"]
+    want, gaps = hf_greedy(oracle, chat_ids(tokenizer, messages), 12)
+    same = next((k for k, gap in enumerate(gaps) if gap < TIE_GAP), len(want))
+    raw = [tokenizer.convert_ids_to_tokens(t) for t in want]
+    raw = [r.encode() if t in tokenizer.added_tokens_decoder else bytes(byte_of[c] for c in r) for t, r in zip(want, raw)]
+    assert any(r.decode(errors="replace") != r.decode(errors="ignore") for r in raw[:same]), \
+        "HF's answer was meant to split a character over tokens"
+    for k, e in enumerate(entries[:same]):
+        assert bytes(e["bytes"]) == raw[k] == bytes(e["top_logprobs"][0]["bytes"]), (k, e)
+    text_entries = entries[:-1] if choice["finish_reason"] == "stop" else entries  # EOS: an entry, not text
+    joined = b"".join(bytes(e["bytes"]) for e in text_entries)  # a cut mid-character ends the text in U+FFFD
+    assert joined.decode(errors="replace") == choice["message"]["content"]
+
+
 def test_json_schema_answer_is_valid_json_with_real_words(real):
     schema = {"type": "object", "properties": {"country": {"type": "string"}, "capital": {"type": "string"}},
               "required": ["country", "capital"], "additionalProperties": False}

@@ -40,6 +40,9 @@ class CharTokenizer:
     def decode(self, ids, skip_special_tokens=True):
         return "".join(chr(65 + i % 26) for i in ids)
 
+    def token_bytes(self, token_id):
+        return self.decode([token_id]).encode()
+
     def __len__(self):
         return 100
 

@@ -125,3 +125,41 @@ def test_a_template_that_drops_the_final_message_cannot_continue_it(tiny_model_d
         front.render_chat(messages, False, continue_final_message=True)
     assert refused.value.field == "continue_final_message" and "cannot continue it" in refused.value.reason
     assert front.render_chat(messages, False)  # without it the template renders
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_join_into_the_text_even_inside_a_character(ours, hf_tokenizer, text):
+    """OpenAI's logprobs `bytes`: each token's own bytes, which join into the text's UTF-8 also
+    where a character spans tokens (the token's text alone shows U+FFFD there); the oracle is
+    the transformers tokenizer's byte-level vocabulary."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    ids = ours.encode(text, add_special_tokens=False)
+    got = [ours.token_bytes(i) for i in ids]
+    assert b"".join(got) == text.encode()
+    special = set(hf_tokenizer.all_special_ids) | set(hf_tokenizer.added_tokens_decoder)
+    want = [hf_tokenizer.convert_ids_to_tokens(i).encode() if i in special else
+            bytes(byte_of[c] for c in hf_tokenizer.convert_ids_to_tokens(i)) for i in ids]
+    assert got == want
+
+
+def test_token_bytes_of_a_sentencepiece_tokenizer_with_byte_fallback(tmp_path):
+    """Llama-2's kind: `▁` for spaces and a `<0xHH>` token per byte for what the vocabulary lacks."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    for piece in ("▁", "h", "e", "l", "o", "w", "r", "d", "▁h", "he"):
+        vocab[piece] = len(vocab)
+    tok = Tokenizer(models.BPE(vocab, [("▁", "h")], unk_token="<unk>", byte_fallback=True))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                     decoders.Strip(" ", 1, 0)])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    ours = GatewayTokenizer(tmp_path)
+    text = "hello wörld 👨"
+    ids = ours.encode(text, add_special_tokens=False)
+    got = [ours.token_bytes(i) for i in ids]
+    assert ours.decode(ids) == text and b"".join(got) == b" " + text.encode()  # the leading ▁ is a space
+    assert got[ids.index(vocab["<0xF0>"])] == b"\xf0" and ours.token_bytes(vocab["</s>"]) == b"</s>"

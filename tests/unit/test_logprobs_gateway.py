@@ -30,7 +30,7 @@ def test_held_back_text_holds_its_logprobs_and_a_stop_string_cuts_them():
     gen = start({"prompt": "hi", "logprobs": 1, "stop": "CD", "max_tokens": 9})
     first = gen.on_event(event("r", [0, 2], logprobs=[lp(0, -0.5, [(7, -0.125)]), lp(2)])).output  # "AC": C held
     assert first.text == "A" and [e.token for e in first.logprobs] == ["A"]
-    assert first.logprobs[0].top == ((7, "H", -0.125),)
+    assert first.logprobs[0].top == ((7, "H", -0.125, b"H"),)
     second = gen.on_event(event("r", [3, 4], logprobs=[lp(3), lp(4)])).output  # "DE": "CD" matched
     assert second.finished and second.text == "" and second.logprobs == ()  # C, D, E start past "A"
     gen2 = start({"prompt": "hi", "logprobs": 0, "stop": "CD", "max_tokens": 9})
