@@ -19,6 +19,7 @@ from collections.abc import Callable
 import grpc
 
 from stepahead import codec, daemon, jitter
+from stepahead import config as cfg
 from stepahead.logs import RateLimitedLog
 from stepahead.plan import KVLoaded, WorkerInfo
 from worker_service.config import WorkerConfig
@@ -252,6 +253,8 @@ def reconnect(config: WorkerConfig, stop: threading.Event, log, session: Callabl
                 if not stop.is_set():
                     (log.warning if failures > 5 else log.info)(
                         "attach_failed", scheduler=config.scheduler, attempts=failures, error=repr(exc)[:300])
+            except cfg.ConfigError:
+                raise  # a setting the next session would meet again (a KV budget that holds no block)
             except Exception as exc:  # a failed step (already reported to the scheduler) or collective
                 log.warning(failed_event, error=repr(exc)[:300])
             finally:

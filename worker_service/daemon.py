@@ -127,6 +127,9 @@ def run(args: argparse.Namespace) -> int:
     except GeometryError as exc:  # the model does not split over --tensor-parallel-size
         log.error("bad_tensor_parallel_geometry", error=str(exc))
         return 2
+    except cfg.ConfigError as exc:  # found while loading (a KV cache budget that holds no block)
+        log.error("bad_configuration", error=str(exc))
+        return 2
     except HelloRefused as exc:
         log.error("hello_refused", error=str(exc))
         return 2

@@ -12,6 +12,7 @@ import mmap
 
 import torch
 
+from stepahead.config import ConfigError
 from worker_service.model_config import ModelConfig
 from worker_service.streams import host_to_device
 
@@ -37,13 +38,26 @@ def cpu_kv_cache_bytes(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *,
     return max(min(need, int(available_bytes * CPU_KV_MEMORY_FRACTION)), per_block)
 
 
+class KVCacheTooSmall(ConfigError):
+    """The KV cache budget holds no block: an operator's setting, which the worker exits with
+    (a session would meet it again: no re-attach retries it)."""
+
+
 def plan_num_blocks(cfg: ModelConfig, block_size: int, dtype: torch.dtype, *, kv_cache_bytes: int | None,
                     num_blocks: int | None) -> int:
     """Device blocks from an explicit count, else a byte budget (the flag's; on CUDA what the
     profiling run left, see `memory_profile`; on CPU `cpu_kv_cache_bytes`)."""
-    count = num_blocks if num_blocks is not None else kv_cache_bytes // block_bytes(cfg, block_size, dtype)
+    if num_blocks is not None:
+        count = num_blocks
+    else:
+        per_block = block_bytes(cfg, block_size, dtype)
+        count = kv_cache_bytes // per_block
+        if count < 1:
+            raise KVCacheTooSmall(
+                f"a KV cache of {kv_cache_bytes} bytes holds no block of {block_size} tokens ({per_block} bytes "
+                "for this model): raise --kv-cache-memory-bytes (on CUDA, --gpu-memory-utilization)")
     if count < 1:
-        raise ValueError(f"KV cache budget leaves {count} blocks; need at least 1")
+        raise KVCacheTooSmall(f"{count} KV cache blocks; need at least 1 (--num-gpu-blocks-override)")
     return int(count)
 
 

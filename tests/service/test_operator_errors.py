@@ -104,6 +104,17 @@ def test_a_flag_out_of_range_exits_2_with_one_line(command, flags, named, tiny_m
     assert len(lines) == 1 and named in lines[0], lines
 
 
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_kv_cache_budget_that_holds_no_block_exits_2_naming_the_flag(tp, tiny_model_dir) -> None:
+    """Found while the worker loads, after the flags were parsed: an error line naming the flag
+    and no traceback (it was one); with tensor parallelism the ranks stop instead of joining a
+    new group and failing the same way forever (they did)."""
+    proc, lines = _run("serve", "--model", str(tiny_model_dir), "--kv-cache-memory-bytes", "1",
+                       "--tensor-parallel-size", str(tp))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr and "--kv-cache-memory-bytes" in lines[-1], lines[-3:]
+
+
 def test_a_cuda_device_torch_cannot_see_exits_2_with_one_line(tiny_model_dir) -> None:
     import torch
 
