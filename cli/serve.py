@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 
 from stepahead import config as cfg
+from stepahead import security
 from stepahead.knobs import fields_of
 from cli import runfile
 from model_zoo.builtin_models import DEFAULT_MODEL, MODEL_HELP
@@ -262,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
     worker_cfg = cfg.from_args(WorkerConfig, args)
     check_ports(config)
     check_disaggregation(config, worker_cfg)
+    security.split_keys(config.api_key)  # an empty --api-key is refused, not passed on as "no keys"
     if worker_cfg.served_model_name is None:  # vLLM's rule: the --model argument, as given
         worker_cfg = dataclasses.replace(worker_cfg, served_model_name=config.model)
     model_dir = str(prepare_model(config.model, worker_cfg.tokenizer))

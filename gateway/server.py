@@ -445,6 +445,7 @@ def run(args: argparse.Namespace) -> int:
     from model_zoo.builtin_models import resolve_model
 
     config = cfg.from_args(GatewayConfig, args)
+    security.split_keys(config.api_key)  # an empty --api-key fails now, not once the model is there
     if config.stream_interval < 1:
         raise SystemExit(f"--stream-interval must be >= 1, got {config.stream_interval}")
     log = logs.configure("gateway", config.log_level)

@@ -67,8 +67,14 @@ def _read(path: str) -> bytes:
 
 
 def split_keys(value: str | None) -> tuple[str, ...]:
-    """`a,b` (flag or env) → ("a", "b"); empty parts dropped."""
-    return tuple(k.strip() for k in (value or "").split(",") if k.strip())
+    """`a,b` (`--api-key` or STEPAHEAD_API_KEY) → ("a", "b"); empty parts dropped. Unset (None)
+    is no keys; a value given that holds no key (`--api-key "$KEY"` with KEY unset) is a
+    ConfigError, not a server that quietly accepts every client."""
+    keys = tuple(k.strip() for k in (value or "").split(",") if k.strip())
+    if value is not None and not keys:
+        raise ConfigError(f"--api-key (or STEPAHEAD_API_KEY): {value!r} holds no key; leave it out to serve "
+                          "without API keys")
+    return keys
 
 
 def is_loopback(host: str) -> bool:

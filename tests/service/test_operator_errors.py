@@ -38,6 +38,8 @@ BAD_FLAGS = [
     ("serve", ["--drain-timeout", "-1"], "--drain-timeout"),
     ("serve", ["--dtype", "float8"], "--dtype: 'float8' is not one of float32"),  # was the worker's traceback
     ("worker", ["--dtype", "float8"], "--dtype: 'float8' is not one of float32"),
+    ("serve", ["--api-key", ""], "--api-key"),  # was a server without keys
+    ("serve", ["--api-key", " , "], "--api-key"),
 ]
 
 
