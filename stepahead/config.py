@@ -59,13 +59,28 @@ class Range:
         return value
 
 
+class NonEmpty:
+    """A text flag that must hold something: an empty one is a typo or an unset variable."""
+
+    kind = str
+    __name__ = "str"
+
+    def describe(self) -> str:
+        return "non-empty"
+
+    def __call__(self, raw: str) -> str:
+        if not raw.strip():
+            raise argparse.ArgumentTypeError(f"must be {self.describe()}, got {raw!r}")
+        return raw
+
+
 _PORT = Range(int, 0, 65535)
 _POSITIVE = Range(int, 1)
 _SECONDS = Range(float, 0, lo_open=True)
 _FRACTION = Range(float, 0, 1)
-# The accepted range of every numeric flag, by field name: one definition whichever daemon
-# (or `serve`) declares the field.
-RANGES: dict[str, Range] = {
+# The accepted range of every numeric flag (and the text flags that must not be empty), by field
+# name: one definition whichever daemon (or `serve`) declares the field.
+RANGES: dict[str, Range | NonEmpty] = {
     # ports (0: pick a free one, or off where the help says so)
     "port": _PORT, "http_port": _PORT, "scheduler_port": _PORT, "metrics_port": _PORT, "health_port": _PORT,
     "kv_transfer_port": _PORT,
@@ -92,6 +107,8 @@ RANGES: dict[str, Range] = {
     # scheduling weights and probabilities
     "balance_abs_threshold": Range(int, 0), "balance_rel_threshold": Range(float, 0, lo_open=True),
     "sim_eos_probability": _FRACTION, "sim_acceptance_rate": _FRACTION,
+    # names
+    "served_model_name": NonEmpty(),
 }
 
 

@@ -40,6 +40,7 @@ BAD_FLAGS = [
     ("worker", ["--dtype", "float8"], "--dtype: 'float8' is not one of float32"),
     ("serve", ["--api-key", ""], "--api-key"),  # was a server without keys
     ("serve", ["--api-key", " , "], "--api-key"),
+    ("serve", ["--served-model-name", ""], "--served-model-name"),  # clients had to send the cache path
 ]
 
 

@@ -13,7 +13,7 @@ from stepahead import config as cfg
     ("block_size", "0"), ("block_size", "4096"), ("max_num_seqs", "0"), ("max_num_batched_tokens", "-1"),
     ("gpu_memory_utilization", "0"), ("gpu_memory_utilization", "2"), ("gpu_memory_utilization", "nan"),
     ("port", "70000"), ("port", "-1"), ("num_threads", "0"), ("startup_timeout_s", "0"),
-    ("drain_timeout", "-1"), ("distributed_timeout", "inf"),
+    ("drain_timeout", "-1"), ("distributed_timeout", "inf"), ("served_model_name", ""), ("served_model_name", "  "),
 ])
 def test_out_of_range_is_refused(name: str, raw: str) -> None:
     with pytest.raises(argparse.ArgumentTypeError, match=r"must be"):
@@ -22,7 +22,7 @@ def test_out_of_range_is_refused(name: str, raw: str) -> None:
 
 @pytest.mark.parametrize("name, raw, value", [
     ("block_size", "16", 16), ("gpu_memory_utilization", "1", 1.0), ("port", "0", 0),
-    ("max_wait_time", "inf", float("inf")), ("drain_timeout", "0", 0.0),
+    ("max_wait_time", "inf", float("inf")), ("drain_timeout", "0", 0.0), ("served_model_name", "m", "m"),
 ])
 def test_in_range_is_parsed(name: str, raw: str, value) -> None:
     assert cfg.RANGES[name](raw) == value
