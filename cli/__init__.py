@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from stepahead import config as cfg
@@ -71,4 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     except cfg.ConfigError as exc:  # a bad environment variable, or a checkpoint refused before loading
         parser.error(str(exc))
         return 2
+    except BrokenPipeError:  # `stepahead generate --json | head`: the reader left; no traceback
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush goes nowhere
+        return 128 + signal.SIGPIPE
 

@@ -49,6 +49,30 @@ def test_exit_status_follows_how_the_stream_ended(case):
     assert message in done.stderr
 
 
+def test_a_reader_that_leaves_early_ends_generate_quietly():
+    """`stepahead generate --json | head -1`: the pipe closes under it (more output than a pipe
+    holds is still coming); it exits with SIGPIPE's status, 141, and no traceback."""
+    import json
+
+    many = [generation_pb2.GenerateResponse(text="ab", token_ids=[1, 2])] * 2000 + [
+        generation_pb2.GenerateResponse(finish_reason=common_pb2.FINISH_REASON_LENGTH)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    generation_pb2_grpc.add_GenerationServicer_to_server(ScriptedGateway(many), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "--json", "--target", f"127.0.0.1:{port}",
+                                 "hi"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        first = proc.stdout.readline()
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(60)
+    finally:
+        server.stop(0)
+    assert json.loads(first)["text"] == "ab"
+    assert proc.returncode == 141 and "Traceback" not in err, err
+
+
 def _cli(*argv: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "cli", *argv], capture_output=True, text=True,
                           timeout=kw.pop("timeout", 60), **kw)
