@@ -33,6 +33,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from stepahead.config import Range
+
 
 @dataclass
 class RequestMetrics:
@@ -109,6 +111,14 @@ def _request_of(item: WorkItem, ignore_eos: bool):
                                           sampling=sampling, priority=item.priority)
 
 
+def error_text(exc: BaseException) -> str:
+    """A failed request as the summary lists it: a gRPC status as `CODE: details`, else the repr."""
+    code, details = getattr(exc, "code", None), getattr(exc, "details", None)
+    if callable(code) and callable(details):
+        return f"{code().name}: {details()}"[:300]
+    return repr(exc)[:200]
+
+
 def one_request(stub, item: WorkItem, ignore_eos: bool) -> RequestMetrics:
     m = RequestMetrics(prompt_len=len(item.prompt), priority=item.priority)
     request = _request_of(item, ignore_eos)
@@ -117,7 +127,7 @@ def one_request(stub, item: WorkItem, ignore_eos: bool) -> RequestMetrics:
         for msg in stub.Generate(request, timeout=3600):
             m.on_message(msg)
     except Exception as exc:  # recorded per request and reported, never hidden
-        m.error = repr(exc)[:200]
+        m.error = error_text(exc)
     m.end = time.perf_counter()
     return m
 
@@ -158,7 +168,7 @@ async def _one_request_async(stub, item: WorkItem, ignore_eos: bool, metadata) -
         async for msg in stub.Generate(request, timeout=3600, metadata=metadata):
             m.on_message(msg)
     except Exception as exc:  # recorded per request and reported, never hidden
-        m.error = repr(exc)[:200]
+        m.error = error_text(exc)
     m.end = time.perf_counter()
     return m
 
@@ -322,14 +332,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset-name", choices=["random", "trace"], default="random",
                         help="random token prompts, or a request trace (--dataset-path)")
     parser.add_argument("--dataset-path", type=Path, default=None, help="trace file (.csv Azure format, or .jsonl)")
-    parser.add_argument("--trace-speedup", type=float, default=1.0, help="divide the trace's inter-arrival times")
-    parser.add_argument("--num-prompts", type=int, default=64, help="requests (a trace: its first N)")
-    parser.add_argument("--random-input-len", type=int, default=128, help="prompt tokens per random request")
-    parser.add_argument("--random-output-len", type=int, default=64, help="output tokens per random request")
-    parser.add_argument("--random-range-ratio", type=float, default=0.0,
+    parser.add_argument("--trace-speedup", type=Range(float, 0, lo_open=True), default=1.0,
+                        help="divide the trace's inter-arrival times")
+    parser.add_argument("--num-prompts", type=Range(int, 1), default=64, help="requests (a trace: its first N)")
+    parser.add_argument("--random-input-len", type=Range(int, 1), default=128, help="prompt tokens per random request")
+    parser.add_argument("--random-output-len", type=Range(int, 1), default=64, help="output tokens per random request")
+    parser.add_argument("--random-range-ratio", type=Range(float, 0, 1, hi_open=True), default=0.0,
                         help="lengths drawn from [len*(1-r), len*(1+r)]")
-    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s (inf: all at once)")
-    parser.add_argument("--max-concurrency", type=int, default=None, help="most requests in flight (None: no cap)")
+    parser.add_argument("--request-rate", type=Range(float, 0, lo_open=True, allow_inf=True), default=float("inf"),
+                        help="requests/s (inf: all at once)")
+    parser.add_argument("--max-concurrency", type=Range(int, 1), default=None,
+                        help="most requests in flight (None: no cap)")
     parser.add_argument("--ignore-eos", action="store_true", help="(always on for a trace)")
     parser.add_argument("--seed", type=int, default=0, help="workload seed")
     parser.add_argument("--label", default="stepahead", help="name in the results and the plot title")

@@ -149,3 +149,16 @@ def test_bench_prints_a_readable_summary_and_where_the_results_went(openai_serve
     saved = json.loads(path.read_text())
     assert saved["completed"] == 4 and len(saved["requests"]) == 4 and "config" in saved
     assert path.with_suffix(".png").stat().st_size > 0
+
+
+def test_bench_refuses_an_empty_workload_and_names_a_refused_request(openai_serve):
+    """`--num-prompts 0` was an IndexError traceback; a request the gateway refuses was listed as
+    the RpcError's multi-line repr: now `CODE: details`, exit 1 (a request failed)."""
+    empty = _cli("bench", "--target", openai_serve.gateway_addr, "--num-prompts", "0")
+    assert empty.returncode == 2 and "Traceback" not in empty.stderr, empty.stderr
+    assert "--num-prompts: must be >= 1" in empty.stderr.strip().splitlines()[-1]
+    refused = _cli("bench", "--target", openai_serve.gateway_addr, "--num-prompts", "2", "--random-input-len",
+                   "100000", "--disable-tqdm", timeout=300)
+    assert refused.returncode == 1, refused.stderr
+    errors = [line for line in refused.stdout.splitlines() if line.startswith("error: ")]
+    assert errors and errors[0].startswith("error: INVALID_ARGUMENT: prompt.token_ids: ") and "\n" not in errors[0]
