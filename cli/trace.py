@@ -64,10 +64,10 @@ def plot_timeline(records: list[StepRecord], path: Path, title: str = "") -> Non
 
 
 def write_trace(target: str, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)  # a bad --out fails before the scheduler is asked
     worker_id, records = fetch_records(target)
     if not records:
         raise SystemExit("the flight recorder is empty: run some requests first")
-    out.mkdir(parents=True, exist_ok=True)
     (out / "trace.json").write_text(json.dumps(to_chrome_trace(records, worker_name=f"worker {worker_id}")))
     plot_timeline(records, out / "timeline.png")
     return {"steps": len(records), "device_idle_fraction": device_idle_fraction(records),
@@ -90,4 +90,7 @@ def run(args: argparse.Namespace) -> int:
               + (" (set STEPAHEAD_CLUSTER_TOKEN to the scheduler's cluster token)"
                  if exc.code() == grpc.StatusCode.UNAUTHENTICATED else ""), file=sys.stderr)
         return 1
+    except OSError as exc:  # --out cannot be made or written
+        print(f"stepahead trace: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     return 0

@@ -54,3 +54,13 @@ def test_bench_with_scheduler_finds_serves_token(serve, tmp_path):
     assert done.returncode == 0, done.stderr
     saved = json.loads((tmp_path / "b.json").read_text())
     assert saved["completed"] == 2 and saved["device_sampled_tokens"] >= 8  # the counters were read
+
+
+def test_an_out_that_cannot_be_a_directory_is_one_line_before_any_call(tmp_path):
+    """`--out` naming a file (or a place that cannot hold one) was a traceback after the scheduler
+    was asked; now exit 2, one line naming --out, and no scheduler is needed to find out."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    done = _trace("--target", "127.0.0.1:1", "--out", str(taken), env=dict(os.environ))
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.strip().splitlines() == [f"stepahead trace: --out {taken}: File exists"]
