@@ -84,11 +84,21 @@ def sample_lengths(n: int, mean: int, range_ratio: float, rng: random.Random) ->
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-def make_workload(args: argparse.Namespace, vocab_size: int) -> list[WorkItem]:
-    if args.dataset_name == "trace":
-        from cli.datasets import load_trace, trace_prompts
+def load_requests(args: argparse.Namespace):
+    """The trace's requests with `--dataset-name trace` (a TraceError names what is wrong), else None."""
+    if args.dataset_name != "trace":
+        return None
+    from cli.datasets import load_trace
 
-        trace = load_trace(args.dataset_path, args.num_prompts, args.trace_speedup)
+    return load_trace(args.dataset_path, args.num_prompts, args.trace_speedup)
+
+
+def make_workload(args: argparse.Namespace, vocab_size: int, trace=None) -> list[WorkItem]:
+    """`trace`: `load_requests(args)` when the caller read it already."""
+    if args.dataset_name == "trace":
+        from cli.datasets import trace_prompts
+
+        trace = trace if trace is not None else load_requests(args)
         prompts = trace_prompts(trace, vocab_size, args.seed)
         return [WorkItem(p, r.output_len, r.arrival_s, r.priority) for p, r in zip(prompts, trace)]
     rng = random.Random(args.seed)
@@ -357,11 +367,12 @@ def bench(args: argparse.Namespace) -> dict:
 
     if args.dataset_name == "trace" and args.dataset_path is None:
         raise SystemExit("--dataset-name trace needs --dataset-path")
+    trace = load_requests(args)  # a bad trace file fails before any call
     first, *others = targets(args.target)
     with security.channel(first, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
         info = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=30)
-        workload = make_workload(args, info.vocab_size)
+        workload = make_workload(args, info.vocab_size, trace)
         one_request(stub, WorkItem(workload[0].prompt[:8], 2), True)  # warm-up, not measured
         for other in others:
             with security.channel(other, api_key=os.environ.get("STEPAHEAD_API_KEY")) as warm:

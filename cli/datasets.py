@@ -18,12 +18,15 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
+from stepahead.config import ConfigError
+
 AZURE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 FIRST_TOKEN_ID = 5  # prompts avoid the built-in tokenizer's special ids 0-4
 
 
-class TraceError(ValueError):
-    """A trace file that cannot be replayed; the message names the file, line and field."""
+class TraceError(ConfigError):
+    """A trace file that cannot be replayed; the message names the file, line and field (the
+    command exits 2 with it, one line)."""
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -298,7 +299,11 @@ def _stored_parameters(model_dir: Path) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    out = build_model(args.size, args.out)
+    try:
+        out = build_model(args.size, args.out)
+    except OSError as exc:  # --out cannot be made or written
+        print(f"stepahead make-model: --out {args.out}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
     if args.size in PACKAGED_MODELS:
         print(f"converted {args.size} ({PACKAGED_MODELS[args.size].origin}) into {out}")
     elif args.size in BUILTIN_MODELS:

@@ -76,6 +76,20 @@ def test_bad_jsonl_names_the_line_and_field(tmp_path, row, message):
         load_trace(path)
 
 
+@pytest.mark.parametrize("command", ["simulate", "bench"])
+def test_a_trace_that_cannot_be_read_is_one_line_and_exit_2(tmp_path, command):
+    """The commands' answer to a bad trace file (it was the TraceError's traceback)."""
+    import subprocess
+    import sys
+
+    missing = tmp_path / "missing.csv"
+    done = subprocess.run([sys.executable, "-m", "cli", command, "--dataset-path", str(missing),
+                           *(["--dataset-name", "trace", "--target", "127.0.0.1:1"] if command == "bench" else [])],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"stepahead {command}: error: trace file {missing} does not exist"]
+
+
 def bench_args(path: str, serve, num_prompts: int, result: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

@@ -129,6 +129,14 @@ def test_chat_template_renders_chatml(tiny_tokenizer) -> None:
     assert tiny_tokenizer.decode(ids) == rendered
 
 
+def test_an_out_that_cannot_be_a_directory_is_one_line_and_exit_2(tmp_path: Path, capsys) -> None:
+    """It was a NotADirectoryError traceback."""
+    taken = tmp_path / "a-file"
+    taken.write_text("")
+    assert cli_main(["make-model", "--size", "tiny", "--out", str(taken)]) == 2
+    assert capsys.readouterr().err.strip() == f"stepahead make-model: --out {taken}: Not a directory"
+
+
 def test_two_builds_are_byte_identical(tiny_model_dir: Path, tmp_path: Path) -> None:
     out = tmp_path / "again"
     assert cli_main(["make-model", "--size", "tiny", "--out", str(out)]) == 0
