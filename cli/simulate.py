@@ -145,11 +145,7 @@ def build_cluster(config: SimulateConfig, sched_flags) -> tuple[VirtualCluster, 
         runner, sched_config, info = build(config, sched_flags, role, worker_id=name)
         replicas.append((name, runner, sched_config, role))
         infos.append(info)
-    disaggregated = WorkerRole.PREFILL in roles
-    try:
-        link = load_link_profile(config.kv_link) if disaggregated else None
-    except ValueError as exc:
-        raise SystemExit(f"stepahead simulate: --kv-link: {exc}") from None
+    link = load_link_profile(config.kv_link) if WorkerRole.PREFILL in roles else None
     return VirtualCluster(replicas, control, link, replicas[0][1].kv_bytes_per_block), infos[0]
 
 
@@ -242,12 +238,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from scheduler_service.server import SchedulerDaemonConfig
 
+    from worker_service.sim.profiles import load_link_profile, load_profile
+
     config = cfg.from_args(SimulateConfig, args)
     if not config.dataset_path:
         raise SystemExit("stepahead simulate: --dataset-path is required")
+    load_profile(config.sim_profile)  # a bad name or file fails now (a ProfileError: one line)
+    load_link_profile(config.kv_link)
+    result_file = Path(config.result_filename) if config.result_filename else None
+    if result_file is not None:  # a place the result cannot go fails before the run, not after it
+        try:
+            result_file.parent.mkdir(parents=True, exist_ok=True)
+            result_file.touch()
+        except OSError as exc:
+            raise cfg.ConfigError(f"--result-filename {result_file}: {exc.strerror or exc}") from None
     result = simulate(config, cfg.from_args(SchedulerDaemonConfig, args))
-    if config.result_filename:
-        Path(config.result_filename).parent.mkdir(parents=True, exist_ok=True)
-        Path(config.result_filename).write_text(json.dumps(result))
+    if result_file is not None:
+        result_file.write_text(json.dumps(result))
     print(json.dumps({k: v for k, v in result.items() if k not in ("requests", "config")}, indent=2))
     return 0

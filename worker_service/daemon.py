@@ -87,8 +87,9 @@ def run(args: argparse.Namespace) -> int:
                                   "it needs --tensor-parallel-size >= 2")
         check_device_flags(config)
         if config.device == "sim":
-            from worker_service.sim.profiles import load_link_profile
+            from worker_service.sim.profiles import load_link_profile, load_profile
 
+            load_profile(config.sim_profile)
             load_link_profile(config.sim_kv_link)
         GcPauses(REGISTRY, "stepahead:worker_gc_pause_seconds", log, config.gc_warning_threshold_secs)
     except (cfg.ConfigError, ValueError) as exc:

@@ -41,6 +41,7 @@ BAD_FLAGS = [
     ("serve", ["--api-key", ""], "--api-key"),  # was a server without keys
     ("serve", ["--api-key", " , "], "--api-key"),
     ("serve", ["--served-model-name", ""], "--served-model-name"),  # clients had to send the cache path
+    ("worker", ["--device", "sim", "--sim-profile", "nope"], "sim profile 'nope'"),  # was a traceback
 ]
 
 

@@ -140,6 +140,26 @@ def test_aggregated_replicas_finish_every_request(sim_model_dir, tmp_path):
         assert r["arrival"] <= r["first_scheduled"] <= r["token_times"][0] <= r["finish"]
 
 
+@pytest.mark.parametrize("flags, message", [
+    (("--sim-profile", "nope"), "sim profile 'nope' is neither a built-in (h100, h200, a100) nor a file"),
+    (("--kv-link", "nope"), "sim link 'nope' is neither a built-in (nvlink, ib, pcie) nor a file"),
+    (("--result-filename", "{tmp}/a-file/r.json"), "--result-filename {tmp}/a-file/r.json: File exists"),
+])
+def test_simulates_operator_errors_are_one_line_before_the_run(sim_model_dir, tmp_path, flags, message):
+    """They were tracebacks (the profile's ValueError; the result file's, after the whole run), and
+    a bad --kv-link passed unseen without disaggregation."""
+    import subprocess
+    import sys
+
+    (tmp_path / "a-file").write_text("")
+    trace = write_trace(tmp_path / "t.jsonl", 3, span_s=1)
+    done = subprocess.run([sys.executable, "-m", "cli", "simulate", "--dataset-path", trace, "--model",
+                           str(sim_model_dir), *(f.format(tmp=tmp_path) for f in flags)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"stepahead simulate: error: {message.format(tmp=tmp_path)}"]
+
+
 def test_replica_flags_are_checked(sim_model_dir, tmp_path):
     trace = write_trace(tmp_path / "t.jsonl", 3, span_s=1)
     for flags in (("--replicas", "0"), ("--prefill-replicas", "1"), ("--decode-replicas", "2"),

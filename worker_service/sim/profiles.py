@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from stepahead.config import ConfigError
+
 GB = 1e9
 TB = 1e12
 
@@ -67,29 +69,35 @@ def load_profile(spec: str) -> AcceleratorProfile:
     return _load("sim profile", AcceleratorProfile, BUILTIN_PROFILES, spec)
 
 
+class ProfileError(ConfigError):
+    """A sim profile or link the operator named that cannot be used (the command exits 2 with it)."""
+
+
 def _load(what: str, cls, builtins: dict, spec: str):
     """`builtins[spec]`, or an instance of the dataclass `cls` from the JSON file at `spec`
-    (its keys, `name` defaulting to the file's stem); ValueError naming what is wrong."""
+    (its keys, `name` defaulting to the file's stem); ProfileError naming what is wrong."""
     if spec in builtins:
         return builtins[spec]
     path = Path(spec)
     if not path.is_file():
-        raise ValueError(f"{what} {spec!r} is neither a built-in ({', '.join(builtins)}) nor a file")
+        raise ProfileError(f"{what} {spec!r} is neither a built-in ({', '.join(builtins)}) nor a file")
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"{what} {path}: not JSON: {exc}") from None
+        raise ProfileError(f"{what} {path}: not JSON: {exc}") from None
     if not isinstance(raw, dict):
-        raise ValueError(f"{what} {path}: expected a JSON object")
+        raise ProfileError(f"{what} {path}: expected a JSON object")
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise ValueError(f"{what} {path}: unknown keys {unknown}; known: {sorted(known)}")
+        raise ProfileError(f"{what} {path}: unknown keys {unknown}; known: {sorted(known)}")
     raw.setdefault("name", path.stem)
     try:
         return cls(**raw)
     except TypeError as exc:  # a required key is missing
-        raise ValueError(f"{what} {path}: {exc}") from None
+        raise ProfileError(f"{what} {path}: {exc}") from None
+    except ValueError as exc:  # a value out of range (the dataclass's own check names it)
+        raise ProfileError(f"{path}: {exc}") from None
 
 
 # ---- links between replicas (KV transfers of disaggregated prefill/decode) --------------------
