@@ -10,6 +10,7 @@ import importlib
 import os
 import signal
 import sys
+from pathlib import Path
 
 from stepahead import config as cfg
 
@@ -55,6 +56,18 @@ def version() -> str:
         return metadata.version("stepahead")
     except metadata.PackageNotFoundError:  # run from a checkout that was never installed
         return "unknown (not installed)"
+
+
+def output_file(path: str | Path, flag: str) -> Path:
+    """A file a command writes its results to, made (with its directory) before the command's
+    work: a place it cannot go is a ConfigError naming `flag` now, not a traceback after the run."""
+    path = Path(path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.touch()
+    except OSError as exc:
+        raise cfg.ConfigError(f"{flag} {path}: {exc.strerror or exc}") from None
+    return path
 
 
 def main(argv: list[str] | None = None) -> int:

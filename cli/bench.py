@@ -33,6 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from cli import output_file
 from stepahead.config import Range
 
 
@@ -368,6 +369,8 @@ def bench(args: argparse.Namespace) -> dict:
     if args.dataset_name == "trace" and args.dataset_path is None:
         raise SystemExit("--dataset-name trace needs --dataset-path")
     trace = load_requests(args)  # a bad trace file fails before any call
+    if args.result_filename:  # and so does a result file that cannot be written
+        output_file(args.result_filename, "--result-filename")
     first, *others = targets(args.target)
     with security.channel(first, api_key=os.environ.get("STEPAHEAD_API_KEY")) as channel:
         stub = generation_pb2_grpc.GenerationStub(channel)
@@ -395,7 +398,6 @@ def bench(args: argparse.Namespace) -> dict:
     if counters is not None:
         summary.update(device_report(args.scheduler, window, args.cluster_token))
     if args.result_filename:
-        args.result_filename.parent.mkdir(parents=True, exist_ok=True)
         args.result_filename.write_text(json.dumps({**summary, "requests": [asdict(r) for r in results]}))
         plot(results, args.result_filename.with_suffix(".png"), f"{args.label} — {info.name}")
     return summary

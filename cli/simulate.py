@@ -28,8 +28,8 @@ import argparse
 import dataclasses
 import json
 from dataclasses import dataclass
-from pathlib import Path
 
+from cli import output_file
 from cli.virtual_cluster import (ControlPlane, SimRequestLog, SimulationStalled, VirtualCluster,  # noqa: F401
                                  VirtualReplica)
 from scheduler_service.core.config import SchedulingConfig
@@ -245,13 +245,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit("stepahead simulate: --dataset-path is required")
     load_profile(config.sim_profile)  # a bad name or file fails now (a ProfileError: one line)
     load_link_profile(config.kv_link)
-    result_file = Path(config.result_filename) if config.result_filename else None
-    if result_file is not None:  # a place the result cannot go fails before the run, not after it
-        try:
-            result_file.parent.mkdir(parents=True, exist_ok=True)
-            result_file.touch()
-        except OSError as exc:
-            raise cfg.ConfigError(f"--result-filename {result_file}: {exc.strerror or exc}") from None
+    result_file = output_file(config.result_filename, "--result-filename") if config.result_filename else None
     result = simulate(config, cfg.from_args(SchedulerDaemonConfig, args))
     if result_file is not None:
         result_file.write_text(json.dumps(result))

@@ -162,3 +162,13 @@ def test_bench_refuses_an_empty_workload_and_names_a_refused_request(openai_serv
     assert refused.returncode == 1, refused.stderr
     errors = [line for line in refused.stdout.splitlines() if line.startswith("error: ")]
     assert errors and errors[0].startswith("error: INVALID_ARGUMENT: prompt.token_ids: ") and "\n" not in errors[0]
+
+
+def test_bench_checks_where_its_results_go_before_the_run(tmp_path):
+    """A --result-filename that cannot be written was a traceback after the whole run; now one
+    line and exit 2 before any call (no gateway is needed to find out)."""
+    (tmp_path / "a-file").write_text("")
+    bad = tmp_path / "a-file" / "r.json"
+    done = _cli("bench", "--target", "127.0.0.1:1", "--result-filename", str(bad))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [f"stepahead bench: error: --result-filename {bad}: File exists"]
