@@ -237,7 +237,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from scheduler_service.server import SchedulerDaemonConfig
-
     from worker_service.sim.profiles import load_link_profile, load_profile
 
     config = cfg.from_args(SimulateConfig, args)

@@ -4,8 +4,9 @@ Completions: `{"tokens", "token_logprobs", "top_logprobs", "text_offset"}` (para
 with `echo` the prompt's entries come first, the first one with a null logprob and null
 top; each `top_logprobs` entry maps token text to logprob: the top k plus the token itself,
 so `logprobs=0` gives the sampled token alone). Chat: `{"content": [{"token", "logprob",
-"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`, `bytes` the token's own bytes. JSON has no -infinity: a
-logprob of -inf (a token the model rules out entirely) is sent as -9999.0, as vLLM does.
+"bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}]}`, `bytes` the token's own bytes.
+JSON has no -infinity: a logprob of -inf (a token the model rules out entirely) is sent as
+-9999.0, as vLLM does.
 """
 
 from __future__ import annotations
