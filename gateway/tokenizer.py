@@ -122,7 +122,8 @@ class GatewayTokenizer:
         )
         self.special_tokens_map = {k: t for k in SPECIAL_TOKEN_KEYS if (t := _token_text(config.get(k))) is not None}
         self._clean_up_spaces = bool(config.get("clean_up_tokenization_spaces", False))
-        self._decoder = _decoder_kinds(json.loads(self._tokenizer.to_str()).get("decoder"))
+        decoder = self._tokenizer.decoder  # its own JSON, not the whole tokenizer's
+        self._decoder = _decoder_kinds(json.loads(decoder.__getstate__()) if decoder is not None else None)
         self._added = self._tokenizer.get_added_tokens_decoder()  # id -> AddedToken (specials among them)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
