@@ -493,9 +493,9 @@ def run(args: argparse.Namespace) -> int:
     grpc_server.health.set(False)  # probes and balancers stop sending; open requests may finish
     drained = gate.drain(config.drain_timeout)
     log.info("gateway_drained" if drained else "gateway_drain_timeout", open_requests=gate.active)
+    pool.close()  # first: the schedulers see this gateway leave now, not after the servers stopped
     if http is not None:
         http.stop()
-    pool.close()
     grpc_server.stop(2.0)
     return 0
 

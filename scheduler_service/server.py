@@ -154,6 +154,22 @@ def stats_to_proto(stats) -> scheduler_pb2.SchedulerStats:
     return scheduler_pb2.SchedulerStats(worker_attached=True, **{k: v for k, v in vars(stats).items() if k in fields})
 
 
+class _GatewayStreamEnd:
+    """How `SchedulerServicer.end_streams` ends one Connect stream: its writer, and the wait
+    for the gateway's first message (a gateway says nothing until its first request)."""
+
+    def __init__(self, session: GatewaySession) -> None:
+        self.session = session
+        self._ended = asyncio.Event()
+
+    def close(self) -> None:
+        self.session.close()
+        self._ended.set()
+
+    def wait(self) -> asyncio.Future:
+        return asyncio.ensure_future(self._ended.wait())
+
+
 class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
     """Async methods on the daemon's one event loop, which runs the engine too: a stream's
     reader hands the engine what it reads (the engine's inbox, on the same loop) and its
@@ -164,6 +180,37 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         self.log = log
         self.guard = guard  # the server's: the stream readers hand it what does not decode
         self._sessions = itertools.count(1)
+        self._open: set = set()  # how to end each open stream (_GatewayStreamEnd, LoopOutbox): `end_streams`
+        self._none_open: asyncio.Event | None = None  # set while `_open` is empty (made on the loop)
+
+    def _track(self, writer, context) -> None:
+        """`writer` is its stream's until the call ends (whichever way)."""
+        self._open.add(writer)
+        if self._none_open is not None:
+            self._none_open.clear()
+        context.add_done_callback(lambda _: self._untrack(writer))
+
+    def _untrack(self, writer) -> None:
+        self._open.discard(writer)
+        if not self._open and self._none_open is not None:
+            self._none_open.set()
+
+    async def wait_streams(self, grace_s: float) -> None:
+        """At shutdown (the server takes no new call): until every gateway and worker stream
+        ended on its peer's side, or `grace_s`."""
+        self._none_open = asyncio.Event()
+        if self._open:
+            try:
+                await asyncio.wait_for(self._none_open.wait(), grace_s)
+            except asyncio.TimeoutError:
+                self.log.info("streams_ended_at_shutdown", streams=len(self._open))
+
+    def end_streams(self, kind: type) -> None:
+        """End the open streams of a `kind` (_GatewayStreamEnd: gateways, LoopOutbox: workers)
+        from this side: each call completes and its peer reads the end (and goes elsewhere),
+        where grpc's server stop would abort it and log a warning per call on a normal shutdown."""
+        for writer in [w for w in self._open if isinstance(w, kind)]:
+            writer.close()
 
     def _undecodable(self, method: str, msg, context) -> bool:
         """True (and the call will end INVALID_ARGUMENT) when `msg` did not decode."""
@@ -178,9 +225,18 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
         session = GatewaySession()
         scope = f"{next(self._sessions):x}/"  # this stream's request-id namespace
         context.add_done_callback(lambda _: session.close())  # call over (client gone, server stopping): end the writer
+        end = _GatewayStreamEnd(session)
+        self._track(end, context)
         requests = request_iterator.__aiter__()
+        first_read = asyncio.ensure_future(anext(requests, None))  # SessionOptions, if any, come first
+        ended = end.wait()
+        await asyncio.wait((first_read, ended), return_when=asyncio.FIRST_COMPLETED)
+        ended.cancel()
+        if not first_read.done():  # the scheduler is stopping before the gateway said anything
+            first_read.cancel()
+            return
         try:
-            first = await anext(requests, None)  # SessionOptions, if any, come first
+            first = first_read.result()
         except Exception as exc:  # the gateway went away before its first message  # noqa: BLE001
             self.log.info("gateway_disconnected", error=repr(exc)[:200])
             return
@@ -286,6 +342,7 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"hello.{exc}")
         outbox = LoopOutbox()
         context.add_done_callback(lambda _: outbox.close())  # call over: end the writer
+        self._track(outbox, context)
         handle = self.engine.attach_worker(info, outbox)
         reader = asyncio.get_running_loop().create_task(self._read_results(requests, handle, context))
         try:
@@ -403,9 +460,9 @@ def peer_host(peer: str) -> str:
 
 
 async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None, freeze_heap: bool = False
-                       ) -> tuple[grpc.aio.Server, Engine, int]:  # freeze_heap: the process is the daemon's own (run)
-    """The grpc.aio server and the engine, on the running loop (the engine starts with
-    `engine.start(loop)`, the server with `await server.start()`)."""
+                       ) -> tuple[grpc.aio.Server, SchedulerServicer, Engine, int]:  # freeze_heap: the daemon's own
+    """The grpc.aio server, its servicer and the engine, on the running loop (the engine starts
+    with `engine.start(loop)`, the server with `await server.start()`)."""
     config.check_exposure()
     num_speculative_tokens(config.speculative_config)  # a bad --speculative-config fails here, named
     loop = asyncio.get_running_loop()
@@ -421,10 +478,11 @@ async def build_server(config: SchedulerDaemonConfig, log, on_fatal=lambda: None
     await health.set_async(False)
     options = replace(config.engine_options(), freeze_heap_on_attach=freeze_heap)
     engine = Engine(config.core_config, log, health.set, options, on_fatal, metrics)  # serving: a worker
-    scheduler_pb2_grpc.add_SchedulerServicer_to_server(SchedulerServicer(engine, log, guard), server)
+    servicer = SchedulerServicer(engine, log, guard)
+    scheduler_pb2_grpc.add_SchedulerServicer_to_server(servicer, server)
     tls = security.TLSFiles(config.ssl_certfile, config.ssl_keyfile, config.ssl_ca_certs)
     port = security.add_port(server, config.host, config.port, tls, "--port")
-    return server, engine, port
+    return server, servicer, engine, port
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -445,7 +503,7 @@ async def _serve(config: SchedulerDaemonConfig, log, grace_s: float = 2.0) -> in
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     try:
-        server, engine, port = await build_server(config, log, stop.set, freeze_heap=True)  # a dead engine ends it
+        server, servicer, engine, port = await build_server(config, log, stop.set, freeze_heap=True)  # a dead engine ends it
         GcPauses(REGISTRY, "stepahead:gc_pause_seconds", log, config.gc_warning_threshold_secs)
     except (cfg.ConfigError, ValueError) as exc:
         log.error("bad_configuration", error=str(exc))
@@ -457,10 +515,14 @@ async def _serve(config: SchedulerDaemonConfig, log, grace_s: float = 2.0) -> in
         start_http_server(config.metrics_port, addr=config.host, registry=REGISTRY)
     log.info("scheduler_listening", address=f"{config.host}:{port}", pid=os.getpid())
     await stop.wait()
-    await server.stop(grace_s)
+    stopping = asyncio.ensure_future(server.stop(2 * grace_s + 5))  # no new call; the open ones go on
+    await servicer.wait_streams(grace_s)  # ... until their peers leave, or grace_s
+    servicer.end_streams(_GatewayStreamEnd)
     engine.stop()
     try:
         await asyncio.wait_for(engine.stopped(), 5)
     except asyncio.TimeoutError:
         pass
+    servicer.end_streams(LoopOutbox)  # after the engine: a worker's end is no loss to report
+    await stopping
     return 1 if engine.crashed else 0

@@ -130,3 +130,40 @@ def test_sigterm_delivers_every_open_stream_whole_on_both_transports(tiny_model_
         client.close()
         channel.close()
         serve.close()
+
+
+def test_a_stopping_scheduler_ends_the_streams_its_peers_keep_open():
+    """SIGTERM on a scheduler with a gateway's Connect stream still open after the grace period:
+    the scheduler ends the stream itself, so the gateway reads a normal end (and goes elsewhere)
+    and nothing is logged above info. grpc's server stop aborted it: the gateway got an error
+    status and the scheduler logged "Aborting method ... due to server stop." at warning on a
+    normal shutdown (found as a flaky teardown of `test_recovery.py`)."""
+    from stepahead.ports import free_port
+    from stepahead.v1 import scheduler_pb2, scheduler_pb2_grpc
+    from testing.launcher import DaemonLogs
+
+    logs = DaemonLogs(log_level="info")
+    port = free_port()
+    sched = logs.spawn("scheduler", "--port", str(port))
+    keep_open = threading.Event()
+
+    def messages():  # a gateway whose one request is refused (no worker), and that never closes its side
+        yield scheduler_pb2.GatewayMessage(submit=scheduler_pb2.SubmitRequest(request_id="r"))
+        keep_open.wait(120)
+
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            grpc.channel_ready_future(channel).result(timeout=60)  # listening (it serves once a worker attaches)
+            call = scheduler_pb2_grpc.SchedulerStub(channel).Connect(messages())
+            refused = next(call)  # the stream is open on the scheduler's side: its refusal came back
+            assert [e.rejected for e in refused.events] == [True], refused
+            sched.send_signal(signal.SIGTERM)
+            rest = list(call)  # raises if the call was aborted
+            assert rest == [] and call.code() == grpc.StatusCode.OK, call.code()
+            assert sched.wait(timeout=60) == 0
+    finally:
+        keep_open.set()
+        if sched.poll() is None:
+            sched.kill()
+    assert not logs.problems(), logs.problems()
+    assert any('"streams_ended_at_shutdown"' in line for line in logs.lines), logs.lines[-5:]
