@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Callable
 from importlib import metadata
 
+import orjson
 import pydantic
 import uvicorn
 from anyio import to_thread
@@ -369,7 +370,8 @@ class OpenAIServer:
 
     async def _stream(self, gens: list[Generation], events: Mailbox, fmt, include_usage: bool,
                       continuous_usage: bool = False):
-        """The SSE events; with `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`,
+        """The SSE events (JSON by orjson: several times faster than `json.dumps` per chunk, and
+        compact); with `continuous_usage` (vLLM's `stream_options.continuous_usage_stats`,
         which needs `include_usage`) every chunk carries the usage so far."""
         try:
             try:
@@ -377,13 +379,13 @@ class OpenAIServer:
                     for chunk in fmt.chunk(choice):
                         if continuous_usage:
                             chunk["usage"] = fmt.usage()
-                        yield json.dumps(chunk)
+                        yield orjson.dumps(chunk)
                 if include_usage:
-                    yield json.dumps(fmt.usage_chunk())
+                    yield orjson.dumps(fmt.usage_chunk())
             except (Rejected, LinkBroken) as exc:
                 error = _upstream_api_error(exc)
-                yield json.dumps(error_body(str(error), error.type, error.param, error.status))
-            yield "[DONE]"
+                yield orjson.dumps(error_body(str(error), error.type, error.param, error.status))
+            yield b"[DONE]"
         finally:
             _abort(gens)  # the client went away (cancellation) or we are done: a no-op then
 

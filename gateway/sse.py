@@ -1,6 +1,6 @@
 """A Server-Sent Events response for the OpenAI streams, on asyncio alone.
 
-`EventStream` sends each string of an async generator as one `data:` event, then ends the
+`EventStream` sends each `bytes` of an async generator as one `data:` event, then ends the
 body. Around the data it does what an SSE response behind proxies needs: a comment line
 (`: ping`) after `ping_s` without an event, so that no proxy's idle timeout closes a stream
 that waits for its first token, and a watch on the ASGI `receive` channel, so that a client
@@ -30,7 +30,7 @@ PING_S = 15.0  # a comment after this long without an event (sse-starlette's and
 class EventStream(Response):
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[str, None], ping_s: float = PING_S) -> None:
+    def __init__(self, events: AsyncGenerator[bytes, None], ping_s: float = PING_S) -> None:
         self.events, self.ping_s = events, ping_s
         self.status_code, self.background = 200, None
         self.init_headers({"Cache-Control": "no-store", "X-Accel-Buffering": "no"})  # no proxy buffering
@@ -63,7 +63,7 @@ class EventStream(Response):
         try:
             async for data in events:
                 self._last_send = loop.time()
-                await send({"type": "http.response.body", "body": b"data: " + data.encode() + SEP + SEP,
+                await send({"type": "http.response.body", "body": b"data: " + data + SEP + SEP,
                             "more_body": True})
         finally:
             await events.aclose()

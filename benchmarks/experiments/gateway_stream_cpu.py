@@ -36,9 +36,9 @@ load. `--floor` adds the transport's own cost: a server that streams one prebuil
 stream per step (no gateway code) to the same client (`grpc_floor.py`: grpc.aio;
 `http_floor.py`: a bare ASGI app on uvicorn, and over HTTP also the same stream through
 FastAPI and the gateway's SSE response, the `framework floor`). `--profile` records the gateway with
-py-spy during its last round and reports the largest leaf frames (µs per token: sample share
-× the measured CPU; py-spy counts a thread waiting for the GIL as busy, so read it as a
-ranking, not an exact split).
+py-spy during its last round (the thread holding the GIL only: time in C code that releases it,
+such as grpc's and the sockets', is left out) and reports the largest leaf frames (µs per
+token: sample share × the measured CPU; read it as a ranking, not an exact split).
 """
 
 from __future__ import annotations
@@ -230,7 +230,7 @@ def one_round(target: str, pids: list[int], tree: Path, args, streams: int, outp
     spy = None
     if spy_out is not None:
         spy = subprocess.Popen([str(Path(sys.executable).with_name("py-spy")), "record", "-r", "200", "-f", "raw",
-                                "-o", str(spy_out), "-p", str(pids[0])], stdout=subprocess.DEVNULL,
+                                "--gil", "--nonblocking", "-o", str(spy_out), "-p", str(pids[0])], stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
         time.sleep(1.0)  # py-spy attaches
     names = [python_thread_names(pid) for pid in pids]

@@ -57,10 +57,10 @@ def run(test) -> None:
     asyncio.run(asyncio.wait_for(test(), TIMEOUT_S * 2))
 
 
-def test_each_string_is_one_data_event_and_the_body_ends():
+def test_each_bytes_is_one_data_event_and_the_body_ends():
     async def events():
         for text in ('{"a": 1}', "é ü", "[DONE]"):
-            yield text
+            yield text.encode()
 
     async def test():
         server, task, port = await serve(events)
@@ -81,7 +81,7 @@ def test_a_quiet_stream_gets_keep_alive_comments_between_events():
 
     async def events():
         await pinged.wait()  # nothing to send until the client has seen a keep-alive comment
-        yield "late"
+        yield b"late"
 
     async def test():
         server, task, port = await serve(events, ping_s=0.05)
@@ -110,7 +110,7 @@ def test_a_client_that_leaves_before_the_first_event_closes_the_iterator_at_once
         try:
             waiting.set()
             await asyncio.Event().wait()  # no event ever comes (a long queue, a long prefill)
-            yield "never"
+            yield b"never"
         finally:
             closed.set()  # where the gateway aborts the request upstream
 
