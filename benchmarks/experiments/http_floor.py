@@ -62,7 +62,7 @@ class Floor:
 def framework_app(floor: Floor):
     """The stream as a FastAPI route with the gateway's SSE response."""
     app = FastAPI()
-    payload = CHUNK[len(b"data: "):-4].decode()  # EventStream frames it
+    payload = CHUNK[len(b"data: "):-4]  # EventStream frames it
 
     @app.get("/v1/models")
     async def models():
@@ -77,8 +77,8 @@ def framework_app(floor: Floor):
                 await asyncio.shield(floor.steps.next_step())
                 yield payload
             yield json.dumps({"id": "cmpl-" + "0" * 32, "object": "text_completion", "choices": [],
-                              "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}})
-            yield "[DONE]"
+                              "usage": {"prompt_tokens": 0, "completion_tokens": n, "total_tokens": n}}).encode()
+            yield b"[DONE]"
 
         return EventStream(chunks())
 
