@@ -120,14 +120,31 @@ class GrammarCache:
 
     def _load(self):
         if self._compiler is None:
-            import xgrammar  # noqa: PLC0415 (lazy: imports transformers, takes seconds)
-            from transformers import AutoTokenizer  # noqa: PLC0415
+            import xgrammar  # noqa: PLC0415 (lazy: imports transformers, takes a second)
 
-            tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
-                                                           stop_token_ids=list(self.eos_token_ids))
+            info = tokenizer_info(self.model_dir, self.vocab_size, self.eos_token_ids)
             self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return self._compiler
+
+
+def tokenizer_info(model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
+    """xgrammar's view of the model's vocabulary, read from the `tokenizer.json` the gateway
+    tokenizes with (wrapped as the transformers fast tokenizer xgrammar reads). Only a
+    directory without one goes through `AutoTokenizer.from_pretrained`, which builds the same
+    from the directory's files at several times the cost. The first structured request waits
+    for this load, and so does every stream in its step (docs/benchmarks.md, *Structured
+    outputs*)."""
+    import xgrammar  # noqa: PLC0415 (lazy: imports transformers, takes a second)
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 (xgrammar imported it)
+
+    path = Path(model_dir) / "tokenizer.json"
+    if path.is_file():
+        from tokenizers import Tokenizer  # noqa: PLC0415
+
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(path)))
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_token_ids))
 
 
 def _json_schema(compiler, s: StructuredOutput):

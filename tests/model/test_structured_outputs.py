@@ -20,9 +20,9 @@ from scheduler_service.core.config import PreemptionMode, SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import FinishReason
 from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
-from tests.fixtures_models import tiny_model_dir, tiny_tokenizer  # noqa: F401
+from tests.fixtures_models import smollm2_model_dir, tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.integration.local_engine import LocalEngine
-from worker_service.grammar import GrammarCache
+from worker_service.grammar import GrammarCache, tokenizer_info
 from worker_service.model_runner import ModelRunner
 from testing.structured import SCHEMA
 
@@ -195,6 +195,27 @@ def test_compiled_grammars_are_an_lru_cache_with_hit_and_miss_counts(tiny_model_
     assert len(cache) == 2
     assert cache.get(a) is not first
     assert seen == {"hit": 1, "miss": 4, "compiled": 4}
+
+
+def test_the_grammar_vocabulary_from_tokenizer_json_is_the_one_auto_tokenizer_gives(
+        tiny_model_dir, smollm2_model_dir):  # noqa: F811
+    """The worker builds xgrammar's vocabulary from `tokenizer.json` (a second faster than
+    `AutoTokenizer.from_pretrained`); the oracle is xgrammar's own reading of the
+    AutoTokenizer, as the worker did before: same token strings, vocabulary type, prefix space,
+    stop and special ids, on both built-in tokenizers."""
+    import xgrammar
+    from transformers import AutoTokenizer
+
+    for model_dir, eos in ((tiny_model_dir, (2,)), (smollm2_model_dir, (2,))):
+        vocab_size = len(AutoTokenizer.from_pretrained(model_dir))
+        fast = tokenizer_info(model_dir, vocab_size, eos)
+        oracle = xgrammar.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir),
+                                                         vocab_size=vocab_size, stop_token_ids=list(eos))
+        assert (fast.vocab_type, fast.add_prefix_space, fast.vocab_size) == \
+            (oracle.vocab_type, oracle.add_prefix_space, oracle.vocab_size)
+        assert fast.decoded_vocab == oracle.decoded_vocab
+        assert (fast.stop_token_ids, sorted(fast.special_token_ids)) == \
+            (oracle.stop_token_ids, sorted(oracle.special_token_ids))
 
 
 def spec_engine(model_dir, k: int, async_on: bool = True, launch_ahead: bool = False) -> LocalEngine:
