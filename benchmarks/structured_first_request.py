@@ -8,7 +8,8 @@ Each round starts `stepahead serve MODEL` (with this interpreter and PYTHONPATH,
 `PYTHONPATH=<checkout>` measures another checkout), streams one greedy plain completion
 (`ignore_eos`, `--plain-tokens` tokens) over the gRPC API, and, once it is running, sends
 `--schemas` chat requests one after another, each with a JSON schema the server has not seen
-(so each compiles), 24 output tokens each. The first of them also loads the worker's
+(so each compiles; `--alternatives N`: any of N objects of eight fields, the shape of a
+required call among N tools, which compiles for longer), 24 output tokens each. The first of them also loads the worker's
 structured-output machinery (xgrammar and the model's vocabulary). Reported per round: the
 plain stream's median gap between tokens, its largest gap while the first structured
 request ran and the largest while the later ones ran, and each structured request's latency.
@@ -34,10 +35,21 @@ from stepahead.ports import free_port
 from stepahead.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
-def schema(i: int) -> str:
-    """A small object schema no earlier request used (the compiled-grammar cache misses)."""
-    props = {f"field_{i}_{k}": {"type": "integer"} for k in range(4)}
-    return json.dumps({"type": "object", "properties": props, "required": [f"field_{i}_0"]})
+def schema(i: int, alternatives: int) -> str:
+    """An object schema no earlier request used (the compiled-grammar cache misses): with
+    `alternatives` > 1, any of that many objects of eight typed fields (enums, arrays of
+    objects, bounded integers), the shape of a required call among that many tools."""
+    if alternatives <= 1:
+        props = {f"field_{i}_{k}": {"type": "integer"} for k in range(4)}
+        return json.dumps({"type": "object", "properties": props, "required": [f"field_{i}_0"]})
+    kinds = ({"type": "string", "enum": [f"v{j}" for j in range(10)]},
+             {"type": "array", "items": {"type": "object", "properties": {"x": {"type": "number"},
+                                                                          "y": {"type": "string"}}}},
+             {"type": "integer", "minimum": 0, "maximum": 1000})
+    tools = [{"type": "object", "properties": {"name": {"const": f"tool_{i}_{t}"}, "arguments": {
+        "type": "object", "properties": {f"p{k}": kinds[k % 3] for k in range(8)}, "required": ["p0"]}},
+        "required": ["name", "arguments"]} for t in range(alternatives)]
+    return json.dumps({"anyOf": tools})
 
 
 def one_round(args) -> dict:
@@ -73,7 +85,7 @@ def _measure(stub, args) -> dict:
         request = generation_pb2.GenerateRequest(
             chat=generation_pb2.Chat(messages=[generation_pb2.ChatMessage(role="user", content="Give me the JSON.")]),
             sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=24,
-                                               structured_outputs=common_pb2.StructuredOutputs(json=schema(i))))
+                                               structured_outputs=common_pb2.StructuredOutputs(json=schema(i, args.alternatives))))
         start = time.monotonic()
         list(stub.Generate(request, timeout=600))
         windows.append((start, time.monotonic()))
@@ -95,6 +107,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--schemas", type=int, default=4, help="structured requests per round, each a new schema")
     parser.add_argument("--plain-tokens", type=int, default=600)
+    parser.add_argument("--alternatives", type=int, default=1,
+                        help="> 1: each schema is any of that many objects (a tool call's shape; compiles longer)")
     parser.add_argument("--out", default="")
     args = parser.parse_args(argv)
     rounds = [one_round(args) for _ in range(args.rounds)]

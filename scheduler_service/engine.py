@@ -42,8 +42,8 @@ from scheduler_service.core.config import SchedulerConfig
 from scheduler_service.groups import GroupAssembly, GroupFormer
 from scheduler_service.inbox import Abort, Attach, Call, CloseSession, Inbox, Stop, Submit
 from scheduler_service.links import (
-    GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerHandle, WorkerKVLoaded, WorkerLost,
-    WorkerRefused, WorkerResult, rejection,
+    GatewaySession, NoWorker, PlanOutbox, RejectCode, Rejected, WorkerGrammarReady, WorkerHandle, WorkerKVLoaded,
+    WorkerLost, WorkerRefused, WorkerResult, rejection,
 )
 from scheduler_service.metrics import SchedulerMetrics
 from scheduler_service.replica import Replica
@@ -284,6 +284,13 @@ class Engine:
                 replica = self._replicas.get(self._assembly.owner(handle))
                 if replica is not None:
                     self._kv_loaded(replica, loaded)
+            case WorkerGrammarReady(handle, ready):
+                replica = self._replicas.get(self._assembly.owner(handle))
+                if replica is not None:
+                    event = replica.scheduler.grammar_ready(ready)
+                    if event is not None:  # refused: the request ends
+                        self.metrics.on_events([event])
+                        self._dispatch([event])
             case Attach(handle):
                 if handle.info.tp_size > 1:  # a rank: the group attaches once all its ranks have
                     handle = self._assembly.add(handle)

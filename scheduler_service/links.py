@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass
 
 from scheduler_service.core.request import QueueFull
-from stepahead.plan import KVLoaded, StepPlan, StepResult, WorkerInfo
+from stepahead.plan import GrammarReady, KVLoaded, StepPlan, StepResult, WorkerInfo
 
 
 class NoWorker(RuntimeError):
@@ -214,6 +214,9 @@ class WorkerHandle:
     def on_kv_loaded(self, loaded: KVLoaded) -> None:
         self._deliver(WorkerKVLoaded(self, loaded))
 
+    def on_grammar_ready(self, ready: GrammarReady) -> None:
+        self._deliver(WorkerGrammarReady(self, ready))
+
 
 @dataclass(frozen=True)
 class WorkerResult:
@@ -225,6 +228,12 @@ class WorkerResult:
 class WorkerKVLoaded:
     handle: WorkerHandle
     loaded: KVLoaded
+
+
+@dataclass(frozen=True)
+class WorkerGrammarReady:
+    handle: WorkerHandle
+    ready: GrammarReady
 
 
 @dataclass(frozen=True)

@@ -117,6 +117,7 @@ class SchedulerDaemonConfig(SchedulerEngineConfig, SpeculativeFlag, SchedulingCo
             sliding_window=0 if info.role is WorkerRole.PREFILL else info.sliding_window,
             num_offload_blocks=min(info.num_offload_blocks, info.num_host_blocks),
             role=info.role,
+            prepare_grammars=info.prepares_grammars and info.structured_outputs,
         )
 
 
@@ -434,6 +435,13 @@ class SchedulerServicer(scheduler_pb2_grpc.SchedulerServicer):
                     on_result(result)
                 elif kind == "kv_loaded":
                     handle.on_kv_loaded(codec.kv_loaded_from_proto(msg.kv_loaded))
+                elif kind == "grammar_ready":
+                    if tp_rank:
+                        reason = "a tensor-parallel rank other than 0 sent grammar_ready (only rank 0 reports)"
+                        error = WorkerRefused(WorkerRefused.Kind.INVALID, reason)
+                        break
+                    ready = codec.grammar_ready_from_proto(msg.grammar_ready)
+                    handle.on_grammar_ready(replace(ready, error=ready.error[:1000]))
                 elif kind == "fatal_error":
                     reason = f"the worker failed: {msg.fatal_error[:1000]}"
                     break

@@ -13,6 +13,8 @@ from stepahead.flight_recorder import StepRecord
 from stepahead.logprobs import MAX_LOGPROBS, Logprobs, PromptLogprobs
 from stepahead.plan import (
     FinishReason,
+    GrammarPrep,
+    GrammarReady,
     KVLoad,
     KVLoaded,
     NewRequest,
@@ -93,11 +95,8 @@ def structured_to_proto(s: StructuredOutput) -> common_pb2.StructuredOutputs:
     return common_pb2.StructuredOutputs(**{_STRUCTURED_TEXT_FIELDS[s.kind]: s.spec}, **gate)
 
 
-def structured_from_proto(msg: common_pb2.SamplingParams) -> StructuredOutput | None:
-    """None when `structured_outputs` is unset or holds no constraint (`json_object: false` included)."""
-    if not msg.HasField("structured_outputs"):
-        return None
-    so = msg.structured_outputs
+def structured_from_proto(so: common_pb2.StructuredOutputs) -> StructuredOutput | None:
+    """None when `so` holds no constraint (`json_object: false` included)."""
     which = so.WhichOneof("constraint")
     if which is None or (which == "json_object" and not so.json_object):
         return None
@@ -125,7 +124,7 @@ def sampling_from_proto(msg: common_pb2.SamplingParams, default_max_tokens: int)
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         presence_penalty=msg.presence_penalty,
         frequency_penalty=msg.frequency_penalty,
-        structured=structured_from_proto(msg),
+        structured=structured_from_proto(msg.structured_outputs) if msg.HasField("structured_outputs") else None,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
         prompt_logprobs=msg.prompt_logprobs if msg.HasField("prompt_logprobs") else None,
     )
@@ -181,6 +180,9 @@ def plan_to_proto(plan: StepPlan, out: scheduler_pb2.StepPlan | None = None) -> 
                                                  src_block_ids=x.src_block_ids, dst_block_ids=x.dst_block_ids,
                                                  source_instance=x.source_instance)
                             for x in plan.kv_loads)
+    if plan.grammars:
+        msg.grammars.extend(scheduler_pb2.GrammarPrep(request_id=g.request_id, structured=structured_to_proto(g.structured))
+                            for g in plan.grammars)
     return msg
 
 
@@ -218,7 +220,16 @@ def plan_from_proto(msg: scheduler_pb2.StepPlan) -> StepPlan:
         swap_out=tuple((p.src, p.dst) for p in msg.swap_out),
         swap_in=tuple((p.src, p.dst) for p in msg.swap_in),
         kv_loads=tuple(_kv_load_from_proto(x) for x in msg.kv_loads),
+        grammars=tuple(_grammar_prep_from_proto(g) for g in msg.grammars),
     )
+
+
+def _grammar_prep_from_proto(msg: scheduler_pb2.GrammarPrep) -> GrammarPrep:
+    """ValueError naming the field when the entry holds no constraint."""
+    structured = structured_from_proto(msg.structured)
+    if structured is None:
+        raise ValueError(f"grammars: request {msg.request_id[:100]!r} has no constraint")
+    return GrammarPrep(msg.request_id, structured)
 
 
 def _kv_load_from_proto(msg: scheduler_pb2.KVLoad) -> KVLoad:
@@ -236,6 +247,14 @@ def kv_loaded_to_proto(loaded: KVLoaded) -> scheduler_pb2.KVLoaded:
 
 def kv_loaded_from_proto(msg: scheduler_pb2.KVLoaded) -> KVLoaded:
     return KVLoaded(msg.transfer_id, msg.error)
+
+
+def grammar_ready_to_proto(ready: GrammarReady) -> scheduler_pb2.GrammarReady:
+    return scheduler_pb2.GrammarReady(request_id=ready.request_id, error=ready.error, invalid=ready.invalid)
+
+
+def grammar_ready_from_proto(msg: scheduler_pb2.GrammarReady) -> GrammarReady:
+    return GrammarReady(msg.request_id, msg.error, msg.invalid)
 
 
 _ROLE_TO_PROTO = {
@@ -366,6 +385,7 @@ def worker_info_to_proto(info: WorkerInfo) -> scheduler_pb2.WorkerHello:
         tensor_parallel_size=info.tp_size,
         no_logprobs=not info.logprobs,
         no_structured_outputs=not info.structured_outputs,
+        prepares_grammars=info.prepares_grammars,
         sliding_window=info.sliding_window,
         num_offload_blocks=info.num_offload_blocks,
         role=_ROLE_TO_PROTO[info.role],
@@ -393,6 +413,7 @@ def worker_info_from_proto(msg: scheduler_pb2.WorkerHello) -> WorkerInfo:
         tp_size=max(msg.tensor_parallel_size, 1),
         logprobs=not msg.no_logprobs,
         structured_outputs=not msg.no_structured_outputs,
+        prepares_grammars=msg.prepares_grammars,
         sliding_window=msg.sliding_window,
         num_offload_blocks=msg.num_offload_blocks,
         role=_role_from_proto(msg.role),

@@ -30,7 +30,7 @@ The rules (each names its field in the error; `check_*` return the normalised va
 | logprobs, prompt_logprobs | unset, or 0 ≤ k ≤ max_logprobs (`--max-logprobs` on the worker, announced in its hello; default 20) | |
 | request_id, cache_salt | ≤ 256 characters | |
 | tools | ≤ 128 functions, each named by 1–64 of `[a-zA-Z0-9_.-]` (OpenAI's rules) | |
-| structured_outputs | one constraint; json: a JSON object that is a valid JSON schema (its meta-schema); regex: compiles with Python's `re`; choice: 1–256 non-empty strings ≤ 1024 characters; grammar: non-empty; each text ≤ 64 KiB; not with ignore_eos or min_tokens > 0; start_after: ≤ 16 token ids, each below vocab_size | |
+| structured_outputs | one constraint; json: a JSON object that is a valid JSON schema (its meta-schema, at the gateway, where the client hears why; the scheduler and the worker check the JSON object and its depth and leave the rest to xgrammar: the meta-schema check of a large schema takes tens of ms, which on their one loop or step thread every stream would wait for); regex: compiles with Python's `re`; choice: 1–256 non-empty strings ≤ 1024 characters; grammar: non-empty; each text ≤ 64 KiB; not with ignore_eos or min_tokens > 0; start_after: ≤ 16 token ids, each below vocab_size | |
 
 Structured outputs are checked here as far as pure Python can; whether xgrammar compiles
 the constraint is known only on the worker, which fails that request alone with
@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -107,8 +108,10 @@ def as_float32(value: float) -> float:
     return ctypes.c_float(value).value
 
 
-def check_sampling(p: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS) -> SamplingParams:
-    """Every sampling field except the length budget; returns the normalised params."""
+def check_sampling(p: SamplingParams, vocab_size: int, max_logprobs: int = MAX_LOGPROBS, *,
+                   meta_schema: bool = True) -> SamplingParams:
+    """Every sampling field except the length budget; returns the normalised params.
+    `meta_schema=False`: a JSON schema is not checked against its meta-schema (the table)."""
     check_logprobs("sampling.logprobs", p.logprobs, max_logprobs)
     check_logprobs("sampling.prompt_logprobs", p.prompt_logprobs, max_logprobs)
     return dataclasses.replace(
@@ -124,7 +127,7 @@ def check_sampling(p: SamplingParams, vocab_size: int, max_logprobs: int = MAX_L
         repetition_penalty=check_repetition_penalty(p.repetition_penalty),
         presence_penalty=check_penalty("sampling.presence_penalty", p.presence_penalty),
         frequency_penalty=check_penalty("sampling.frequency_penalty", p.frequency_penalty),
-        structured=check_structured(p, vocab_size),
+        structured=check_structured(p, vocab_size, meta_schema=meta_schema),
     )
 
 
@@ -292,8 +295,9 @@ def check_penalty(field: str, value: float) -> float:
     return value
 
 
-def check_structured(p: SamplingParams, vocab_size: int) -> StructuredOutput | None:
-    """`p.structured` as far as pure Python can judge it (the worker compiles it)."""
+def check_structured(p: SamplingParams, vocab_size: int, *, meta_schema: bool = True) -> StructuredOutput | None:
+    """`p.structured` as far as pure Python can judge it (the worker compiles it);
+    `meta_schema=False`: a JSON schema is not checked against its meta-schema."""
     s = p.structured
     if s is None:
         return None
@@ -313,7 +317,7 @@ def check_structured(p: SamplingParams, vocab_size: int) -> StructuredOutput | N
         if s.spec:
             raise LimitError(field, "takes no text")
     elif s.kind is StructuredKind.JSON_SCHEMA:
-        _check_json_schema(field, s.spec)
+        _check_json_schema(field, s.spec, meta_schema)
     elif s.kind is StructuredKind.REGEX:
         _check_regex(field, s.spec)
     elif not s.spec.strip():
@@ -332,19 +336,43 @@ def _check_choices(field: str, s: StructuredOutput) -> StructuredOutput:
     return s
 
 
-def _check_json_schema(field: str, text: str) -> None:
+def _check_json_schema(field: str, text: str, meta_schema: bool = True) -> None:
     try:
-        schema = json.loads(text)
-    except (ValueError, RecursionError) as exc:
-        raise LimitError(field, f"is not valid JSON: {exc}") from None
-    if not isinstance(schema, dict):
-        raise LimitError(field, "must be a JSON object (a JSON schema)")
-    if _depth(schema) > MAX_SCHEMA_DEPTH:
-        raise LimitError(field, f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+        if meta_schema:
+            _valid_json_schema(text)
+        else:
+            _json_schema_object(text)
+    except _SchemaProblem as exc:
+        raise LimitError(field, str(exc)) from None
+
+
+class _SchemaProblem(ValueError):
+    pass
+
+
+@functools.lru_cache(maxsize=64)
+def _valid_json_schema(text: str) -> None:
+    """Raises _SchemaProblem unless `text` is a JSON schema. The valid ones are remembered (the
+    meta-schema check takes tens of ms on a schema of many tools, and a client sends the same
+    tools with every request): each process checks a schema once. A refusal is not cached."""
+    schema = _json_schema_object(text)
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
-        raise LimitError(field, f"is not a valid JSON schema: {exc.message}") from None
+        raise _SchemaProblem(f"is not a valid JSON schema: {exc.message}") from None
+
+
+def _json_schema_object(text: str) -> dict:
+    """`text` as a JSON object within the depth bound (checked before jsonschema recurses into it)."""
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise _SchemaProblem(f"is not valid JSON: {exc}") from None
+    if not isinstance(schema, dict):
+        raise _SchemaProblem("must be a JSON object (a JSON schema)")
+    if _depth(schema) > MAX_SCHEMA_DEPTH:
+        raise _SchemaProblem(f"nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    return schema
 
 
 def _depth(value, level: int = 0) -> int:

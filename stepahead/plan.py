@@ -28,6 +28,14 @@ Worker-side semantics (the contract both sides rely on):
   tokens, and masks the logits after bias/penalties, before temperature and truncation).
   A grammar the worker cannot compile fails its request alone and is listed in
   `StepResult.invalid_ids` as well as `failed` (the client gets INVALID_ARGUMENT / 400).
+- Grammars prepared beside the steps (a worker whose hello says `prepares_grammars`): a
+  plan's `grammars` order the worker to compile each request's grammar in the background
+  (the plan's forward, and later ones, run meanwhile) and to report each once, as soon as it
+  is compiled or refused, with a `GrammarReady` on its attach stream (rank 0 of a
+  tensor-parallel group alone reports). The scheduler holds such a request back until that
+  report and only then sends it as a `NewRequest`, so no step waits for a compile: its
+  registration finds the grammar compiled (a worker compiles it then if its cache dropped
+  it meanwhile). A refused grammar fails the request as an invalid one.
 - Seeded sampling: the random draw for a request depends only on (seed, number of tokens
   the request holds when sampling), never on batch composition, preemption or timing.
 - Tensor-parallel groups (`WorkerInfo.group_id`): every rank receives the same plans and
@@ -260,6 +268,23 @@ class KVLoaded:
 
 
 @dataclass(frozen=True)
+class GrammarPrep:
+    """A grammar to compile in the background for a request a later plan sends (module doc)."""
+
+    request_id: str
+    structured: StructuredOutput
+
+
+@dataclass(frozen=True)
+class GrammarReady:
+    """A worker's report that a `GrammarPrep` is done (sent once per request, on the attach stream)."""
+
+    request_id: str
+    error: str = ""  # empty: compiled; otherwise why the request cannot run
+    invalid: bool = False  # with an error: the constraint itself does not compile (the client's fault)
+
+
+@dataclass(frozen=True)
 class StepPlan:
     """One step for the worker. `step_id` increases by one per plan."""
 
@@ -271,6 +296,7 @@ class StepPlan:
     swap_out: tuple[tuple[int, int], ...] = ()  # (device block, host block) copies
     swap_in: tuple[tuple[int, int], ...] = ()  # (host block, device block) copies
     kv_loads: tuple[KVLoad, ...] = ()  # blocks to load from other replicas, in the background
+    grammars: tuple[GrammarPrep, ...] = ()  # grammars to compile in the background
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "running", RunningDeltas.of(self.running))
@@ -285,7 +311,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return self.num_requests == 0 and not (self.swap_out or self.swap_in or self.kv_loads)
+        return self.num_requests == 0 and not (self.swap_out or self.swap_in or self.kv_loads or self.grammars)
 
 
 @dataclass(frozen=True)
@@ -360,6 +386,7 @@ class WorkerInfo:
     tp_size: int = 1  # the group's size k
     logprobs: bool = True  # computes logprobs (the sim worker does not: it has no logits)
     structured_outputs: bool = True  # constrains output to a grammar (the sim worker does not)
+    prepares_grammars: bool = False  # compiles a plan's `grammars` in the background (module doc)
     # the window every attention layer applies (0: some layer sees the whole context): the
     # scheduler frees the leading blocks all layers slid past (`KVCacheManager.release_slid`)
     sliding_window: int = 0

@@ -21,7 +21,7 @@ import grpc
 from stepahead import codec, daemon, jitter
 from stepahead import config as cfg
 from stepahead.logs import RateLimitedLog
-from stepahead.plan import KVLoaded, WorkerInfo
+from stepahead.plan import GrammarReady, KVLoaded, WorkerInfo
 from worker_service.config import WorkerConfig
 from worker_service.health import NoHealth, WorkerHealth
 from worker_service.metrics import WorkerMetrics
@@ -117,6 +117,13 @@ class Pipeline:
 
         self.outbox.put(scheduler_pb2.WorkerMessage(kv_loaded=codec.kv_loaded_to_proto(loaded)))
 
+    def send_grammar_ready(self, ready: GrammarReady) -> None:
+        """A prepared grammar's report, from the compile thread: on the stream in the order it is
+        queued, between results."""
+        from stepahead.v1 import scheduler_pb2
+
+        self.outbox.put(scheduler_pb2.WorkerMessage(grammar_ready=codec.grammar_ready_to_proto(ready)))
+
     def close(self) -> None:
         self.outbox.put(None)  # the request stream ends, whatever happened
         if self._fatal_timer is not None:
@@ -193,10 +200,14 @@ def attach_once(channel, runner, info: WorkerInfo, watch: StopWatch, log,
     hello = scheduler_pb2.WorkerMessage(hello=codec.worker_info_to_proto(info))
     pipeline = Pipeline(runner, hello, log, metrics=metrics, report=info.tp_rank == 0)
     loader = runner.kv_loader = new_loader(pipeline.send_kv_loaded) if new_loader is not None else None
+    if info.prepares_grammars and info.tp_rank == 0:
+        runner.grammar_report = pipeline.send_grammar_ready
     try:
         _run_session(channel, pipeline, info, watch, log, health)
     finally:
         runner.kv_loader = None
+        if info.prepares_grammars:
+            runner.grammar_report = None  # a compile that ends later reports to nobody
         if loader is not None:
             loader.close()
 

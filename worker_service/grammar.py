@@ -30,18 +30,23 @@ the next step (`advance` reads the token list, where the resolved run is written
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import functools
 import itertools
 import json
 import re
+import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from stepahead.plan import StructuredKind, StructuredOutput
+from stepahead import limits
+from stepahead.plan import GrammarPrep, GrammarReady, SamplingParams, StructuredKind, StructuredOutput
 from worker_service.streams import host_to_device
 
 DEFAULT_CACHE_SIZE = 256  # compiled grammars kept (LRU)
@@ -82,7 +87,11 @@ class _NoObserver:
 
 
 class GrammarCache:
-    """StructuredOutput → xgrammar CompiledGrammar, LRU-bounded; xgrammar loaded lazily."""
+    """StructuredOutput → xgrammar CompiledGrammar, LRU-bounded; xgrammar loaded lazily.
+
+    `get` compiles on the caller's thread (the step's) when the grammar is not there yet;
+    `prepare` compiles on a background thread instead (a plan's `grammars`), and a `get` of a
+    grammar being prepared waits for that compile rather than starting its own."""
 
     def __init__(self, model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...],
                  capacity: int = DEFAULT_CACHE_SIZE) -> None:
@@ -91,17 +100,59 @@ class GrammarCache:
         self.model_dir, self.vocab_size, self.eos_token_ids = Path(model_dir), vocab_size, eos_token_ids
         self.capacity = capacity
         self.observer: CompileObserver = _NoObserver()
+        self._lock = threading.Lock()  # the two maps below
+        self._load_lock = threading.Lock()  # the compiler's creation (seconds: not under `_lock`)
         self._compiled: OrderedDict[StructuredOutput, object] = OrderedDict()
+        self._pending: dict[StructuredOutput, concurrent.futures.Future] = {}  # being prepared
         self._compiler = None
+        self._executor: concurrent.futures.ThreadPoolExecutor | None = None  # `prepare`'s thread, on first use
 
     def get(self, structured: StructuredOutput):
         """The compiled grammar (raises GrammarError when xgrammar refuses the constraint)."""
-        compiled = self._compiled.get(structured)
-        if compiled is not None:
-            self._compiled.move_to_end(structured)
-            self.observer.on_grammar_cache_hit()
-            return compiled
+        with self._lock:
+            compiled = self._compiled.get(structured)
+            if compiled is not None:
+                self._compiled.move_to_end(structured)
+                self.observer.on_grammar_cache_hit()
+                return compiled
+            pending = self._pending.get(structured)
+        if pending is not None:
+            return pending.result()
         self.observer.on_grammar_cache_miss()
+        return self._compile(structured)
+
+    def prepare(self, structured: StructuredOutput, check: Callable[[], object] = lambda: None
+                ) -> concurrent.futures.Future:
+        """The grammar compiled on a background thread, after `check()` there (which may raise):
+        a future of it (done at once when it is in the cache; its exception a GrammarError when
+        xgrammar refuses the constraint, or what `check` raised)."""
+        with self._lock:
+            compiled = self._compiled.get(structured)
+            if compiled is not None:
+                self._compiled.move_to_end(structured)
+                self.observer.on_grammar_cache_hit()
+                done: concurrent.futures.Future = concurrent.futures.Future()
+                done.set_result(compiled)
+                return done
+            pending = self._pending.get(structured)
+            if pending is not None:
+                return pending
+            if self._executor is None:
+                self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+            self.observer.on_grammar_cache_miss()
+            future = self._pending[structured] = self._executor.submit(self._checked_compile, structured, check)
+        future.add_done_callback(lambda _: self._forget_pending(structured))
+        return future
+
+    def _forget_pending(self, structured: StructuredOutput) -> None:
+        with self._lock:
+            self._pending.pop(structured, None)
+
+    def _checked_compile(self, structured: StructuredOutput, check: Callable[[], object]):
+        check()
+        return self._compile(structured)
+
+    def _compile(self, structured: StructuredOutput):
         compiler = self._load()
         start = time.perf_counter()
         try:
@@ -110,21 +161,28 @@ class GrammarCache:
             field = f"structured_outputs.{structured.kind.value}"
             raise GrammarError(f"{field}: does not compile: {_reason(exc)}") from None
         self.observer.on_grammar_compiled(time.perf_counter() - start)
-        self._compiled[structured] = compiled
-        if len(self._compiled) > self.capacity:
-            self._compiled.popitem(last=False)
+        with self._lock:
+            self._compiled[structured] = compiled
+            if len(self._compiled) > self.capacity:
+                self._compiled.popitem(last=False)
         return compiled
 
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def _load(self):
-        if self._compiler is None:
-            import xgrammar  # noqa: PLC0415 (lazy: imports transformers, takes a second)
+    def close(self) -> None:
+        """Stop the background thread (a compile under way finishes first)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
 
-            info = tokenizer_info(self.model_dir, self.vocab_size, self.eos_token_ids)
-            self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-        return self._compiler
+    def _load(self):
+        with self._load_lock:
+            if self._compiler is None:
+                import xgrammar  # noqa: PLC0415 (lazy: imports transformers, takes a second)
+
+                info = tokenizer_info(self.model_dir, self.vocab_size, self.eos_token_ids)
+                self._compiler = xgrammar.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+            return self._compiler
 
 
 def tokenizer_info(model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[int, ...]):
@@ -315,6 +373,19 @@ class GrammarMasks:
         compiled = self.cache.get(dataclasses.replace(structured, start_after=()))
         self._requests[request_id] = RequestGrammar(compiled, structured.start_after)
 
+    def prepare(self, grammars: Sequence[GrammarPrep], vocab_size: int,
+                report: Callable[[GrammarReady], None] | None) -> None:
+        """A plan's `grammars`, compiled on the cache's background thread; each reported once,
+        as soon as it is compiled or refused (`report` None: compiled only, e.g. on a
+        tensor-parallel rank other than 0). A constraint that breaks the shared limits is
+        refused, as its registration would refuse it (checked on the background thread too)."""
+        for prep in grammars:
+            check = functools.partial(limits.check_structured, SamplingParams(max_tokens=1, structured=prep.structured),
+                                      vocab_size, meta_schema=False)
+            future = self.cache.prepare(dataclasses.replace(prep.structured, start_after=()), check)
+            if report is not None:
+                future.add_done_callback(functools.partial(_report_ready, report, prep.request_id))
+
     def forget(self, request_id: str) -> None:
         self._requests.pop(request_id, None)
 
@@ -378,6 +449,24 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
     shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32], made on the device
     bits = (bitmask[:, :, None] >> shifts) & 1  # [m, words, 32]
     return bits.view(bitmask.shape[0], -1)[:, :vocab].bool()
+
+
+def _report_ready(report: Callable[[GrammarReady], None], request_id: str, future: concurrent.futures.Future) -> None:
+    """A prepared grammar's end as its `GrammarReady` (none when the compile was cancelled: the
+    attach session that ordered it is over)."""
+    if future.cancelled():
+        return
+    exc = future.exception()
+    if exc is None:
+        report(GrammarReady(request_id))
+    elif isinstance(exc, GrammarError):
+        report(GrammarReady(request_id, str(exc), invalid=True))
+    elif isinstance(exc, limits.LimitError):
+        report(GrammarReady(request_id, f"invalid sampling row: {exc}", invalid=True))
+    elif isinstance(exc, ImportError):  # a server problem, not the request's
+        report(GrammarReady(request_id, f"structured outputs need xgrammar on the worker: {exc}"))
+    else:
+        report(GrammarReady(request_id, f"the grammar did not compile: {exc!r}"[:1000]))
 
 
 def split_bad_grammars(plan, masks: GrammarMasks, failed_ids: set[str], failed: dict[str, str]):

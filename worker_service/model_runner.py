@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from stepahead.logprobs import MAX_LOGPROBS
-from stepahead.plan import NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
+from stepahead.plan import GrammarReady, NewRequest, RunningRequest, StepPlan, StepResult, WorkerTiming
 from stepahead.speculative import SpeculativeConfig
 from worker_service import cpu_kernels
 from worker_service.attention import AttentionBackend, AttentionMetadata
@@ -142,6 +142,9 @@ class ModelRunner:
         self.logits_processing = LogitsProcessing(self.vocab_size, self.device)  # bias, penalties
         self.grammar = GrammarMasks(GrammarCache(model_dir, self.vocab_size, self.eos_token_ids,
                                                  structured_outputs_cache_size), self.device)
+        # where a plan's prepared grammars are reported (`GrammarReady`): the attach session's
+        # stream, set per session on rank 0; None: they are compiled and not reported
+        self.grammar_report: Callable[[GrammarReady], None] | None = None
         self.logprobs = LogprobsTracker(self.device)
         self.max_logprobs = min(max_logprobs, self.vocab_size)  # --max-logprobs
         self.streams = DeviceStreams(self.device)
@@ -216,6 +219,8 @@ class ModelRunner:
         prep_start = time.time()
         self._forget(plan.finished_ids)
         self._forget(plan.preempted_ids)
+        if plan.grammars:  # compiled in the background, each reported on the attach stream
+            self.grammar.prepare(plan.grammars, self.vocab_size, self.grammar_report)
         plan, failed = split_bad_sampling_rows(plan, self.vocab_size, self._failed_ids, self.max_logprobs)
         plan, invalid = split_bad_grammars(plan, self.grammar, self._failed_ids, failed)
         if self.speculator is not None:

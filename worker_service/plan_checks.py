@@ -134,7 +134,7 @@ def split_bad_sampling_rows(plan: StepPlan, vocab_size: int, failed_ids: set[str
         try:
             if max_logprobs is None and (r.sampling.logprobs, r.sampling.prompt_logprobs) != (None, None):
                 raise limits.LimitError("sampling.logprobs", "this worker does not compute logprobs (--device sim)")
-            sampling = limits.check_sampling(r.sampling, vocab_size, max_logprobs or 0)
+            sampling = limits.check_sampling(r.sampling, vocab_size, max_logprobs or 0, meta_schema=False)
         except limits.LimitError as exc:
             failed[r.request_id] = f"invalid sampling row: {exc}"
             continue

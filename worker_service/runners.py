@@ -223,6 +223,7 @@ def worker_info(config: WorkerConfig, runner: Runner, model_dir: Path | str) -> 
         max_logprobs=runner.max_logprobs,
         logprobs=runner.computes_logprobs,
         structured_outputs=runner.supports_structured_outputs,
+        prepares_grammars=runner.supports_structured_outputs,  # every runner with grammars prepares them
         sliding_window=runner.sliding_window,
         num_offload_blocks=runner.num_offload_blocks,
         role=config.role,

@@ -36,7 +36,7 @@ def check_limits(config: SchedulerConfig, request: Request) -> None:
         limits.check_prompt(request.prompt_token_ids, model)
         limits.check_priority(request.priority)
         # max_tokens past the model's room is runnable: the request ends LENGTH there
-        request.sampling = limits.check_sampling(request.sampling, vocab, config.max_logprobs)
+        request.sampling = limits.check_sampling(request.sampling, vocab, config.max_logprobs, meta_schema=False)
     except limits.LimitError as exc:
         raise RequestRejected(f"request {request.request_id!r}: {exc}") from None
 

@@ -90,6 +90,9 @@ class SchedulerConfig(SchedulingConfig):
     # the replica's part in disaggregated prefill/decode (the hello's `role`): a PREFILL core
     # hands each request off after its first token (`Scheduler.take_handoffs`)
     role: WorkerRole = WorkerRole.BOTH
+    # the worker compiles grammars beside the steps (the hello's `prepares_grammars`): a
+    # structured request waits PREPARING until its worker reports the grammar (`grammar_ready`)
+    prepare_grammars: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_gpu_blocks", "max_model_len", "max_num_seqs", "max_num_batched_tokens"):

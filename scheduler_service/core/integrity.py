@@ -51,7 +51,7 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
             _require(not req.host_block_ids and req.num_output_placeholders == 0, req, "loading with host blocks")
             _require(req.num_scheduled_tokens == req.num_computed_tokens == req.num_prompt_tokens, req,
                      "loading with work beyond its prompt")
-        case RequestStatus.WAITING | RequestStatus.PREEMPTED:
+        case RequestStatus.WAITING | RequestStatus.PREEMPTED | RequestStatus.PREPARING:
             _require(not req.block_ids and not req.host_block_ids and not req.num_slid_blocks, req,
                      "waiting but holds blocks")
             _require(req.num_scheduled_tokens == req.num_output_placeholders == 0, req, "waiting with work")
@@ -62,6 +62,7 @@ def check_request(req: Request, block_size: int, max_model_len: int, num_in_flig
 def check_queues(
     requests: Mapping[str, Request], running: Sequence[Request], swapped: Sequence[Request],
     waiting: Sequence[Request], waiting_len: int, loading: Sequence[Request] = (),
+    preparing: Sequence[Request] = (),
 ) -> None:
     """Every tracked request is in exactly the queue its status says; running is sorted."""
     groups = (
@@ -69,6 +70,7 @@ def check_queues(
         (swapped, {RequestStatus.SWAPPED}),
         (waiting, {RequestStatus.WAITING, RequestStatus.PREEMPTED}),
         (loading, {RequestStatus.LOADING}),
+        (preparing, {RequestStatus.PREPARING}),
     )
     listed = 0
     for members, statuses in groups:
@@ -83,7 +85,8 @@ def check_queues(
 
 
 def check_core(config, requests: Mapping[str, Request], running, swapped, waiting, kv, in_flight: list[int],
-               next_step_id: int, loading: Sequence[Request] = (), held: Sequence[Sequence[int]] = ()) -> None:
+               next_step_id: int, loading: Sequence[Request] = (), held: Sequence[Sequence[int]] = (),
+               preparing: Sequence[Request] = ()) -> None:
     """A scheduler core's whole state: requests, pools vs owners, queues, plan order.
     `held`: block lists the core holds for no live request (disaggregation's handed-off KV)."""
     refs, host_refs = Counter(), Counter()
@@ -96,7 +99,7 @@ def check_core(config, requests: Mapping[str, Request], running, swapped, waitin
         host_refs.update(req.host_block_ids)
     kv.device.check_integrity(refs)
     kv.host.check_integrity(host_refs)
-    check_queues(requests, running, swapped, waiting.requests(), len(waiting), loading)
+    check_queues(requests, running, swapped, waiting.requests(), len(waiting), loading, preparing)
     running.check()
     if in_flight != list(range(next_step_id - len(in_flight), next_step_id)):
         raise AssertionError(f"in-flight plans out of order: {in_flight}")

@@ -45,6 +45,7 @@ class RequestStatus(Enum):
     PREEMPTED = "preempted"  # recompute: back in the waiting queue without KV
     SWAPPED = "swapped"  # KV in the host pool
     LOADING = "loading"  # moved here from a prefill replica: holds blocks its KV is being loaded into
+    PREPARING = "preparing"  # its grammar compiles on the worker; queued once the worker reports it
     FINISHED_STOPPED = "finished_stopped"
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"

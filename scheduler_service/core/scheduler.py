@@ -19,6 +19,11 @@ without running (LOADING) until the worker reports the load (`kv_loaded`), and r
 its prompt computed; a failed load computes it again here. `take_released_sources` lists the
 transfers whose source blocks this core no longer needs (loaded, failed, or never started).
 
+Grammars (`config.prepare_grammars`, the worker's hello): a structured request does not queue
+at once. It waits PREPARING while its worker compiles its grammar beside the steps (the next
+plan's `grammars` orders it) and queues when the worker reports it (`grammar_ready`), so no
+step waits for a compile; a grammar the worker refuses fails the request as invalid.
+
 Progress: a waiting request preempts running work only for what preemption frees for good
 (a sequence slot, KV blocks), never for this step's token budget (that hands one step's
 tokens from a running request to a new one and throws the victim's work away). And the core
@@ -58,7 +63,7 @@ from scheduler_service.core.request import (
 from scheduler_service.core.stats import SchedulerStats, build_stats, count_result
 from scheduler_service.core.step_builder import InFlightPlan, StepBuilder
 from scheduler_service.core.token_rules import num_new_tokens
-from stepahead.plan import KVLoad, KVLoaded, StepPlan, StepResult, WorkerRole
+from stepahead.plan import GrammarPrep, GrammarReady, KVLoad, KVLoaded, StepPlan, StepResult, WorkerRole
 
 __all__ = ["FinishReason", "Handoff", "QueueFull", "RequestEvent", "RequestRejected", "Scheduler", "SchedulerStats",
            "StepEvents"]
@@ -123,6 +128,9 @@ class Scheduler:
         self._load_sizes: dict[int, int] = {}  # transfer id -> blocks it loads
         self._loaded: list[Request] = []  # LOADING requests whose KV is in, to resume (oldest first)
         self._released_sources: list[int] = []  # transfers whose source blocks this core is done with
+        # grammars (the module doc): PREPARING requests and the status they queue with
+        self._preparing: dict[str, tuple[Request, RequestStatus]] = {}
+        self._to_prepare: list[Request] = []  # PREPARING, not ordered in a plan yet
 
     def counters(self) -> Counter:
         """A copy of the monotonic counters (steps, finishes, preemptions, prefix tokens)."""
@@ -135,7 +143,7 @@ class Scheduler:
             raise RequestRejected(f"duplicate request id {rid!r}: a request with this id is still active")
         if request.status is not RequestStatus.WAITING or request.num_output_tokens or request.epoch:
             raise RequestRejected(f"request {rid!r} was already used by a scheduler")
-        check_submission(self.config, request, len(self._waiting))
+        check_submission(self.config, request, len(self._waiting) + len(self._preparing))
         now = self._clock()
         self._expected_wait.check(request, self._policy.ahead_of(request.priority, self._waiting.by_priority), now)
         if request.arrival_time is None:
@@ -143,7 +151,35 @@ class Scheduler:
         request.queued_time = now
         request.handoff_at = request.num_tokens + 1 if self._hands_off else NEVER
         self._requests[rid] = request
-        self._waiting.push(request)
+        self._queue(request)
+
+    def _queue(self, request: Request) -> None:
+        """A new or adopted request into the waiting queue, or first PREPARING (the module doc)."""
+        if self.config.prepare_grammars and request.sampling.structured is not None:
+            self._preparing[request.request_id] = (request, request.status)
+            request.status = RequestStatus.PREPARING
+            self._to_prepare.append(request)
+        else:
+            self._waiting.push(request)
+
+    def grammar_ready(self, ready: GrammarReady) -> RequestEvent | None:
+        """The worker reports a grammar it was ordered: its request queues, or fails (the
+        event to send). A report for a request that is not PREPARING is dropped: it ended
+        meanwhile (aborted), or it came from a replica's other rank."""
+        entry = self._preparing.get(ready.request_id)
+        if entry is None:
+            return None
+        req, status = entry
+        if ready.error:
+            self._finish(req, FinishReason.ERROR)
+            return RequestEvent(req.request_id, (), FinishReason.ERROR, req.num_prompt_tokens, req.num_cached_tokens,
+                                f"worker: {ready.error}", rejected=ready.invalid)
+        del self._preparing[req.request_id]
+        if req in self._to_prepare:  # reported before it was ordered: only a confused worker does that
+            self._to_prepare.remove(req)
+        req.status = status
+        self._waiting.push(req)
+        return None
 
     def abort(self, request_id: str) -> RequestEvent | None:
         request = self._requests.get(request_id)
@@ -172,7 +208,7 @@ class Scheduler:
         request.handoff_at = request.num_tokens + 1 if self._hands_off else NEVER
         request.kv_source = None
         self._requests[rid] = request
-        self._waiting.push(request)
+        self._queue(request)
 
     def add_transferred(self, request: Request, source: str, block_ids: tuple[int, ...], transfer_id: int,
                         source_instance: str = "") -> None:
@@ -186,7 +222,7 @@ class Scheduler:
     def source_lost(self, transfer_id: int) -> None:
         """The source of a transfer is gone: a request still waiting for it is computed here
         instead (one whose load is in flight learns it from the failed load)."""
-        for req in self._waiting.requests():
+        for req in [*self._waiting.requests(), *(r for r, _ in self._preparing.values())]:
             if req.kv_source is not None and req.kv_source.transfer_id == transfer_id:
                 req.kv_source = None
                 self._released_sources.append(transfer_id)
@@ -244,6 +280,7 @@ class Scheduler:
                 self._released_sources.append(req.kv_source.transfer_id)
             req.kv_source = None
         self._released_sources.extend(self._loads)
+        self._to_prepare = []
         return sorted(self._requests.values(), key=lambda r: (r.arrival_time or 0.0, r.request_id))
 
     # ---- the step ----------------------------------------------------------------------------
@@ -259,6 +296,11 @@ class Scheduler:
     @property
     def num_unfinished(self) -> int:
         return len(self._requests)
+
+    @property
+    def num_preparing(self) -> int:
+        """Requests waiting for their worker's grammar report (PREPARING)."""
+        return len(self._preparing)
 
     def take_shed(self) -> list[tuple[str, QueueFull]]:
         """Requests refused since the last call after they had been queued (admission control:
@@ -278,6 +320,9 @@ class Scheduler:
             self._schedule_loaded(b, now)
         if not b.preempted and not deferred and not self._schedule_swapped(b, now):
             self._schedule_waiting(b, now)
+        if self._to_prepare:
+            b.grammars.extend(GrammarPrep(r.request_id, r.sampling.structured) for r in self._to_prepare)
+            self._to_prepare = []
         if self._kv.host_tier:  # before anything computes, the plan copies what allocation evicted
             offloads = self._kv.take_offloads(b.step_id)
             b.swap_out.extend(offloads)
@@ -592,6 +637,13 @@ class Scheduler:
                 del self._loading[req.request_id]
                 if req in self._loaded:
                     self._loaded.remove(req)
+            case RequestStatus.PREPARING:
+                del self._preparing[req.request_id]
+                if req in self._to_prepare:
+                    self._to_prepare.remove(req)
+                if req.kv_source is not None:  # never loaded: its source blocks can go
+                    self._released_sources.append(req.kv_source.transfer_id)
+                    req.kv_source = None
         if req.status is not RequestStatus.LOADING or req not in self._loads.values():
             self._kv.free(req)  # a load in flight writes its blocks: freed once it is reported
         req.status = FINISHED_STATUS[reason]
@@ -657,18 +709,21 @@ class Scheduler:
         return self._waiting.requests()
 
     def queue_lengths(self) -> tuple[int, int]:  # (running, waiting), for the flight recorder per step
-        return len(self._running), len(self._waiting)
+        return len(self._running), len(self._waiting) + len(self._preparing)
 
     def stats(self) -> SchedulerStats:
-        return build_stats(self._kv, self._counts, len(self._running), len(self._waiting), len(self._swapped),
-                           len(self._in_flight), len(self._loading))
+        return build_stats(self._kv, self._counts, len(self._running), len(self._waiting) + len(self._preparing),
+                           len(self._swapped), len(self._in_flight), len(self._loading))
 
     def check_integrity(self) -> None:
         """Pool accounting, ref counts vs owners, queue membership, per-request counters."""
         held = [blocks for blocks, _ in self._held.values()]  # handed off: still this core's blocks
         held += [req.owned_block_ids for req in self._loads.values() if req.is_finished]  # aborted while loading
         check_core(self.config, self._requests, self._running, self._swapped, self._waiting, self._kv,
-                   [p.step_id for p in self._in_flight], self._next_step_id, list(self._loading.values()), held)
+                   [p.step_id for p in self._in_flight], self._next_step_id, list(self._loading.values()), held,
+                   [req for req, _ in self._preparing.values()])
+        if any(self._preparing.get(req.request_id, (None,))[0] is not req for req in self._to_prepare):
+            raise AssertionError("a request to prepare is not PREPARING")
         if any(req.request_id not in self._loading for req in self._loaded):
             raise AssertionError("a loaded request is not LOADING")
 

@@ -12,7 +12,7 @@ from scheduler_service.core.decodes import DecodeRun, ScheduledDecodes
 from scheduler_service.core.request import Request
 from scheduler_service.core.running_set import RunningColumns
 from scheduler_service.core.token_rules import placeholder_input
-from stepahead.plan import KVLoad, NewRequest, RunningDeltas, StepPlan, running_request
+from stepahead.plan import GrammarPrep, KVLoad, NewRequest, RunningDeltas, StepPlan, running_request
 
 
 class ScheduledEntry(NamedTuple):
@@ -62,6 +62,7 @@ class StepBuilder:
     swap_out: list[tuple[int, int]] = field(default_factory=list)
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     kv_loads: list[KVLoad] = field(default_factory=list)
+    grammars: list[GrammarPrep] = field(default_factory=list)
     preempted: bool = False
 
     def add(self, request: Request, num_new_tokens: int, is_new: bool, first_new_block: int,
@@ -101,7 +102,7 @@ class StepBuilder:
 
     @property
     def is_empty(self) -> bool:
-        return not (self.entries or self.decodes or self.swap_out or self.swap_in or self.kv_loads)
+        return not (self.entries or self.decodes or self.swap_out or self.swap_in or self.kv_loads or self.grammars)
 
     def is_scheduled_new(self, request: Request) -> bool:
         entry = self.entries.get(request.request_id)
@@ -155,5 +156,6 @@ class StepBuilder:
             swap_out=tuple(self.swap_out),
             swap_in=tuple(self.swap_in),
             kv_loads=tuple(self.kv_loads),
+            grammars=tuple(self.grammars),
         )
         return plan, InFlightPlan(step_id, tuple(in_flight), sampling, allowance, decodes)

@@ -209,7 +209,7 @@ class GetModelRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerHello(_message.Message):
-    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs", "group_id", "tensor_parallel_rank", "tensor_parallel_size", "no_logprobs", "no_structured_outputs", "sliding_window", "num_offload_blocks", "role", "kv_transfer_address", "kv_transfer_instance")
+    __slots__ = ("worker_id", "model_name", "model_type", "dtype", "device", "block_size", "num_device_blocks", "num_host_blocks", "max_model_len", "vocab_size", "eos_token_ids", "max_logprobs", "group_id", "tensor_parallel_rank", "tensor_parallel_size", "no_logprobs", "no_structured_outputs", "sliding_window", "num_offload_blocks", "role", "kv_transfer_address", "kv_transfer_instance", "prepares_grammars")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MODEL_TYPE_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class WorkerHello(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    PREPARES_GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     model_name: str
     model_type: str
@@ -254,21 +255,42 @@ class WorkerHello(_message.Message):
     role: WorkerRole
     kv_transfer_address: str
     kv_transfer_instance: str
-    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., no_logprobs: _Optional[bool] = ..., no_structured_outputs: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_transfer_address: _Optional[str] = ..., kv_transfer_instance: _Optional[str] = ...) -> None: ...
+    prepares_grammars: bool
+    def __init__(self, worker_id: _Optional[str] = ..., model_name: _Optional[str] = ..., model_type: _Optional[str] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., block_size: _Optional[int] = ..., num_device_blocks: _Optional[int] = ..., num_host_blocks: _Optional[int] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_logprobs: _Optional[int] = ..., group_id: _Optional[str] = ..., tensor_parallel_rank: _Optional[int] = ..., tensor_parallel_size: _Optional[int] = ..., no_logprobs: _Optional[bool] = ..., no_structured_outputs: _Optional[bool] = ..., sliding_window: _Optional[int] = ..., num_offload_blocks: _Optional[int] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., kv_transfer_address: _Optional[str] = ..., kv_transfer_instance: _Optional[str] = ..., prepares_grammars: _Optional[bool] = ...) -> None: ...
 
 class WorkerMessage(_message.Message):
-    __slots__ = ("hello", "result", "fatal_error", "detach", "kv_loaded")
+    __slots__ = ("hello", "result", "fatal_error", "detach", "kv_loaded", "grammar_ready")
     HELLO_FIELD_NUMBER: _ClassVar[int]
     RESULT_FIELD_NUMBER: _ClassVar[int]
     FATAL_ERROR_FIELD_NUMBER: _ClassVar[int]
     DETACH_FIELD_NUMBER: _ClassVar[int]
     KV_LOADED_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_READY_FIELD_NUMBER: _ClassVar[int]
     hello: WorkerHello
     result: StepResult
     fatal_error: str
     detach: str
     kv_loaded: KVLoaded
-    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., fatal_error: _Optional[str] = ..., detach: _Optional[str] = ..., kv_loaded: _Optional[_Union[KVLoaded, _Mapping]] = ...) -> None: ...
+    grammar_ready: GrammarReady
+    def __init__(self, hello: _Optional[_Union[WorkerHello, _Mapping]] = ..., result: _Optional[_Union[StepResult, _Mapping]] = ..., fatal_error: _Optional[str] = ..., detach: _Optional[str] = ..., kv_loaded: _Optional[_Union[KVLoaded, _Mapping]] = ..., grammar_ready: _Optional[_Union[GrammarReady, _Mapping]] = ...) -> None: ...
+
+class GrammarReady(_message.Message):
+    __slots__ = ("request_id", "error", "invalid")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    INVALID_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error: str
+    invalid: bool
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[str] = ..., invalid: _Optional[bool] = ...) -> None: ...
+
+class GrammarPrep(_message.Message):
+    __slots__ = ("request_id", "structured")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STRUCTURED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    structured: _common_pb2.StructuredOutputs
+    def __init__(self, request_id: _Optional[str] = ..., structured: _Optional[_Union[_common_pb2.StructuredOutputs, _Mapping]] = ...) -> None: ...
 
 class KVLoaded(_message.Message):
     __slots__ = ("transfer_id", "error")
@@ -341,7 +363,7 @@ class RunningDeltas(_message.Message):
     def __init__(self, request_ids: _Optional[bytes] = ..., num_scheduled_tokens: _Optional[bytes] = ..., input_is_placeholder: _Optional[bytes] = ..., num_draft_tokens: _Optional[bytes] = ..., num_new_blocks: _Optional[bytes] = ..., new_block_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StepPlan(_message.Message):
-    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "preempted_ids", "swap_out", "swap_in", "kv_loads")
+    __slots__ = ("step_id", "new_requests", "running", "finished_ids", "preempted_ids", "swap_out", "swap_in", "kv_loads", "grammars")
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -350,6 +372,7 @@ class StepPlan(_message.Message):
     SWAP_OUT_FIELD_NUMBER: _ClassVar[int]
     SWAP_IN_FIELD_NUMBER: _ClassVar[int]
     KV_LOADS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMARS_FIELD_NUMBER: _ClassVar[int]
     step_id: int
     new_requests: _containers.RepeatedCompositeFieldContainer[NewRequest]
     running: RunningDeltas
@@ -358,7 +381,8 @@ class StepPlan(_message.Message):
     swap_out: _containers.RepeatedCompositeFieldContainer[BlockPair]
     swap_in: _containers.RepeatedCompositeFieldContainer[BlockPair]
     kv_loads: _containers.RepeatedCompositeFieldContainer[KVLoad]
-    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., kv_loads: _Optional[_Iterable[_Union[KVLoad, _Mapping]]] = ...) -> None: ...
+    grammars: _containers.RepeatedCompositeFieldContainer[GrammarPrep]
+    def __init__(self, step_id: _Optional[int] = ..., new_requests: _Optional[_Iterable[_Union[NewRequest, _Mapping]]] = ..., running: _Optional[_Union[RunningDeltas, _Mapping]] = ..., finished_ids: _Optional[_Iterable[str]] = ..., preempted_ids: _Optional[_Iterable[str]] = ..., swap_out: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., swap_in: _Optional[_Iterable[_Union[BlockPair, _Mapping]]] = ..., kv_loads: _Optional[_Iterable[_Union[KVLoad, _Mapping]]] = ..., grammars: _Optional[_Iterable[_Union[GrammarPrep, _Mapping]]] = ...) -> None: ...
 
 class StepResult(_message.Message):
     __slots__ = ("step_id", "sampled_request_ids", "sampled_token_ids", "timing", "failed", "logprobs", "prompt_logprobs", "speculation", "invalid_ids")

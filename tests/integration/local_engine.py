@@ -4,11 +4,16 @@ The worker executes plans strictly in order, but a plan's result is committed on
 the scheduler planned as far ahead as `max_concurrent_batches` allows, exactly as the
 daemons do: in async mode step t+1 is planned (with placeholders) before step t's
 tokens are known. `check_integrity()` runs after every commit.
+
+With `config.prepare_grammars` the runner compiles a plan's grammars on its background
+thread and reports each (`GrammarReady`); the engine hands the reports to the core before
+each step, and waits for one when nothing else can run.
 """
 
 from __future__ import annotations
 
 import collections
+import queue
 from collections.abc import Callable
 
 from scheduler_service.core.config import SchedulerConfig
@@ -28,6 +33,9 @@ class LocalEngine:
         self.finish: dict[str, object] = {}
         self.logprobs: dict[str, list] = collections.defaultdict(list)  # per request: Logprobs per token
         self.prompt_logprobs: dict[str, list] = collections.defaultdict(list)  # per request: PromptLogprobs parts
+        self.grammar_reports: queue.SimpleQueue = queue.SimpleQueue()  # the runner's GrammarReady reports
+        if config.prepare_grammars:
+            runner.grammar_report = self.grammar_reports.put
 
     def add(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -42,6 +50,25 @@ class LocalEngine:
     def commit_oldest(self) -> list[RequestEvent]:
         _, events = self.loop.commit(self.runner.execute(self.loop.oldest))
         self.scheduler.check_integrity()
+        self._record(events)
+        return events
+
+    def take_grammar_reports(self, wait: bool = False) -> None:
+        """Hand the runner's grammar reports to the core (`wait`: for at least one, up to 60 s)."""
+        while True:
+            try:
+                ready = self.grammar_reports.get(wait, timeout=60)
+            except queue.Empty:
+                if wait:
+                    raise AssertionError("no grammar report within 60 s") from None
+                return
+            wait = False
+            event = self.scheduler.grammar_ready(ready)
+            self.scheduler.check_integrity()
+            if event is not None:
+                self._record([event])
+
+    def _record(self, events: list[RequestEvent]) -> None:
         for e in events:
             self.outputs[e.request_id] += e.new_token_ids
             self.logprobs[e.request_id] += e.logprobs
@@ -49,11 +76,15 @@ class LocalEngine:
                 self.prompt_logprobs[e.request_id].append(e.prompt_logprobs)
             if e.finish_reason is not None:
                 self.finish[e.request_id] = e.finish_reason
-        return events
 
     def step(self) -> list[RequestEvent]:
+        self.take_grammar_reports()
         self.plan_ahead()
-        return self.commit_oldest() if self.pending else []
+        if self.pending:
+            return self.commit_oldest()
+        if self.scheduler.num_preparing:  # nothing can run before a grammar is reported
+            self.take_grammar_reports(wait=True)
+        return []
 
     def run(self, before_step: Callable[[int], None] = lambda i: None, max_steps: int = 10_000) -> None:
         for i in range(max_steps):

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import collections
 import json
+import queue
 import re
+import threading
 
 import jsonschema
 import torch
@@ -19,9 +21,10 @@ import torch
 from scheduler_service.core.config import PreemptionMode, SchedulerConfig
 from scheduler_service.core.request import Request
 from scheduler_service.core.scheduler import FinishReason
-from stepahead.plan import SamplingParams, StructuredKind, StructuredOutput
+from stepahead.plan import GrammarPrep, GrammarReady, SamplingParams, StepPlan, StructuredKind, StructuredOutput
 from tests.fixtures_models import smollm2_model_dir, tiny_model_dir, tiny_tokenizer  # noqa: F401
 from tests.integration.local_engine import LocalEngine
+from worker_service import grammar
 from worker_service.grammar import GrammarCache, tokenizer_info
 from worker_service.model_runner import ModelRunner
 from testing.structured import SCHEMA
@@ -67,18 +70,17 @@ class LaunchAheadEngine(LocalEngine):
         self.check_failures(result)
         _, events = self.loop.commit(result)
         self.scheduler.check_integrity()
-        for e in events:
-            self.outputs[e.request_id] += e.new_token_ids
-            if e.finish_reason is not None:
-                self.finish[e.request_id] = e.finish_reason
+        self._record(events)
         return events
 
 
 def make_engine(model_dir, *, async_on=True, launch_ahead=False, num_blocks=1024, **overrides) -> LocalEngine:
+    """The daemons' setup: grammars prepared beside the steps unless `prepare_grammars=False`
+    (a worker that predates it: each compiles in its request's first step)."""
     runner = ModelRunner(model_dir, block_size=BLOCK, num_blocks=num_blocks, num_host_blocks=256)
     config = SchedulerConfig(num_gpu_blocks=num_blocks, num_cpu_blocks=256, max_model_len=runner.max_model_len,
                              block_size=BLOCK, max_num_batched_tokens=1024, async_scheduling=async_on,
-                             eos_token_ids=runner.eos_token_ids, **overrides)
+                             eos_token_ids=runner.eos_token_ids, **{"prepare_grammars": True, **overrides})
     return (LaunchAheadEngine if launch_ahead else LocalEngine)(runner, config)
 
 
@@ -143,14 +145,18 @@ def test_async_equals_sync_token_for_token_with_preemption(tiny_model_dir, tiny_
         jsonschema.validate(json.loads(text(tiny_tokenizer, sync.outputs[f"j{i}"])), json.loads(SMALL_SCHEMA.spec))
 
 
+BAD_GRAMMARS = {
+    "lookahead": StructuredOutput(StructuredKind.REGEX, "(?=a)b"),  # Python's re accepts it
+    "ebnf": StructuredOutput(StructuredKind.GRAMMAR, "root ::= undefined_rule"),
+}
+
+
 def test_a_grammar_the_worker_cannot_compile_fails_alone_as_invalid(tiny_model_dir, tiny_tokenizer):  # noqa: F811
-    bad = {
-        "lookahead": StructuredOutput(StructuredKind.REGEX, "(?=a)b"),  # Python's re accepts it
-        "ebnf": StructuredOutput(StructuredKind.GRAMMAR, "root ::= undefined_rule"),
-    }
+    """A worker that compiles in the request's first step (no `prepares_grammars`)."""
+    bad = BAD_GRAMMARS
     requests = {rid: (prompt(tiny_tokenizer, 0), sampled(s, seed=1)) for rid, s in bad.items()}
     requests["good"] = (prompt(tiny_tokenizer, 1), sampled(CHOICE, seed=3))
-    engine = make_engine(tiny_model_dir)
+    engine = make_engine(tiny_model_dir, prepare_grammars=False)
     for rid, (ids, sampling) in requests.items():
         engine.add(Request(rid, ids, sampling))
     engine.plan_ahead()
@@ -169,6 +175,92 @@ def test_a_grammar_the_worker_cannot_compile_fails_alone_as_invalid(tiny_model_d
     engine.run()
     engine.assert_no_leaks()
     assert text(tiny_tokenizer, engine.outputs["good"]) in CHOICE.choices
+
+
+def test_a_prepared_grammar_the_worker_cannot_compile_fails_its_request_alone_as_invalid(
+        tiny_model_dir, tiny_tokenizer):  # noqa: F811
+    """Grammars prepared beside the steps: the refusals come as the worker's reports, before
+    the requests ever run; the good request beside them runs to its end."""
+    engine = make_engine(tiny_model_dir)
+    for rid, s in BAD_GRAMMARS.items():
+        engine.add(Request(rid, prompt(tiny_tokenizer, 0), sampled(s, seed=1)))
+    engine.add(Request("good", prompt(tiny_tokenizer, 1), sampled(CHOICE, seed=3)))
+    refused = []
+    while len(refused) < len(BAD_GRAMMARS):
+        engine.plan_ahead()
+        if engine.pending:
+            engine.commit_oldest()  # the worker runs the plan that orders the grammars
+        ready = engine.grammar_reports.get(timeout=60)
+        event = engine.scheduler.grammar_ready(ready)
+        engine.scheduler.check_integrity()
+        if event is not None:
+            refused.append(event)
+    by_id = {e.request_id: e for e in refused}
+    assert by_id.keys() == BAD_GRAMMARS.keys()
+    assert all(e.rejected and e.finish_reason is FinishReason.ERROR for e in refused)
+    for rid, s in BAD_GRAMMARS.items():
+        assert f"structured_outputs.{s.kind.value}: does not compile: " in by_id[rid].message
+    assert not any(r.request_id in by_id for p in engine.plans for r in p.new_requests)  # never ran
+    engine.run()
+    engine.assert_no_leaks()
+    assert text(tiny_tokenizer, engine.outputs["good"]) in CHOICE.choices
+
+
+def test_a_plan_ordering_a_grammar_past_the_limits_gets_it_refused_as_invalid(tiny_model_dir):  # noqa: F811
+    """The worker checks what it is asked to prepare (a scheduler that skipped the check)."""
+    runner = ModelRunner(tiny_model_dir, block_size=BLOCK, num_blocks=64)
+    reports = queue.SimpleQueue()
+    runner.grammar_report = reports.put
+    not_json = StructuredOutput(StructuredKind.JSON_SCHEMA, "{not json")
+    runner.execute(StepPlan(0, grammars=(GrammarPrep("r", not_json),)))
+    assert reports.get(timeout=60) == GrammarReady(  # from the compile thread
+        "r", "invalid sampling row: structured_outputs.json: is not valid JSON: Expecting property name enclosed in "
+             "double quotes: line 1 column 2 (char 1)", invalid=True)
+    assert reports.empty()
+
+
+def test_no_step_waits_for_a_grammar_being_prepared(tiny_model_dir, tiny_tokenizer, monkeypatch):  # noqa: F811
+    """The defect: a request's grammar compiled inside the step that admitted it, so every
+    stream in that step waited for the compile (and for xgrammar's load, on the first one).
+    Now the compile runs on the worker's background thread: with it held, a plain request
+    beside the structured one runs to its end, the structured one is not sent to the worker
+    before the report, and its registration then finds the grammar compiled."""
+    release = threading.Event()
+    compile_choice = grammar._COMPILE[StructuredKind.CHOICE]
+
+    def held(compiler, structured):
+        assert release.wait(60), "the test never released the compile"
+        return compile_choice(compiler, structured)
+
+    monkeypatch.setitem(grammar._COMPILE, StructuredKind.CHOICE, held)
+    engine = make_engine(tiny_model_dir)
+    counts = collections.Counter()
+
+    class Observer:
+        def on_grammar_cache_hit(self):
+            counts["hit"] += 1
+
+        def on_grammar_cache_miss(self):
+            counts["miss"] += 1
+
+        def on_grammar_compiled(self, seconds):
+            counts["compiled"] += 1
+
+    engine.runner.grammar.cache.observer = Observer()
+    engine.add(Request("choice", prompt(tiny_tokenizer, 0), sampled(CHOICE, seed=3)))
+    engine.add(Request("plain", prompt(tiny_tokenizer, 1), SamplingParams(temperature=0.0, max_tokens=8,
+                                                                          ignore_eos=True)))
+    while "plain" not in engine.finish:
+        engine.step()
+    assert len(engine.outputs["plain"]) == 8
+    assert [g.request_id for p in engine.plans for g in p.grammars] == ["choice"]
+    assert not any(r.request_id == "choice" for p in engine.plans for r in p.new_requests)
+    assert engine.scheduler.num_preparing == 1 and counts == {"miss": 1}
+    release.set()
+    engine.run()
+    engine.assert_no_leaks()
+    assert text(tiny_tokenizer, engine.outputs["choice"]) in CHOICE.choices
+    assert counts == {"miss": 1, "compiled": 1, "hit": 1}  # prepared once, found at registration
 
 
 def test_compiled_grammars_are_an_lru_cache_with_hit_and_miss_counts(tiny_model_dir):  # noqa: F811

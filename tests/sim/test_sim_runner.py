@@ -12,7 +12,9 @@ import pytest
 
 from scheduler_service.core.config import PreemptionMode, SchedulerConfig
 from scheduler_service.core.request import Request
-from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan
+from stepahead.plan import (
+    GrammarPrep, NewRequest, RunningRequest, SamplingParams, StepPlan, StructuredKind, StructuredOutput,
+)
 from tests.integration.local_engine import LocalEngine
 from tests.sim.workload import mixed_workload
 from worker_service.plan_checks import PlanError
@@ -102,6 +104,8 @@ def new(rid: str, n: int, blocks=(0,)) -> NewRequest:
     (plan(2, new("b", 3, blocks=(10**6,))), "outside the device pool"),
     (plan(2, new("b", 40, blocks=(1,))), "too short"),
     (plan(2, running=(RunningRequest("a", (), 2),)), "worker knows only"),
+    (StepPlan(2, grammars=(GrammarPrep("g", StructuredOutput(StructuredKind.REGEX, "a+")),)),
+     "grammars: this worker prepares none"),  # its hello says so: the scheduler never orders one
 ])
 def test_bad_plans_are_rejected_with_the_torch_runners_rules(sim_model_dir, fast_profile, bad, message):
     sim = runner(sim_model_dir, fast_profile)

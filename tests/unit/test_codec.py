@@ -6,7 +6,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from stepahead import codec, columns
-from stepahead.plan import NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult
+from stepahead.plan import (
+    GrammarPrep, GrammarReady, NewRequest, RunningRequest, SamplingParams, StepPlan, StepResult, StructuredKind,
+    StructuredOutput,
+)
 
 ids = st.lists(st.integers(0, 2**31 - 1), max_size=8).map(tuple)
 sampling = st.builds(
@@ -46,6 +49,14 @@ running = st.builds(
     num_draft_tokens=st.integers(0, 16),
 )
 pairs = st.lists(st.tuples(st.integers(0, 1000), st.integers(0, 1000)), max_size=4).map(tuple)
+gate = st.lists(st.integers(0, 2**31 - 1), max_size=3).map(tuple)
+structured = (st.builds(StructuredOutput, st.sampled_from([StructuredKind.JSON_SCHEMA, StructuredKind.REGEX,
+                                                           StructuredKind.GRAMMAR]), st.text(max_size=8),
+                        start_after=gate)
+              | st.builds(StructuredOutput, st.just(StructuredKind.JSON_OBJECT), start_after=gate)
+              | st.builds(StructuredOutput, st.just(StructuredKind.CHOICE),
+                          choices=st.lists(st.text(max_size=4), min_size=1, max_size=3).map(tuple), start_after=gate))
+grammars = st.lists(st.builds(GrammarPrep, ID, structured), max_size=2).map(tuple)
 plans = st.builds(
     StepPlan,
     step_id=st.integers(0, 2**40),
@@ -55,6 +66,7 @@ plans = st.builds(
     preempted_ids=st.lists(st.text(max_size=4), max_size=3).map(tuple),
     swap_out=pairs,
     swap_in=pairs,
+    grammars=grammars,
 )
 
 
@@ -111,6 +123,23 @@ def _decode_plan(**running):
 
     packed = {k: _PACK[k](v) for k, v in running.items()}
     return codec.plan_from_proto(scheduler_pb2.StepPlan(step_id=1, running=scheduler_pb2.RunningDeltas(**packed)))
+
+
+def test_a_grammar_to_prepare_without_a_constraint_is_refused_by_name():
+    import pytest
+
+    from stepahead.v1 import common_pb2, scheduler_pb2
+
+    for empty in (common_pb2.StructuredOutputs(), common_pb2.StructuredOutputs(json_object=False)):
+        msg = scheduler_pb2.StepPlan(step_id=1, grammars=[scheduler_pb2.GrammarPrep(request_id="r", structured=empty)])
+        with pytest.raises(ValueError, match=r"grammars: request 'r' has no constraint"):
+            codec.plan_from_proto(msg)
+
+
+@given(ID, st.text(max_size=20), st.booleans())
+def test_grammar_ready_round_trip(request_id: str, error: str, invalid: bool) -> None:
+    ready = GrammarReady(request_id, error, invalid)
+    assert codec.grammar_ready_from_proto(codec.grammar_ready_to_proto(ready)) == ready
 
 
 def test_running_columns_that_do_not_line_up_are_refused_by_name():

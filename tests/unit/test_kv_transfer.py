@@ -336,15 +336,17 @@ def test_over_mtls_the_loader_presents_the_workers_scheduler_credentials(tmp_pat
     assert destination.read_kv_blocks([0, 1]) == destination.read_kv_blocks([2, 3])
 
 
-def test_the_attach_stream_carries_kv_loaded_between_the_other_messages() -> None:
+def test_the_attach_stream_carries_kv_loaded_and_grammar_ready_between_the_other_messages() -> None:
     from stepahead import codec
-    from stepahead.plan import KVLoaded
+    from stepahead.plan import GrammarReady, KVLoaded
     from worker_service.attach import Pipeline
 
     hello = scheduler_pb2.WorkerMessage(detach="hello stand-in")
     pipeline = Pipeline(runner=None, hello=hello, log=LOG)
     pipeline.send_kv_loaded(KVLoaded(41, "source unreachable"))
+    pipeline.send_grammar_ready(GrammarReady("r", "does not compile", invalid=True))
     pipeline.close()
     messages = list(pipeline.requests())
     assert messages[0] == hello
     assert codec.kv_loaded_from_proto(messages[1].kv_loaded) == KVLoaded(41, "source unreachable")
+    assert codec.grammar_ready_from_proto(messages[2].grammar_ready) == GrammarReady("r", "does not compile", True)

@@ -161,6 +161,8 @@ class SimRunner:
         seconds, requests that failed alone). The offline simulator drives this on its
         virtual clock. Rows breaking the shared limits fail alone, as on the torch worker.
         """
+        if plan.grammars:  # ordered only to a worker whose hello says prepares_grammars
+            raise PlanError(f"grammars: this worker prepares none ({STRUCTURED_UNSUPPORTED})")
         for rid in (*plan.finished_ids, *plan.preempted_ids):
             self.requests.pop(rid, None)
             self._failed_ids.discard(rid)
