@@ -170,11 +170,6 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._compiled)
 
-    def close(self) -> None:
-        """Stop the background thread (a compile under way finishes first)."""
-        if self._executor is not None:
-            self._executor.shutdown(wait=False, cancel_futures=True)
-
     def _load(self):
         with self._load_lock:
             if self._compiler is None:
@@ -189,9 +184,8 @@ def tokenizer_info(model_dir: str | Path, vocab_size: int, eos_token_ids: tuple[
     """xgrammar's view of the model's vocabulary, read from the `tokenizer.json` the gateway
     tokenizes with (wrapped as the transformers fast tokenizer xgrammar reads). Only a
     directory without one goes through `AutoTokenizer.from_pretrained`, which builds the same
-    from the directory's files at several times the cost. The first structured request waits
-    for this load, and so does every stream in its step (docs/benchmarks.md, *Structured
-    outputs*)."""
+    from the directory's files at several times the cost. The first grammar compiled waits for
+    this load (on the compile thread when it was prepared: docs/structured-outputs.md)."""
     import xgrammar  # noqa: PLC0415 (lazy: imports transformers, takes a second)
     from transformers import AutoTokenizer, PreTrainedTokenizerFast  # noqa: PLC0415 (xgrammar imported it)
 
@@ -452,10 +446,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def _report_ready(report: Callable[[GrammarReady], None], request_id: str, future: concurrent.futures.Future) -> None:
-    """A prepared grammar's end as its `GrammarReady` (none when the compile was cancelled: the
-    attach session that ordered it is over)."""
-    if future.cancelled():
-        return
+    """A prepared grammar's end as its `GrammarReady`."""
     exc = future.exception()
     if exc is None:
         report(GrammarReady(request_id))

@@ -206,6 +206,20 @@ def test_a_prepared_grammar_the_worker_cannot_compile_fails_its_request_alone_as
     assert text(tiny_tokenizer, engine.outputs["good"]) in CHOICE.choices
 
 
+class CountingObserver(collections.Counter):
+    """The grammar cache's hits, misses and compiles (`GrammarCache.observer`), counted."""
+
+    def on_grammar_cache_hit(self):
+        self["hit"] += 1
+
+    def on_grammar_cache_miss(self):
+        self["miss"] += 1
+
+    def on_grammar_compiled(self, seconds):
+        assert seconds >= 0.0
+        self["compiled"] += 1
+
+
 def test_a_plan_ordering_a_grammar_past_the_limits_gets_it_refused_as_invalid(tiny_model_dir):  # noqa: F811
     """The worker checks what it is asked to prepare (a scheduler that skipped the check)."""
     runner = ModelRunner(tiny_model_dir, block_size=BLOCK, num_blocks=64)
@@ -234,19 +248,7 @@ def test_no_step_waits_for_a_grammar_being_prepared(tiny_model_dir, tiny_tokeniz
 
     monkeypatch.setitem(grammar._COMPILE, StructuredKind.CHOICE, held)
     engine = make_engine(tiny_model_dir)
-    counts = collections.Counter()
-
-    class Observer:
-        def on_grammar_cache_hit(self):
-            counts["hit"] += 1
-
-        def on_grammar_cache_miss(self):
-            counts["miss"] += 1
-
-        def on_grammar_compiled(self, seconds):
-            counts["compiled"] += 1
-
-    engine.runner.grammar.cache.observer = Observer()
+    counts = engine.runner.grammar.cache.observer = CountingObserver()
     engine.add(Request("choice", prompt(tiny_tokenizer, 0), sampled(CHOICE, seed=3)))
     engine.add(Request("plain", prompt(tiny_tokenizer, 1), SamplingParams(temperature=0.0, max_tokens=8,
                                                                           ignore_eos=True)))
@@ -264,21 +266,8 @@ def test_no_step_waits_for_a_grammar_being_prepared(tiny_model_dir, tiny_tokeniz
 
 
 def test_compiled_grammars_are_an_lru_cache_with_hit_and_miss_counts(tiny_model_dir):  # noqa: F811
-    seen = collections.Counter()
-
-    class Observer:
-        def on_grammar_cache_hit(self):
-            seen["hit"] += 1
-
-        def on_grammar_cache_miss(self):
-            seen["miss"] += 1
-
-        def on_grammar_compiled(self, seconds):
-            assert seconds >= 0.0
-            seen["compiled"] += 1
-
     cache = GrammarCache(tiny_model_dir, 4096, (2,), capacity=2)
-    cache.observer = Observer()
+    seen = cache.observer = CountingObserver()
     a, b, c = (StructuredOutput(StructuredKind.CHOICE, choices=(x,)) for x in "abc")
     first = cache.get(a)
     assert cache.get(a) is first
