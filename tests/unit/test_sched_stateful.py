@@ -3,7 +3,8 @@
 Random arrivals (shared prefixes, salts, priorities, min/max tokens, ignore_eos), aborts
 at any moment, results delivered at random times, tiny pools that force preemption in
 both modes, async on and off, all three policies, n-gram speculation on or off (the fake
-proposes and accepts random numbers of drafts). After every rule: `check_integrity()`
+proposes and accepts random numbers of drafts), structured requests whose grammars the worker
+prepares (reported ready, or refused, at random times). After every rule: `check_integrity()`
 (pool accounting, ref counts, scheduled >= computed >= committed, placeholders within
 max_tokens). The fake executor checks every plan against the worker contract and the
 fences. At the end: everything drains, no block leaks, and every request's committed
@@ -24,13 +25,14 @@ from tests.unit.fake_executor import Driver, RequestSpec, hashed_tokens, run_alo
 from scheduler_service.core.config import PreemptionMode, SchedulerConfig, SchedulingPolicy
 from scheduler_service.core.kv_manager import cdiv
 from scheduler_service.core.policy import ScorePolicy
-from scheduler_service.core.request import FinishReason
-from stepahead.plan import SamplingParams
+from scheduler_service.core.request import FinishReason, RequestStatus
+from stepahead.plan import GrammarReady, SamplingParams, StructuredKind, StructuredOutput
 
 EOS = 0
 TOKEN_FN = hashed_tokens(vocab_size=12)  # EOS (0) comes up about once in 12 tokens
 MAX_PROMPT, MAX_TOKENS = 10, 8
 PREFIXES = [(), (1, 2, 3, 4, 5, 6, 7, 8), (1, 2, 3, 4, 9, 9), (5, 5, 5, 5)]
+CHOICE = StructuredOutput(StructuredKind.CHOICE, choices=("a", "b"))  # the fake worker samples as if free
 
 
 @st.composite
@@ -61,6 +63,7 @@ def configs(draw) -> SchedulerConfig:
         num_speculative_tokens=draw(st.sampled_from([0, 0, 1, 3])),
         sliding_window=draw(st.sampled_from([0, 0, 3, 5])),  # every layer windowed: slid blocks are freed
         num_offload_blocks=8 if host_tier else 0,
+        prepare_grammars=draw(st.booleans()),
     )
 
 
@@ -70,12 +73,14 @@ def request_params(draw) -> tuple:
     suffix = draw(st.lists(st.integers(1, 11), max_size=5))
     prompt = (tuple(prefix) + tuple(suffix))[:MAX_PROMPT] or (7,)
     max_tokens = draw(st.integers(1, MAX_TOKENS))
+    structured = draw(st.sampled_from([None, None, CHOICE]))  # a grammar ends with EOS: no min_tokens, no ignore_eos
     sampling = SamplingParams(
         temperature=0.0,
         max_tokens=max_tokens,
-        min_tokens=draw(st.integers(0, min(3, max_tokens))),
-        ignore_eos=draw(st.booleans()),
+        min_tokens=0 if structured else draw(st.integers(0, min(3, max_tokens))),
+        ignore_eos=False if structured else draw(st.booleans()),
         stop_token_ids=draw(st.sampled_from([(), (3,)])),
+        structured=structured,
     )
     return prompt, sampling, draw(st.integers(0, 2)), draw(st.sampled_from([None, None, "tenant-a"]))
 
@@ -140,6 +145,21 @@ class SchedulerMachine(RuleBasedStateMachine):
         if event is not None:
             assert event.finish_reason is FinishReason.ABORT and event.new_token_ids == ()
 
+    @rule(data=st.data(), refuse=st.sampled_from([False, False, False, True]))
+    def report_grammar(self, data, refuse: bool) -> None:
+        """The worker reports a grammar a plan ordered (in any order; a refusal ends the request)."""
+        ordered = sorted({g.request_id for p in self.driver.plans for g in p.grammars}
+                         & {rid for rid, r in self.sched._requests.items() if r.status is RequestStatus.PREPARING})
+        if not ordered:
+            return
+        rid = data.draw(st.sampled_from(ordered))
+        event = self.sched.grammar_ready(GrammarReady(rid, "refused" if refuse else "", invalid=refuse))
+        assert (event is not None) == refuse
+        if event is not None:
+            assert event.finish_reason is FinishReason.ERROR and event.rejected
+            self.driver.record(event)
+        assert self.sched.grammar_ready(GrammarReady(rid)) is None  # a second report (another rank's) is dropped
+
     @rule(dt=st.sampled_from([0.5, 1.0, 4.0]))
     def tick_clock(self, dt: float) -> None:
         self.now += dt
@@ -160,6 +180,11 @@ class SchedulerMachine(RuleBasedStateMachine):
     def teardown(self) -> None:
         if not hasattr(self, "sched"):
             return
+        while self.sched.num_preparing:  # the worker reports every grammar it was ordered
+            for rid in {g.request_id for plan in self.driver.plans for g in plan.grammars}:
+                self.sched.grammar_ready(GrammarReady(rid))  # dropped unless PREPARING
+            if self.sched.num_preparing and not self.driver.step():  # the window is full: a result makes room
+                self.driver.deliver()
         self.driver.run_until_done(max_ticks=2_000)
         stats = self.sched.stats()
         assert stats.num_free_blocks == stats.num_total_blocks, f"leaked device blocks: {stats}"
@@ -167,6 +192,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         event(f"preempted: {stats.num_preemptions > 0}, swapped: {stats.num_swap_outs > 0}")
         event(f"prefix hit: {stats.prefix_hit_tokens > 0}, aborted: {stats.num_aborted > 0}")
         event(f"stale results: {self.driver.num_stale > 0}")
+        prepared = {g.request_id for plan in self.driver.plans for g in plan.grammars}
+        event(f"grammars prepared: {bool(prepared)}, refused: "
+              f"{any(self.driver.finished.get(rid) is FinishReason.ERROR for rid in prepared)}")
         counts = self.sched.counters()
         event(f"drafts accepted: {counts['spec_num_accepted_tokens'] > 0}, "
               f"rejected: {counts['spec_num_draft_tokens'] > counts['spec_num_accepted_tokens']}")
@@ -176,7 +204,7 @@ class SchedulerMachine(RuleBasedStateMachine):
               f"{stats.num_slid_blocks > 0 and stats.num_swap_outs > 0}")
         for rid, spec in self.specs.items():
             reason = self.driver.finished[rid]
-            if reason is FinishReason.ABORT:
+            if reason in (FinishReason.ABORT, FinishReason.ERROR):  # aborted, or its grammar refused
                 continue
             want, want_reason = oracle(self.config.max_model_len, spec)
             assert (tuple(self.driver.outputs[rid]), reason) == (want, want_reason), rid
