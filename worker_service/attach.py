@@ -207,7 +207,7 @@ def attach_once(channel, runner, info: WorkerInfo, watch: StopWatch, log,
     finally:
         runner.kv_loader = None
         if info.prepares_grammars:
-            runner.grammar_report = None  # a compile that ends later reports to nobody
+            runner.grammar_report = None  # (a compile this session ordered reports into its closed outbox)
         if loader is not None:
             loader.close()
 
