@@ -182,6 +182,8 @@ class Generation:
         no-op upstream once all finished) and give back the request's slot in the stream
         limit. The transports call it when their last message went out, so a drain
         (`StreamGate.drain`) waits for the final message to be written, not merely computed."""
+        if upstream_ids is None and self._open:  # sequences that will never finish
+            self._metrics.observe_aborted(self._transport, len(self._open))
         self._abort_upstream(list(self._open) if upstream_ids is None else upstream_ids)
         self._open.clear()
         self._release()

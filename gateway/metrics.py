@@ -9,6 +9,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from gateway.output import Output
+from stepahead.plan import FinishReason
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56, 5.12, 10.24, 20.48, 40.96)
 
@@ -53,6 +54,11 @@ class GatewayMetrics:
         self.finished.labels(transport, out.finish_reason.value).inc()
         self.output_tokens.labels(transport).inc(out.num_output_tokens)
         self.e2e.labels(transport).observe(seconds)
+
+    def observe_aborted(self, transport: str, num_sequences: int) -> None:
+        """Sequences a call ended before they finished (the client went away, or the call
+        failed): counted as finished with reason `abort`, as vLLM counts them."""
+        self.finished.labels(transport, FinishReason.ABORT.value).inc(num_sequences)
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 
@@ -145,13 +146,23 @@ def test_gateway_metrics_and_json_logs(tiny_model_dir, serve):  # noqa: F811
         grpc.channel_ready_future(channel).result(timeout=120)
         stub = generation_pb2_grpc.GenerationStub(channel)
         list(stub.Generate(greedy([5, 6], 5), timeout=60, wait_for_ready=True))
+        metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        aborted = 'stepahead:gateway_sequences_finished_total{reason="abort",transport="grpc"} 1.0'
+        call = stub.Generate(greedy([5, 6], 400), timeout=60)
+        next(call)  # streaming
+        call.cancel()  # the client goes away: its sequence is counted as aborted
+        deadline, pause = time.monotonic() + 30, threading.Event()
+        while aborted not in (text := urllib.request.urlopen(metrics, timeout=10).read().decode()):
+            assert time.monotonic() < deadline, text  # (the count lands once the gateway's loop saw the cancel)
+            pause.wait(0.05)
         raw = channel.unary_stream("/stepahead.v1.Generation/Generate")
         try:
             list(raw(b"\xff\xff\xff garbage", timeout=10))
         except grpc.RpcError:
             pass
-        text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+        text = urllib.request.urlopen(metrics, timeout=10).read().decode()
         assert 'stepahead:gateway_sequences_finished_total{reason="length",transport="grpc"} 1.0' in text
+        assert aborted in text
         assert 'stepahead:gateway_generation_tokens_total{transport="grpc"} 5.0' in text
         assert "stepahead:gateway_active_requests 0.0" in text
         assert 'stepahead:gateway_gc_pause_seconds_count{generation="2"}' in text  # the heap freeze's, at least
