@@ -338,10 +338,7 @@ def _check_choices(field: str, s: StructuredOutput) -> StructuredOutput:
 
 def _check_json_schema(field: str, text: str, meta_schema: bool = True) -> None:
     try:
-        if meta_schema:
-            _valid_json_schema(text)
-        else:
-            _json_schema_object(text)
+        (_valid_json_schema if meta_schema else _json_object_within_depth)(text)
     except _SchemaProblem as exc:
         raise LimitError(field, str(exc)) from None
 
@@ -360,6 +357,14 @@ def _valid_json_schema(text: str) -> None:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
         raise _SchemaProblem(f"is not a valid JSON schema: {exc.message}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _json_object_within_depth(text: str) -> None:
+    """`_json_schema_object`'s check alone, remembered like `_valid_json_schema`'s (the worker
+    checks a prepared grammar's schema on its compile thread, then again when the request
+    registers on the step thread: the second is a lookup)."""
+    _json_schema_object(text)
 
 
 def _json_schema_object(text: str) -> dict:
